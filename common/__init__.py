@@ -1,0 +1,1 @@
+"""Engine pieces shared by the prefill and decode services (config, model, pools, sampling)."""

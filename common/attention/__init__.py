@@ -1,0 +1,15 @@
+"""Attention backends behind one interface (`AttentionBackend`); `create_backend` picks one by name."""
+
+from common.attention.base import AttentionBackend
+from common.attention.torch_ref import TorchReferenceBackend
+
+BACKENDS = {"torch": TorchReferenceBackend}
+
+
+def create_backend(name: str, kv_pool, req_to_token_pool) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
+    return BACKENDS[name](kv_pool, req_to_token_pool)
+
+
+__all__ = ["AttentionBackend", "TorchReferenceBackend", "create_backend", "BACKENDS"]

@@ -1,0 +1,90 @@
+"""ForwardBatch: everything one forward reads (and may mutate), built from per-request facts.
+
+Two modes share one layout. EXTEND runs `extend_lens[i]` new tokens of request i on top of
+`prefix_lens[i]` tokens whose KV is already in the pool (prefill, and chunked prefill that continues
+a prompt). DECODE runs one new token per request (prefix = committed length). In both,
+`seq_lens[i] = prefix_lens[i] + extend_lens[i]` is the KV length attention sees after this forward
+writes its tokens, and `out_cache_loc` are the KV slots those tokens are written to, read from the
+request's ReqToTokenPool row (its KV slots are reserved before the forward is built).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor          # [T] int64
+    positions: torch.Tensor          # [T] int64
+    req_pool_indices: torch.Tensor   # [B] int64
+    seq_lens: torch.Tensor           # [B] int64: KV length after this forward
+    out_cache_loc: torch.Tensor      # [T] int64: KV slots written by this forward
+    logits_indices: torch.Tensor     # rows of the hidden states that get logits (last token of each req)
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+    @classmethod
+    def extend(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], prefix_lens: list[int],
+               token_ids: list[list[int]], all_logits: bool = False) -> "ForwardBatch":
+        """Extend each request's KV from prefix_lens[i] by token_ids[i] (at least one token each)."""
+        device = req_to_token.device
+        if any(len(t) == 0 for t in token_ids):
+            raise ValueError("every request in an extend batch needs at least one token")
+        extend_lens = [len(t) for t in token_ids]
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)])
+        rows = torch.repeat_interleave(torch.tensor(req_pool_indices), torch.tensor(extend_lens))
+        out_cache_loc = req_to_token[rows.to(device), positions.to(device)].to(torch.int64)
+        ends = torch.cumsum(torch.tensor(extend_lens), 0)
+        logits_indices = torch.arange(int(ends[-1])) if all_logits else ends - 1
+        return cls(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor([t for ts in token_ids for t in ts], dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor([p + n for p, n in zip(prefix_lens, extend_lens)], dtype=torch.int64, device=device),
+            out_cache_loc=out_cache_loc,
+            logits_indices=logits_indices.to(device),
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=extend_lens,
+        )
+
+    @classmethod
+    def decode(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int],
+               input_ids: torch.Tensor) -> "ForwardBatch":
+        """One new token per request; `seq_lens_cpu` are committed lengths before this forward.
+
+        `input_ids` may be a device tensor produced by the previous forward (no host sync here).
+        """
+        device = req_to_token.device
+        req_pool_indices = req_pool_indices.to(device, torch.int64)
+        positions = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=device)
+        batch = len(seq_lens_cpu)
+        return cls(
+            mode=ForwardMode.DECODE,
+            input_ids=input_ids.to(device, torch.int64),
+            positions=positions,
+            req_pool_indices=req_pool_indices,
+            seq_lens=positions + 1,
+            out_cache_loc=req_to_token[req_pool_indices, positions].to(torch.int64),
+            logits_indices=torch.arange(batch, device=device),
+            prefix_lens_cpu=list(seq_lens_cpu),
+            extend_lens_cpu=[1] * batch,
+        )

@@ -1,0 +1,40 @@
+"""KVPool: per-layer K and V buffers [num_slots + 1, kv_heads, head_dim]; slot 0 is the padding slot
+that padded lanes write to. Capacity is derived from a byte budget (`slots_for_budget`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def slots_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """How many usable KV slots fit in `budget_bytes` (the padding slot included in the budget)."""
+    n = budget_bytes // bytes_per_slot(num_layers, num_kv_heads, head_dim, dtype) - 1
+    if n <= 0:
+        raise ValueError(f"KV budget of {budget_bytes} bytes holds no slot")
+    return n
+
+
+class KVPool:
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at KV slots `loc` [T]."""
+        self.k[layer][loc] = k.to(self.dtype)
+        self.v[layer][loc] = v.to(self.dtype)

@@ -1,0 +1,96 @@
+"""Load a Hugging Face checkpoint folder into our DecoderLM.
+
+Handles a single `model.safetensors` and sharded checkpoints (`model.safetensors.index.json`).
+Fails with a message naming the problem: unknown architecture (from ModelConfig), a missing,
+unexpected or mis-shaped tensor, or a shard file the index names but the folder lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from common.config import CheckpointError, ModelConfig, load_model_config
+from common.model import DecoderLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Tensors some checkpoints carry that we derive ourselves.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(path: str) -> dict[str, list[str]]:
+    """Map each safetensors file in the folder to the tensor names it should hold (None = all)."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{INDEX_FILE}: missing or empty 'weight_map'")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        for file in files:
+            if not os.path.exists(os.path.join(path, file)):
+                raise CheckpointError(f"{INDEX_FILE} names shard '{file}', which is not in {path}")
+        return files
+    if os.path.exists(os.path.join(path, SINGLE_FILE)):
+        return {SINGLE_FILE: None}
+    raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def load_weights(model: DecoderLM, path: str) -> None:
+    cfg = model.config
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file, names in checkpoint_files(path).items():
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            present = set(f.keys())
+            for name in names if names is not None else sorted(present):
+                if name not in present:
+                    raise CheckpointError(f"{file}: tensor '{name}' listed in {INDEX_FILE} is missing")
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # tied: the embedding serves as lm_head
+                if name not in params:
+                    raise CheckpointError(f"{file}: unexpected tensor '{name}' for {cfg.architecture}")
+                tensor = f.get_tensor(name)
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"{file}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor.to(param.dtype))
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
+    """'auto' is float32 on CPU and bfloat16 on CUDA; otherwise a torch dtype name."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return value
+
+
+def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto",
+               config: ModelConfig | None = None) -> DecoderLM:
+    """Build the model on the meta device, allocate it on `device` in `dtype`, then load weights."""
+    cfg = config or load_model_config(path)
+    dtype = resolve_dtype(dtype, device)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    load_weights(model, path)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,54 @@
+"""ModelRunner: one model with its KV pool, ReqToTokenPool, KV slot allocator and attention backend.
+
+Sizes: `max_total_tokens` KV slots if given, else as many as `kv_budget_bytes` holds;
+`max_running_requests` request slots of `context_length` positions each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.attention import create_backend
+from common.config import ModelConfig, load_model_config
+from common.forward_batch import ForwardBatch
+from common.kv_pool import KVPool, slots_for_budget
+from common.loader import load_model, resolve_dtype
+from common.req_to_token_pool import ReqToTokenPool
+from common.slot_allocator import SlotAllocator
+
+
+@dataclass
+class RunnerArgs:
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_total_tokens: int | None = None
+    kv_budget_bytes: int = 256 << 20
+    max_running_requests: int = 32
+    context_length: int | None = None
+    attention_backend: str = "torch"
+
+
+class ModelRunner:
+    def __init__(self, args: RunnerArgs, config: ModelConfig | None = None):
+        self.args = args
+        self.config = config or load_model_config(args.model_path)
+        self.device = torch.device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        cfg = self.config
+        self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
+        self.model = load_model(args.model_path, self.device, self.dtype, cfg)
+        num_slots = args.max_total_tokens or slots_for_budget(
+            args.kv_budget_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
+        self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one forward; returns (logits [len(logits_indices), V] float32, hidden [T, H])."""
+        hidden = self.model(forward_batch, self.backend)
+        return self.model.compute_logits(hidden[forward_batch.logits_indices]), hidden

@@ -1,0 +1,35 @@
+"""ReqToTokenPool: the int32 table [req_pool_size + 1, max_context] mapping (request slot, position)
+to the KV slot holding that token. Row 0 is padding; a request keeps its row (`req_pool_idx`,
+1..req_pool_size) from admission to release.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.slot_allocator import SlotAllocator
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context: int, device: torch.device | str = "cpu"):
+        self.size = size
+        self.max_context = max_context
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size + 1, max_context), dtype=torch.int32, device=self.device)
+        self.rows = SlotAllocator(size, name="request slots")
+
+    def alloc(self) -> int:
+        return int(self.rows.alloc(1)[0])
+
+    def free(self, req_pool_idx: int) -> None:
+        self.rows.free([req_pool_idx])
+
+    def write(self, req_pool_idx: int, start: int, kv_slots: torch.Tensor) -> None:
+        """Map positions start.. of the row to `kv_slots`."""
+        end = start + kv_slots.numel()
+        if end > self.max_context:
+            raise ValueError(f"request slot {req_pool_idx}: positions up to {end} exceed max_context {self.max_context}")
+        self.req_to_token[req_pool_idx, start:end] = kv_slots.to(self.device, torch.int32)
+
+    def slots(self, req_pool_idx: int, start: int, end: int) -> torch.Tensor:
+        return self.req_to_token[req_pool_idx, start:end].to(torch.int64)

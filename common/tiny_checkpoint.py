@@ -1,0 +1,135 @@
+"""Build tiny random-weight checkpoints (Llama, Qwen2, Qwen3) with a real tokenizer, offline.
+
+Deterministic: the same arguments give byte-identical folders. The tokenizer is a byte-level BPE
+trained with `tokenizers` on the local corpus below, saved so AutoTokenizer loads it, with BOS/EOS
+ids in the configs and a chat template. Weights are redrawn from a seeded generator so every tensor
+(biases and norms included) is non-trivial, and the lm_head is scaled so greedy choices are not
+decided by float noise.
+
+    python -m common.tiny_checkpoint --arch qwen3 --out /tmp/tiny-qwen3 [--tied] [--shard-bytes N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = """\
+The prefill service reads the whole prompt at once and writes its keys and values into the cache.
+The decode service then produces one token at a time, reading every earlier key and value again.
+A scheduler decides which requests run together; while the device computes one step, the host
+prepares the next. Speculative decoding lets a small draft model guess several tokens ahead, and
+the large model checks all of the guesses in a single forward pass. Accepted tokens are kept and
+the first rejected guess is replaced by the large model's own choice.
+Once upon a time a small robot learned to count: one, two, three, four, five, six, seven, eight,
+nine, ten. It counted stars at night and grains of sand by day, 1 2 3 4 5 6 7 8 9 0, and wrote the
+numbers into a little notebook. "Why do you count?" asked the owl. "Because every number has a next
+one," said the robot, "and I want to see where they end." The owl laughed, for they never end.
+Engineers who run inference in production care about latency, throughput, memory and correctness.
+They measure the time to the first token, the time between tokens, and how many requests per
+second a server can hold before the queue grows without bound. Hello, world! How are you today?
+I am fine, thank you. What is the capital of France? Paris is the capital of France.
+def add(a, b):\n    return a + b\nfor i in range(10):\n    print(add(i, i * 2))
+"""
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def hf_config(arch: str, vocab_size: int, bos: int, eos: int, tied: bool):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=bos, eos_token_id=eos,
+        pad_token_id=0,
+    )
+    if arch == "llama":  # llama3-style rope scaling and biases on q/k/v and o_proj
+        return LlamaConfig(**common, attention_bias=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "qwen2":  # q/k/v bias only
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    # qwen3: explicit head_dim (not hidden/heads) and q/k norm
+    return Qwen3Config(**common, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def randomize(model: torch.nn.Module, seed: int, lm_head_scale: float) -> None:
+    """Redraw every parameter from a seeded generator; scale the output projection."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            elif p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name:
+                p.copy_(noise / p.shape[1] ** 0.5)
+            else:  # embeddings / lm_head: logits of std ~lm_head_scale
+                p.copy_(noise * lm_head_scale / hidden ** 0.5)
+
+
+def build(out_dir: str, arch: str = "llama", tied: bool = False, shard_bytes: int | None = None,
+          seed: int = 0, lm_head_scale: float = 4.0) -> str:
+    """Write a tiny checkpoint + tokenizer into `out_dir` and return its absolute path."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer(out_dir)
+    bos, eos = tok.convert_tokens_to_ids("<s>"), tok.convert_tokens_to_ids("</s>")
+    config = hf_config(arch, len(tok), bos, eos, tied)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(model, seed, lm_head_scale)
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos, eos_token_id=[eos, tok.convert_tokens_to_ids("<|im_end|>")], pad_token_id=0)
+    kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return os.path.abspath(out_dir)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tied", action="store_true", help="tie lm_head to the embeddings")
+    parser.add_argument("--shard-bytes", type=int, default=None, help="write a sharded checkpoint")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build(args.out, args.arch, args.tied, args.shard_bytes, args.seed)
+    print(f"built tiny {args.arch} checkpoint at {path}")
+
+
+if __name__ == "__main__":
+    main()
