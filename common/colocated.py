@@ -1,0 +1,142 @@
+"""ColocatedEngine: prefill and decode in one process, synchronously; the reference serving loop.
+
+Lifecycle of `generate(prompts, params)`:
+  1. validate every request (non-empty prompt, ids in the vocabulary, prompt + max_new_tokens
+     within the context) before anything is allocated;
+  2. reserve a request slot and KV slots for prompt + max_new_tokens per request (all or nothing)
+     and map them in the ReqToTokenPool rows;
+  3. chunked prefill: extend batches of at most `chunk_size` tokens, continuing prompts from the KV
+     already in the pool; a request whose prompt completes samples its first token;
+  4. decode: one token per running request per step until EOS / stop_token_ids / max_new_tokens;
+  5. free every slot exactly once (also when a step raises).
+The disaggregated services reuse the same pieces (ForwardBatch, ModelRunner, sampler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.forward_batch import ForwardBatch
+from common.model_runner import ModelRunner
+from common.sampling import SamplingParams, sample
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    req_pool_idx: int = 0
+    kv_slots: torch.Tensor | None = None
+    prefilled: int = 0
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def committed_len(self) -> int:
+        """Tokens whose KV is in the pool (the last sampled token is not yet run)."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+
+def validate_prompt(prompt: list[int], params: SamplingParams, vocab_size: int, context_length: int) -> None:
+    if not prompt:
+        raise ValueError("empty prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
+    params.validate(vocab_size)
+    if len(prompt) + params.max_new_tokens > context_length:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
+            f"length {context_length}")
+
+
+def finish_reason(req: Request, eos_ids: tuple[int, ...]) -> str | None:
+    """Why the request stops after its newest token, or None to go on."""
+    token = req.output[-1]
+    if not req.params.ignore_eos and token in eos_ids:
+        return "stop"
+    if token in req.params.stop_token_ids:
+        return "stop"
+    if len(req.output) >= req.params.max_new_tokens:
+        return "length"
+    return None
+
+
+class ColocatedEngine:
+    def __init__(self, runner: ModelRunner, chunk_size: int = 256):
+        self.runner = runner
+        self.chunk_size = chunk_size
+        self.eos_ids = runner.config.eos_token_ids
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        for p, sp in zip(prompts, params):
+            validate_prompt(p, sp, self.runner.config.vocab_size, self.runner.context_length)
+        reqs = [Request(list(p), sp, sp.resolved_seed()) for p, sp in zip(prompts, params)]
+        self._reserve(reqs)
+        try:
+            self._prefill(reqs)
+            self._decode([r for r in reqs if r.finish_reason is None])
+        finally:
+            self._release(reqs)
+        return reqs
+
+    def _reserve(self, reqs: list[Request]) -> None:
+        pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
+        need = sum(len(r.prompt) + r.params.max_new_tokens for r in reqs)
+        if len(reqs) > pool.rows.num_free or not kv.can_alloc(need):
+            raise RuntimeError(f"batch does not fit: {len(reqs)} requests / {need} KV slots, "
+                               f"{pool.rows.num_free} request slots / {kv.num_free} KV slots free")
+        for r in reqs:
+            r.req_pool_idx = pool.alloc()
+            r.kv_slots = kv.alloc(len(r.prompt) + r.params.max_new_tokens)
+            pool.write(r.req_pool_idx, 0, r.kv_slots)
+
+    def _release(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if r.kv_slots is not None:
+                self.runner.kv_allocator.free(r.kv_slots)
+                r.kv_slots = None
+            if r.req_pool_idx:
+                self.runner.req_to_token_pool.free(r.req_pool_idx)
+                r.req_pool_idx = 0
+
+    def _sample_into(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output) for r in reqs])
+        for r, t in zip(reqs, tokens.tolist()):
+            r.output.append(t)
+            r.finish_reason = finish_reason(r, self.eos_ids)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        table = self.runner.req_to_token_pool.req_to_token
+        while pending := [r for r in reqs if r.prefilled < len(r.prompt)]:
+            chunk, budget = [], self.chunk_size
+            for r in pending:
+                n = min(len(r.prompt) - r.prefilled, budget)
+                if n == 0:
+                    break
+                chunk.append((r, r.prefilled, r.prompt[r.prefilled:r.prefilled + n]))
+                budget -= n
+            batch = ForwardBatch.extend(table, [r.req_pool_idx for r, _, _ in chunk],
+                                        [start for _, start, _ in chunk], [ids for _, _, ids in chunk])
+            logits, _ = self.runner.forward(batch)
+            done = []
+            for i, (r, start, ids) in enumerate(chunk):
+                r.prefilled = start + len(ids)
+                if r.prefilled == len(r.prompt):
+                    done.append(i)
+            if done:
+                self._sample_into([chunk[i][0] for i in done], logits[done])
+
+    def _decode(self, running: list[Request]) -> None:
+        table = self.runner.req_to_token_pool.req_to_token
+        while running:
+            batch = ForwardBatch.decode(
+                table, torch.tensor([r.req_pool_idx for r in running]), [r.committed_len for r in running],
+                torch.tensor([r.output[-1] for r in running]))
+            logits, _ = self.runner.forward(batch)
+            self._sample_into(running, logits)
+            running = [r for r in running if r.finish_reason is None]
