@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny checkpoints built once per session, and the HF oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.tiny_checkpoint import build
+
+# name -> build() keyword arguments
+CHECKPOINTS = {
+    "llama": dict(arch="llama"),
+    "qwen2": dict(arch="qwen2"),
+    "qwen3": dict(arch="qwen3"),
+    "qwen2-tied": dict(arch="qwen2", tied=True),
+    "qwen3-sharded": dict(arch="qwen3", shard_bytes=200_000),
+}
+
+
+def pytest_configure(config):
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name) -> path of a tiny checkpoint folder (built once per session)."""
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = build(str(tmp_path_factory.mktemp(name)), **CHECKPOINTS[name])
+        return built[name]
+
+    return get

@@ -1,0 +1,30 @@
+"""The correctness oracle: HF transformers, float32, CPU, one prompt at a time, no padding."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=8)
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate(do_sample=False, eos_token_id=None): exactly max_new_tokens new ids."""
+    out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    assert len(new) == max_new_tokens, "oracle did not produce a fixed-length reference"
+    return new
+
+
+@torch.inference_mode()
+def hf_logits(path: str, prompt: list[int]) -> torch.Tensor:
+    """Logits [len(prompt), V] of one unpadded prompt."""
+    return hf_model(path)(torch.tensor([prompt])).logits[0].float()

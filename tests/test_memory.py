@@ -1,0 +1,102 @@
+"""Slot allocator, ReqToTokenPool and KV pool: exact frees, clear errors, integrity, budget sizing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.kv_pool import KVPool, bytes_per_slot, slots_for_budget
+from common.req_to_token_pool import ReqToTokenPool
+from common.slot_allocator import DoubleFree, IntegrityError, OutOfSlots, SlotAllocator
+
+
+def test_churn_keeps_integrity():
+    alloc = SlotAllocator(500, name="KV slots")
+    rng = random.Random(0)
+    held: list[torch.Tensor] = []
+    for _ in range(2000):
+        if held and (rng.random() < 0.45 or not alloc.can_alloc(40)):
+            alloc.free(held.pop(rng.randrange(len(held))))
+        else:
+            held.append(alloc.alloc(rng.randint(0, 40)))
+        alloc.check_integrity(holders=held)
+    for h in held:
+        alloc.free(h)
+    alloc.check_integrity(holders=[])
+    assert alloc.num_free == 500 and alloc.num_used == 0
+
+
+def test_padding_id_never_handed_out():
+    alloc = SlotAllocator(10)
+    ids = alloc.alloc(10)
+    assert sorted(ids.tolist()) == list(range(1, 11))
+
+
+def test_double_free_raises_and_frees_nothing():
+    alloc = SlotAllocator(10, name="KV slots")
+    a = alloc.alloc(4)
+    alloc.free(a[:2])
+    with pytest.raises(DoubleFree, match="KV slots: double free"):
+        alloc.free(a)  # first two already free: nothing of this call may be freed
+    assert alloc.num_free == 8
+    alloc.check_integrity(holders=[a[2:]])
+    with pytest.raises(DoubleFree, match="twice in one free"):
+        alloc.free(torch.tensor([a[2], a[2]]))
+    with pytest.raises(DoubleFree, match="outside"):
+        alloc.free([0])
+    alloc.check_integrity(holders=[a[2:]])
+
+
+def test_exhaustion_raises_clearly_and_allocates_nothing():
+    alloc = SlotAllocator(8, name="KV slots")
+    alloc.alloc(5)
+    with pytest.raises(OutOfSlots, match=r"KV slots: need 4, only 3 of 8 free"):
+        alloc.alloc(4)
+    assert alloc.num_free == 3
+
+
+def test_integrity_catches_leaks_and_shared_slots():
+    alloc = SlotAllocator(10)
+    a, b = alloc.alloc(3), alloc.alloc(2)
+    with pytest.raises(IntegrityError, match="leak"):
+        alloc.check_integrity(holders=[a])          # b's slots are used but nobody holds them
+    with pytest.raises(IntegrityError, match="two holders"):
+        alloc.check_integrity(holders=[a, b, a[:1]])
+    alloc._free = torch.cat([alloc._free, a[:1]])   # corrupt the books: a slot both free and used
+    with pytest.raises(IntegrityError, match="both free and used"):
+        alloc.check_integrity()
+
+
+def test_req_to_token_pool_rows():
+    pool = ReqToTokenPool(size=3, max_context=16)
+    assert pool.req_to_token.shape == (4, 16) and pool.req_to_token.dtype == torch.int32
+    rows = [pool.alloc() for _ in range(3)]
+    assert sorted(rows) == [1, 2, 3]
+    with pytest.raises(OutOfSlots, match="request slots"):
+        pool.alloc()
+    pool.write(rows[0], 2, torch.tensor([7, 8, 9]))
+    assert pool.slots(rows[0], 0, 5).tolist() == [0, 0, 7, 8, 9]
+    with pytest.raises(ValueError, match="max_context"):
+        pool.write(rows[0], 14, torch.tensor([1, 2, 3]))
+    pool.free(rows[1])
+    with pytest.raises(DoubleFree):
+        pool.free(rows[1])
+    pool.rows.check_integrity(holders=[[rows[0]], [rows[2]]])
+
+
+def test_kv_pool_capacity_from_byte_budget():
+    per_slot = bytes_per_slot(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    assert per_slot == 2 * 2 * 2 * 16 * 4
+    n = slots_for_budget(1 << 20, 2, 2, 16, torch.float32)
+    assert n == (1 << 20) // per_slot - 1
+    pool = KVPool(n, 2, 2, 16, torch.float32)
+    assert pool.k[0].shape == (n + 1, 2, 16)  # slot 0 is padding
+    assert pool.nbytes <= 1 << 20
+    assert slots_for_budget(1 << 20, 2, 2, 16, torch.bfloat16) == 2 * (n + 1) - 1
+    with pytest.raises(ValueError, match="holds no slot"):
+        slots_for_budget(100, 2, 2, 16, torch.float32)
+    loc = torch.tensor([3, 1])
+    pool.write(1, loc, torch.ones(2, 2, 16), torch.full((2, 2, 16), 2.0))
+    assert pool.k[1][3].eq(1).all() and pool.v[1][1].eq(2).all() and pool.k[1][0].eq(0).all()
