@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.chunked_prefill import run_chunked_prefill
 from common.forward_batch import ForwardBatch
 from common.model_runner import ModelRunner
 from common.sampling import SamplingParams, sample
@@ -53,14 +54,14 @@ def validate_prompt(prompt: list[int], params: SamplingParams, vocab_size: int, 
             f"length {context_length}")
 
 
-def finish_reason(req: Request, eos_ids: tuple[int, ...]) -> str | None:
-    """Why the request stops after its newest token, or None to go on."""
-    token = req.output[-1]
-    if not req.params.ignore_eos and token in eos_ids:
+def finish_reason(params: SamplingParams, output: list[int], eos_ids: tuple[int, ...]) -> str | None:
+    """Why a request stops after its newest output token, or None to go on."""
+    token = output[-1]
+    if not params.ignore_eos and token in eos_ids:
         return "stop"
-    if token in req.params.stop_token_ids:
+    if token in params.stop_token_ids:
         return "stop"
-    if len(req.output) >= req.params.max_new_tokens:
+    if len(output) >= params.max_new_tokens:
         return "length"
     return None
 
@@ -108,28 +109,10 @@ class ColocatedEngine:
         tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output) for r in reqs])
         for r, t in zip(reqs, tokens.tolist()):
             r.output.append(t)
-            r.finish_reason = finish_reason(r, self.eos_ids)
+            r.finish_reason = finish_reason(r.params, r.output, self.eos_ids)
 
     def _prefill(self, reqs: list[Request]) -> None:
-        table = self.runner.req_to_token_pool.req_to_token
-        while pending := [r for r in reqs if r.prefilled < len(r.prompt)]:
-            chunk, budget = [], self.chunk_size
-            for r in pending:
-                n = min(len(r.prompt) - r.prefilled, budget)
-                if n == 0:
-                    break
-                chunk.append((r, r.prefilled, r.prompt[r.prefilled:r.prefilled + n]))
-                budget -= n
-            batch = ForwardBatch.extend(table, [r.req_pool_idx for r, _, _ in chunk],
-                                        [start for _, start, _ in chunk], [ids for _, _, ids in chunk])
-            logits, _ = self.runner.forward(batch)
-            done = []
-            for i, (r, start, ids) in enumerate(chunk):
-                r.prefilled = start + len(ids)
-                if r.prefilled == len(r.prompt):
-                    done.append(i)
-            if done:
-                self._sample_into([chunk[i][0] for i in done], logits[done])
+        run_chunked_prefill(self.runner, reqs, self.chunk_size, self._sample_into)
 
     def _decode(self, running: list[Request]) -> None:
         table = self.runner.req_to_token_pool.req_to_token

@@ -68,22 +68,23 @@ class ForwardBatch:
 
     @classmethod
     def decode(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int],
-               input_ids: torch.Tensor) -> "ForwardBatch":
-        """One new token per request; `seq_lens_cpu` are committed lengths before this forward.
-
-        `input_ids` may be a device tensor produced by the previous forward (no host sync here).
+               input_ids: torch.Tensor, seq_lens: torch.Tensor | None = None) -> "ForwardBatch":
+        """One new token per request at position = committed length (`seq_lens_cpu`, and its device
+        mirror `seq_lens` if the caller has one; it is only read). `input_ids` may be a device tensor
+        produced by the previous forward (no host sync here).
         """
         device = req_to_token.device
         req_pool_indices = req_pool_indices.to(device, torch.int64)
-        positions = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=device)
+        if seq_lens is None:
+            seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=device)
         batch = len(seq_lens_cpu)
         return cls(
             mode=ForwardMode.DECODE,
             input_ids=input_ids.to(device, torch.int64),
-            positions=positions,
+            positions=seq_lens,
             req_pool_indices=req_pool_indices,
-            seq_lens=positions + 1,
-            out_cache_loc=req_to_token[req_pool_indices, positions].to(torch.int64),
+            seq_lens=seq_lens + 1,
+            out_cache_loc=req_to_token[req_pool_indices, seq_lens].to(torch.int64),
             logits_indices=torch.arange(batch, device=device),
             prefix_lens_cpu=list(seq_lens_cpu),
             extend_lens_cpu=[1] * batch,

@@ -1,0 +1,48 @@
+"""The handoff record: one prefilled request, as the prefill side hands it to the decode side.
+
+Transport-independent: the gRPC layer streams it as first token, KV chunks and a final record;
+in-process tests pass the object. KV is per layer [prompt_len, kv_heads, head_dim] on the host, in
+the model dtype. Draft KV and the EAGLE draft seed have their fields reserved for later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.sampling import SamplingParams
+
+
+@dataclass
+class PrefillRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass
+class Handoff:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    first_token: int
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    draft_k: list[torch.Tensor] | None = None
+    draft_v: list[torch.Tensor] | None = None
+    draft_seed: dict | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def check(self, num_layers: int) -> None:
+        """Raise ValueError if the record is malformed (so the receiver frees and fails cleanly)."""
+        if len(self.k) != num_layers or len(self.v) != num_layers:
+            raise ValueError(f"handoff {self.rid}: KV for {len(self.k)}/{len(self.v)} layers, expected {num_layers}")
+        for t in self.k + self.v:
+            if t.shape[0] != self.prompt_len:
+                raise ValueError(f"handoff {self.rid}: KV of {t.shape[0]} tokens, prompt has {self.prompt_len}")

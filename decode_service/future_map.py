@@ -1,0 +1,122 @@
+"""FutureMap: device buffers that relay values from forward N to step N+1 without a host sync.
+
+Invariants (../shared/DESIGN.md section 6), each with a test in tests/test_future_map.py:
+1. Every buffer has req_pool_size + 1 rows and is indexed by req_pool_idx; the future indices of
+   a batch *are* its req_pool_indices (no ring counter).
+2. `stash` writes forward-only values (next tokens; EAGLE extras later), read only by the next
+   forward on the same stream: no fence. `publish` writes values the schedule side consumes
+   (EAGLE new_seq_lens) and sets that step's `publish_ready` event right after the write; a
+   publish from another stream first waits on the previous event (chaining).
+3. The schedule side reads published seq_lens only through `resolve_seq_lens_cpu`, which waits on
+   the event armed for step N when forward N was submitted (`arm_publish`), never an older one.
+6. Consume-once (debug mode): a gather must follow exactly one stash/publish of that row since
+   the previous gather; gathered rows are poisoned (-1) and the gathered values are asserted valid
+   (tokens >= 0, seq_lens > 0). `reset_rows` clears a row's guard (release, prebuilt seeding).
+All buffer mutations run as work on the forward stream, so they are ordered with the forwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ConsumeOnceError(AssertionError):
+    """A FutureMap row was gathered without exactly one write since its previous gather."""
+
+
+class FutureMap:
+    def __init__(self, req_pool_size: int, device: torch.device | str, make_event, debug: bool = False):
+        self.rows = req_pool_size + 1
+        self.device = torch.device(device)
+        self.debug = debug
+        self._make_event = make_event
+        self.token_ids = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
+        self.new_seq_lens = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
+        # debug guard: writes since the last gather, per buffer and row
+        self._writes = {name: torch.zeros(self.rows, dtype=torch.int32, device=self.device)
+                        for name in ("token_ids", "new_seq_lens")}
+        self.publish_ready = None      # the event of the latest armed step
+        self._last_publish_stream = None
+
+    # --- forward-stream side -------------------------------------------------------------------
+    def stash_tokens(self, indices: torch.Tensor, tokens: torch.Tensor) -> None:
+        self._write("token_ids", indices, tokens.to(torch.int64).flatten())
+
+    def gather_tokens(self, indices: torch.Tensor) -> torch.Tensor:
+        return self._gather("token_ids", indices, minimum=0)
+
+    def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, stream) -> None:
+        """Write new seq_lens and set this step's publish_ready. Runs on `stream` (as stream work)."""
+        self._write("new_seq_lens", indices, seq_lens.to(torch.int64))
+        self.publish_ready.set_from(stream)
+
+    def gather_seq_lens(self, indices: torch.Tensor) -> torch.Tensor:
+        return self._gather("new_seq_lens", indices, minimum=1)
+
+    def reset_rows(self, indices: torch.Tensor) -> None:
+        """Clear the consume-once guard of rows (on release and when a prebuilt batch seeds them)."""
+        for w in self._writes.values():
+            w[indices] = 0
+
+    # --- schedule side -------------------------------------------------------------------------
+    def arm_publish(self, stream) -> "PublishReady":
+        """Arm step N's publish_ready when forward N is submitted: from now on resolve waits for it."""
+        self.publish_ready = PublishReady(self._make_event(), self.publish_ready, stream)
+        return self.publish_ready
+
+    def resolve_seq_lens_cpu(self, indices: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
+        """Wait for the armed step's publish, then copy its seq_lens for `indices` to the host."""
+        if self.publish_ready is None:
+            raise RuntimeError("resolve_seq_lens_cpu before any step armed publish_ready")
+        self.publish_ready.synchronize(timeout)
+        values = self.new_seq_lens[indices.to(self.device)].cpu()
+        if self.debug and not bool((values > 0).all()):
+            raise ConsumeOnceError(f"resolved seq_lens not positive: {values.tolist()}")
+        return values
+
+    # --- internals -----------------------------------------------------------------------------
+    def _write(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        indices = indices.to(self.device)
+        getattr(self, name)[indices] = values
+        if self.debug:
+            writes = self._writes[name]
+            writes[indices] += 1
+
+    def _gather(self, name: str, indices: torch.Tensor, minimum: int) -> torch.Tensor:
+        indices = indices.to(self.device)
+        buf = getattr(self, name)
+        values = buf[indices]
+        if self.debug:
+            writes = self._writes[name][indices]
+            if self.device.type == "cuda":
+                torch._assert_async((writes == 1).all() & (values >= minimum).all())
+            elif not bool((writes == 1).all()) or not bool((values >= minimum).all()):
+                raise ConsumeOnceError(
+                    f"{name}: rows {indices.tolist()} gathered with writes {writes.tolist()} "
+                    f"(need exactly 1 since the last gather) and values {values.tolist()}")
+            self._writes[name][indices] = 0
+            buf[indices] = -1  # poison: a second gather without a write reads -1
+        return values
+
+
+class PublishReady:
+    """The publish_ready fence of one step, armed at submit. If the publish runs on another stream
+    than the one the previous step's fence was armed for, it first waits on that fence (chain)."""
+
+    def __init__(self, event, previous: "PublishReady | None", stream):
+        self.event = event
+        self.previous = previous
+        self.armed_stream = stream
+
+    def set_from(self, stream) -> None:
+        """Called inside work running on `stream`, right after the publish write."""
+        if self.previous is not None and self.previous.armed_stream is not stream:
+            self.previous.event.wait_here()
+        self.previous = None  # drop the chain once resolved, so it does not grow
+        self.event.set_here()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        self.event.synchronize(timeout)

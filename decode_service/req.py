@@ -1,0 +1,51 @@
+"""DecodeReq: one request as the decode scheduler sees it, from submission to release."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from common.sampling import SamplingParams
+
+# on_output(rid, new_token_ids, finish_reason or None); called on the scheduler thread.
+OutputCallback = Callable[[str, list[int], "str | None"], None]
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"                  # admission queue: nothing reserved yet
+    AWAITING_HANDOFF = "awaiting"        # slot + KV reserved, prefill in flight
+    PREBUILT = "prebuilt"                # handoff received, joins the next prebuilt batch
+    RUNNING = "running"                  # in the running batch
+    FINISHED = "finished"                # released (slot and KV freed exactly once)
+
+
+@dataclass
+class DecodeReq:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    on_output: OutputCallback | None = None
+    state: ReqState = ReqState.WAITING
+    req_pool_idx: int = 0
+    kv_slots: torch.Tensor | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None             # detail when finish_reason == "error"
+    handoff: object = None               # the Handoff while PREBUILT
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def reserve_len(self) -> int:
+        """KV slots reserved at admission: prompt + every token it may generate."""
+        return self.prompt_len + self.params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,73 @@
+"""ScheduleBatch: the scheduler's view of the running batch, with CPU values and device mirrors.
+
+`seq_lens` (device) always mirrors `seq_lens_cpu` (tokens whose KV is committed). Every change makes
+new tensors (bump, filter, merge): an in-flight forward may still read the old ones, and the
+forward never writes them (speculative changes go to the ForwardBatch). `seq_lens_sum` is always
+derived from `seq_lens_cpu` by one helper, never kept as a separate number that can go stale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode_service.req import DecodeReq
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: list[DecodeReq], seq_lens_cpu: torch.Tensor, device: torch.device):
+        self.reqs = reqs
+        self.device = device
+        self.req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        self.req_pool_indices = self.req_pool_indices_cpu.to(device)
+        self.seq_lens_cpu = seq_lens_cpu.to(torch.int64)
+        self.seq_lens = self.seq_lens_cpu.to(device)
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "ScheduleBatch":
+        return cls([], torch.empty(0, dtype=torch.int64), device)
+
+    @classmethod
+    def prebuilt(cls, reqs: list[DecodeReq], device: torch.device) -> "ScheduleBatch":
+        """A prebuilt batch: seq_lens = prompt lengths (the handed-over KV)."""
+        return cls(reqs, torch.tensor([r.prompt_len for r in reqs], dtype=torch.int64), device)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def seq_lens_sum(self) -> int:
+        return int(self.seq_lens_cpu.sum())
+
+    def bump(self) -> None:
+        """Every request committed one more token (new tensors; never in place)."""
+        self.seq_lens_cpu = self.seq_lens_cpu + 1
+        self.seq_lens = self.seq_lens + 1
+
+    def filter_unfinished(self) -> "ScheduleBatch":
+        keep = [i for i, r in enumerate(self.reqs) if not r.finished]
+        if len(keep) == len(self.reqs):
+            return self
+        out = ScheduleBatch.__new__(ScheduleBatch)
+        idx = torch.tensor(keep, dtype=torch.int64)
+        out.reqs, out.device = [self.reqs[i] for i in keep], self.device
+        out.req_pool_indices_cpu = self.req_pool_indices_cpu[idx]
+        out.req_pool_indices = self.req_pool_indices[idx.to(self.device)]
+        out.seq_lens_cpu = self.seq_lens_cpu[idx]
+        out.seq_lens = self.seq_lens[idx.to(self.device)]
+        return out
+
+    def merge(self, other: "ScheduleBatch") -> "ScheduleBatch":
+        if not len(other):
+            return self
+        out = ScheduleBatch.__new__(ScheduleBatch)
+        out.reqs, out.device = self.reqs + other.reqs, self.device
+        out.req_pool_indices_cpu = torch.cat([self.req_pool_indices_cpu, other.req_pool_indices_cpu])
+        out.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        out.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
+        out.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
+        return out
+
+    def check_mirror(self) -> None:
+        """Debug: the device seq_lens equal the CPU ones (a host sync)."""
+        if not torch.equal(self.seq_lens.cpu(), self.seq_lens_cpu):
+            raise AssertionError(f"seq_lens mirror diverged: {self.seq_lens.tolist()} vs {self.seq_lens_cpu.tolist()}")

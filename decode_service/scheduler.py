@@ -1,0 +1,317 @@
+"""DecodeScheduler: admission, prebuilt batches and the overlap decode loop.
+
+Life of a request (queues named as in the code):
+  1. submit(): validated (prompt + max_new_tokens within the context, else ValueError before
+     anything is queued), then put on `inbox`; the loop moves it to `waiting` (admission queue).
+  2. admission: in order, reserve a request slot and KV slots for prompt + max_new_tokens; a request
+     that does not fit waits, and so does everyone behind it; nothing is half-admitted. Reserved
+     requests go to `awaiting_handoff` and `prefill_fn(PrefillRequest)` is called.
+  3. deliver_handoff(): the handoff lands on `inbox`; the loop checks it and queues it on `prebuilt`.
+     A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
+  4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
+     maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token; the
+     first token is streamed; seq_lens = prompt length; the batch merges into the running batch.
+  5. overlap loop: build step N+1 (drop finished requests, merge prebuilt), launch its forward on the
+     forward stream, bump seq_lens (new tensors), and only then process step N's results: append
+     tokens, stream, finish (EOS unless ignore_eos, stop_token_ids, max_new_tokens) and release.
+     A request finished at N still rides in N+1; its result is skipped, never released twice.
+  6. release: free KV slots and the request slot exactly once. Every schedule-side device write
+     (KV, req_to_token, FutureMap) is stream work, so slot reuse is ordered after in-flight reads.
+  7. abort(): in `waiting`, `awaiting_handoff`, `prebuilt` or running; finish_reason "abort".
+`disable_overlap` runs the same steps, processing each step's results right after its launch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from common.colocated import finish_reason, validate_prompt
+from common.forward_batch import ForwardBatch
+from common.handoff import Handoff, PrefillRequest
+from common.model_runner import ModelRunner
+from common.sampling import SamplingParams, sample
+from common.streams import make_event, make_stream
+from decode_service.future_map import FutureMap
+from decode_service.req import DecodeReq, OutputCallback, ReqState
+from decode_service.schedule_batch import ScheduleBatch
+
+
+class InvariantError(AssertionError):
+    """A scheduler invariant was broken (a bug, not a user error)."""
+
+
+@dataclass
+class StepResult:
+    """One launched decode step: who was in it and where its sampled tokens land."""
+    step: int
+    reqs: list[DecodeReq]
+    results_ready: object
+    seq_lens: torch.Tensor           # the mirror tensor the forward reads
+    seq_lens_version: int
+    tokens_cpu: torch.Tensor | None = None
+
+
+@dataclass
+class SchedulerHooks:
+    """Test hooks: called on the scheduler thread (after_launch) or the stream (before_forward)."""
+    after_launch: Callable[[int], None] | None = None
+    before_forward: Callable[[int], None] | None = None
+
+
+class DecodeScheduler:
+    def __init__(self, runner: ModelRunner, prefill_fn: Callable[[PrefillRequest], None],
+                 disable_overlap: bool = False, debug: bool = False, hooks: SchedulerHooks | None = None):
+        self.runner = runner
+        self.prefill_fn = prefill_fn
+        self.overlap = not disable_overlap
+        self.debug = debug
+        self.hooks = hooks or SchedulerHooks()
+        self.device = runner.device
+        self.eos_ids = runner.config.eos_token_ids
+        self.stream = make_stream(self.device)
+        self.future_map = FutureMap(runner.req_to_token_pool.size, self.device, lambda: make_event(self.device), debug)
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: deque[DecodeReq] = deque()
+        self.awaiting_handoff: dict[str, DecodeReq] = {}
+        self.prebuilt: list[DecodeReq] = []
+        self.running = ScheduleBatch.empty(self.device)
+        self.last_result: StepResult | None = None
+        self.reqs: dict[str, DecodeReq] = {}
+        self.step_count = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- API (any thread) -----------------------------------------------------------------------
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+               on_output: OutputCallback | None = None) -> None:
+        validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
+        self._post(("submit", DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
+
+    def deliver_handoff(self, handoff: Handoff) -> None:
+        self._post(("handoff", handoff))
+
+    def fail_handoff(self, rid: str, error: str) -> None:
+        self._post(("fail", (rid, error)))
+
+    def abort(self, rid: str) -> None:
+        self._post(("abort", rid))
+
+    def _post(self, item) -> None:
+        self.inbox.put(item)
+        self._wake.set()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="decode-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.stream.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    @property
+    def idle(self) -> bool:
+        return (self.inbox.empty() and not self.waiting and not self.awaiting_handoff and not self.prebuilt
+                and not len(self.running) and self.last_result is None)
+
+    def step(self) -> bool:
+        """One iteration; returns False when there was nothing to do."""
+        self._recv()
+        self._admit()
+        batch = self.running.filter_unfinished().merge(self._prebuilt_batch())
+        result = self._launch(batch) if len(batch) else None
+        if result is not None:
+            batch.bump()
+            if self.hooks.after_launch:
+                self.hooks.after_launch(result.step)
+        self.running = batch
+        done = result if not self.overlap else self.last_result
+        if self.overlap:
+            self.last_result = result
+        if done is not None:
+            self._process(done)
+        return result is not None or done is not None
+
+    # ---- stages -----------------------------------------------------------------------------------
+    def _recv(self) -> None:
+        while True:
+            try:
+                kind, item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                if item.rid in self.reqs:
+                    self._emit(item, [], "abort")  # duplicate id: refuse without touching the first
+                    continue
+                self.reqs[item.rid] = item
+                self.waiting.append(item)
+            elif kind == "handoff":
+                self._on_handoff(item)
+            elif kind == "fail":
+                req = self.awaiting_handoff.pop(item[0], None)
+                if req is not None:
+                    self._finish(req, "error")
+            elif kind == "abort":
+                self._on_abort(item)
+
+    def _admit(self) -> None:
+        pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
+        while self.waiting:
+            req = self.waiting[0]
+            if pool.rows.num_free == 0 or not kv.can_alloc(req.reserve_len):
+                return  # wait in order
+            self.waiting.popleft()
+            req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(req.reserve_len)
+            req.state = ReqState.AWAITING_HANDOFF
+            self.awaiting_handoff[req.rid] = req
+            self.prefill_fn(PrefillRequest(req.rid, req.prompt_ids, req.params, req.seed))
+
+    def _on_handoff(self, handoff: Handoff) -> None:
+        req = self.awaiting_handoff.pop(handoff.rid, None)
+        if req is None:
+            return  # aborted or failed meanwhile: its reservation is already freed
+        try:
+            handoff.check(self.runner.config.num_layers)
+            if handoff.prompt_ids != req.prompt_ids:
+                raise ValueError(f"handoff {handoff.rid}: prompt differs from the request")
+        except ValueError as e:
+            self._finish(req, "error", str(e))
+            return
+        req.handoff, req.state = handoff, ReqState.PREBUILT
+        self.prebuilt.append(req)
+
+    def _prebuilt_batch(self) -> ScheduleBatch:
+        """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
+        reqs, self.prebuilt = self.prebuilt, []
+        live = []
+        for req in reqs:
+            handoff, req.handoff = req.handoff, None
+            self._submit_prebuilt_writes(req, handoff)
+            req.output_ids.append(handoff.first_token)
+            reason = finish_reason(req.params, req.output_ids, self.eos_ids)
+            self._emit(req, [handoff.first_token], reason)
+            if reason is None:
+                req.state = ReqState.RUNNING
+                live.append(req)
+            else:
+                self._finish(req, reason, emit=False)
+        return ScheduleBatch.prebuilt(live, self.device)
+
+    def _submit_prebuilt_writes(self, req: DecodeReq, handoff: Handoff) -> None:
+        runner, fm = self.runner, self.future_map
+        idx, slots = req.req_pool_idx, req.kv_slots
+        row = torch.tensor([idx], dtype=torch.int64)
+        first = torch.tensor([handoff.first_token], dtype=torch.int64)
+
+        def write():
+            runner.req_to_token_pool.write(idx, 0, slots)
+            loc = slots[:handoff.prompt_len].to(runner.device)
+            for layer in range(runner.config.num_layers):
+                runner.kv_pool.write(layer, loc, handoff.k[layer].to(runner.device), handoff.v[layer].to(runner.device))
+            fm.reset_rows(row.to(fm.device))
+            fm.stash_tokens(row, first.to(fm.device))
+        self.stream.submit(write)
+
+    def _launch(self, batch: ScheduleBatch) -> StepResult:
+        self.step_count += 1
+        step = self.step_count
+        result = StepResult(step, list(batch.reqs), make_event(self.device), batch.seq_lens, batch.seq_lens._version)
+        indices, seq_lens, seq_lens_cpu = batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu.tolist()
+        params = [r.params for r in batch.reqs]
+        seeds = [r.seed for r in batch.reqs]
+        positions = [s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]  # output index sampled
+        runner, fm, hooks = self.runner, self.future_map, self.hooks
+
+        def forward():
+            if hooks.before_forward:
+                hooks.before_forward(step)
+            input_ids = fm.gather_tokens(indices)
+            fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, seq_lens_cpu, input_ids, seq_lens)
+            logits, _ = runner.forward(fb)
+            tokens = sample(logits, params, seeds, positions)
+            fm.stash_tokens(indices, tokens)
+            result.tokens_cpu = tokens.to("cpu", non_blocking=True)
+            result.results_ready.set_here()
+        self.stream.submit(forward)
+        return result
+
+    def _process(self, result: StepResult) -> None:
+        """Step N's results: wait on its results-ready fence, then append/stream/finish."""
+        while True:
+            self.stream.raise_if_failed()  # a failed forward never sets its fence
+            try:
+                result.results_ready.synchronize(timeout=0.1)
+                break
+            except TimeoutError:
+                continue
+        if result.seq_lens._version != result.seq_lens_version:
+            raise InvariantError(f"step {result.step}: seq_lens was modified in place while its forward could read it")
+        for req, token in zip(result.reqs, result.tokens_cpu.tolist()):
+            if req.finished:
+                continue  # finished at an earlier step (or aborted); this lane was wasted work
+            req.output_ids.append(token)
+            reason = finish_reason(req.params, req.output_ids, self.eos_ids)
+            self._emit(req, [token], reason)
+            if reason is not None:
+                self._finish(req, reason, emit=False)
+
+    # ---- finishing ----------------------------------------------------------------------------------
+    def _on_abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        if req.state == ReqState.WAITING:
+            self.waiting.remove(req)
+        elif req.state == ReqState.AWAITING_HANDOFF:
+            self.awaiting_handoff.pop(rid, None)
+        elif req.state == ReqState.PREBUILT:
+            self.prebuilt.remove(req)
+            req.handoff = None
+        self._finish(req, "abort")
+
+    def _finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
+        req.finish_reason = reason
+        req.error = detail
+        if emit:
+            self._emit(req, [], reason)
+        self._release(req)
+
+    def _release(self, req: DecodeReq) -> None:
+        if req.state == ReqState.FINISHED:
+            raise InvariantError(f"request {req.rid} released twice")
+        if req.kv_slots is not None:
+            self.runner.kv_allocator.free(req.kv_slots)
+            self.runner.req_to_token_pool.free(req.req_pool_idx)
+            row = torch.tensor([req.req_pool_idx], dtype=torch.int64, device=self.future_map.device)
+            self.stream.submit(lambda: self.future_map.reset_rows(row))
+            req.kv_slots, req.req_pool_idx = None, 0
+        req.state = ReqState.FINISHED
+        self.reqs.pop(req.rid, None)
+
+    def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None) -> None:
+        if req.on_output is not None:
+            req.on_output(req.rid, tokens, reason)
+
+    # ---- checks -------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Pools balance and every used slot is held by exactly one live request."""
+        live = [r for r in self.reqs.values() if r.kv_slots is not None]
+        self.runner.kv_allocator.check_integrity(holders=[r.kv_slots for r in live])
+        self.runner.req_to_token_pool.rows.check_integrity(holders=[[r.req_pool_idx] for r in live])
+

@@ -1,0 +1,82 @@
+"""PrefillEngine: batches prompts, runs chunked prefill, samples the first token, emits handoffs.
+
+Lifecycle of `prefill(requests)`:
+  1. validate each request against this model (non-empty, ids in the vocabulary, fits the context);
+  2. take requests in order while a request slot and KV slots for the prompt are free (a wave);
+  3. chunked prefill of the wave under the token budget (`chunk_size`);
+  4. sample the first token (output position 0 of the request's seeded stream);
+  5. copy the prompt's K/V out of the pool into a Handoff, free the wave's slots exactly once;
+  6. repeat until every request has its handoff.
+The prefill side is stateless between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.chunked_prefill import run_chunked_prefill
+from common.colocated import validate_prompt
+from common.handoff import Handoff, PrefillRequest
+from common.model_runner import ModelRunner
+from common.sampling import sample
+
+
+@dataclass
+class _Running:
+    request: PrefillRequest
+    req_pool_idx: int
+    kv_slots: torch.Tensor
+    prefilled: int = 0
+    first_token: int | None = None
+    prompt: list[int] = field(default_factory=list)
+
+
+class PrefillEngine:
+    def __init__(self, runner: ModelRunner, chunk_size: int = 256):
+        self.runner = runner
+        self.chunk_size = chunk_size
+
+    def prefill(self, requests: list[PrefillRequest]) -> list[Handoff]:
+        cfg, kv = self.runner.config, self.runner.kv_allocator
+        for r in requests:
+            validate_prompt(r.prompt_ids, r.params, cfg.vocab_size, self.runner.context_length)
+            if len(r.prompt_ids) > kv.size:
+                raise ValueError(f"prompt of {len(r.prompt_ids)} tokens exceeds the prefill KV pool ({kv.size} slots)")
+        handoffs: list[Handoff] = []
+        todo = list(requests)
+        while todo:
+            wave = self._reserve_wave(todo)
+            todo = todo[len(wave):]
+            try:
+                run_chunked_prefill(self.runner, wave, self.chunk_size, self._sample_first)
+                handoffs.extend(self._to_handoff(w) for w in wave)
+            finally:
+                for w in wave:
+                    kv.free(w.kv_slots)
+                    self.runner.req_to_token_pool.free(w.req_pool_idx)
+        return handoffs
+
+    def _reserve_wave(self, todo: list[PrefillRequest]) -> list[_Running]:
+        pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
+        wave = []
+        for r in todo:
+            if pool.rows.num_free == 0 or not kv.can_alloc(len(r.prompt_ids)):
+                break
+            row, slots = pool.alloc(), kv.alloc(len(r.prompt_ids))
+            pool.write(row, 0, slots)
+            wave.append(_Running(r, row, slots, prompt=list(r.prompt_ids)))
+        return wave
+
+    def _sample_first(self, done: list[_Running], logits: torch.Tensor) -> None:
+        tokens = sample(logits, [w.request.params for w in done], [w.request.seed for w in done], [0] * len(done))
+        for w, t in zip(done, tokens.tolist()):
+            w.first_token = t
+
+    def _to_handoff(self, w: _Running) -> Handoff:
+        pool = self.runner.kv_pool
+        loc = w.kv_slots.to(pool.device)
+        r = w.request
+        return Handoff(rid=r.rid, prompt_ids=list(r.prompt_ids), params=r.params, seed=r.seed,
+                       first_token=w.first_token, k=[k[loc].cpu() for k in pool.k], v=[v[loc].cpu() for v in pool.v])

@@ -1,0 +1,57 @@
+"""InProcessPrefill: the prefill engine on its own thread, called like a remote prefill peer.
+
+The decode scheduler calls it with a PrefillRequest after reserving the request's slots; it batches
+whatever is queued, prefills, and delivers each Handoff (or a failure) through the callbacks. The
+gRPC client replaces it between processes; tests and benchmarks use it in one process.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from common.handoff import Handoff, PrefillRequest
+from prefill_service.engine import PrefillEngine
+
+
+class InProcessPrefill:
+    def __init__(self, engine: PrefillEngine, deliver: Callable[[Handoff], None],
+                 fail: Callable[[str, str], None], max_batch: int = 16):
+        self.engine = engine
+        self.deliver, self.fail = deliver, fail
+        self.max_batch = max_batch
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="prefill", daemon=True)
+        self._thread.start()
+
+    def __call__(self, request: PrefillRequest) -> None:
+        self._queue.put(request)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+            try:
+                handoffs = self.engine.prefill(batch)
+            except Exception as e:  # every request of the batch fails; the decode side frees them
+                for r in batch:
+                    self.fail(r.rid, f"prefill failed: {e}")
+                continue
+            for h in handoffs:
+                self.deliver(h)
