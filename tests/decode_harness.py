@@ -1,0 +1,104 @@
+"""Wire a prefill engine and a decode scheduler in one process for tests.
+
+`Pair` runs the scheduler thread with an in-process prefill thread (the realistic shape).
+`ManualPair` steps the scheduler by hand and holds prefill requests until the test releases them,
+so a test can act at an exact stage of a request's life.
+"""
+
+from __future__ import annotations
+
+import time
+
+from common.model_runner import ModelRunner, RunnerArgs
+from decode_service.scheduler import DecodeScheduler, SchedulerHooks
+from prefill_service.engine import PrefillEngine
+from prefill_service.inprocess import InProcessPrefill
+
+
+class Outputs:
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.reasons: dict[str, str] = {}
+
+    def __call__(self, rid, tokens, reason):
+        assert rid not in self.reasons, f"{rid}: output after finish"
+        self.tokens.setdefault(rid, []).extend(tokens)
+        if reason is not None:
+            self.reasons[rid] = reason
+
+
+def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16):
+    prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8))
+    decode = ModelRunner(RunnerArgs(path, max_total_tokens=decode_tokens, max_running_requests=decode_reqs))
+    return prefill, decode
+
+
+class Pair:
+    def __init__(self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: SchedulerHooks | None = None,
+                 **sizes):
+        prefill, decode = runners(path, **sizes)
+        self.out = Outputs()
+        self.link = InProcessPrefill(PrefillEngine(prefill, chunk_size),
+                                     lambda h: self.scheduler.deliver_handoff(h),
+                                     lambda rid, e: self.scheduler.fail_handoff(rid, e))
+        self.scheduler = DecodeScheduler(decode, self.link, disable_overlap=not overlap, debug=True, hooks=hooks)
+        self.scheduler.start()
+
+    def submit(self, rid, prompt, params):
+        self.scheduler.submit(rid, prompt, params, self.out)
+
+    def wait(self, rids, timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while not all(r in self.out.reasons for r in rids):
+            assert time.time() < deadline, f"timed out; finished: {sorted(self.out.reasons)}"
+            self.scheduler.stream.raise_if_failed()
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        """Wait for idle, check pool integrity, stop."""
+        deadline = time.time() + 30
+        while not self.scheduler.idle:
+            assert time.time() < deadline, "scheduler never went idle"
+            time.sleep(0.005)
+        time.sleep(0.05)
+        self.scheduler.check_integrity()
+        assert self.scheduler.runner.kv_allocator.num_used == 0
+        assert self.scheduler.runner.req_to_token_pool.rows.num_used == 0
+        self.scheduler.stop()
+        self.link.close()
+
+
+class ManualPair:
+    """Scheduler stepped by the test; prefill requests held in `pending` until `prefill()`."""
+
+    def __init__(self, path: str, overlap: bool = True, **sizes):
+        prefill, decode = runners(path, **sizes)
+        self.engine = PrefillEngine(prefill, chunk_size=16)
+        self.pending = []
+        self.out = Outputs()
+        self.scheduler = DecodeScheduler(decode, self.pending.append, disable_overlap=not overlap, debug=True)
+
+    def submit(self, rid, prompt, params):
+        self.scheduler.submit(rid, prompt, params, self.out)
+
+    def prefill(self, rid=None):
+        """Run and deliver the held prefill requests (or only `rid`)."""
+        take = [r for r in self.pending if rid is None or r.rid == rid]
+        for r in take:
+            self.pending.remove(r)
+        for h in self.engine.prefill(take):
+            self.scheduler.deliver_handoff(h)
+
+    def run_until_idle(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            self.scheduler.step()
+            if self.scheduler.idle:
+                return
+        raise AssertionError("not idle")
+
+    def close(self) -> None:
+        self.run_until_idle()
+        self.scheduler.stream.synchronize(timeout=10)
+        self.scheduler.check_integrity()
+        assert self.scheduler.runner.kv_allocator.num_used == 0
+        self.scheduler.stop()

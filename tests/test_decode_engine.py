@@ -1,0 +1,176 @@
+"""In-process prefill -> decode: token-exact with HF, overlap on and off; finishes and aborts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from tests.decode_harness import ManualPair, Pair
+from tests.oracle import hf_greedy
+
+NEW = 24
+
+
+def _prompts(n: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 5, 40, 13, 7, 22, 3, 9, 17, 2][:n]
+    return [torch.randint(5, 384, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_staggered_arrivals_match_hf_with_and_without_overlap(checkpoint, arch):
+    path = checkpoint(arch)
+    prompts = _prompts(10)
+    results = {}
+    for overlap in (True, False):
+        pair = Pair(path, overlap=overlap)
+        try:
+            for i, p in enumerate(prompts):
+                pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW - (i % 3), ignore_eos=True))
+                if i in (2, 5):  # later ones arrive while earlier ones decode
+                    pair.wait([str(i - 1)]) if i == 5 else time.sleep(0.05)
+            pair.wait([str(i) for i in range(len(prompts))])
+        finally:
+            pair.close()
+        results[overlap] = pair.out
+        assert pair.scheduler.step_count > NEW
+    for i, p in enumerate(prompts):
+        ref = hf_greedy(path, p, NEW - (i % 3))
+        assert results[True].tokens[str(i)] == ref, f"overlap, prompt {i}"
+        assert results[False].tokens[str(i)] == ref, f"no overlap, prompt {i}"
+        assert results[True].reasons[str(i)] == results[False].reasons[str(i)] == "length"
+
+
+def test_max_new_tokens_one_and_stop_token_ids(checkpoint):
+    path = checkpoint("qwen2")
+    p = _prompts(3)[2]
+    ref = hf_greedy(path, p, 12)
+    k = next(i for i in range(3, 12) if ref[i] not in ref[:i])  # first occurrence at k
+    pair = Pair(path)
+    try:
+        pair.submit("one", p, SamplingParams(max_new_tokens=1, ignore_eos=True))
+        pair.submit("stop", p, SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(ref[k],)))
+        pair.submit("first", p, SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(ref[0],)))
+        pair.wait(["one", "stop", "first"])
+    finally:
+        pair.close()
+    assert pair.out.tokens["one"] == ref[:1] and pair.out.reasons["one"] == "length"
+    assert pair.out.tokens["stop"] == ref[:k + 1] and pair.out.reasons["stop"] == "stop"
+    assert pair.out.tokens["first"] == ref[:1] and pair.out.reasons["first"] == "stop"
+
+
+def _with_eos(checkpoint, tmp_path, eos: int) -> str:
+    path = str(tmp_path / "eos")
+    shutil.copytree(checkpoint("llama"), path)
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(path, name)) as f:
+            cfg = json.load(f)
+        cfg["eos_token_id"] = eos
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(cfg, f)
+    return path
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_eos_first_token_and_mid_generation(checkpoint, tmp_path, overlap):
+    p = _prompts(4)[3]
+    ref = hf_greedy(checkpoint("llama"), p, 16)
+    k = next(i for i in range(2, 16) if ref[i] not in ref[:i])
+    first = ManualPair(_with_eos(checkpoint, tmp_path / "a", ref[0]), overlap=overlap)
+    mid = ManualPair(_with_eos(checkpoint, tmp_path / "b", ref[k]), overlap=overlap)
+    for pair in (first, mid):
+        pair.submit("eos", p, SamplingParams(max_new_tokens=16))
+        pair.submit("ignore", p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        pair.scheduler.step()
+        pair.prefill()
+        pair.close()
+        assert pair.out.tokens["ignore"] == ref and pair.out.reasons["ignore"] == "length"
+    assert first.out.tokens["eos"] == ref[:1] and first.out.reasons["eos"] == "stop"
+    assert mid.out.tokens["eos"] == ref[:k + 1] and mid.out.reasons["eos"] == "stop"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_aborts_in_every_stage(checkpoint, overlap):
+    path = checkpoint("qwen3")
+    prompts = _prompts(5)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    # KV for two requests only, so the third waits in the admission queue
+    pair = ManualPair(path, overlap=overlap, decode_tokens=(40 + 20) + (5 + 20) + 5)
+    sched = pair.scheduler
+    pair.submit("running", prompts[2], params)
+    pair.submit("awaiting", prompts[1], params)
+    pair.submit("queued", prompts[3], params)
+    sched.step()
+    assert [r.rid for r in sched.waiting] == ["queued"] and set(sched.awaiting_handoff) == {"running", "awaiting"}
+    sched.abort("queued")
+    sched.abort("awaiting")     # its prefill is still in flight
+    sched.step()
+    assert pair.out.reasons == {"queued": "abort", "awaiting": "abort"}
+    pair.prefill()              # a late handoff for "awaiting" is dropped
+    for _ in range(5):
+        sched.step()
+    assert len(pair.out.tokens["running"]) >= 3
+    sched.abort("running")
+    # a new request aborted after its handoff arrived but before its prebuilt batch ran
+    pair.submit("prebuilt", prompts[0], params)
+    sched.step()
+    pair.prefill("prebuilt")
+    sched.abort("prebuilt")
+    pair.submit("survivor", prompts[4], params)
+    sched.step()
+    pair.prefill()
+    pair.close()
+    assert pair.out.reasons["running"] == "abort" and pair.out.reasons["prebuilt"] == "abort"
+    assert "prebuilt" not in pair.out.tokens or pair.out.tokens["prebuilt"] == []
+    assert pair.out.tokens["survivor"] == hf_greedy(path, prompts[4], 20)
+    n = len(pair.out.tokens["running"])
+    assert pair.out.tokens["running"] == hf_greedy(path, prompts[2], 20)[:n] and n < 20
+
+
+def test_kv_pressure_queues_and_finishes_all(checkpoint):
+    path = checkpoint("llama")
+    prompts = _prompts(10, seed=5)
+    # room for ~3 requests at a time out of 10
+    pair = Pair(path, decode_tokens=3 * (40 + 16), decode_reqs=8)
+    try:
+        for i, p in enumerate(prompts):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        pair.wait([str(i) for i in range(10)])
+    finally:
+        pair.close()
+    for i, p in enumerate(prompts):
+        assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16)
+
+
+def test_bad_requests_rejected_before_admission(checkpoint):
+    pair = ManualPair(checkpoint("qwen2"))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        pair.submit("long", [5] * 500, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="empty prompt"):
+        pair.submit("empty", [], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        pair.submit("oov", [1, 10_000], SamplingParams())
+    assert pair.scheduler.inbox.empty()
+    pair.close()
+
+
+def test_broken_handoff_frees_the_reservation_once(checkpoint):
+    pair = ManualPair(checkpoint("qwen2"))
+    p = _prompts(2)[1]
+    pair.submit("broken", p, SamplingParams(max_new_tokens=8))
+    pair.submit("malformed", p, SamplingParams(max_new_tokens=8))
+    pair.scheduler.step()
+    pair.scheduler.fail_handoff("broken", "peer went away")
+    [bad] = pair.engine.prefill([r for r in pair.pending if r.rid == "malformed"])
+    pair.pending.clear()
+    bad.k = bad.k[:-1]
+    pair.scheduler.deliver_handoff(bad)
+    pair.scheduler.fail_handoff("broken", "second report")  # must not free twice
+    pair.close()
+    assert pair.out.reasons == {"broken": "error", "malformed": "error"}
