@@ -45,10 +45,11 @@ class FutureMap:
     def gather_tokens(self, indices: torch.Tensor) -> torch.Tensor:
         return self._gather("token_ids", indices, minimum=0)
 
-    def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, stream) -> None:
-        """Write new seq_lens and set this step's publish_ready. Runs on `stream` (as stream work)."""
+    def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, fence: "PublishReady") -> None:
+        """Write new seq_lens, then set `fence` (the publish_ready armed for this step at submit).
+        Runs as work on the stream the fence was armed for."""
         self._write("new_seq_lens", indices, seq_lens.to(torch.int64))
-        self.publish_ready.set_from(stream)
+        fence.set_here()
 
     def gather_seq_lens(self, indices: torch.Tensor) -> torch.Tensor:
         return self._gather("new_seq_lens", indices, minimum=1)
@@ -108,9 +109,9 @@ class PublishReady:
         self.previous = previous
         self.armed_stream = stream
 
-    def set_from(self, stream) -> None:
-        """Called inside work running on `stream`, right after the publish write."""
-        if self.previous is not None and self.previous.armed_stream is not stream:
+    def set_here(self) -> None:
+        """Called inside the step's work on its stream, right after the publish write."""
+        if self.previous is not None and self.previous.armed_stream is not self.armed_stream:
             self.previous.event.wait_here()
         self.previous = None  # drop the chain once resolved, so it does not grow
         self.event.set_here()

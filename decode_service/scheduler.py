@@ -87,6 +87,7 @@ class DecodeScheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.fatal_error: Exception | None = None
 
     # ---- API (any thread) -----------------------------------------------------------------------
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -120,10 +121,20 @@ class DecodeScheduler:
         self.stream.close()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.step():
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+        try:
+            while not self._stop.is_set():
+                if not self.step():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+        except Exception as e:  # a broken forward or invariant: fail every live request loudly
+            self.fatal_error = e
+            for req in list(self.reqs.values()):
+                req.finish_reason, req.error = "error", f"scheduler failed: {e!r}"
+                self._emit(req, [], "error")
+
+    @property
+    def alive(self) -> bool:
+        return self.fatal_error is None and (self._thread is None or self._thread.is_alive())
 
     @property
     def idle(self) -> bool:

@@ -71,12 +71,13 @@ class Pair:
 class ManualPair:
     """Scheduler stepped by the test; prefill requests held in `pending` until `prefill()`."""
 
-    def __init__(self, path: str, overlap: bool = True, **sizes):
+    def __init__(self, path: str, overlap: bool = True, hooks: SchedulerHooks | None = None, **sizes):
         prefill, decode = runners(path, **sizes)
         self.engine = PrefillEngine(prefill, chunk_size=16)
         self.pending = []
         self.out = Outputs()
-        self.scheduler = DecodeScheduler(decode, self.pending.append, disable_overlap=not overlap, debug=True)
+        self.scheduler = DecodeScheduler(decode, self.pending.append, disable_overlap=not overlap, debug=True,
+                                         hooks=hooks)
 
     def submit(self, rid, prompt, params):
         self.scheduler.submit(rid, prompt, params, self.out)

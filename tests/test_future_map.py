@@ -1,0 +1,217 @@
+"""One test per FutureMap / ScheduleBatch invariant (../shared/DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from common.streams import HostEvent, WorkerStream
+from decode_service.future_map import ConsumeOnceError, FutureMap
+from decode_service.schedule_batch import ScheduleBatch
+from decode_service.scheduler import InvariantError
+from tests.decode_harness import ManualPair, Pair
+from tests.oracle import hf_greedy
+
+
+def _fm(size: int = 8, debug: bool = True) -> FutureMap:
+    return FutureMap(size, "cpu", HostEvent, debug=debug)
+
+
+def _idx(*rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_1_rows_are_request_slots(checkpoint):
+    fm = _fm(8)
+    assert fm.token_ids.shape[0] == fm.new_seq_lens.shape[0] == 9
+    fm.stash_tokens(_idx(3, 1), torch.tensor([30, 10]))
+    assert fm.gather_tokens(_idx(1, 3)).tolist() == [10, 30]
+    pair = ManualPair(checkpoint("qwen2"), decode_reqs=5)
+    assert pair.scheduler.future_map.rows == pair.scheduler.runner.req_to_token_pool.req_to_token.shape[0] == 6
+    pair.close()
+
+
+def test_2_stash_has_no_fence_and_publish_sets_the_armed_event():
+    fm, stream = _fm(), WorkerStream()
+    fence = fm.arm_publish(stream)
+    fm.stash_tokens(_idx(2), torch.tensor([5]))
+    assert not fence.query()                      # a stash never touches publish_ready
+    stream.submit(lambda: fm.publish_seq_lens(_idx(2), torch.tensor([17]), fence))
+    fence.synchronize(timeout=5)
+    assert fm.resolve_seq_lens_cpu(_idx(2)).tolist() == [17]
+    stream.close()
+
+
+def test_2_publish_from_another_stream_chains_the_previous_fence():
+    fm, a, b = _fm(), WorkerStream("a"), WorkerStream("b")
+    latch = threading.Event()
+    fence_a = fm.arm_publish(a)
+    a.submit(lambda: latch.wait(10))              # step N's publish on stream a is slow
+    a.submit(lambda: fm.publish_seq_lens(_idx(1), torch.tensor([7]), fence_a))
+    fence = fm.arm_publish(b)
+    b.submit(lambda: fm.publish_seq_lens(_idx(2), torch.tensor([9]), fence))
+    with pytest.raises(TimeoutError):             # b's fence waits for a's (chained)
+        fence.synchronize(timeout=0.3)
+    latch.set()
+    assert fm.resolve_seq_lens_cpu(_idx(1, 2), timeout=5).tolist() == [7, 9]
+    a.close(), b.close()
+
+
+def test_3_resolve_waits_for_the_armed_step_not_an_older_event():
+    fm, stream = _fm(), WorkerStream()
+    first = fm.arm_publish(stream)
+    stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([10]), first))
+    assert fm.resolve_seq_lens_cpu(_idx(4), timeout=5).tolist() == [10]
+    latch = threading.Event()
+    second = fm.arm_publish(stream)               # step N+1 armed at submit, before its forward runs
+    stream.submit(lambda: latch.wait(10))
+    stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([11]), second))
+    with pytest.raises(TimeoutError):             # must not return step N's (stale) 10
+        fm.resolve_seq_lens_cpu(_idx(4), timeout=0.3)
+    latch.set()
+    assert fm.resolve_seq_lens_cpu(_idx(4), timeout=5).tolist() == [11]
+    stream.close()
+
+
+def test_4_bumps_make_new_tensors_and_keep_the_mirror():
+    b = ScheduleBatch.empty(torch.device("cpu"))
+    b.seq_lens_cpu, b.seq_lens = torch.tensor([3, 5]), torch.tensor([3, 5])
+    old, version = b.seq_lens, b.seq_lens._version
+    b.bump()
+    assert b.seq_lens is not old and old.tolist() == [3, 5] and old._version == version
+    b.check_mirror()
+    b.seq_lens = b.seq_lens + 1                   # a diverged mirror is caught
+    with pytest.raises(AssertionError, match="mirror"):
+        b.check_mirror()
+
+
+def test_4_in_place_seq_lens_bump_is_caught(checkpoint, monkeypatch):
+    def in_place_bump(self):
+        self.seq_lens_cpu = self.seq_lens_cpu + 1
+        self.seq_lens.add_(1)                     # the forward of this step may still read it
+    monkeypatch.setattr(ScheduleBatch, "bump", in_place_bump)
+    pair = ManualPair(checkpoint("qwen2"))
+    pair.submit("r", [5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    pair.scheduler.step()
+    pair.prefill()
+    with pytest.raises(InvariantError, match="modified in place"):
+        for _ in range(4):
+            pair.scheduler.step()
+    pair.scheduler.stop()
+
+
+def test_5_seq_lens_sum_is_derived_from_seq_lens_cpu(checkpoint):
+    pair = ManualPair(checkpoint("qwen2"))
+    for i, n in enumerate([3, 7, 2]):
+        pair.submit(str(i), list(range(5, 5 + n)), SamplingParams(max_new_tokens=4 + i, ignore_eos=True))
+    pair.scheduler.step()
+    pair.prefill()
+    sums = []
+    while not pair.scheduler.idle:
+        pair.scheduler.step()
+        batch = pair.scheduler.running
+        assert batch.seq_lens_sum == int(batch.seq_lens_cpu.sum())
+        sums.append(batch.seq_lens_sum)
+    pair.close()
+    assert max(sums) > 0 and sums[-1] == 0
+
+
+def test_6_consume_once_guard():
+    fm = _fm()
+    fm.stash_tokens(_idx(1, 2), torch.tensor([4, 5]))
+    assert fm.gather_tokens(_idx(1, 2)).tolist() == [4, 5]
+    assert fm.token_ids[1].item() == -1           # poisoned after the gather
+    with pytest.raises(ConsumeOnceError):         # a second gather without a stash
+        fm.gather_tokens(_idx(1))
+    fm.stash_tokens(_idx(3), torch.tensor([1]))
+    fm.stash_tokens(_idx(3), torch.tensor([2]))
+    with pytest.raises(ConsumeOnceError):         # two stashes before one gather
+        fm.gather_tokens(_idx(3))
+    fm.stash_tokens(_idx(5), torch.tensor([8]))   # a row released with an ungathered stash...
+    fm.reset_rows(_idx(5))
+    fm.stash_tokens(_idx(5), torch.tensor([9]))   # ...is seeded afresh for its next owner
+    assert fm.gather_tokens(_idx(5)).tolist() == [9]
+    off = _fm(debug=False)
+    off.stash_tokens(_idx(1), torch.tensor([4]))
+    assert off.gather_tokens(_idx(1)).tolist() == off.gather_tokens(_idx(1)).tolist() == [4]
+
+
+def test_6_planted_second_gather_in_the_scheduler_trips(checkpoint):
+    from decode_service.scheduler import SchedulerHooks
+
+    pair = Pair(checkpoint("qwen2"), hooks=SchedulerHooks())
+    sched = pair.scheduler
+    sched.hooks.before_forward = lambda step: step == 3 and sched.future_map.gather_tokens(sched.running.req_pool_indices)
+    pair.submit("r", [5, 6, 7], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    deadline = time.time() + 20
+    while "r" not in pair.out.reasons and time.time() < deadline:
+        time.sleep(0.01)
+    assert pair.out.reasons["r"] == "error" and not sched.alive
+    assert isinstance(sched.fatal_error.__cause__, ConsumeOnceError)
+    pair.link.close()
+
+
+def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
+    """B takes A's row and KV while A's wasted last lane is still in flight: B's writes must wait."""
+    from decode_service.scheduler import SchedulerHooks
+
+    path = checkpoint("llama")
+    order, latch = [], threading.Event()
+    hooks = SchedulerHooks()
+    pair = ManualPair(path, hooks=hooks, decode_reqs=1, decode_tokens=3 + 6)
+    sched = pair.scheduler
+    write = sched.runner.req_to_token_pool.write
+
+    def logged_write(idx, start, slots):
+        order.append(("row write", idx))
+        write(idx, start, slots)
+    sched.runner.req_to_token_pool.write = logged_write
+    pair.submit("A", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    sched.step()
+    pair.prefill()
+
+    def before_forward(step):                     # step 6 is A's wasted lane, launched as A finishes
+        if step == 6:
+            latch.wait(10)
+        order.append(("forward", step))
+    hooks.before_forward = before_forward
+    while "A" not in pair.out.reasons:
+        sched.step()
+    assert sched.step_count == 6 and ("forward", 6) not in order
+    a_slots = sched.runner.req_to_token_pool.req_to_token[1, :9].clone()
+    pair.submit("B", [8, 9, 10], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    sched._recv()
+    sched._admit()
+    pair.prefill()
+    sched._recv()
+    sched.running = sched.running.filter_unfinished().merge(sched._prebuilt_batch())
+    time.sleep(0.2)
+    assert ("row write", 1) not in order[1:], "B's row was written while the previous forward was in flight"
+    assert torch.equal(sched.runner.req_to_token_pool.req_to_token[1, :9], a_slots)
+    latch.set()
+    pair.close()
+    assert order.index(("row write", 1), 1) > order.index(("forward", 6))
+    assert pair.out.tokens["A"] == hf_greedy(path, [5, 6, 7], 6)
+    assert pair.out.tokens["B"] == hf_greedy(path, [8, 9, 10], 6)
+
+
+def test_8_prebuilt_batch_seeds_future_rows(checkpoint):
+    pair = ManualPair(checkpoint("qwen3"))
+    sched = pair.scheduler
+    pair.submit("r", [5, 6, 7, 8], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    sched.step()
+    pair.prefill()
+    sched._recv()
+    batch = sched._prebuilt_batch()
+    sched.stream.synchronize(timeout=5)
+    row = batch.req_pool_indices_cpu[0].item()
+    assert sched.future_map.token_ids[row].item() == pair.out.tokens["r"][0]
+    assert sched.future_map._writes["token_ids"][row].item() == 1
+    assert batch.seq_lens_cpu.tolist() == [4]
+    sched.running = sched.running.merge(batch)
+    pair.close()
+    assert pair.out.reasons["r"] == "length" and len(pair.out.tokens["r"]) == 5
