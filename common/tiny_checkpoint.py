@@ -62,11 +62,11 @@ def build_tokenizer(out_dir: str, vocab_size: int = 384):
     return fast
 
 
-def hf_config(arch: str, vocab_size: int, bos: int, eos: int, tied: bool):
+def hf_config(arch: str, vocab_size: int, bos: int, eos: int, tied: bool, hidden_size: int = 64, num_layers: int = 2):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=bos, eos_token_id=eos,
         pad_token_id=0,
@@ -99,7 +99,7 @@ def randomize(model: torch.nn.Module, seed: int, lm_head_scale: float) -> None:
 
 
 def build(out_dir: str, arch: str = "llama", tied: bool = False, shard_bytes: int | None = None,
-          seed: int = 0, lm_head_scale: float = 4.0) -> str:
+          seed: int = 0, lm_head_scale: float = 4.0, hidden_size: int = 64, num_layers: int = 2) -> str:
     """Write a tiny checkpoint + tokenizer into `out_dir` and return its absolute path."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -108,7 +108,7 @@ def build(out_dir: str, arch: str = "llama", tied: bool = False, shard_bytes: in
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(out_dir)
     bos, eos = tok.convert_tokens_to_ids("<s>"), tok.convert_tokens_to_ids("</s>")
-    config = hf_config(arch, len(tok), bos, eos, tied)
+    config = hf_config(arch, len(tok), bos, eos, tied, hidden_size, num_layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, seed, lm_head_scale)
@@ -126,8 +126,11 @@ def main(argv=None) -> None:
     parser.add_argument("--tied", action="store_true", help="tie lm_head to the embeddings")
     parser.add_argument("--shard-bytes", type=int, default=None, help="write a sharded checkpoint")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=64, help="bigger models for benchmarks")
+    parser.add_argument("--num-layers", type=int, default=2)
     args = parser.parse_args(argv)
-    path = build(args.out, args.arch, args.tied, args.shard_bytes, args.seed)
+    path = build(args.out, args.arch, args.tied, args.shard_bytes, args.seed,
+                 hidden_size=args.hidden_size, num_layers=args.num_layers)
     print(f"built tiny {args.arch} checkpoint at {path}")
 
 
