@@ -54,6 +54,12 @@ class Pair:
             self.scheduler.stream.raise_if_failed()
             time.sleep(0.005)
 
+    def wait_tokens(self, rid: str, n: int, timeout: float = 60.0) -> None:
+        deadline = time.time() + timeout
+        while len(self.out.tokens.get(rid, [])) < n and rid not in self.out.reasons:
+            assert time.time() < deadline, f"{rid}: fewer than {n} tokens in time"
+            time.sleep(0.001)
+
     def close(self) -> None:
         """Wait for idle, check pool integrity, stop."""
         deadline = time.time() + 30

@@ -31,11 +31,15 @@ def test_staggered_arrivals_match_hf_with_and_without_overlap(checkpoint, arch):
     for overlap in (True, False):
         pair = Pair(path, overlap=overlap)
         try:
+            decoding_at_arrival = 0
             for i, p in enumerate(prompts):
+                if i in (3, 6, 8):  # later ones arrive while earlier ones decode
+                    pair.wait_tokens(str(i - 1), 3)
+                    decoding_at_arrival += sum(1 for r, t in list(pair.out.tokens.items())
+                                               if t and r not in pair.out.reasons)
                 pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW - (i % 3), ignore_eos=True))
-                if i in (2, 5):  # later ones arrive while earlier ones decode
-                    pair.wait([str(i - 1)]) if i == 5 else time.sleep(0.05)
             pair.wait([str(i) for i in range(len(prompts))])
+            assert decoding_at_arrival > 0
         finally:
             pair.close()
         results[overlap] = pair.out
@@ -174,3 +178,25 @@ def test_broken_handoff_frees_the_reservation_once(checkpoint):
     pair.scheduler.fail_handoff("broken", "second report")  # must not free twice
     pair.close()
     assert pair.out.reasons == {"broken": "error", "malformed": "error"}
+
+
+def test_seeded_sampling_continues_across_the_handoff(checkpoint):
+    """Prefill samples output 0 and decode the rest from (seed, position): same as one process."""
+    from common.colocated import ColocatedEngine
+    from common.model_runner import ModelRunner, RunnerArgs
+
+    path = checkpoint("llama")
+    prompts = _prompts(4, seed=11)
+    params = [SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(4)]
+    colocated = ColocatedEngine(ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4)), 16)
+    reference = [r.output for r in colocated.generate(prompts, params)]
+    pair = Pair(path)
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            pair.submit(str(i), p, sp)
+        pair.wait([str(i) for i in range(4)])
+    finally:
+        pair.close()
+    assert [pair.out.tokens[str(i)] for i in range(4)] == reference
+    assert reference[0] != hf_greedy(path, prompts[0], 16)  # really sampled, not greedy
