@@ -23,6 +23,7 @@ Life of a request (queues named as in the code):
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections import deque
@@ -40,6 +41,8 @@ from common.streams import make_event, make_stream
 from decode_service.future_map import FutureMap
 from decode_service.req import DecodeReq, OutputCallback, ReqState
 from decode_service.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
 
 
 class InvariantError(AssertionError):
@@ -114,10 +117,15 @@ class DecodeScheduler:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop; requests still alive finish with "abort" and are freed; close the stream."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.fatal_error is None:
+            self._recv()
+            for req in [r for r in self.reqs.values() if not r.finished]:
+                self._on_abort(req.rid)
         self.stream.close()
 
     def _loop(self) -> None:
@@ -316,8 +324,15 @@ class DecodeScheduler:
         self.reqs.pop(req.rid, None)
 
     def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None) -> None:
-        if req.on_output is not None:
+        if req.on_output is None:
+            return
+        try:
             req.on_output(req.rid, tokens, reason)
+        except Exception:  # a broken consumer must not take the scheduler down: drop the request
+            logger.exception("output callback of %s failed; aborting it", req.rid)
+            req.on_output = None
+            if reason is None:
+                self.abort(req.rid)
 
     # ---- checks -------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

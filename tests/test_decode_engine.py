@@ -200,3 +200,22 @@ def test_seeded_sampling_continues_across_the_handoff(checkpoint):
         pair.close()
     assert [pair.out.tokens[str(i)] for i in range(4)] == reference
     assert reference[0] != hf_greedy(path, prompts[0], 16)  # really sampled, not greedy
+
+
+def test_failing_consumer_is_aborted_and_stop_frees_live_requests(checkpoint):
+    pair = ManualPair(checkpoint("qwen2"))
+    sched = pair.scheduler
+
+    def broken(rid, tokens, reason):
+        raise OSError("client went away")
+    sched.submit("broken", [5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True), broken)
+    pair.submit("alive", [8, 9], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    sched.step()
+    pair.prefill()
+    for _ in range(4):
+        sched.step()
+    assert "broken" not in sched.reqs and len(pair.out.tokens["alive"]) >= 3
+    sched.stop()  # "alive" is mid-decode: it finishes as aborted, its slots freed
+    assert pair.out.reasons["alive"] == "abort"
+    sched.check_integrity()
+    assert sched.runner.kv_allocator.num_used == 0
