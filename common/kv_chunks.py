@@ -1,0 +1,72 @@
+"""Split a handoff's KV into bounded KvChunk messages, and check/assemble them on arrival.
+
+A chunk covers a token range and a layer range; its payload (K and V of those tokens and layers)
+is at most `max_bytes` unless a single (token, layer) pair is larger than that.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from common import tensor_codec
+from common.proto_gen import prefill_pb2
+
+
+def plan(num_tokens: int, num_layers: int, bytes_per_token_layer: int, max_bytes: int) -> Iterator[tuple[int, int, int, int]]:
+    """Yield (token_start, num_tokens, layer_start, num_layers) covering the grid within max_bytes."""
+    layers = max(1, min(num_layers, max_bytes // bytes_per_token_layer))
+    tokens = max(1, max_bytes // (layers * bytes_per_token_layer)) if layers == num_layers else 1
+    for t0 in range(0, num_tokens, tokens):
+        for l0 in range(0, num_layers, layers):
+            yield t0, min(tokens, num_tokens - t0), l0, min(layers, num_layers - l0)
+
+
+def split(k: list[torch.Tensor], v: list[torch.Tensor], max_bytes: int) -> Iterator[prefill_pb2.KvChunk]:
+    num_tokens = k[0].shape[0]
+    per = 2 * k[0][:1].numel() * k[0].element_size()
+    for t0, nt, l0, nl in plan(num_tokens, len(k), per, max_bytes):
+        yield prefill_pb2.KvChunk(
+            token_start=t0, num_tokens=nt, layer_start=l0,
+            k=[tensor_codec.encode(k[i][t0:t0 + nt]) for i in range(l0, l0 + nl)],
+            v=[tensor_codec.encode(v[i][t0:t0 + nt]) for i in range(l0, l0 + nl)])
+
+
+def payload_bytes(chunk: prefill_pb2.KvChunk) -> int:
+    return sum(len(t.data) for t in list(chunk.k) + list(chunk.v))
+
+
+class KvAssembler:
+    """Collects chunks into per-layer host tensors, checking bounds and coverage."""
+
+    def __init__(self, prompt_len: int, num_layers: int, kv_heads: int, head_dim: int):
+        self.prompt_len, self.num_layers = prompt_len, num_layers
+        self.shape = (kv_heads, head_dim)
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.covered = torch.zeros(num_layers, prompt_len, dtype=torch.int32)
+        self.chunks = 0
+
+    def add(self, chunk: prefill_pb2.KvChunk) -> None:
+        t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
+        if len(chunk.k) != len(chunk.v) or not chunk.k or l0 + len(chunk.k) > self.num_layers \
+                or nt == 0 or t0 + nt > self.prompt_len:
+            raise ValueError(f"KV chunk out of range: tokens {t0}+{nt}, layers {l0}+{len(chunk.k)}")
+        for i, (kt, vt) in enumerate(zip(chunk.k, chunk.v)):
+            k, v = tensor_codec.decode(kt), tensor_codec.decode(vt)
+            if tuple(k.shape) != (nt, *self.shape) or k.shape != v.shape:
+                raise ValueError(f"KV chunk tensor of shape {tuple(k.shape)}, expected {(nt, *self.shape)}")
+            layer = l0 + i
+            if self.k[layer] is None:
+                self.k[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
+                self.v[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
+            self.k[layer][t0:t0 + nt] = k
+            self.v[layer][t0:t0 + nt] = v
+            self.covered[layer, t0:t0 + nt] += 1
+        self.chunks += 1
+
+    def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if not bool((self.covered == 1).all()):
+            raise ValueError("KV chunks do not cover every (layer, token) exactly once")
+        return self.k, self.v

@@ -1,0 +1,112 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    max_new_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "input_ids", "sampling_params", "max_chunk_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: SamplingParams
+    max_chunk_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id",)
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    def __init__(self, token_id: _Optional[int] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("token_start", "num_tokens", "layer_start", "k", "v", "draft")
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    token_start: int
+    num_tokens: int
+    layer_start: int
+    k: _containers.RepeatedCompositeFieldContainer[Tensor]
+    v: _containers.RepeatedCompositeFieldContainer[Tensor]
+    draft: bool
+    def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., k: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., v: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., draft: _Optional[bool] = ...) -> None: ...
+
+class PrebuiltRecord(_message.Message):
+    __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed")
+    class DraftSeedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SEED_FIELD_NUMBER: _ClassVar[int]
+    prompt_len: int
+    first_token: int
+    num_kv_chunks: int
+    draft_seed: _containers.MessageMap[str, Tensor]
+    def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+
+class PrefillChunk(_message.Message):
+    __slots__ = ("first_token", "kv", "record")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    kv: KvChunk
+    record: PrebuiltRecord
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ..., record: _Optional[_Union[PrebuiltRecord, _Mapping]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_tokens")
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_tokens: int
+    max_total_tokens: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., num_used_tokens: _Optional[int] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...

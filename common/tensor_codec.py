@@ -1,0 +1,40 @@
+"""Tensors on the wire: dtype name + shape + raw little-endian bytes (bfloat16 as its 16-bit pattern)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from common.proto_gen import prefill_pb2
+
+_BY_NAME = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32,
+                                                       torch.int64, torch.float64, torch.uint8)}
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+assert sys.byteorder == "little", "the wire format is little-endian"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode(t: torch.Tensor) -> prefill_pb2.Tensor:
+    t = t.detach().contiguous().cpu()
+    raw = t.view(_SAME_WIDTH_INT[t.element_size()]) if t.dtype.is_floating_point else t
+    return prefill_pb2.Tensor(dtype=dtype_name(t.dtype), shape=list(t.shape), data=raw.numpy().tobytes())
+
+
+def decode(msg: prefill_pb2.Tensor) -> torch.Tensor:
+    dtype = _BY_NAME.get(msg.dtype)
+    if dtype is None:
+        raise ValueError(f"unknown tensor dtype {msg.dtype!r}")
+    shape = tuple(msg.shape)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    expected = itemsize
+    for n in shape:
+        expected *= n
+    if expected != len(msg.data):
+        raise ValueError(f"tensor of shape {shape} {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
+    flat = torch.frombuffer(bytearray(msg.data), dtype=_SAME_WIDTH_INT[itemsize]) if expected else \
+        torch.empty(0, dtype=_SAME_WIDTH_INT[itemsize])
+    return flat.view(dtype).reshape(shape)

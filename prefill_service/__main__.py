@@ -1,0 +1,27 @@
+"""python -m prefill_service --model-path DIR [--host 127.0.0.1 --port 30001 ...]"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from prefill_service.config import parse_args
+from prefill_service.server import PrefillService
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
+    config = parse_args(argv)
+    service = PrefillService(config).start()
+    logging.info("prefill service serving %s on %s", config.model_path, service.address)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    logging.info("prefill service stopping")
+    service.stop()
+
+
+if __name__ == "__main__":
+    main()

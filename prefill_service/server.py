@@ -1,0 +1,136 @@
+"""The prefill service: gRPC `disagg.v1.Prefill` over a PrefillEngine.
+
+Lifecycle of one Prefill call:
+  1. validate the request (prompt ids, sampling params, fits the context): INVALID_ARGUMENT if not;
+  2. queue it on `prefill_queue`; the engine thread takes everything queued (a batch), runs chunked
+     prefill, samples the first token, copies the prompt's KV out and frees its local slots;
+  3. the call's thread streams: FirstToken at once, then KvChunks bounded by max_chunk_bytes, then the
+     PrebuiltRecord (prompt length, first token, chunk count);
+  4. a cancelled call is dropped before its prefill if it has not started, or stops streaming.
+The service is stateless between calls. Health: NOT_SERVING until the model is loaded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import torch
+
+from common import kv_chunks
+from common.colocated import validate_prompt
+from common.grpc_server import Server
+from common.handoff import PrefillRequest
+from common.model_runner import ModelRunner, RunnerArgs
+from common.proto_gen import prefill_pb2, prefill_pb2_grpc
+from common.sampling import SamplingParams
+from prefill_service.config import PrefillConfig
+from prefill_service.engine import PrefillEngine
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+class _Call:
+    def __init__(self, request: PrefillRequest):
+        self.request = request
+        self.results: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+
+
+class PrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, config: PrefillConfig):
+        self.config = config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.runner = ModelRunner(RunnerArgs(
+            config.model_path, device=config.device, dtype=config.dtype, max_total_tokens=config.max_total_tokens,
+            max_running_requests=config.max_running_requests, context_length=config.context_length))
+        self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
+        self.prefill_queue: queue.Queue = queue.Queue()
+        self.num_running = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._engine_loop, name="prefill-engine", daemon=True)
+        self.server = Server(config.host, config.port, [SERVICE_NAME])
+        prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
+
+    def start(self) -> "PrefillService":
+        self._thread.start()
+        self.server.start()
+        self.server.set_serving(True)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.prefill_queue.put(None)
+        self.server.stop()
+        self._thread.join(timeout=10)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            first = self.prefill_queue.get()
+            if first is None:
+                return
+            calls = [first]
+            while len(calls) < self.config.max_running_requests:
+                try:
+                    nxt = self.prefill_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._stop.set()
+                    break
+                calls.append(nxt)
+            calls = [c for c in calls if not c.cancelled.is_set()]
+            self.num_running = len(calls)
+            try:
+                handoffs = self.engine.prefill([c.request for c in calls]) if calls else []
+                for c, h in zip(calls, handoffs):
+                    c.results.put(h)
+            except Exception as e:  # the whole batch fails; each call reports it
+                for c in calls:
+                    c.results.put(e)
+            finally:
+                self.num_running = 0
+
+    # ---- RPCs ------------------------------------------------------------------------------------
+    def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
+        sp = request.sampling_params
+        params = SamplingParams(max_new_tokens=max(1, sp.max_new_tokens), temperature=sp.temperature,
+                                top_k=sp.top_k, top_p=sp.top_p or 1.0, min_p=sp.min_p, seed=sp.seed)
+        prompt = list(request.input_ids)
+        try:
+            validate_prompt(prompt, SamplingParams(**{**params.__dict__, "max_new_tokens": 1}),
+                            self.runner.config.vocab_size, self.runner.context_length)
+            params.validate(self.runner.config.vocab_size)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        call = _Call(PrefillRequest(request.request_id, prompt, params, sp.seed))
+        context.add_callback(call.cancelled.set)
+        self.prefill_queue.put(call)
+        result = call.results.get()
+        if isinstance(result, Exception):
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
+        yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
+        max_bytes = request.max_chunk_bytes or self.config.max_chunk_bytes
+        count = 0
+        for chunk in kv_chunks.split(result.k, result.v, max_bytes):
+            if call.cancelled.is_set():
+                return
+            if self.config.test_kv_chunk_delay_s:
+                time.sleep(self.config.test_kv_chunk_delay_s)
+            count += 1
+            yield prefill_pb2.PrefillChunk(kv=chunk)
+        yield prefill_pb2.PrefillChunk(record=prefill_pb2.PrebuiltRecord(
+            prompt_len=len(prompt), first_token=result.first_token, num_kv_chunks=count))
+
+    def GetLoad(self, request, context):
+        kv = self.runner.kv_allocator
+        return prefill_pb2.LoadResponse(num_running_reqs=self.num_running, num_waiting_reqs=self.prefill_queue.qsize(),
+                                        num_used_tokens=kv.num_used, max_total_tokens=kv.size)
