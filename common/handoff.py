@@ -29,8 +29,8 @@ class Handoff:
     params: SamplingParams
     seed: int
     first_token: int
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    k: list[torch.Tensor] | None        # None: the KV already arrived as chunks (written on arrival)
+    v: list[torch.Tensor] | None
     draft_k: list[torch.Tensor] | None = None
     draft_v: list[torch.Tensor] | None = None
     draft_seed: dict | None = None

@@ -101,6 +101,14 @@ class DecodeScheduler:
     def deliver_handoff(self, handoff: Handoff) -> None:
         self._post(("handoff", handoff))
 
+    def deliver_first_token(self, rid: str, token: int) -> None:
+        """The first token, streamed to the client before the handoff completes."""
+        self._post(("first", (rid, token)))
+
+    def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list) -> None:
+        """One KV chunk: written into the request's reserved slots as stream work, as it arrives."""
+        self._post(("kv", (rid, token_start, layer_start, k, v)))
+
     def fail_handoff(self, rid: str, error: str) -> None:
         self._post(("fail", (rid, error)))
 
@@ -188,6 +196,15 @@ class DecodeScheduler:
                     self._finish(req, "error")
             elif kind == "abort":
                 self._on_abort(item)
+            elif kind == "first":
+                req = self.awaiting_handoff.get(item[0])
+                if req is not None and req.first_token_sent is None:
+                    req.first_token_sent = item[1]
+                    self._emit(req, [item[1]], None)
+            elif kind == "kv":
+                req = self.awaiting_handoff.get(item[0])
+                if req is not None:
+                    self._submit_kv_write(req, *item[1:])
 
     def _admit(self) -> None:
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
@@ -206,9 +223,12 @@ class DecodeScheduler:
         if req is None:
             return  # aborted or failed meanwhile: its reservation is already freed
         try:
-            handoff.check(self.runner.config.num_layers)
+            if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
+                handoff.check(self.runner.config.num_layers)
             if handoff.prompt_ids != req.prompt_ids:
                 raise ValueError(f"handoff {handoff.rid}: prompt differs from the request")
+            if req.first_token_sent not in (None, handoff.first_token):
+                raise ValueError(f"handoff {handoff.rid}: first token differs from the one streamed")
         except ValueError as e:
             self._finish(req, "error", str(e))
             return
@@ -224,7 +244,7 @@ class DecodeScheduler:
             self._submit_prebuilt_writes(req, handoff)
             req.output_ids.append(handoff.first_token)
             reason = finish_reason(req.params, req.output_ids, self.eos_ids)
-            self._emit(req, [handoff.first_token], reason)
+            self._emit(req, [] if req.first_token_sent is not None else [handoff.first_token], reason)
             if reason is None:
                 req.state = ReqState.RUNNING
                 live.append(req)
@@ -240,11 +260,23 @@ class DecodeScheduler:
 
         def write():
             runner.req_to_token_pool.write(idx, 0, slots)
-            loc = slots[:handoff.prompt_len].to(runner.device)
-            for layer in range(runner.config.num_layers):
-                runner.kv_pool.write(layer, loc, handoff.k[layer].to(runner.device), handoff.v[layer].to(runner.device))
+            if handoff.k is not None:
+                loc = slots[:handoff.prompt_len].to(runner.device)
+                for layer in range(runner.config.num_layers):
+                    runner.kv_pool.write(layer, loc, handoff.k[layer].to(runner.device),
+                                         handoff.v[layer].to(runner.device))
             fm.reset_rows(row.to(fm.device))
             fm.stash_tokens(row, first.to(fm.device))
+        self.stream.submit(write)
+
+    def _submit_kv_write(self, req: DecodeReq, token_start: int, layer_start: int, k: list, v: list) -> None:
+        runner = self.runner
+        loc = req.kv_slots[token_start:token_start + k[0].shape[0]]
+
+        def write():
+            dev_loc = loc.to(runner.device)
+            for i, (kt, vt) in enumerate(zip(k, v)):
+                runner.kv_pool.write(layer_start + i, dev_loc, kt.to(runner.device), vt.to(runner.device))
         self.stream.submit(write)
 
     def _launch(self, batch: ScheduleBatch) -> StepResult:
