@@ -40,31 +40,37 @@ def payload_bytes(chunk: prefill_pb2.KvChunk) -> int:
 class KvAssembler:
     """Collects chunks into per-layer host tensors, checking bounds and coverage."""
 
-    def __init__(self, prompt_len: int, num_layers: int, kv_heads: int, head_dim: int):
-        self.prompt_len, self.num_layers = prompt_len, num_layers
+    def __init__(self, prompt_len: int, num_layers: int, kv_heads: int, head_dim: int, store: bool = True):
+        self.prompt_len, self.num_layers, self.store = prompt_len, num_layers, store
         self.shape = (kv_heads, head_dim)
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.covered = torch.zeros(num_layers, prompt_len, dtype=torch.int32)
         self.chunks = 0
 
-    def add(self, chunk: prefill_pb2.KvChunk) -> None:
+    def add(self, chunk: prefill_pb2.KvChunk) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Check and decode one chunk; returns its per-layer (k, v) tensors."""
         t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
         if len(chunk.k) != len(chunk.v) or not chunk.k or l0 + len(chunk.k) > self.num_layers \
                 or nt == 0 or t0 + nt > self.prompt_len:
             raise ValueError(f"KV chunk out of range: tokens {t0}+{nt}, layers {l0}+{len(chunk.k)}")
+        ks, vs = [], []
         for i, (kt, vt) in enumerate(zip(chunk.k, chunk.v)):
             k, v = tensor_codec.decode(kt), tensor_codec.decode(vt)
             if tuple(k.shape) != (nt, *self.shape) or k.shape != v.shape:
                 raise ValueError(f"KV chunk tensor of shape {tuple(k.shape)}, expected {(nt, *self.shape)}")
+            ks.append(k), vs.append(v)
             layer = l0 + i
+            self.covered[layer, t0:t0 + nt] += 1
+            if not self.store:
+                continue
             if self.k[layer] is None:
                 self.k[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
                 self.v[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
             self.k[layer][t0:t0 + nt] = k
             self.v[layer][t0:t0 + nt] = v
-            self.covered[layer, t0:t0 + nt] += 1
         self.chunks += 1
+        return ks, vs
 
     def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not bool((self.covered == 1).all()):

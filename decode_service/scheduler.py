@@ -91,6 +91,7 @@ class DecodeScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fatal_error: Exception | None = None
+        self.errors: dict[str, str] = {}
 
     # ---- API (any thread) -----------------------------------------------------------------------
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -193,7 +194,7 @@ class DecodeScheduler:
             elif kind == "fail":
                 req = self.awaiting_handoff.pop(item[0], None)
                 if req is not None:
-                    self._finish(req, "error")
+                    self._finish(req, "error", item[1])
             elif kind == "abort":
                 self._on_abort(item)
             elif kind == "first":
@@ -339,6 +340,10 @@ class DecodeScheduler:
     def _finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
         req.finish_reason = reason
         req.error = detail
+        if detail is not None:  # read (and popped) by the front door to explain the failure
+            self.errors[req.rid] = detail
+            while len(self.errors) > 1024:
+                self.errors.pop(next(iter(self.errors)))
         if emit:
             self._emit(req, [], reason)
         self._release(req)

@@ -1,0 +1,28 @@
+"""python -m decode_service --model-path DIR --prefill-addr HOST:PORT[,...] [--port 30000 ...]"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from decode_service.config import parse_args
+from decode_service.server import DecodeService
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
+    config = parse_args(argv)
+    service = DecodeService(config).start()
+    logging.info("decode service serving %s as %r on %s (prefill: %s)", config.model_path,
+                 service.served_model_name, service.address, ",".join(config.prefill_addrs))
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    logging.info("decode service stopping")
+    service.stop()
+
+
+if __name__ == "__main__":
+    main()

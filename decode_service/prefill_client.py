@@ -1,0 +1,141 @@
+"""PrefillClient: the decode side of the internal Prefill API (one channel per prefill replica).
+
+Called by the scheduler with a PrefillRequest once the request's slots are reserved. On a worker
+thread it picks a serving replica (least loaded by GetLoad; waits up to `wait_ready_s` if none is
+ready), streams the call, and forwards: the first token at once, each KV chunk (checked: ranges,
+shapes, exactly-once coverage) to be written into the reserved slots, then the record as a Handoff.
+Any failure (peer gone, timeout, malformed chunk) ends in exactly one `fail_handoff`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.grpc_server import DEFAULT_MAX_CHUNK_BYTES, channel_options
+from common.handoff import Handoff, PrefillRequest
+from common.kv_chunks import KvAssembler
+from common.proto_gen import prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+class _Peer:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def serving(self) -> bool:
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def load(self) -> int:
+        try:
+            r = self.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=1.0)
+            return r.num_running_reqs + r.num_waiting_reqs
+        except grpc.RpcError:
+            return 1 << 30
+
+
+class PrefillClient:
+    def __init__(self, addresses: list[str], model_config, scheduler=None, wait_ready_s: float = 30.0,
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, max_concurrent: int = 64):
+        if not addresses:
+            raise ValueError("at least one prefill address is needed")
+        self.peers = [_Peer(a) for a in addresses]
+        self.config = model_config
+        self.scheduler = scheduler
+        self.wait_ready_s = wait_ready_s
+        self.max_chunk_bytes = max_chunk_bytes
+        self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call")
+        self._calls: dict[str, grpc.Future] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, request: PrefillRequest) -> None:
+        self._pool.submit(self._run, request)
+
+    def any_serving(self) -> bool:
+        return any(p.serving() for p in self.peers)
+
+    def cancel(self, rid: str) -> None:
+        with self._lock:
+            call = self._calls.get(rid)
+        if call is not None:
+            call.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in self.peers:
+            p.channel.close()
+
+    def _pick(self) -> _Peer | None:
+        deadline = time.monotonic() + self.wait_ready_s
+        while True:
+            ready = [p for p in self.peers if p.serving()]
+            if ready:
+                return min(ready, key=lambda p: p.load())
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+
+    def _run(self, request: PrefillRequest) -> None:
+        sched = self.scheduler
+        try:
+            peer = self._pick()
+            if peer is None:
+                sched.fail_handoff(request.rid, f"no prefill replica serving within {self.wait_ready_s:.0f}s")
+                return
+            handoff = self._stream(peer, request)
+        except grpc.RpcError as e:
+            sched.fail_handoff(request.rid, f"prefill call failed: {e.code().name}: {e.details()}")
+        except Exception as e:  # malformed stream
+            sched.fail_handoff(request.rid, f"bad prefill stream: {e}")
+        else:
+            sched.deliver_handoff(handoff)
+        finally:
+            with self._lock:
+                self._calls.pop(request.rid, None)
+
+    def _stream(self, peer: _Peer, request: PrefillRequest) -> Handoff:
+        p = request.params
+        msg = prefill_pb2.PrefillRequest(
+            request_id=request.rid, input_ids=request.prompt_ids, max_chunk_bytes=self.max_chunk_bytes,
+            sampling_params=prefill_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                                       min_p=p.min_p, seed=request.seed,
+                                                       max_new_tokens=p.max_new_tokens))
+        call = peer.stub.Prefill(msg)
+        with self._lock:
+            self._calls[request.rid] = call
+        cfg = self.config
+        assembler = KvAssembler(len(request.prompt_ids), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
+        first = None
+        for chunk in call:
+            kind = chunk.WhichOneof("payload")
+            if kind == "first_token":
+                first = chunk.first_token.token_id
+                self.scheduler.deliver_first_token(request.rid, first)
+            elif kind == "kv":
+                k, v = assembler.add(chunk.kv)
+                self.scheduler.deliver_kv(request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v)
+            elif kind == "record":
+                rec = chunk.record
+                assembler.finish()
+                if rec.prompt_len != len(request.prompt_ids) or rec.num_kv_chunks != assembler.chunks:
+                    raise ValueError(f"record says {rec.prompt_len} tokens / {rec.num_kv_chunks} chunks, "
+                                     f"got {len(request.prompt_ids)} / {assembler.chunks}")
+                if first is not None and rec.first_token != first:
+                    raise ValueError("record's first token differs from the streamed one")
+                return Handoff(request.rid, request.prompt_ids, request.params, request.seed, rec.first_token,
+                               k=None, v=None)
+        raise ValueError("prefill stream ended without a record")
