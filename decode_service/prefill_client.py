@@ -17,7 +17,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.grpc_server import DEFAULT_MAX_CHUNK_BYTES, channel_options
+from common.grpc_server import channel_options
 from common.handoff import Handoff, PrefillRequest
 from common.kv_chunks import KvAssembler
 from common.proto_gen import prefill_pb2, prefill_pb2_grpc
@@ -50,7 +50,7 @@ class _Peer:
 
 class PrefillClient:
     def __init__(self, addresses: list[str], model_config, scheduler=None, wait_ready_s: float = 30.0,
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, max_concurrent: int = 64):
+                 max_chunk_bytes: int = 0, max_concurrent: int = 64):  # 0: the server's bound
         if not addresses:
             raise ValueError("at least one prefill address is needed")
         self.peers = [_Peer(a) for a in addresses]

@@ -1,0 +1,65 @@
+"""Run a prefill + decode service pair in-process on loopback (port 0) and talk to it over gRPC."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from decode_service.config import DecodeConfig
+from decode_service.server import DecodeService
+from prefill_service.config import PrefillConfig
+from prefill_service.server import PrefillService
+
+
+class GrpcPair:
+    def __init__(self, path: str, overlap: bool = True, prefill_kw: dict | None = None, decode_kw: dict | None = None):
+        self.prefill = PrefillService(PrefillConfig(path, port=0, **(prefill_kw or {}))).start()
+        self.decode = DecodeService(DecodeConfig(path, prefill_addr=self.prefill.address, port=0,
+                                                 disable_overlap_schedule=not overlap, **(decode_kw or {}))).start()
+        self.decode.scheduler.future_map.debug = True
+        self.channel = grpc.insecure_channel(self.decode.address)
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+        deadline = time.time() + 20
+        while not self.stub.HealthCheck(pb.HealthCheckRequest()).healthy:
+            assert time.time() < deadline, "decode service never became healthy"
+            time.sleep(0.05)
+
+    def generate(self, prompt, max_new_tokens=None, stream=False, rid="r", **sampling):
+        sp = pb.SamplingParams(**sampling)
+        if max_new_tokens is not None:
+            sp.max_new_tokens = max_new_tokens
+        return self.stub.Generate(pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt),
+                                                     sampling_params=sp, stream=stream))
+
+    def collect(self, responses) -> tuple[list[int], pb.GenerateComplete]:
+        """Streamed ids (or the Complete's ids when not streaming) and the Complete."""
+        streamed, complete = [], None
+        for r in responses:
+            assert complete is None, "a message after the Complete"
+            if r.HasField("chunk"):
+                streamed.extend(r.chunk.token_ids)
+            else:
+                complete = r.complete
+        assert complete is not None
+        return (streamed if streamed else list(complete.output_ids)), complete
+
+    def wait_idle(self, timeout: float = 20) -> None:
+        sched = self.decode.scheduler
+        deadline = time.time() + timeout
+        while not sched.idle:
+            assert time.time() < deadline, "decode scheduler never went idle"
+            time.sleep(0.01)
+        time.sleep(0.05)
+        sched.check_integrity()
+        assert sched.runner.kv_allocator.num_used == 0 and sched.runner.req_to_token_pool.rows.num_used == 0
+
+    def close(self) -> None:
+        try:
+            self.wait_idle()
+        finally:
+            self.channel.close()
+            self.decode.stop()
+            self.prefill.stop()
