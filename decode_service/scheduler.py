@@ -92,6 +92,7 @@ class DecodeScheduler:
         self._thread: threading.Thread | None = None
         self.fatal_error: Exception | None = None
         self.errors: dict[str, str] = {}
+        self._step_lock = threading.RLock()  # other threads observe state only between steps
 
     # ---- API (any thread) -----------------------------------------------------------------------
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
@@ -140,7 +141,9 @@ class DecodeScheduler:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self.step():
+                with self._step_lock:
+                    busy = self.step()
+                if not busy:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
         except Exception as e:  # a broken forward or invariant: fail every live request loudly
@@ -155,7 +158,8 @@ class DecodeScheduler:
 
     @property
     def idle(self) -> bool:
-        return (self.inbox.empty() and not self.waiting and not self.awaiting_handoff and not self.prebuilt
+        with self._step_lock:
+            return (self.inbox.empty() and not self.waiting and not self.awaiting_handoff and not self.prebuilt
                 and not len(self.running) and self.last_result is None)
 
     def step(self) -> bool:
@@ -373,7 +377,11 @@ class DecodeScheduler:
 
     # ---- checks -------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Pools balance and every used slot is held by exactly one live request."""
+        """Pools balance and every used slot is held by exactly one live request (between steps)."""
+        with self._step_lock:
+            self._check_integrity()
+
+    def _check_integrity(self) -> None:
         live = [r for r in self.reqs.values() if r.kv_slots is not None]
         self.runner.kv_allocator.check_integrity(holders=[r.kv_slots for r in live])
         self.runner.req_to_token_pool.rows.check_integrity(holders=[[r.req_pool_idx] for r in live])

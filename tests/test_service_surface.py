@@ -1,0 +1,96 @@
+"""Service surface: checked-in stubs, health, reflection, model info, broken handoffs over gRPC."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from common.config import load_model_config
+from decode_service.config import DecodeConfig
+from decode_service.server import DecodeService
+from tests.grpc_harness import GrpcPair
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def test_checked_in_stubs_are_fresh():
+    proc = subprocess.run([sys.executable, "proto/generate.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _services(address: str) -> set[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(address))
+    [reply] = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    return {s.name for s in reply.list_services_response.service}
+
+
+def _health(address: str, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+
+def test_health_reflection_and_model_info(checkpoint):
+    path = checkpoint("qwen3")
+    pair = GrpcPair(path, decode_kw=dict(served_model_name="tiny-qwen3"))
+    try:
+        assert "disagg.v1.Prefill" in _services(pair.prefill.address)
+        assert "sglang.grpc.scheduler.SglangScheduler" in _services(pair.decode.address)
+        assert _health(pair.prefill.address) == health_pb2.HealthCheckResponse.SERVING
+        assert _health(pair.decode.address, "sglang.grpc.scheduler.SglangScheduler") == health_pb2.HealthCheckResponse.SERVING
+        info = pair.stub.GetModelInfo(pb.GetModelInfoRequest())
+        cfg = load_model_config(path)
+        assert info.served_model_name == "tiny-qwen3" and info.is_generation
+        assert info.max_context_length == cfg.context_length and info.vocab_size == cfg.vocab_size
+        assert list(info.eos_token_ids) == list(cfg.eos_token_ids) and info.tokenizer_path == cfg.path
+        with pytest.raises(grpc.RpcError) as err:  # other runtimes' health checks stay unimplemented
+            pair.channel.unary_unary("/vllm.grpc.engine.VllmEngine/HealthCheck")(b"", timeout=2)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        pair.close()
+
+
+def test_decode_is_unhealthy_without_a_prefill_peer_and_says_unavailable(checkpoint):
+    path = checkpoint("qwen2")
+    decode = DecodeService(DecodeConfig(path, prefill_addr="127.0.0.1:1", port=0, prefill_wait_s=0.5)).start()
+    try:
+        time.sleep(0.3)
+        assert _health(decode.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        stub = __import__("smg_grpc_proto.generated.sglang_scheduler_pb2_grpc", fromlist=["x"]).SglangSchedulerStub(
+            grpc.insecure_channel(decode.address))
+        start = time.time()
+        reply = stub.HealthCheck(pb.HealthCheckRequest())
+        assert not reply.healthy and "prefill" in reply.message and time.time() - start < 1
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(request_id="x", tokenized=pb.TokenizedInput(input_ids=[5, 6]),
+                                                  sampling_params=pb.SamplingParams(max_new_tokens=4))))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill replica" in err.value.details()
+        deadline = time.time() + 10
+        while not decode.scheduler.idle:  # the failure is reported before the scheduler thread moves on
+            assert time.time() < deadline
+            time.sleep(0.01)
+        decode.scheduler.check_integrity()
+        assert decode.runner.kv_allocator.num_used == 0
+    finally:
+        decode.stop()
+
+
+def test_prefill_killed_mid_handoff_fails_the_request_cleanly(checkpoint):
+    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(test_kv_chunk_delay_s=0.05, max_chunk_bytes=512))
+    try:
+        call = pair.generate(list(range(5, 35)), 8, stream=True, ignore_eos=True)
+        first = next(call)                        # the first token arrived; KV chunks still coming
+        assert first.chunk.token_ids
+        pair.prefill.server.server.stop(0)        # the prefill peer dies mid-handoff
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in err.value.details()
+        pair.wait_idle()
+    finally:
+        pair.close()
