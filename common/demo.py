@@ -1,82 +1,104 @@
-"""One-shot disaggregated generation in one process: prefill engine -> handoff -> decode scheduler.
+"""The main job: both services locally on CPU, one real request through the client, clean stop.
 
-    python -m common.demo [--model-path DIR] [--prompt TEXT] [--max-new-tokens N] [--disable-overlap-schedule]
+    python -m common.demo [--model-path DIR] [--prompt TEXT] [--max-new-tokens N]
 
-Without --model-path it builds a tiny random-weight Llama checkpoint in a temporary folder, so its
-answer is gibberish by design: the point is the whole path (tokenizer, chat template, chunked
-prefill, KV handoff, prebuilt admission, overlap decode, streaming, detokenize) running on CPU.
-The gRPC services replace this in-process wiring.
+1. without --model-path, build a tiny random-weight Llama checkpoint in a temporary folder (its
+   answer is gibberish by design: the point is the whole path running);
+2. start `python -m prefill_service` and `python -m decode_service` as subprocesses on free
+   loopback ports, and wait until both report SERVING (grpc.health.v1);
+3. send the prompt through the client library (chat template, streaming) and print the answer as it
+   streams;
+4. stop both services with SIGTERM and wait for them to exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 
-import torch
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"service on {address} exited with code {proc.returncode}")
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"service on {address} not serving after {timeout:.0f}s")
+
+
+def stop(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description="one-shot disaggregated generation on CPU")
+    parser = argparse.ArgumentParser(description="run prefill + decode locally and answer one request")
     parser.add_argument("--model-path", default=None, help="Hugging Face checkpoint folder (default: build a tiny one)")
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--disable-overlap-schedule", action="store_true")
     args = parser.parse_args(argv)
 
-    from common.model_runner import ModelRunner, RunnerArgs
-    from common.sampling import SamplingParams
-    from common.tiny_checkpoint import build
-    from common.tokenizer import load_tokenizer
-    from decode_service.scheduler import DecodeScheduler
-    from prefill_service.engine import PrefillEngine
-    from prefill_service.inprocess import InProcessPrefill
+    from common.client import Client
 
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tmp:
         path = args.model_path
         if path is None:
+            from common.tiny_checkpoint import build
+
             print("[demo] building a tiny random-weight llama checkpoint ...", flush=True)
             path = build(tmp, "llama")
-        print(f"[demo] loading {path} on {args.device} (prefill and decode engines)", flush=True)
-        runner_args = RunnerArgs(path, device=args.device, max_total_tokens=4096, max_running_requests=4)
-        tokenizer = load_tokenizer(path)
-        sched = None
-        link = InProcessPrefill(PrefillEngine(ModelRunner(runner_args)),
-                                lambda h: sched.deliver_handoff(h), lambda rid, e: sched.fail_handoff(rid, e))
-        sched = DecodeScheduler(ModelRunner(runner_args), link, disable_overlap=args.disable_overlap_schedule)
-        sched.start()
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        output, done, finish = [], threading.Event(), []
-        first_token_at = []
-
-        def on_output(rid, tokens, reason):
-            if tokens and not output:
-                first_token_at.append(time.perf_counter())
-            output.extend(tokens)
-            if reason is not None:
-                finish.append(reason)
-                done.set()
-
-        print(f"[demo] prompt: {args.prompt!r} ({len(ids)} tokens)", flush=True)
-        start = time.perf_counter()
-        sched.submit("demo", ids, SamplingParams(max_new_tokens=args.max_new_tokens), on_output)
-        if not done.wait(timeout=120):
-            raise SystemExit("[demo] no answer within 120 s")
-        elapsed = time.perf_counter() - start
-        text = tokenizer.decode(output, skip_special_tokens=True)
-        print(f"[demo] answer: {text!r}")
-        print(f"[demo] {len(output)} tokens ({finish[0]}); first token after {1000 * (first_token_at[0] - start):.1f} ms,"
-              f" all in {elapsed:.2f}s; ids={output}")
-        time.sleep(0.05)
-        sched.check_integrity()
-        sched.stop()
-        link.close()
+        prefill_port, decode_port = free_port(), free_port()
+        common = ["--model-path", path, "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        print(f"[demo] starting prefill on 127.0.0.1:{prefill_port} and decode on 127.0.0.1:{decode_port}", flush=True)
+        prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(prefill_port)], env=env)
+        decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(decode_port),
+                                   "--prefill-addr", f"127.0.0.1:{prefill_port}", "--served-model-name", "tiny-llama"],
+                                  env=env)
+        try:
+            wait_serving(f"127.0.0.1:{prefill_port}", prefill)
+            wait_serving(f"127.0.0.1:{decode_port}", decode)
+            client = Client(f"127.0.0.1:{decode_port}")
+            print(f"[demo] prompt: {args.prompt!r}\n[demo] answer: ", end="", flush=True)
+            start = time.perf_counter()
+            text = "".join(print(d, end="", flush=True) or d
+                           for d in client.generate_text(args.prompt, chat=True, max_new_tokens=args.max_new_tokens))
+            c = client.last_complete
+            print(f"\n[demo] {c.completion_tokens} tokens ({c.finish_reason}) in {time.perf_counter() - start:.2f}s",
+                  flush=True)
+            client.close()
+        finally:
+            codes = (stop(decode), stop(prefill))
+        print(f"[demo] services stopped (exit codes {codes[0]}, {codes[1]})", flush=True)
+        if codes != (0, 0):
+            raise SystemExit(f"a service did not stop cleanly: {codes}")
         return text
 
 
