@@ -6,6 +6,8 @@ Message limits are set on purpose (never the 4 MiB default): KV chunks are bound
 
 from __future__ import annotations
 
+import signal
+import threading
 from concurrent import futures
 
 import grpc
@@ -51,3 +53,11 @@ class Server:
     def stop(self, grace: float = 2.0) -> None:
         self.set_serving(False)
         self.server.stop(grace).wait()
+
+
+def wait_for_shutdown_signal() -> None:
+    """Block until SIGINT or SIGTERM (the CLIs' main thread)."""
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()

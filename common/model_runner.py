@@ -30,6 +30,13 @@ class RunnerArgs:
     context_length: int | None = None
     attention_backend: str = "torch"
 
+    @classmethod
+    def from_service_config(cls, config) -> "RunnerArgs":
+        """The runner part of a prefill/decode service config (same flag names on both)."""
+        return cls(config.model_path, device=config.device, dtype=config.dtype,
+                   max_total_tokens=config.max_total_tokens, max_running_requests=config.max_running_requests,
+                   context_length=config.context_length)
+
 
 class ModelRunner:
     def __init__(self, args: RunnerArgs, config: ModelConfig | None = None):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 
+from common.grpc_server import wait_for_shutdown_signal
 from decode_service.config import parse_args
 from decode_service.server import DecodeService
 
@@ -16,10 +15,7 @@ def main(argv=None) -> None:
     service = DecodeService(config).start()
     logging.info("decode service serving %s as %r on %s (prefill: %s)", config.model_path,
                  service.served_model_name, service.address, ",".join(config.prefill_addrs))
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_shutdown_signal()
     logging.info("decode service stopping")
     service.stop()
 

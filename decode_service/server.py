@@ -41,9 +41,7 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
         self.config = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.runner = ModelRunner(RunnerArgs(
-            config.model_path, device=config.device, dtype=config.dtype, max_total_tokens=config.max_total_tokens,
-            max_running_requests=config.max_running_requests, context_length=config.context_length))
+        self.runner = ModelRunner(RunnerArgs.from_service_config(config))
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 
+from common.grpc_server import wait_for_shutdown_signal
 from prefill_service.config import parse_args
 from prefill_service.server import PrefillService
 
@@ -15,10 +14,7 @@ def main(argv=None) -> None:
     config = parse_args(argv)
     service = PrefillService(config).start()
     logging.info("prefill service serving %s on %s", config.model_path, service.address)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    wait_for_shutdown_signal()
     logging.info("prefill service stopping")
     service.stop()
 

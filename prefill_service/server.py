@@ -44,9 +44,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.config = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.runner = ModelRunner(RunnerArgs(
-            config.model_path, device=config.device, dtype=config.dtype, max_total_tokens=config.max_total_tokens,
-            max_running_requests=config.max_running_requests, context_length=config.context_length))
+        self.runner = ModelRunner(RunnerArgs.from_service_config(config))
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
         self.prefill_queue: queue.Queue = queue.Queue()
         self.num_running = 0
