@@ -23,6 +23,7 @@ import time
 
 import grpc
 import torch
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -32,6 +33,8 @@ from decode_service.config import DecodeConfig
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
 from decode_service.scheduler import DecodeScheduler
+from decode_service.tokenizer_archive import chunks as archive_chunks
+from decode_service.tokenizer_archive import tokenizer_zip
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 
@@ -173,3 +176,21 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
         return pb.GetServerInfoResponse(server_args=args, active_requests=len(self.scheduler.reqs),
                                         uptime_seconds=time.time() - self.started_at, sglang_version="disagg-serve",
                                         max_total_num_tokens=self.runner.kv_allocator.size)
+
+    def GetLoads(self, request, context):
+        sched, kv = self.scheduler, self.runner.kv_allocator
+        running = len(sched.running)
+        waiting = len(sched.waiting) + len(sched.awaiting_handoff) + len(sched.prebuilt)
+        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting,
+                                num_total_reqs=running + waiting, num_used_tokens=kv.num_used,
+                                max_total_num_tokens=kv.size, token_usage=kv.num_used / kv.size,
+                                max_running_requests=self.config.max_running_requests)
+        return pb.GetLoadsResponse(version="disagg-serve", dp_rank_count=1, loads=[load])
+
+    def GetTokenizer(self, request, context):
+        try:
+            data = tokenizer_zip(self.model_config.path)
+        except FileNotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        for piece, digest in archive_chunks(data):
+            yield common_pb2.GetTokenizerChunk(data=piece, sha256=digest)
