@@ -1,0 +1,145 @@
+"""The smg gateway in front of the decode service: OpenAI API text equals the HF oracle's text.
+
+Fails (does not skip) when smg is missing: it is part of the dev extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from common.config import load_model_config
+from common.tokenizer import load_tokenizer
+from tests.grpc_harness import GrpcPair
+from tests.oracle import hf_greedy
+
+MODEL = "tiny-llama"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _smg_binary() -> str:
+    found = shutil.which("smg") or os.path.join(os.path.dirname(sys.executable), "smg")
+    assert os.path.exists(found), "smg is not installed (pip install -e '.[dev]')"
+    return found
+
+
+@pytest.fixture(scope="module")
+def gateway(checkpoint):
+    path = checkpoint("llama")
+    pair = GrpcPair(path, decode_kw=dict(served_model_name=MODEL, default_max_new_tokens=16))
+    sched, reasons = pair.decode.scheduler, {}
+    finish = sched._finish
+    sched._finish = lambda req, reason, *a, **k: (reasons.__setitem__(req.rid, reason), finish(req, reason, *a, **k))
+    port = _free_port()
+    log = open(os.path.join(os.path.dirname(path), "smg.log"), "w")
+    proc = subprocess.Popen([_smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+                             "--worker-urls", f"grpc://{pair.decode.address}", "--worker-startup-check-interval", "1",
+                             "--health-check-interval-secs", "5"], stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            if '"ready"' in urllib.request.urlopen(f"{base}/readiness", timeout=2).read().decode():
+                break
+        except OSError:
+            pass
+        assert time.time() < deadline and proc.poll() is None, "smg did not become ready"
+        time.sleep(0.3)
+    yield base, path, pair, reasons
+    proc.terminate()
+    proc.wait(timeout=20)
+    pair.close()
+
+
+def _post(base: str, route: str, body: dict, stream: bool = False):
+    req = urllib.request.Request(f"{base}{route}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    if not stream:
+        return json.loads(resp.read())
+    return resp
+
+
+def _sse(resp) -> list[dict]:
+    events = []
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+def _oracle(path: str, ids: list[int], max_tokens: int) -> tuple[str, int, str]:
+    """(text, completion tokens, finish reason) the gateway should report for greedy decoding."""
+    ref = hf_greedy(path, ids, max_tokens)
+    eos = load_model_config(path).eos_token_ids
+    cut = next((i for i, t in enumerate(ref) if t in eos), None)
+    ref = ref if cut is None else ref[:cut + 1]
+    text = load_tokenizer(path).decode(ref, skip_special_tokens=True)
+    return text.rstrip("\ufffd"), len(ref), "length" if cut is None else "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_openai_routes_match_the_oracle(gateway, route, stream):
+    base, path, _, _ = gateway
+    tok = load_tokenizer(path)
+    body = {"model": MODEL, "max_tokens": 10, "temperature": 0, "stream": stream}
+    if route == "/v1/completions":
+        body["prompt"] = "Hello, world! How are you"
+        ids = tok.encode(body["prompt"])
+    else:
+        body["messages"] = [{"role": "user", "content": "What is the capital of France?"}]
+        ids = list(tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)["input_ids"])
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        events = _sse(_post(base, route, body, stream=True))
+        choices = [c for e in events for c in e.get("choices", [])]
+        key = "text" if route == "/v1/completions" else "delta"
+        text = "".join((c.get(key) if key == "text" else c.get("delta", {}).get("content")) or "" for c in choices)
+        finish = [c["finish_reason"] for c in choices if c.get("finish_reason")][-1]
+        usage = [e["usage"] for e in events if e.get("usage")][-1]
+    else:
+        reply = _post(base, route, body)
+        choice = reply["choices"][0]
+        text = choice["text"] if route == "/v1/completions" else choice["message"]["content"] or ""
+        finish, usage = choice["finish_reason"], reply["usage"]
+    want_text, want_tokens, want_finish = _oracle(path, ids, 10)
+    assert text.rstrip("\ufffd") == want_text
+    assert finish == want_finish and usage["completion_tokens"] == want_tokens
+    assert usage["prompt_tokens"] == len(ids)
+
+
+def test_models_lists_the_served_name(gateway):
+    base = gateway[0]
+    models = json.loads(urllib.request.urlopen(f"{base}/v1/models", timeout=10).read())
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_closing_a_stream_aborts_on_the_decode_service(gateway):
+    base, _, pair, reasons = gateway
+    resp = _post(base, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400,
+                                           "temperature": 0, "stream": True, "ignore_eos": True}, stream=True)
+    for _ in range(3):
+        resp.readline()
+    before = set(reasons)
+    resp.close()
+    deadline = time.time() + 10
+    while not any(reasons[r] == "abort" for r in set(reasons) - before):
+        assert time.time() < deadline, f"no abort seen on the decode service: {reasons}"
+        time.sleep(0.05)
+    pair.wait_idle()
