@@ -17,9 +17,10 @@ from common.sampling import SamplingParams
 @dataclass
 class PrefillRequest:
     rid: str
-    prompt_ids: list[int]
+    prompt_ids: list[int]             # the ids to prefill: the prompt, plus tokens already sent on a retry
     params: SamplingParams
     seed: int
+    first_position: int = 0           # output index of the token this prefill samples (= tokens resent)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Handoff:
     draft_k: list[torch.Tensor] | None = None
     draft_v: list[torch.Tensor] | None = None
     draft_seed: dict | None = None
+    first_position: int = 0           # output index of first_token; prompt_ids ends with that many outputs
 
     @property
     def prompt_len(self) -> int:

@@ -1,10 +1,12 @@
 """PrefillClient: the decode side of the internal Prefill API (one channel per prefill replica).
 
 Called by the scheduler with a PrefillRequest once the request's slots are reserved. On a worker
-thread it picks a serving replica (least loaded by GetLoad; waits up to `wait_ready_s` if none is
-ready), streams the call, and forwards: the first token at once, each KV chunk (checked: ranges,
-shapes, exactly-once coverage) to be written into the reserved slots, then the record as a Handoff.
-Any failure (peer gone, timeout, malformed chunk) ends in exactly one `fail_handoff`.
+thread it picks a serving replica (least loaded: its GetLoad plus our own calls in flight to it;
+waits up to `wait_ready_s` if none is ready), streams the call, and forwards: the first token at
+once, each KV chunk (checked: ranges, shapes, exactly-once coverage) to be written into the
+reserved slots, then the record as a Handoff. A call that breaks is retried on another replica by
+re-prefilling prompt + the tokens already sent (sampled at the next output position), so the client
+never sees a token twice or changed. With no replica left it ends in exactly one `fail_handoff`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class _Peer:
         self.channel = grpc.insecure_channel(address, options=channel_options())
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.in_flight = 0  # our calls to this replica (guarded by the client's lock)
 
     def serving(self) -> bool:
         try:
@@ -59,7 +62,8 @@ class PrefillClient:
         self.wait_ready_s = wait_ready_s
         self.max_chunk_bytes = max_chunk_bytes
         self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call")
-        self._calls: dict[str, grpc.Future] = {}
+        self._calls: dict[str, tuple[grpc.Future, _Peer]] = {}
+        self._cancelled: set[str] = set()
         self._lock = threading.Lock()
 
     def __call__(self, request: PrefillRequest) -> None:
@@ -70,53 +74,85 @@ class PrefillClient:
 
     def cancel(self, rid: str) -> None:
         with self._lock:
+            self._cancelled.add(rid)
             call = self._calls.get(rid)
         if call is not None:
-            call.cancel()
+            call[0].cancel()
+
+    def peer_of(self, rid: str) -> str | None:
+        """The replica a request's prefill call is streaming from right now (for tests and logs)."""
+        with self._lock:
+            call = self._calls.get(rid)
+        return call[1].address if call else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for p in self.peers:
             p.channel.close()
 
-    def _pick(self) -> _Peer | None:
+    def _pick(self, exclude: set[str]) -> _Peer | None:
         deadline = time.monotonic() + self.wait_ready_s
         while True:
-            ready = [p for p in self.peers if p.serving()]
+            ready = [p for p in self.peers if p.address not in exclude and p.serving()]
             if ready:
-                return min(ready, key=lambda p: p.load())
-            if time.monotonic() >= deadline:
+                with self._lock:
+                    peer = min(ready, key=lambda p: p.load() + p.in_flight)
+                    peer.in_flight += 1
+                return peer
+            if time.monotonic() >= deadline or len(exclude) == len(self.peers):
                 return None
             time.sleep(0.2)
 
     def _run(self, request: PrefillRequest) -> None:
-        sched = self.scheduler
+        sched, tried, sent, errors = self.scheduler, set(), [], []
         try:
-            peer = self._pick()
-            if peer is None:
-                sched.fail_handoff(request.rid, f"no prefill replica serving within {self.wait_ready_s:.0f}s")
+            while True:
+                peer = self._pick(tried)
+                if peer is None:
+                    reason = "; ".join(errors) if errors else f"none serving within {self.wait_ready_s:.0f}s"
+                    sched.fail_handoff(request.rid, f"no prefill replica left: {reason}")
+                    return
+                tried.add(peer.address)
+                attempt = PrefillRequest(request.rid, request.prompt_ids + sent, request.params, request.seed,
+                                         first_position=len(sent))
+                try:
+                    handoff = self._stream(peer, attempt, sent)
+                except (grpc.RpcError, ValueError) as e:
+                    detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                    errors.append(f"{peer.address}: {detail}")
+                    with self._lock:
+                        if request.rid in self._cancelled:
+                            return  # aborted by the front door: the scheduler already freed it
+                    logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", request.rid, peer.address,
+                                   detail)
+                    continue
+                finally:
+                    with self._lock:
+                        peer.in_flight -= 1
+                        self._calls.pop(request.rid, None)
+                sched.deliver_handoff(handoff)
                 return
-            handoff = self._stream(peer, request)
-        except grpc.RpcError as e:
-            sched.fail_handoff(request.rid, f"prefill call failed: {e.code().name}: {e.details()}")
-        except Exception as e:  # malformed stream
-            sched.fail_handoff(request.rid, f"bad prefill stream: {e}")
-        else:
-            sched.deliver_handoff(handoff)
+        except Exception as e:  # never leave a reservation without an answer
+            logger.exception("prefill client failed for %s", request.rid)
+            sched.fail_handoff(request.rid, f"prefill client error: {e!r}")
         finally:
             with self._lock:
-                self._calls.pop(request.rid, None)
+                self._cancelled.discard(request.rid)
 
-    def _stream(self, peer: _Peer, request: PrefillRequest) -> Handoff:
+    def _stream(self, peer: _Peer, request: PrefillRequest, sent: list[int]) -> Handoff:
+        """One attempt. Tokens sampled by prefill are appended to `sent` as they are forwarded."""
         p = request.params
         msg = prefill_pb2.PrefillRequest(
             request_id=request.rid, input_ids=request.prompt_ids, max_chunk_bytes=self.max_chunk_bytes,
+            first_output_position=request.first_position,
             sampling_params=prefill_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                                        min_p=p.min_p, seed=request.seed,
                                                        max_new_tokens=p.max_new_tokens))
         call = peer.stub.Prefill(msg)
         with self._lock:
-            self._calls[request.rid] = call
+            self._calls[request.rid] = (call, peer)
+            if request.rid in self._cancelled:
+                call.cancel()
         cfg = self.config
         assembler = KvAssembler(len(request.prompt_ids), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
         first = None
@@ -124,7 +160,9 @@ class PrefillClient:
             kind = chunk.WhichOneof("payload")
             if kind == "first_token":
                 first = chunk.first_token.token_id
-                self.scheduler.deliver_first_token(request.rid, first)
+                if len(sent) == request.first_position:
+                    sent.append(first)
+                self.scheduler.deliver_first_token(request.rid, first, request.first_position)
             elif kind == "kv":
                 k, v = assembler.add(chunk.kv)
                 self.scheduler.deliver_kv(request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v)
@@ -137,5 +175,5 @@ class PrefillClient:
                 if first is not None and rec.first_token != first:
                     raise ValueError("record's first token differs from the streamed one")
                 return Handoff(request.rid, request.prompt_ids, request.params, request.seed, rec.first_token,
-                               k=None, v=None)
+                               k=None, v=None, first_position=request.first_position)
         raise ValueError("prefill stream ended without a record")

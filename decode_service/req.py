@@ -36,7 +36,6 @@ class DecodeReq:
     finish_reason: str | None = None
     error: str | None = None             # detail when finish_reason == "error"
     handoff: object = None               # the Handoff while PREBUILT
-    first_token_sent: int | None = None  # streamed before the handoff completed
 
     @property
     def prompt_len(self) -> int:

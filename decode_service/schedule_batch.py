@@ -27,9 +27,9 @@ class ScheduleBatch:
         return cls([], torch.empty(0, dtype=torch.int64), device)
 
     @classmethod
-    def prebuilt(cls, reqs: list[DecodeReq], device: torch.device) -> "ScheduleBatch":
-        """A prebuilt batch: seq_lens = prompt lengths (the handed-over KV)."""
-        return cls(reqs, torch.tensor([r.prompt_len for r in reqs], dtype=torch.int64), device)
+    def prebuilt(cls, reqs: list[DecodeReq], kv_lens: list[int], device: torch.device) -> "ScheduleBatch":
+        """A prebuilt batch: seq_lens = the handed-over KV lengths (prompt, plus tokens resent on a retry)."""
+        return cls(reqs, torch.tensor(kv_lens, dtype=torch.int64), device)
 
     def __len__(self) -> int:
         return len(self.reqs)

@@ -103,9 +103,9 @@ class DecodeScheduler:
     def deliver_handoff(self, handoff: Handoff) -> None:
         self._post(("handoff", handoff))
 
-    def deliver_first_token(self, rid: str, token: int) -> None:
-        """The first token, streamed to the client before the handoff completes."""
-        self._post(("first", (rid, token)))
+    def deliver_first_token(self, rid: str, token: int, position: int = 0) -> None:
+        """A token sampled by prefill (output index `position`), streamed before the handoff completes."""
+        self._post(("first", (rid, token, position)))
 
     def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list) -> None:
         """One KV chunk: written into the request's reserved slots as stream work, as it arrives."""
@@ -203,8 +203,8 @@ class DecodeScheduler:
                 self._on_abort(item)
             elif kind == "first":
                 req = self.awaiting_handoff.get(item[0])
-                if req is not None and req.first_token_sent is None:
-                    req.first_token_sent = item[1]
+                if req is not None and item[2] == len(req.output_ids):  # new, not a retry's resend
+                    req.output_ids.append(item[1])
                     self._emit(req, [item[1]], None)
             elif kind == "kv":
                 req = self.awaiting_handoff.get(item[0])
@@ -230,9 +230,11 @@ class DecodeScheduler:
         try:
             if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
                 handoff.check(self.runner.config.num_layers)
-            if handoff.prompt_ids != req.prompt_ids:
-                raise ValueError(f"handoff {handoff.rid}: prompt differs from the request")
-            if req.first_token_sent not in (None, handoff.first_token):
+            sent = req.output_ids[:handoff.first_position]
+            if handoff.prompt_ids != req.prompt_ids + sent or len(sent) != handoff.first_position:
+                raise ValueError(f"handoff {handoff.rid}: prefilled ids differ from prompt + tokens sent")
+            if len(req.output_ids) > handoff.first_position + 1 or \
+                    req.output_ids[handoff.first_position:] not in ([], [handoff.first_token]):
                 raise ValueError(f"handoff {handoff.rid}: first token differs from the one streamed")
         except ValueError as e:
             self._finish(req, "error", str(e))
@@ -243,19 +245,24 @@ class DecodeScheduler:
     def _prebuilt_batch(self) -> ScheduleBatch:
         """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
         reqs, self.prebuilt = self.prebuilt, []
-        live = []
+        live, kv_lens = [], []
         for req in reqs:
             handoff, req.handoff = req.handoff, None
             self._submit_prebuilt_writes(req, handoff)
-            req.output_ids.append(handoff.first_token)
+            new = []  # tokens streamed early (or resent on a retry) may already finish the request
+            if len(req.output_ids) == handoff.first_position and \
+                    (not req.output_ids or finish_reason(req.params, req.output_ids, self.eos_ids) is None):
+                new = [handoff.first_token]
+                req.output_ids.append(handoff.first_token)
             reason = finish_reason(req.params, req.output_ids, self.eos_ids)
-            self._emit(req, [] if req.first_token_sent is not None else [handoff.first_token], reason)
+            self._emit(req, new, reason)
             if reason is None:
                 req.state = ReqState.RUNNING
                 live.append(req)
+                kv_lens.append(handoff.prompt_len)
             else:
                 self._finish(req, reason, emit=False)
-        return ScheduleBatch.prebuilt(live, self.device)
+        return ScheduleBatch.prebuilt(live, kv_lens, self.device)
 
     def _submit_prebuilt_writes(self, req: DecodeReq, handoff: Handoff) -> None:
         runner, fm = self.runner, self.future_map

@@ -70,7 +70,8 @@ class PrefillEngine:
         return wave
 
     def _sample_first(self, done: list[_Running], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [w.request.params for w in done], [w.request.seed for w in done], [0] * len(done))
+        tokens = sample(logits, [w.request.params for w in done], [w.request.seed for w in done],
+                        [w.request.first_position for w in done])
         for w, t in zip(done, tokens.tolist()):
             w.first_token = t
 
@@ -79,4 +80,5 @@ class PrefillEngine:
         loc = w.kv_slots.to(pool.device)
         r = w.request
         return Handoff(rid=r.rid, prompt_ids=list(r.prompt_ids), params=r.params, seed=r.seed,
-                       first_token=w.first_token, k=[k[loc].cpu() for k in pool.k], v=[v[loc].cpu() for v in pool.v])
+                       first_token=w.first_token, k=[k[loc].cpu() for k in pool.k], v=[v[loc].cpu() for v in pool.v],
+                       first_position=r.first_position)

@@ -48,6 +48,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
         self.prefill_queue: queue.Queue = queue.Queue()
         self.num_running = 0
+        self.num_prefilled = 0  # requests prefilled since start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._engine_loop, name="prefill-engine", daemon=True)
         self.server = Server(config.host, config.port, [SERVICE_NAME])
@@ -91,6 +92,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 handoffs = self.engine.prefill([c.request for c in calls]) if calls else []
                 for c, h in zip(calls, handoffs):
                     c.results.put(h)
+                self.num_prefilled += len(handoffs)
             except Exception as e:  # the whole batch fails; each call reports it
                 for c in calls:
                     c.results.put(e)
@@ -109,7 +111,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             params.validate(self.runner.config.vocab_size)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        call = _Call(PrefillRequest(request.request_id, prompt, params, sp.seed))
+        if request.first_output_position >= len(prompt):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first_output_position must be < len(input_ids)")
+        call = _Call(PrefillRequest(request.request_id, prompt, params, sp.seed, request.first_output_position))
         context.add_callback(call.cancelled.set)
         self.prefill_queue.put(call)
         result = call.results.get()

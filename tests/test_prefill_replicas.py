@@ -1,0 +1,129 @@
+"""Several prefill replicas behind one decode: balancing, retry on a broken handoff, no replica left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from common.demo import free_port, wait_serving
+from decode_service.config import DecodeConfig
+from decode_service.server import DecodeService
+from prefill_service.config import PrefillConfig
+from prefill_service.server import PrefillService
+from tests.oracle import hf_greedy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _generate(stub, prompt, n, rid, stream=True):
+    return stub.Generate(pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=stream,
+                                            sampling_params=pb.SamplingParams(max_new_tokens=n, ignore_eos=True)))
+
+
+def _tokens(responses) -> tuple[list[int], str]:
+    ids, reason = [], None
+    for r in responses:
+        if r.HasField("chunk"):
+            ids.extend(r.chunk.token_ids)
+        else:
+            reason = r.complete.finish_reason
+    return ids, reason
+
+
+def _wait_idle(decode: DecodeService) -> None:
+    deadline = time.time() + 20
+    while not decode.scheduler.idle:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    decode.scheduler.check_integrity()
+    assert decode.runner.kv_allocator.num_used == 0
+
+
+def test_two_replicas_both_get_work(checkpoint):
+    path = checkpoint("qwen2")
+    replicas = [PrefillService(PrefillConfig(path, port=0, test_kv_chunk_delay_s=0.01, max_chunk_bytes=2048)).start()
+                for _ in range(2)]
+    decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(r.address for r in replicas), port=0)).start()
+    try:
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+        prompts = [[5 + i, 6 + i, 7 + i, 8] for i in range(12)]
+        with futures.ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(lambda i: _tokens(_generate(stub, prompts[i], 6, f"r{i}")), range(12)))
+        for p, (ids, reason) in zip(prompts, results):
+            assert ids == hf_greedy(path, p, 6) and reason == "length"
+        assert all(r.num_prefilled > 0 for r in replicas), [r.num_prefilled for r in replicas]
+        assert sum(r.num_prefilled for r in replicas) == 12
+        _wait_idle(decode)
+    finally:
+        decode.stop()
+        for r in replicas:
+            r.stop()
+
+
+def _start_prefill(path: str, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "prefill_service", "--model-path", path, "--port", str(port),
+                             "--torch-threads", "1", "--max-chunk-bytes", "512", "--test-kv-chunk-delay-s", "0.02"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc
+
+
+def test_killing_prefill_processes_mid_handoff(checkpoint):
+    path = checkpoint("llama")
+    ports = [free_port(), free_port()]
+    procs = {port: _start_prefill(path, port) for port in ports}
+    decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0,
+                                        prefill_wait_s=1.0)).start()
+    try:
+        for port, proc in procs.items():
+            wait_serving(f"127.0.0.1:{port}", proc)
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+        prompt = list(range(5, 25))
+        # 1. the replica serving the handoff dies after the first token: the other one finishes it
+        call = _generate(stub, prompt, 10, "survive")
+        first = next(call)
+        rid = next(iter(decode.scheduler.awaiting_handoff))
+        victim = int(decode.prefill.peer_of(rid).rsplit(":", 1)[1])
+        procs[victim].send_signal(signal.SIGKILL)
+        procs[victim].wait()
+        rest, reason = _tokens(call)
+        assert list(first.chunk.token_ids) + rest == hf_greedy(path, prompt, 10) and reason == "length"
+        _wait_idle(decode)
+        # 2. the last replica dies mid-handoff: UNAVAILABLE, nothing leaks, decode stays up
+        survivor = next(p for p in ports if p != victim)
+        call = _generate(stub, prompt, 10, "orphan")
+        next(call)
+        procs[survivor].send_signal(signal.SIGKILL)
+        procs[survivor].wait()
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill replica left" in err.value.details()
+        _wait_idle(decode)
+        deadline = time.time() + 10
+        while stub.HealthCheck(pb.HealthCheckRequest()).healthy:
+            assert time.time() < deadline, "decode still reports healthy with no prefill up"
+            time.sleep(0.1)
+        # 3. a replica comes back: decode serves again
+        procs[survivor] = _start_prefill(path, survivor)
+        wait_serving(f"127.0.0.1:{survivor}", procs[survivor])
+        deadline = time.time() + 10
+        while not stub.HealthCheck(pb.HealthCheckRequest()).healthy:
+            assert time.time() < deadline, "decode did not recover"
+            time.sleep(0.1)
+        ids, _ = _tokens(_generate(stub, prompt, 4, "back"))
+        assert ids == hf_greedy(path, prompt, 4)
+        _wait_idle(decode)
+    finally:
+        decode.stop()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
