@@ -37,6 +37,8 @@ class _Call:
         self.request = request
         self.results: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
+        self.queued_at = time.perf_counter()
+        self.started_at = self.finished_at = 0.0
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -89,8 +91,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             calls = [c for c in calls if not c.cancelled.is_set()]
             self.num_running = len(calls)
             try:
+                started = time.perf_counter()
                 handoffs = self.engine.prefill([c.request for c in calls]) if calls else []
+                finished = time.perf_counter()
                 for c, h in zip(calls, handoffs):
+                    c.started_at, c.finished_at = started, finished
                     c.results.put(h)
                 self.num_prefilled += len(handoffs)
             except Exception as e:  # the whole batch fails; each call reports it
@@ -130,7 +135,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             count += 1
             yield prefill_pb2.PrefillChunk(kv=chunk)
         yield prefill_pb2.PrefillChunk(record=prefill_pb2.PrebuiltRecord(
-            prompt_len=len(prompt), first_token=result.first_token, num_kv_chunks=count))
+            prompt_len=len(prompt), first_token=result.first_token, num_kv_chunks=count,
+            queue_us=int(1e6 * (call.started_at - call.queued_at)),
+            compute_us=int(1e6 * (call.finished_at - call.started_at))))
 
     def GetLoad(self, request, context):
         kv = self.runner.kv_allocator

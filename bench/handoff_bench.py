@@ -1,0 +1,132 @@
+"""Handoff throughput by KV chunk size, and TTFT split into queue / prefill compute / transfer.
+
+    python -m bench.handoff_bench [--device cpu] [--prompt-len 480] [--chunk-kib 256,1024,4096,16384]
+
+A prefill service runs as a subprocess (its own process, as deployed); this process is the client.
+1. Throughput: Prefill is called directly; GB/s = KV bytes / (record arrival - first-token arrival):
+   server-side encoding, loopback transfer and client-side decoding into tensors; best of --repeats.
+2. TTFT: a decode service (in this process) with the prefill peer; a streaming Generate. Reported:
+   queue and compute as the prefill service measured them, transfer = first token -> record on the
+   decode side, the client's first token, and when the decode side had the whole handoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import torch
+
+from common import kv_chunks
+from common.config import load_model_config
+from common.demo import free_port, stop, wait_serving
+from common.proto_gen import prefill_pb2, prefill_pb2_grpc
+from common.tiny_checkpoint import build
+
+
+def throughput(address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: int) -> tuple[float, int, int]:
+    stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", 64 << 20)]))
+    best, total, count = 0.0, 0, 0
+    for _ in range(repeats):
+        assembler = kv_chunks.KvAssembler(len(prompt), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        first = None
+        for msg in stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", input_ids=prompt, max_chunk_bytes=chunk_bytes)):
+            if msg.WhichOneof("payload") == "first_token":
+                first = time.perf_counter()
+            elif msg.WhichOneof("payload") == "kv":
+                assembler.add(msg.kv)
+            elif msg.WhichOneof("payload") == "record":
+                elapsed = time.perf_counter() - first
+                assembler.finish()
+                total = sum(t.numel() * t.element_size() for t in assembler.k + assembler.v)
+                count = assembler.chunks
+                best = max(best, total / elapsed / 1e9)
+    return best, total, count
+
+
+def ttft(path: str, prefill_addr: str, prompt: list[int], device: str) -> dict:
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    from decode_service.config import DecodeConfig
+    from decode_service.server import DecodeService
+
+    decode = DecodeService(DecodeConfig(path, prefill_addr=prefill_addr, port=0, device=device,
+                                        max_total_tokens=4096)).start()
+    marks: dict[str, float] = {}
+    deliver = decode.scheduler.deliver_handoff
+    decode.scheduler.deliver_handoff = lambda h: (marks.setdefault("handoff_done", time.perf_counter()), deliver(h))
+    first_token = decode.scheduler.deliver_first_token
+    decode.scheduler.deliver_first_token = lambda *a: (marks.setdefault("first_at_decode", time.perf_counter()),
+                                                       first_token(*a))
+    try:
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+        while not stub.HealthCheck(pb.HealthCheckRequest()).healthy:
+            time.sleep(0.1)
+        results = []
+        for i in range(4):  # first run warms up
+            marks.clear()
+            start = time.perf_counter()
+            call = stub.Generate(pb.GenerateRequest(request_id=f"t{i}", tokenized=pb.TokenizedInput(input_ids=prompt),
+                                                    sampling_params=pb.SamplingParams(max_new_tokens=4), stream=True))
+            next(call)
+            client_first = time.perf_counter()
+            list(call)
+            results.append({"client_ttft_ms": 1e3 * (client_first - start),
+                            "handoff_done_ms": 1e3 * (marks["handoff_done"] - start),
+                            "transfer_ms": 1e3 * (marks["handoff_done"] - marks["first_at_decode"])})
+        return {k: min(r[k] for r in results[1:]) for k in results[1]}
+    finally:
+        decode.stop()
+
+
+def server_split(address: str, prompt: list[int]) -> tuple[float, float]:
+    stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", 64 << 20)]))
+    rec = [m.record for m in stub.Prefill(prefill_pb2.PrefillRequest(request_id="s", input_ids=prompt))
+           if m.WhichOneof("payload") == "record"][0]
+    return rec.queue_us / 1e3, rec.compute_us / 1e3
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--prompt-len", type=int, default=480)
+    parser.add_argument("--chunk-kib", default="256,1024,4096,16384")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model_path or build(tmp, "llama", hidden_size=512, num_layers=16)
+        cfg = load_model_config(path)
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "prefill_service", "--model-path", path, "--port", str(port),
+                                 "--device", args.device, "--torch-threads", "1", "--max-total-tokens", "4096"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        address = f"127.0.0.1:{port}"
+        try:
+            wait_serving(address, proc)
+            prompt = [(13 * i) % (cfg.vocab_size - 10) + 5 for i in range(args.prompt_len)]
+            print(f"model: hidden 512, 16 layers, {cfg.num_kv_heads} kv heads x {cfg.head_dim}; prompt {len(prompt)} tokens")
+            print("| chunk bound | chunks | KV bytes | GB/s (receive + decode) |\n| --- | --- | --- | --- |")
+            for kib in [int(x) for x in args.chunk_kib.split(",")]:
+                gbps, total, count = throughput(address, prompt, kib << 10, cfg, args.repeats)
+                print(f"| {kib} KiB | {count} | {total / 1e6:.1f} MB | {gbps:.2f} |", flush=True)
+            queue_ms, compute_ms = server_split(address, prompt)
+            t = ttft(path, address, prompt, args.device)
+            print("\n| queue (ms) | prefill compute (ms) | transfer (ms) | client TTFT (ms) | handoff done (ms) |")
+            print("| --- | --- | --- | --- | --- |")
+            print(f"| {queue_ms:.1f} | {compute_ms:.1f} | {t['transfer_ms']:.1f} | {t['client_ttft_ms']:.1f} | "
+                  f"{t['handoff_done_ms']:.1f} |")
+        finally:
+            stop(proc)
+
+
+if __name__ == "__main__":
+    main()
