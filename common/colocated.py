@@ -117,9 +117,9 @@ class ColocatedEngine:
     def _decode(self, running: list[Request]) -> None:
         table = self.runner.req_to_token_pool.req_to_token
         while running:
-            batch = ForwardBatch.decode(
-                table, torch.tensor([r.req_pool_idx for r in running]), [r.committed_len for r in running],
-                torch.tensor([r.output[-1] for r in running]))
+            rows = [r.req_pool_idx for r in running]
+            batch = ForwardBatch.decode(table, torch.tensor(rows), [r.committed_len for r in running],
+                                        torch.tensor([r.output[-1] for r in running]), req_pool_indices_cpu=rows)
             logits, _ = self.runner.forward(batch)
             self._sample_into(running, logits)
             running = [r for r in running if r.finish_reason is None]

@@ -32,6 +32,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor     # rows of the hidden states that get logits (last token of each req)
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    req_pool_indices_cpu: list[int]  # host copy, so backends need no device sync
 
     @property
     def batch_size(self) -> int:
@@ -64,11 +65,13 @@ class ForwardBatch:
             logits_indices=logits_indices.to(device),
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=extend_lens,
+            req_pool_indices_cpu=list(req_pool_indices),
         )
 
     @classmethod
     def decode(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int],
-               input_ids: torch.Tensor, seq_lens: torch.Tensor | None = None) -> "ForwardBatch":
+               input_ids: torch.Tensor, seq_lens: torch.Tensor | None = None,
+               req_pool_indices_cpu: list[int] | None = None) -> "ForwardBatch":
         """One new token per request at position = committed length (`seq_lens_cpu`, and its device
         mirror `seq_lens` if the caller has one; it is only read). `input_ids` may be a device tensor
         produced by the previous forward (no host sync here).
@@ -88,4 +91,6 @@ class ForwardBatch:
             logits_indices=torch.arange(batch, device=device),
             prefix_lens_cpu=list(seq_lens_cpu),
             extend_lens_cpu=[1] * batch,
+            req_pool_indices_cpu=req_pool_indices_cpu if req_pool_indices_cpu is not None
+            else req_pool_indices.tolist(),
         )

@@ -144,6 +144,8 @@ class DecodeScheduler:
                 with self._step_lock:
                     busy = self.step()
                 if not busy:
+                    if self.debug and self.idle:
+                        self.check_integrity()  # debug mode: the books must balance whenever idle
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
         except Exception as e:  # a broken forward or invariant: fail every live request loudly
@@ -296,6 +298,7 @@ class DecodeScheduler:
         step = self.step_count
         result = StepResult(step, list(batch.reqs), make_event(self.device), batch.seq_lens, batch.seq_lens._version)
         indices, seq_lens, seq_lens_cpu = batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu.tolist()
+        rows = batch.req_pool_indices_cpu.tolist()
         params = [r.params for r in batch.reqs]
         seeds = [r.seed for r in batch.reqs]
         positions = [s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]  # output index sampled
@@ -305,7 +308,8 @@ class DecodeScheduler:
             if hooks.before_forward:
                 hooks.before_forward(step)
             input_ids = fm.gather_tokens(indices)
-            fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, seq_lens_cpu, input_ids, seq_lens)
+            fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, seq_lens_cpu, input_ids, seq_lens,
+                                     req_pool_indices_cpu=rows)
             logits, _ = runner.forward(fb)
             tokens = sample(logits, params, seeds, positions)
             fm.stash_tokens(indices, tokens)

@@ -15,7 +15,7 @@ from common.forward_batch import ForwardBatch
 
 class TorchReferenceBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        rows = forward_batch.req_pool_indices.tolist()
+        rows = forward_batch.req_pool_indices_cpu
         table = self.req_to_token_pool.req_to_token
         self._kv_slots = [table[r, :n].to(torch.int64) for r, n in zip(rows, forward_batch.seq_lens_cpu)]
 
