@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -41,30 +40,9 @@ from common.streams import make_event, make_stream
 from decode_service.future_map import FutureMap
 from decode_service.req import DecodeReq, OutputCallback, ReqState
 from decode_service.schedule_batch import ScheduleBatch
+from decode_service.step import InvariantError, SchedulerHooks, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-class InvariantError(AssertionError):
-    """A scheduler invariant was broken (a bug, not a user error)."""
-
-
-@dataclass
-class StepResult:
-    """One launched decode step: who was in it and where its sampled tokens land."""
-    step: int
-    reqs: list[DecodeReq]
-    results_ready: object
-    seq_lens: torch.Tensor           # the mirror tensor the forward reads
-    seq_lens_version: int
-    tokens_cpu: torch.Tensor | None = None
-
-
-@dataclass
-class SchedulerHooks:
-    """Test hooks: called on the scheduler thread (after_launch) or the stream (before_forward)."""
-    after_launch: Callable[[int], None] | None = None
-    before_forward: Callable[[int], None] | None = None
 
 
 class DecodeScheduler:
