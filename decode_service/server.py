@@ -111,7 +111,12 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
     def _responses(self, request, rid, ids, outputs, context):
         all_ids: list[int] = []
         while True:
-            tokens, reason = outputs.get()
+            try:
+                tokens, reason = outputs.get(timeout=1.0)
+            except queue.Empty:  # never wait forever on a scheduler that died
+                if not self.scheduler.alive:
+                    context.abort(grpc.StatusCode.INTERNAL, f"decode scheduler failed: {self.scheduler.fatal_error!r}")
+                continue
             all_ids.extend(tokens)
             if reason == "error":
                 detail = f"request failed: {self._error_detail(rid)}"

@@ -94,3 +94,25 @@ def test_prefill_killed_mid_handoff_fails_the_request_cleanly(checkpoint):
         pair.wait_idle()
     finally:
         pair.close()
+
+
+def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(checkpoint):
+    pair = GrpcPair(checkpoint("qwen2"))
+    sched = pair.decode.scheduler
+
+    def explode(step):
+        if step == 3:
+            raise RuntimeError("device lost")
+    sched.hooks.before_forward = explode
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pair.generate([5, 6, 7], 20, stream=True, ignore_eos=True))
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "device lost" in err.value.details()
+        assert not pair.stub.HealthCheck(pb.HealthCheckRequest()).healthy
+        with pytest.raises(grpc.RpcError) as err:  # later calls are refused, not left hanging
+            list(pair.generate([5, 6], 4))
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+    finally:
+        pair.channel.close()
+        pair.decode.stop()
+        pair.prefill.stop()
