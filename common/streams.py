@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections import deque
 from typing import Callable
 
 import torch
@@ -102,7 +104,14 @@ class DeviceEvent:
         return self._event.query()
 
     def synchronize(self, timeout: float | None = None) -> None:
-        self._event.synchronize()
+        if timeout is None:
+            self._event.synchronize()
+            return
+        deadline = time.monotonic() + timeout
+        while not self._event.query():
+            if time.monotonic() >= deadline:
+                raise TimeoutError("event not reached within timeout")
+            time.sleep(0.0005)
 
     def wait_on(self, stream: "DeviceStream") -> None:
         stream.stream.wait_event(self._event)
@@ -115,12 +124,24 @@ class DeviceEvent:
 
 
 class DeviceStream:
+    """Work submitted here first waits for what the submitting (schedule) stream queued before it, so
+    tensors the scheduler just built are ready; each work item (and the tensors its closure holds) is
+    kept alive until the stream has passed it, so the caching allocator cannot hand its memory out
+    while kernels still read it."""
+
     def __init__(self, device: torch.device, name: str = "forward"):
         self.stream = torch.cuda.Stream(device=device)
+        self._in_flight: deque = deque()  # (event, fn) pairs not yet passed by the stream
 
     def submit(self, fn: Callable[[], object]) -> None:
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             fn()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._in_flight.append((done, fn))
 
     def raise_if_failed(self) -> None:
         pass

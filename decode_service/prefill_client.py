@@ -64,9 +64,12 @@ class PrefillClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call")
         self._calls: dict[str, tuple[grpc.Future, _Peer]] = {}
         self._cancelled: set[str] = set()
+        self._active: set[str] = set()  # rids between __call__ and the end of _run
         self._lock = threading.Lock()
 
     def __call__(self, request: PrefillRequest) -> None:
+        with self._lock:
+            self._active.add(request.rid)
         self._pool.submit(self._run, request)
 
     def any_serving(self) -> bool:
@@ -74,6 +77,8 @@ class PrefillClient:
 
     def cancel(self, rid: str) -> None:
         with self._lock:
+            if rid not in self._active:
+                return
             self._cancelled.add(rid)
             call = self._calls.get(rid)
         if call is not None:
@@ -95,8 +100,9 @@ class PrefillClient:
         while True:
             ready = [p for p in self.peers if p.address not in exclude and p.serving()]
             if ready:
+                loads = {p.address: p.load() for p in ready}  # RPCs outside the lock
                 with self._lock:
-                    peer = min(ready, key=lambda p: p.load() + p.in_flight)
+                    peer = min(ready, key=lambda p: loads[p.address] + p.in_flight)
                     peer.in_flight += 1
                 return peer
             if time.monotonic() >= deadline or len(exclude) == len(self.peers):
@@ -121,8 +127,10 @@ class PrefillClient:
                     detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                     errors.append(f"{peer.address}: {detail}")
                     with self._lock:
-                        if request.rid in self._cancelled:
-                            return  # aborted by the front door: the scheduler already freed it
+                        cancelled = request.rid in self._cancelled
+                    if cancelled:  # aborted by the front door; a no-op if the scheduler already freed it
+                        sched.fail_handoff(request.rid, "cancelled")
+                        return
                     logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", request.rid, peer.address,
                                    detail)
                     continue
@@ -138,6 +146,7 @@ class PrefillClient:
         finally:
             with self._lock:
                 self._cancelled.discard(request.rid)
+                self._active.discard(request.rid)
 
     def _stream(self, peer: _Peer, request: PrefillRequest, sent: list[int]) -> Handoff:
         """One attempt. Tokens sampled by prefill are appended to `sent` as they are forwarded."""

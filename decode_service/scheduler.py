@@ -70,9 +70,14 @@ class DecodeScheduler:
         self._thread: threading.Thread | None = None
         self.fatal_error: Exception | None = None
         self.errors: dict[str, str] = {}
+        self._errors_lock = threading.Lock()
         self._step_lock = threading.RLock()  # other threads observe state only between steps
 
     # ---- API (any thread) -----------------------------------------------------------------------
+    def pop_error(self, rid: str) -> str | None:
+        with self._errors_lock:
+            return self.errors.pop(rid, None)
+
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                on_output: OutputCallback | None = None) -> None:
         validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
@@ -110,10 +115,12 @@ class DecodeScheduler:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.fatal_error is None:
-            self._recv()
-            for req in [r for r in self.reqs.values() if not r.finished]:
-                self._on_abort(req.rid)
+        loop_gone = self._thread is None or not self._thread.is_alive()
+        if self.fatal_error is None and loop_gone:
+            with self._step_lock:
+                self._recv()
+                for req in [r for r in self.reqs.values() if not r.finished]:
+                    self._on_abort(req.rid)
         self.stream.close()
 
     def _loop(self) -> None:
@@ -183,8 +190,9 @@ class DecodeScheduler:
                 self._on_abort(item)
             elif kind == "first":
                 req = self.awaiting_handoff.get(item[0])
-                if req is not None and item[2] == len(req.output_ids):  # new, not a retry's resend
-                    req.output_ids.append(item[1])
+                if req is not None and item[2] == len(req.output_ids) and (  # new, not a retry's resend,
+                        not req.output_ids or finish_reason(req.params, req.output_ids, self.eos_ids) is None):
+                    req.output_ids.append(item[1])                            # and not past a finish
                     self._emit(req, [item[1]], None)
             elif kind == "kv":
                 req = self.awaiting_handoff.get(item[0])
@@ -334,9 +342,10 @@ class DecodeScheduler:
         req.finish_reason = reason
         req.error = detail
         if detail is not None:  # read (and popped) by the front door to explain the failure
-            self.errors[req.rid] = detail
-            while len(self.errors) > 1024:
-                self.errors.pop(next(iter(self.errors)))
+            with self._errors_lock:
+                self.errors[req.rid] = detail
+                while len(self.errors) > 1024:
+                    self.errors.pop(next(iter(self.errors)))
         if emit:
             self._emit(req, [], reason)
         self._release(req)

@@ -97,12 +97,14 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "decode scheduler is not running")
         rid = f"{request.request_id or 'req'}#{next(self._ids)}"
         outputs: queue.Queue = queue.Queue()
-        self._track(request.request_id, rid, add=True)
-        context.add_callback(lambda: self._abort_internal(rid))
         try:
             self.scheduler.submit(rid, ids, params, lambda _rid, toks, reason: outputs.put((toks, reason)))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # registered after submit, so an abort can never overtake the request it aborts
+        self._track(request.request_id, rid, add=True)
+        if not context.add_callback(lambda: self._abort_internal(rid)):
+            self._abort_internal(rid)  # the call already ended
         try:
             yield from self._responses(request, rid, ids, outputs, context)
         finally:
@@ -134,7 +136,7 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
                 return
 
     def _error_detail(self, rid: str) -> str:
-        return self.scheduler.errors.pop(rid, None) or repr(self.scheduler.fatal_error)
+        return self.scheduler.pop_error(rid) or repr(self.scheduler.fatal_error)
 
     def _track(self, client_id: str, rid: str, add: bool) -> None:
         with self._lock:

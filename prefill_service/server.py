@@ -67,6 +67,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.prefill_queue.put(None)
         self.server.stop()
         self._thread.join(timeout=10)
+        while True:  # calls still queued get an answer, so no handler thread waits forever
+            try:
+                call = self.prefill_queue.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call.results.put(RuntimeError("prefill service stopping"))
 
     @property
     def address(self) -> str:
@@ -88,6 +95,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     self._stop.set()
                     break
                 calls.append(nxt)
+            for c in calls:
+                if c.cancelled.is_set():
+                    c.results.put(RuntimeError("cancelled before prefill"))
             calls = [c for c in calls if not c.cancelled.is_set()]
             self.num_running = len(calls)
             try:
@@ -107,13 +117,14 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     # ---- RPCs ------------------------------------------------------------------------------------
     def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
         sp = request.sampling_params
-        params = SamplingParams(max_new_tokens=max(1, sp.max_new_tokens), temperature=sp.temperature,
-                                top_k=sp.top_k, top_p=sp.top_p or 1.0, min_p=sp.min_p, seed=sp.seed)
+        # prefill samples one token: validate against that, whatever the request's decode budget is
+        params = SamplingParams(max_new_tokens=1, temperature=sp.temperature, top_k=sp.top_k,
+                                top_p=sp.top_p or 1.0, min_p=sp.min_p, seed=sp.seed)
         prompt = list(request.input_ids)
         try:
-            validate_prompt(prompt, SamplingParams(**{**params.__dict__, "max_new_tokens": 1}),
-                            self.runner.config.vocab_size, self.runner.context_length)
-            params.validate(self.runner.config.vocab_size)
+            validate_prompt(prompt, params, self.runner.config.vocab_size, self.runner.context_length)
+            if len(prompt) > self.runner.kv_allocator.size:
+                raise ValueError(f"prompt of {len(prompt)} tokens exceeds the prefill KV pool")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.first_output_position >= len(prompt):
@@ -122,6 +133,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         context.add_callback(call.cancelled.set)
         self.prefill_queue.put(call)
         result = call.results.get()
+        if call.cancelled.is_set():
+            return
         if isinstance(result, Exception):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
         yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))

@@ -219,3 +219,24 @@ def test_failing_consumer_is_aborted_and_stop_frees_live_requests(checkpoint):
     assert pair.out.reasons["alive"] == "abort"
     sched.check_integrity()
     assert sched.runner.kv_allocator.num_used == 0
+
+
+def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
+    """max_new_tokens=1: the first token was streamed, the handoff broke and was re-prefilled."""
+    from common.handoff import PrefillRequest
+
+    pair = ManualPair(checkpoint("qwen2"))
+    sched = pair.scheduler
+    p = [5, 6, 7, 8]
+    pair.submit("r", p, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    sched.step()
+    [req] = pair.pending
+    pair.pending.clear()
+    [h0] = pair.engine.prefill([req])
+    sched.deliver_first_token("r", h0.first_token, 0)          # attempt 1 streams its token, then breaks
+    retry = PrefillRequest("r", p + [h0.first_token], req.params, req.seed, first_position=1)
+    [h1] = pair.engine.prefill([retry])
+    sched.deliver_first_token("r", h1.first_token, 1)          # attempt 2 would stream the next one
+    sched.deliver_handoff(h1)
+    pair.close()
+    assert pair.out.tokens["r"] == [h0.first_token] and pair.out.reasons["r"] == "length"
