@@ -18,9 +18,19 @@ DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive: bool = False) -> list[tuple[str, int]]:
+    """Message limits; with `keepalive`, HTTP/2 pings so a half-open peer is noticed (10 s + 10 s)."""
+    options = [("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.max_receive_message_length", max_message_bytes)]
+    if keepalive:
+        options += [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
+                    ("grpc.keepalive_permit_without_calls", 1)]
+    return options
+
+
+SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),         # accept our clients' pings
+                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                  ("grpc.http2.max_ping_strikes", 0)]
 
 
 class Server:
@@ -28,7 +38,7 @@ class Server:
 
     def __init__(self, host: str, port: int, service_names: list[str], max_workers: int = 64):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                                  options=channel_options())
+                                  options=channel_options() + SERVER_OPTIONS)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

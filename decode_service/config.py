@@ -21,6 +21,7 @@ class DecodeConfig:
     disable_overlap_schedule: bool = False
     context_length: int | None = None
     prefill_wait_s: float = 30.0
+    prefill_timeout_s: float = 600.0
     torch_threads: int = 0
 
     @property
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--prefill-wait-s", type=float, default=30.0, help="how long to wait for a prefill replica")
+    p.add_argument("--prefill-timeout-s", type=float, default=600.0, help="deadline of one Prefill call")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     return p
 

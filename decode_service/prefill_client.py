@@ -31,7 +31,7 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 class _Peer:
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = grpc.insecure_channel(address, options=channel_options(keepalive=True))
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.in_flight = 0  # our calls to this replica (guarded by the client's lock)
@@ -53,7 +53,8 @@ class _Peer:
 
 class PrefillClient:
     def __init__(self, addresses: list[str], model_config, scheduler=None, wait_ready_s: float = 30.0,
-                 max_chunk_bytes: int = 0, max_concurrent: int = 64):  # 0: the server's bound
+                 max_chunk_bytes: int = 0, max_concurrent: int = 64,  # 0: the server's bound
+                 call_timeout_s: float = 600.0):
         if not addresses:
             raise ValueError("at least one prefill address is needed")
         self.peers = [_Peer(a) for a in addresses]
@@ -61,6 +62,7 @@ class PrefillClient:
         self.scheduler = scheduler
         self.wait_ready_s = wait_ready_s
         self.max_chunk_bytes = max_chunk_bytes
+        self.call_timeout_s = call_timeout_s  # a wedged replica cannot hold a reservation forever
         self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call")
         self._calls: dict[str, tuple[grpc.Future, _Peer]] = {}
         self._cancelled: set[str] = set()
@@ -157,7 +159,7 @@ class PrefillClient:
             sampling_params=prefill_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                                        min_p=p.min_p, seed=request.seed,
                                                        max_new_tokens=p.max_new_tokens))
-        call = peer.stub.Prefill(msg)
+        call = peer.stub.Prefill(msg, timeout=self.call_timeout_s)
         with self._lock:
             self._calls[request.rid] = (call, peer)
             if request.rid in self._cancelled:

@@ -47,7 +47,8 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
         self.runner = ModelRunner(RunnerArgs.from_service_config(config))
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
-        self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s)
+        self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s,
+                                     call_timeout_s=config.prefill_timeout_s)
         self.scheduler = DecodeScheduler(self.runner, self.prefill, disable_overlap=config.disable_overlap_schedule)
         self.prefill.scheduler = self.scheduler
         self._ids = itertools.count()
