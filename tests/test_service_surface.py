@@ -116,3 +116,40 @@ def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(chec
         pair.channel.close()
         pair.decode.stop()
         pair.prefill.stop()
+
+
+def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
+    import threading
+
+    from common.proto_gen import prefill_pb2, prefill_pb2_grpc
+    from prefill_service.config import PrefillConfig
+    from prefill_service.server import PrefillService
+
+    class Counting(PrefillService):
+        finished = 0
+
+        def Prefill(self, request, context):
+            try:
+                yield from super().Prefill(request, context)
+            finally:
+                type(self).finished += 1
+
+    service = Counting(PrefillConfig(checkpoint("qwen2"), port=0)).start()
+    latch, prefill = threading.Event(), service.engine.prefill
+    service.engine.prefill = lambda reqs: (latch.wait(10), prefill(reqs))[1]
+    try:
+        stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
+        busy = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]))
+        time.sleep(0.2)                            # "a" holds the engine
+        queued = stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", input_ids=[8, 9]))
+        time.sleep(0.2)
+        queued.cancel()
+        latch.set()
+        assert [m.WhichOneof("payload") for m in busy][-1] == "record"
+        deadline = time.time() + 5
+        while Counting.finished < 2:
+            assert time.time() < deadline, "the cancelled call's handler never returned"
+            time.sleep(0.02)
+        assert service.num_prefilled == 1
+    finally:
+        service.stop()
