@@ -12,6 +12,7 @@ import threading
 from typing import Callable
 
 from common.handoff import Handoff, PrefillRequest
+from prefill_service.batching import take_batch
 from prefill_service.engine import PrefillEngine
 
 
@@ -33,20 +34,7 @@ class InProcessPrefill:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                batch.append(nxt)
+        while (batch := take_batch(self._queue, self.max_batch)) is not None:
             try:
                 handoffs = self.engine.prefill(batch)
             except Exception as e:  # every request of the batch fails; the decode side frees them

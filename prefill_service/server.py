@@ -26,6 +26,7 @@ from common.handoff import PrefillRequest
 from common.model_runner import ModelRunner, RunnerArgs
 from common.proto_gen import prefill_pb2, prefill_pb2_grpc
 from common.sampling import SamplingParams
+from prefill_service.batching import take_batch
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 
@@ -51,7 +52,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.prefill_queue: queue.Queue = queue.Queue()
         self.num_running = 0
         self.num_prefilled = 0  # requests prefilled since start
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._engine_loop, name="prefill-engine", daemon=True)
         self.server = Server(config.host, config.port, [SERVICE_NAME])
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
@@ -63,7 +63,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         return self
 
     def stop(self) -> None:
-        self._stop.set()
         self.prefill_queue.put(None)
         self.server.stop()
         self._thread.join(timeout=10)
@@ -81,20 +80,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _engine_loop(self) -> None:
-        while not self._stop.is_set():
-            first = self.prefill_queue.get()
-            if first is None:
-                return
-            calls = [first]
-            while len(calls) < self.config.max_running_requests:
-                try:
-                    nxt = self.prefill_queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._stop.set()
-                    break
-                calls.append(nxt)
+        while (calls := take_batch(self.prefill_queue, self.config.max_running_requests)) is not None:
             for c in calls:
                 if c.cancelled.is_set():
                     c.results.put(RuntimeError("cancelled before prefill"))

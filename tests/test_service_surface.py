@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.config import load_model_config
 from decode_service.config import DecodeConfig
@@ -62,8 +63,7 @@ def test_decode_is_unhealthy_without_a_prefill_peer_and_says_unavailable(checkpo
     try:
         time.sleep(0.3)
         assert _health(decode.address) == health_pb2.HealthCheckResponse.NOT_SERVING
-        stub = __import__("smg_grpc_proto.generated.sglang_scheduler_pb2_grpc", fromlist=["x"]).SglangSchedulerStub(
-            grpc.insecure_channel(decode.address))
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
         start = time.time()
         reply = stub.HealthCheck(pb.HealthCheckRequest())
         assert not reply.healthy and "prefill" in reply.message and time.time() - start < 1
