@@ -21,16 +21,16 @@ import time
 import grpc
 import torch
 
-from common import kv_chunks
-from common.config import load_model_config
-from common.demo import free_port, stop, wait_serving
-from common.proto_gen import prefill_pb2, prefill_pb2_grpc
-from common.tiny_checkpoint import build
+from common.wire import kv_chunks
+from common.models.config import load_model_config
+from common.tools.procs import free_port, stop, wait_serving
+from common.wire.grpc_server import channel_options
+from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from common.tools.tiny_checkpoint import build
 
 
 def throughput(address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: int) -> tuple[float, int, int]:
-    stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=[
-        ("grpc.max_receive_message_length", 64 << 20)]))
+    stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=channel_options()))
     best, total, count = 0.0, 0, 0
     for _ in range(repeats):
         assembler = kv_chunks.KvAssembler(len(prompt), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
@@ -86,8 +86,7 @@ def ttft(path: str, prefill_addr: str, prompt: list[int], device: str) -> dict:
 
 
 def server_split(address: str, prompt: list[int]) -> tuple[float, float]:
-    stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=[
-        ("grpc.max_receive_message_length", 64 << 20)]))
+    stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=channel_options()))
     rec = [m.record for m in stub.Prefill(prefill_pb2.PrefillRequest(request_id="s", input_ids=prompt))
            if m.WhichOneof("payload") == "record"][0]
     return rec.queue_us / 1e3, rec.compute_us / 1e3

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from common.model_runner import ModelRunner, RunnerArgs
-from common.sampling import SamplingParams
-from common.tiny_checkpoint import build
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.sampling import SamplingParams
+from common.tools.tiny_checkpoint import build
 from decode_service.scheduler import DecodeScheduler
 from prefill_service.engine import PrefillEngine
 

@@ -8,7 +8,8 @@ Invariants (../shared/DESIGN.md section 6), each with a test in tests/test_futur
    (EAGLE new_seq_lens) and sets that step's `publish_ready` event right after the write; a
    publish from another stream first waits on the previous event (chaining).
 3. The schedule side reads published seq_lens only through `resolve_seq_lens_cpu`, which waits on
-   the event armed for step N when forward N was submitted (`arm_publish`), never an older one.
+   the event armed for step N when forward N was submitted (`arm_publish`), never an older one,
+   and raises if the stream failed before the publish ran.
 6. Consume-once (debug mode): a gather must follow exactly one stash/publish of that row since
    the previous gather; gathered rows are poisoned (-1) and the gathered values are asserted valid
    (tokens >= 0, seq_lens > 0). `reset_rows` clears a row's guard (release, prebuilt seeding).
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.streams import wait_event
+
 
 class ConsumeOnceError(AssertionError):
     """A FutureMap row was gathered without exactly one write since its previous gather."""
@@ -26,14 +29,14 @@ class ConsumeOnceError(AssertionError):
 
 class FutureMap:
     def __init__(self, req_pool_size: int, device: torch.device | str, make_event, debug: bool = False):
-        self.rows = req_pool_size + 1
+        self.num_rows = req_pool_size + 1
         self.device = torch.device(device)
         self.debug = debug
         self._make_event = make_event
-        self.token_ids = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
-        self.new_seq_lens = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
+        self.token_ids = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
+        self.new_seq_lens = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
         # debug guard: writes since the last gather, per buffer and row
-        self._writes = {name: torch.zeros(self.rows, dtype=torch.int32, device=self.device)
+        self._writes = {name: torch.zeros(self.num_rows, dtype=torch.int32, device=self.device)
                         for name in ("token_ids", "new_seq_lens")}
         self.publish_ready = None      # the event of the latest armed step
         self._last_publish_stream = None
@@ -51,9 +54,6 @@ class FutureMap:
         self._write("new_seq_lens", indices, seq_lens.to(torch.int64))
         fence.set_here()
 
-    def gather_seq_lens(self, indices: torch.Tensor) -> torch.Tensor:
-        return self._gather("new_seq_lens", indices, minimum=1)
-
     def reset_rows(self, indices: torch.Tensor) -> None:
         """Clear the consume-once guard of rows (on release and when a prebuilt batch seeds them)."""
         for w in self._writes.values():
@@ -66,7 +66,8 @@ class FutureMap:
         return self.publish_ready
 
     def resolve_seq_lens_cpu(self, indices: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
-        """Wait for the armed step's publish, then copy its seq_lens for `indices` to the host."""
+        """Wait for the armed step's publish, then copy its seq_lens for `indices` to the host.
+        Raises StreamFailed (never hangs) if the stream failed before the publish ran."""
         if self.publish_ready is None:
             raise RuntimeError("resolve_seq_lens_cpu before any step armed publish_ready")
         self.publish_ready.synchronize(timeout)
@@ -120,4 +121,5 @@ class PublishReady:
         return self.event.query()
 
     def synchronize(self, timeout: float | None = None) -> None:
-        self.event.synchronize(timeout)
+        """Wait for the publish; raises if the stream failed first, TimeoutError after `timeout`."""
+        wait_event(self.event, self.armed_stream, timeout)

@@ -1,6 +1,6 @@
 """PrefillClient: the decode side of the internal Prefill API (one channel per prefill replica).
 
-Called by the scheduler with a PrefillRequest once the request's slots are reserved. On a worker
+Called by the scheduler with a HandoffRequest once the request's slots are reserved. On a worker
 thread it picks a serving replica (least loaded: its GetLoad plus our own calls in flight to it;
 waits up to `wait_ready_s` if none is ready), streams the call, and forwards: the first token at
 once, each KV chunk (checked: ranges, shapes, exactly-once coverage) to be written into the
@@ -19,10 +19,10 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.grpc_server import channel_options
-from common.handoff import Handoff, PrefillRequest
-from common.kv_chunks import KvAssembler
-from common.proto_gen import prefill_pb2, prefill_pb2_grpc
+from common.wire.grpc_server import channel_options
+from common.engine.handoff import Handoff, HandoffRequest
+from common.wire.kv_chunks import KvAssembler
+from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
@@ -69,7 +69,7 @@ class PrefillClient:
         self._active: set[str] = set()  # rids between __call__ and the end of _run
         self._lock = threading.Lock()
 
-    def __call__(self, request: PrefillRequest) -> None:
+    def __call__(self, request: HandoffRequest) -> None:
         with self._lock:
             self._active.add(request.rid)
         self._pool.submit(self._run, request)
@@ -111,7 +111,7 @@ class PrefillClient:
                 return None
             time.sleep(0.2)
 
-    def _run(self, request: PrefillRequest) -> None:
+    def _run(self, request: HandoffRequest) -> None:
         sched, tried, sent, errors = self.scheduler, set(), [], []
         try:
             while True:
@@ -121,7 +121,7 @@ class PrefillClient:
                     sched.fail_handoff(request.rid, f"no prefill replica left: {reason}")
                     return
                 tried.add(peer.address)
-                attempt = PrefillRequest(request.rid, request.prompt_ids + sent, request.params, request.seed,
+                attempt = HandoffRequest(request.rid, request.prompt_ids + sent, request.params, request.seed,
                                          first_position=len(sent))
                 try:
                     handoff = self._stream(peer, attempt, sent)
@@ -150,7 +150,7 @@ class PrefillClient:
                 self._cancelled.discard(request.rid)
                 self._active.discard(request.rid)
 
-    def _stream(self, peer: _Peer, request: PrefillRequest, sent: list[int]) -> Handoff:
+    def _stream(self, peer: _Peer, request: HandoffRequest, sent: list[int]) -> Handoff:
         """One attempt. Tokens sampled by prefill are appended to `sent` as they are forwarded."""
         p = request.params
         msg = prefill_pb2.PrefillRequest(

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from common.sampling import SamplingParams
+from common.engine.sampling import SamplingParams
 
 # on_output(rid, new_token_ids, finish_reason or None); called on the scheduler thread.
 OutputCallback = Callable[[str, list[int], "str | None"], None]

@@ -6,11 +6,8 @@ temperature 0 means greedy). Fields we do not support yet are rejected by name, 
 
 from __future__ import annotations
 
-from common.sampling import SamplingParams
-
-
-class InvalidRequest(ValueError):
-    """Maps to INVALID_ARGUMENT."""
+from common.engine.sampling import SamplingParams
+from common.request_rules import InvalidRequest, default_max_new_tokens, validate_prompt
 
 
 def _unsupported(req, sp) -> str | None:
@@ -40,34 +37,20 @@ def _unsupported(req, sp) -> str | None:
     return None
 
 
-def parse_generate(req, vocab_size: int, context_length: int, default_max_new_tokens: int) -> tuple[list[int], SamplingParams]:
+def parse_generate(req, vocab_size: int, context_length: int, default_max_new_tokens_: int) -> tuple[list[int], SamplingParams]:
+    """(prompt ids, SamplingParams) of a GenerateRequest; InvalidRequest naming the field if it is bad."""
     ids = list(req.tokenized.input_ids)
-    if not ids:
-        raise InvalidRequest("empty input: tokenized.input_ids has no tokens")
-    bad = [t for t in ids if t >= vocab_size]
-    if bad:
-        raise InvalidRequest(f"input_ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
-    if len(ids) >= context_length:
-        raise InvalidRequest(f"prompt of {len(ids)} tokens leaves no room in the context length {context_length}")
     sp = req.sampling_params
     field = _unsupported(req, sp)
     if field:
         raise InvalidRequest(f"unsupported field: {field}")
     if sp.HasField("max_new_tokens"):
         max_new = sp.max_new_tokens
-        if max_new == 0:
-            raise InvalidRequest("max_new_tokens must be >= 1")
-        if len(ids) + max_new > context_length:
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the context "
-                                 f"length {context_length}")
     else:
-        max_new = min(default_max_new_tokens, context_length - len(ids))
+        max_new = default_max_new_tokens(len(ids), default_max_new_tokens_, context_length) if ids else 1
     params = SamplingParams(
         max_new_tokens=max_new, temperature=sp.temperature, top_k=sp.top_k if sp.top_k != 0 else -1,
         top_p=sp.top_p if sp.top_p != 0 else 1.0, min_p=sp.min_p,
         stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
-    try:
-        params.validate(vocab_size)
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from e
+    validate_prompt(ids, params, vocab_size, context_length)
     return ids, params

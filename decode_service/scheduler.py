@@ -5,7 +5,7 @@ Life of a request (queues named as in the code):
      anything is queued), then put on `inbox`; the loop moves it to `waiting` (admission queue).
   2. admission: in order, reserve a request slot and KV slots for prompt + max_new_tokens; a request
      that does not fit waits, and so does everyone behind it; nothing is half-admitted. Reserved
-     requests go to `awaiting_handoff` and `prefill_fn(PrefillRequest)` is called.
+     requests go to `awaiting_handoff` and `prefill_fn(HandoffRequest)` is called.
   3. deliver_handoff(): the handoff lands on `inbox`; the loop checks it and queues it on `prebuilt`.
      A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
   4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
@@ -31,13 +31,15 @@ from typing import Callable
 
 import torch
 
-from common.colocated import finish_reason, validate_prompt
-from common.forward_batch import ForwardBatch
-from common.handoff import Handoff, PrefillRequest
-from common.model_runner import ModelRunner
-from common.sampling import SamplingParams, sample
-from common.streams import make_event, make_stream
+from common.engine.forward_batch import ForwardBatch
+from common.engine.handoff import Handoff, HandoffRequest
+from common.engine.model_runner import ModelRunner
+from common.engine.sampling import SamplingParams, sample
+from common.engine.streams import make_event, make_stream, wait_event
+from common.request_rules import finish_reason, validate_prompt
 from decode_service.future_map import FutureMap
+from decode_service.inbox import (Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, InboxMessage,
+                                  KvChunkArrived, Submit)
 from decode_service.req import DecodeReq, OutputCallback, ReqState
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.step import InvariantError, SchedulerHooks, StepResult
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeScheduler:
-    def __init__(self, runner: ModelRunner, prefill_fn: Callable[[PrefillRequest], None],
+    def __init__(self, runner: ModelRunner, prefill_fn: Callable[[HandoffRequest], None],
                  disable_overlap: bool = False, debug: bool = False, hooks: SchedulerHooks | None = None):
         self.runner = runner
         self.prefill_fn = prefill_fn
@@ -81,26 +83,26 @@ class DecodeScheduler:
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                on_output: OutputCallback | None = None) -> None:
         validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
-        self._post(("submit", DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
+        self._post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
 
     def deliver_handoff(self, handoff: Handoff) -> None:
-        self._post(("handoff", handoff))
+        self._post(HandoffArrived(handoff))
 
     def deliver_first_token(self, rid: str, token: int, position: int = 0) -> None:
         """A token sampled by prefill (output index `position`), streamed before the handoff completes."""
-        self._post(("first", (rid, token, position)))
+        self._post(FirstTokenArrived(rid, token, position))
 
     def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list) -> None:
         """One KV chunk: written into the request's reserved slots as stream work, as it arrives."""
-        self._post(("kv", (rid, token_start, layer_start, k, v)))
+        self._post(KvChunkArrived(rid, token_start, layer_start, k, v))
 
     def fail_handoff(self, rid: str, error: str) -> None:
-        self._post(("fail", (rid, error)))
+        self._post(HandoffFailed(rid, error))
 
     def abort(self, rid: str) -> None:
-        self._post(("abort", rid))
+        self._post(Abort(rid))
 
-    def _post(self, item) -> None:
+    def _post(self, item: InboxMessage) -> None:
         self.inbox.put(item)
         self._wake.set()
 
@@ -171,45 +173,52 @@ class DecodeScheduler:
     def _recv(self) -> None:
         while True:
             try:
-                kind, item = self.inbox.get_nowait()
+                msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                if item.rid in self.reqs:
-                    self._emit(item, [], "abort")  # duplicate id: refuse without touching the first
+            if isinstance(msg, Submit):
+                if msg.req.rid in self.reqs:
+                    self._emit(msg.req, [], "abort")  # duplicate id: refuse without touching the first
                     continue
-                self.reqs[item.rid] = item
-                self.waiting.append(item)
-            elif kind == "handoff":
-                self._on_handoff(item)
-            elif kind == "fail":
-                req = self.awaiting_handoff.pop(item[0], None)
+                self.reqs[msg.req.rid] = msg.req
+                self.waiting.append(msg.req)
+            elif isinstance(msg, HandoffArrived):
+                self._on_handoff(msg.handoff)
+            elif isinstance(msg, HandoffFailed):
+                req = self.awaiting_handoff.pop(msg.rid, None)
                 if req is not None:
-                    self._finish(req, "error", item[1])
-            elif kind == "abort":
-                self._on_abort(item)
-            elif kind == "first":
-                req = self.awaiting_handoff.get(item[0])
-                if req is not None and item[2] == len(req.output_ids) and (  # new, not a retry's resend,
-                        not req.output_ids or finish_reason(req.params, req.output_ids, self.eos_ids) is None):
-                    req.output_ids.append(item[1])                            # and not past a finish
-                    self._emit(req, [item[1]], None)
-            elif kind == "kv":
-                req = self.awaiting_handoff.get(item[0])
+                    self._finish(req, "error", msg.error)
+            elif isinstance(msg, Abort):
+                self._on_abort(msg.rid)
+            elif isinstance(msg, FirstTokenArrived):
+                self._on_first_token(msg)
+            elif isinstance(msg, KvChunkArrived):
+                req = self.awaiting_handoff.get(msg.rid)
                 if req is not None:
-                    self._submit_kv_write(req, *item[1:])
+                    self._submit_kv_write(req, msg)
+            else:
+                raise InvariantError(f"unknown inbox message {msg!r}")
+
+    def _on_first_token(self, msg: FirstTokenArrived) -> None:
+        req = self.awaiting_handoff.get(msg.rid)
+        if req is None or msg.position != len(req.output_ids):
+            return  # gone, or a retry's resend of a token already streamed
+        if req.output_ids and finish_reason(req.params, req.output_ids, self.eos_ids) is not None:
+            return  # never stream a token past a finish
+        req.output_ids.append(msg.token)
+        self._emit(req, [msg.token], None)
 
     def _admit(self) -> None:
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         while self.waiting:
             req = self.waiting[0]
-            if pool.rows.num_free == 0 or not kv.can_alloc(req.reserve_len):
+            if pool.allocator.num_free == 0 or not kv.can_alloc(req.reserve_len):
                 return  # wait in order
             self.waiting.popleft()
             req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(req.reserve_len)
             req.state = ReqState.AWAITING_HANDOFF
             self.awaiting_handoff[req.rid] = req
-            self.prefill_fn(PrefillRequest(req.rid, req.prompt_ids, req.params, req.seed))
+            self.prefill_fn(HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed))
 
     def _on_handoff(self, handoff: Handoff) -> None:
         req = self.awaiting_handoff.pop(handoff.rid, None)
@@ -269,14 +278,14 @@ class DecodeScheduler:
             fm.stash_tokens(row, first.to(fm.device))
         self.stream.submit(write)
 
-    def _submit_kv_write(self, req: DecodeReq, token_start: int, layer_start: int, k: list, v: list) -> None:
+    def _submit_kv_write(self, req: DecodeReq, chunk: KvChunkArrived) -> None:
         runner = self.runner
-        loc = req.kv_slots[token_start:token_start + k[0].shape[0]]
+        loc = req.kv_slots[chunk.token_start:chunk.token_start + chunk.k[0].shape[0]]
 
         def write():
             dev_loc = loc.to(runner.device)
-            for i, (kt, vt) in enumerate(zip(k, v)):
-                runner.kv_pool.write(layer_start + i, dev_loc, kt.to(runner.device), vt.to(runner.device))
+            for i, (kt, vt) in enumerate(zip(chunk.k, chunk.v)):
+                runner.kv_pool.write(chunk.layer_start + i, dev_loc, kt.to(runner.device), vt.to(runner.device))
         self.stream.submit(write)
 
     def _launch(self, batch: ScheduleBatch) -> StepResult:
@@ -306,13 +315,7 @@ class DecodeScheduler:
 
     def _process(self, result: StepResult) -> None:
         """Step N's results: wait on its results-ready fence, then append/stream/finish."""
-        while True:
-            self.stream.raise_if_failed()  # a failed forward never sets its fence
-            try:
-                result.results_ready.synchronize(timeout=0.1)
-                break
-            except TimeoutError:
-                continue
+        wait_event(result.results_ready, self.stream)  # raises if the forward failed (its fence never comes)
         if result.seq_lens._version != result.seq_lens_version:
             raise InvariantError(f"step {result.step}: seq_lens was modified in place while its forward could read it")
         for req, token in zip(result.reqs, result.tokens_cpu.tolist()):
@@ -382,5 +385,5 @@ class DecodeScheduler:
     def _check_integrity(self) -> None:
         live = [r for r in self.reqs.values() if r.kv_slots is not None]
         self.runner.kv_allocator.check_integrity(holders=[r.kv_slots for r in live])
-        self.runner.req_to_token_pool.rows.check_integrity(holders=[[r.req_pool_idx] for r in live])
+        self.runner.req_to_token_pool.allocator.check_integrity(holders=[[r.req_pool_idx] for r in live])
 

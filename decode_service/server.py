@@ -27,8 +27,8 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.grpc_server import Server
-from common.model_runner import ModelRunner, RunnerArgs
+from common.wire.grpc_server import Server
+from common.engine.model_runner import ModelRunner, RunnerArgs
 from decode_service.config import DecodeConfig
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
@@ -49,7 +49,8 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s,
                                      call_timeout_s=config.prefill_timeout_s)
-        self.scheduler = DecodeScheduler(self.runner, self.prefill, disable_overlap=config.disable_overlap_schedule)
+        self.scheduler = DecodeScheduler(self.runner, self.prefill, disable_overlap=config.disable_overlap_schedule,
+                                         debug=config.debug_checks)
         self.prefill.scheduler = self.scheduler
         self._ids = itertools.count()
         self._live: dict[str, set[str]] = {}   # client request_id -> internal ids

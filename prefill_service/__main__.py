@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from common.grpc_server import wait_for_shutdown_signal
+from common.wire.grpc_server import wait_for_shutdown_signal
 from prefill_service.config import parse_args
 from prefill_service.server import PrefillService
 

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.chunked_prefill import run_chunked_prefill
-from common.colocated import validate_prompt
-from common.handoff import Handoff, PrefillRequest
-from common.model_runner import ModelRunner
-from common.sampling import sample
+from common.engine.chunked_prefill import run_chunked_prefill
+from common.engine.handoff import Handoff, HandoffRequest
+from common.engine.model_runner import ModelRunner
+from common.engine.sampling import sample
+from common.request_rules import validate_prompt
 
 
 @dataclass
 class _Running:
-    request: PrefillRequest
+    request: HandoffRequest
     req_pool_idx: int
     kv_slots: torch.Tensor
     prefilled: int = 0
@@ -38,12 +38,10 @@ class PrefillEngine:
         self.runner = runner
         self.chunk_size = chunk_size
 
-    def prefill(self, requests: list[PrefillRequest]) -> list[Handoff]:
+    def prefill(self, requests: list[HandoffRequest]) -> list[Handoff]:
         cfg, kv = self.runner.config, self.runner.kv_allocator
         for r in requests:
-            validate_prompt(r.prompt_ids, r.params, cfg.vocab_size, self.runner.context_length)
-            if len(r.prompt_ids) > kv.size:
-                raise ValueError(f"prompt of {len(r.prompt_ids)} tokens exceeds the prefill KV pool ({kv.size} slots)")
+            validate_prompt(r.prompt_ids, r.params, cfg.vocab_size, self.runner.context_length, kv_capacity=kv.size)
         handoffs: list[Handoff] = []
         todo = list(requests)
         while todo:
@@ -58,11 +56,11 @@ class PrefillEngine:
                     self.runner.req_to_token_pool.free(w.req_pool_idx)
         return handoffs
 
-    def _reserve_wave(self, todo: list[PrefillRequest]) -> list[_Running]:
+    def _reserve_wave(self, todo: list[HandoffRequest]) -> list[_Running]:
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         wave = []
         for r in todo:
-            if pool.rows.num_free == 0 or not kv.can_alloc(len(r.prompt_ids)):
+            if pool.allocator.num_free == 0 or not kv.can_alloc(len(r.prompt_ids)):
                 break
             row, slots = pool.alloc(), kv.alloc(len(r.prompt_ids))
             pool.write(row, 0, slots)

@@ -1,6 +1,6 @@
 """InProcessPrefill: the prefill engine on its own thread, called like a remote prefill peer.
 
-The decode scheduler calls it with a PrefillRequest after reserving the request's slots; it batches
+The decode scheduler calls it with a HandoffRequest after reserving the request's slots; it batches
 whatever is queued, prefills, and delivers each Handoff (or a failure) through the callbacks. The
 gRPC client replaces it between processes; tests and benchmarks use it in one process.
 """
@@ -11,7 +11,7 @@ import queue
 import threading
 from typing import Callable
 
-from common.handoff import Handoff, PrefillRequest
+from common.engine.handoff import Handoff, HandoffRequest
 from prefill_service.batching import take_batch
 from prefill_service.engine import PrefillEngine
 
@@ -26,7 +26,7 @@ class InProcessPrefill:
         self._thread = threading.Thread(target=self._loop, name="prefill", daemon=True)
         self._thread.start()
 
-    def __call__(self, request: PrefillRequest) -> None:
+    def __call__(self, request: HandoffRequest) -> None:
         self._queue.put(request)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ Lifecycle of one Prefill call:
      PrebuiltRecord (prompt length, first token, chunk count);
   4. a cancelled call is dropped before its prefill if it has not started, or stops streaming.
 The service is stateless between calls. Health: NOT_SERVING until the model is loaded.
+With --debug-checks the pools' integrity is checked after every batch (every slot free again).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import time
 import grpc
 import torch
 
-from common import kv_chunks
-from common.colocated import validate_prompt
-from common.grpc_server import Server
-from common.handoff import PrefillRequest
-from common.model_runner import ModelRunner, RunnerArgs
-from common.proto_gen import prefill_pb2, prefill_pb2_grpc
-from common.sampling import SamplingParams
+from common.wire import kv_chunks
+from common.wire.grpc_server import Server
+from common.engine.handoff import HandoffRequest
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from common.engine.sampling import SamplingParams
+from common.request_rules import validate_prompt
 from prefill_service.batching import take_batch
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
@@ -34,7 +35,7 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
 class _Call:
-    def __init__(self, request: PrefillRequest):
+    def __init__(self, request: HandoffRequest):
         self.request = request
         self.results: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
@@ -81,10 +82,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     # ---- engine thread ---------------------------------------------------------------------------
     def _engine_loop(self) -> None:
         while (calls := take_batch(self.prefill_queue, self.config.max_running_requests)) is not None:
-            for c in calls:
+            live = []
+            for c in calls:  # one look at `cancelled` per call: each call is answered exactly once
                 if c.cancelled.is_set():
                     c.results.put(RuntimeError("cancelled before prefill"))
-            calls = [c for c in calls if not c.cancelled.is_set()]
+                else:
+                    live.append(c)
+            calls = live
             self.num_running = len(calls)
             try:
                 started = time.perf_counter()
@@ -99,6 +103,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     c.results.put(e)
             finally:
                 self.num_running = 0
+            if self.config.debug_checks:  # the engine frees every slot of a batch: the books balance
+                self.runner.kv_allocator.check_integrity(holders=[])
+                self.runner.req_to_token_pool.allocator.check_integrity(holders=[])
 
     # ---- RPCs ------------------------------------------------------------------------------------
     def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
@@ -108,14 +115,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                 top_p=sp.top_p or 1.0, min_p=sp.min_p, seed=sp.seed)
         prompt = list(request.input_ids)
         try:
-            validate_prompt(prompt, params, self.runner.config.vocab_size, self.runner.context_length)
-            if len(prompt) > self.runner.kv_allocator.size:
-                raise ValueError(f"prompt of {len(prompt)} tokens exceeds the prefill KV pool")
+            validate_prompt(prompt, params, self.runner.config.vocab_size, self.runner.context_length,
+                            kv_capacity=self.runner.kv_allocator.size)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.first_output_position >= len(prompt):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first_output_position must be < len(input_ids)")
-        call = _Call(PrefillRequest(request.request_id, prompt, params, sp.seed, request.first_output_position))
+        call = _Call(HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position))
         context.add_callback(call.cancelled.set)
         self.prefill_queue.put(call)
         result = call.results.get()

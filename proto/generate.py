@@ -1,8 +1,8 @@
-"""Regenerate the checked-in stubs for proto/ into common/proto_gen/ (grpcio-tools, pinned).
+"""Regenerate the checked-in stubs for proto/ into common/wire/proto_gen/ (grpcio-tools, pinned).
 
     python proto/generate.py          # write
     python proto/generate.py --check  # exit 1 if the checked-in stubs are stale
-Imports are rewritten to be package-relative so `common.proto_gen` works from any path.
+Imports are rewritten to be package-relative so `common.wire.proto_gen` works from any path.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTOS = ["disagg/v1/prefill.proto"]
-OUT = os.path.join(ROOT, "common", "proto_gen")
+OUT = os.path.join(ROOT, "common", "wire", "proto_gen")
 
 
 def generate(out_dir: str) -> dict[str, str]:

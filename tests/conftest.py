@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.tiny_checkpoint import build
+from common.tools.tiny_checkpoint import build
 
 # name -> build() keyword arguments
 CHECKPOINTS = {

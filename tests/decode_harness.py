@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from common.model_runner import ModelRunner, RunnerArgs
+from common.engine.model_runner import ModelRunner, RunnerArgs
 from decode_service.scheduler import DecodeScheduler, SchedulerHooks
 from prefill_service.engine import PrefillEngine
 from prefill_service.inprocess import InProcessPrefill
@@ -69,7 +69,7 @@ class Pair:
         time.sleep(0.05)
         self.scheduler.check_integrity()
         assert self.scheduler.runner.kv_allocator.num_used == 0
-        assert self.scheduler.runner.req_to_token_pool.rows.num_used == 0
+        assert self.scheduler.runner.req_to_token_pool.allocator.num_used == 0
         self.scheduler.stop()
         self.link.close()
 

@@ -16,10 +16,9 @@ from prefill_service.server import PrefillService
 
 class GrpcPair:
     def __init__(self, path: str, overlap: bool = True, prefill_kw: dict | None = None, decode_kw: dict | None = None):
-        self.prefill = PrefillService(PrefillConfig(path, port=0, **(prefill_kw or {}))).start()
-        self.decode = DecodeService(DecodeConfig(path, prefill_addr=self.prefill.address, port=0,
+        self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, **(prefill_kw or {}))).start()
+        self.decode = DecodeService(DecodeConfig(path, prefill_addr=self.prefill.address, port=0, debug_checks=True,
                                                  disable_overlap_schedule=not overlap, **(decode_kw or {}))).start()
-        self.decode.scheduler.future_map.debug = True
         self.channel = grpc.insecure_channel(self.decode.address)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         deadline = time.time() + 20
@@ -54,7 +53,7 @@ class GrpcPair:
             time.sleep(0.01)
         time.sleep(0.05)
         sched.check_integrity()
-        assert sched.runner.kv_allocator.num_used == 0 and sched.runner.req_to_token_pool.rows.num_used == 0
+        assert sched.runner.kv_allocator.num_used == 0 and sched.runner.req_to_token_pool.allocator.num_used == 0
 
     def close(self) -> None:
         try:

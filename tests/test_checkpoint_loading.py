@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import CheckpointError, load_model_config
-from common.loader import load_model
-from common.rope import inv_frequencies
+from common.models.config import CheckpointError, load_model_config
+from common.models.loader import load_model
+from common.models.rope import inv_frequencies
 
 
 def _copy(checkpoint, name, tmp_path) -> str:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from common import client as client_cli
-from common.config import load_model_config
-from common.client import Client
-from common.tokenizer import load_tokenizer
+from common.tools import client as client_cli
+from common.models.config import load_model_config
+from common.tools.client import Client
+from common.tools.tokenizer import load_tokenizer
 from tests.grpc_harness import GrpcPair
 from tests.oracle import hf_greedy
 

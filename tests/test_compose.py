@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from common import health_probe
+from common.tools import health_probe
 from decode_service.config import build_parser as decode_parser
 from prefill_service.config import build_parser as prefill_parser
 from tests.grpc_harness import GrpcPair
@@ -34,7 +34,7 @@ def test_compose_structure():
         assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
         assert any(v.endswith(":/models:ro") for v in services[name]["volumes"])
         probe = services[name]["healthcheck"]["test"]
-        assert probe[:4] == ["CMD", "python", "-m", "common.health_probe"]
+        assert probe[:4] == ["CMD", "python", "-m", "common.tools.health_probe"]
     assert services["decode"]["depends_on"] == {"prefill": {"condition": "service_healthy"}}
     assert services["smg"]["depends_on"] == {"decode": {"condition": "service_healthy"}}
     assert any(v.endswith(":/models:ro") for v in services["smg"]["volumes"])  # reads tokenizer_path itself
@@ -76,7 +76,7 @@ def test_health_probe_script(checkpoint):
         assert health_probe.main([pair.prefill.address]) == 0
         assert health_probe.main([pair.decode.address, "sglang.grpc.scheduler.SglangScheduler"]) == 0
         assert health_probe.main(["127.0.0.1:1", "--timeout", "0.5"]) == 1
-        proc = subprocess.run([sys.executable, "-m", "common.health_probe", pair.decode.address], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "common.tools.health_probe", pair.decode.address], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and "SERVING" in proc.stdout
     finally:

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from common.sampling import SamplingParams
+from common.engine.sampling import SamplingParams
 from tests.decode_harness import ManualPair, Pair
 from tests.oracle import hf_greedy
 
@@ -181,8 +181,8 @@ def test_broken_handoff_frees_the_reservation_once(checkpoint):
 
 def test_seeded_sampling_continues_across_the_handoff(checkpoint):
     """Prefill samples output 0 and decode the rest from (seed, position): same as one process."""
-    from common.colocated import ColocatedEngine
-    from common.model_runner import ModelRunner, RunnerArgs
+    from common.engine.colocated import ColocatedEngine
+    from common.engine.model_runner import ModelRunner, RunnerArgs
 
     path = checkpoint("llama")
     prompts = _prompts(4, seed=11)
@@ -222,7 +222,7 @@ def test_failing_consumer_is_aborted_and_stop_frees_live_requests(checkpoint):
 
 def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
     """max_new_tokens=1: the first token was streamed, the handoff broke and was re-prefilled."""
-    from common.handoff import PrefillRequest
+    from common.engine.handoff import HandoffRequest
 
     pair = ManualPair(checkpoint("qwen2"))
     sched = pair.scheduler
@@ -233,7 +233,7 @@ def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
     pair.pending.clear()
     [h0] = pair.engine.prefill([req])
     sched.deliver_first_token("r", h0.first_token, 0)          # attempt 1 streams its token, then breaks
-    retry = PrefillRequest("r", p + [h0.first_token], req.params, req.seed, first_position=1)
+    retry = HandoffRequest("r", p + [h0.first_token], req.params, req.seed, first_position=1)
     [h1] = pair.engine.prefill([retry])
     sched.deliver_first_token("r", h1.first_token, 1)          # attempt 2 would stream the next one
     sched.deliver_handoff(h1)

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from common.streams import HostEvent, WorkerStream
+from common.engine.sampling import SamplingParams
+from common.engine.streams import HostEvent, WorkerStream
 from decode_service.future_map import ConsumeOnceError, FutureMap
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.scheduler import InvariantError
@@ -31,7 +31,7 @@ def test_1_rows_are_request_slots(checkpoint):
     fm.stash_tokens(_idx(3, 1), torch.tensor([30, 10]))
     assert fm.gather_tokens(_idx(1, 3)).tolist() == [10, 30]
     pair = ManualPair(checkpoint("qwen2"), decode_reqs=5)
-    assert pair.scheduler.future_map.rows == pair.scheduler.runner.req_to_token_pool.req_to_token.shape[0] == 6
+    assert pair.scheduler.future_map.num_rows == pair.scheduler.runner.req_to_token_pool.req_to_token.shape[0] == 6
     pair.close()
 
 

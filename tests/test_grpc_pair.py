@@ -10,7 +10,7 @@ import pytest
 import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.proto_gen import prefill_pb2, prefill_pb2_grpc
+from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from tests.grpc_harness import GrpcPair
 from tests.oracle import hf_greedy
 
@@ -43,7 +43,7 @@ def test_sixteen_concurrent_requests_match_hf(checkpoint, arch, overlap):
 
 def test_bad_requests_get_invalid_argument_before_any_data(checkpoint):
     pair = GrpcPair(checkpoint("qwen2"), decode_kw=dict(context_length=256))
-    cases = [([], {}, "empty input"), ([5, 10_000], {}, "vocabulary"), ([5] * 300, {}, "context"),
+    cases = [([], {}, "empty prompt"), ([5, 10_000], {}, "vocabulary"), ([5] * 300, {}, "context"),
              ([5] * 200, dict(max_new_tokens=100), "exceeds the context"), ([5], dict(n=2), "n > 1"),
              ([5], dict(stop=["x"]), "stop"), ([5], dict(regex="a+"), "regex"),
              ([5], dict(frequency_penalty=0.5), "frequency_penalty"), ([5], dict(temperature=-1.0), "temperature")]
@@ -114,7 +114,7 @@ def test_first_token_arrives_while_the_handoff_is_in_flight(checkpoint):
 
 
 def test_large_handoff_is_chunked_within_the_bound(tmp_path):
-    from common.tiny_checkpoint import build
+    from common.tools.tiny_checkpoint import build
 
     path = build(str(tmp_path / "wide"), "llama", hidden_size=512, num_layers=8)
     prompt = [(7 * i) % 370 + 5 for i in range(300)]     # 300 tokens x 16 KiB of KV (8 layers, fp32)

@@ -9,7 +9,7 @@ import zipfile
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.tokenizer import load_tokenizer
+from common.tools.tokenizer import load_tokenizer
 from tests.grpc_harness import GrpcPair
 
 

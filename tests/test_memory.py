@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from common.kv_pool import KVPool, bytes_per_slot, slots_for_budget
-from common.req_to_token_pool import ReqToTokenPool
-from common.slot_allocator import DoubleFree, IntegrityError, OutOfSlots, SlotAllocator
+from common.engine.kv_pool import KVPool, bytes_per_slot, slots_for_budget
+from common.engine.req_to_token_pool import ReqToTokenPool
+from common.engine.slot_allocator import DoubleFree, IntegrityError, OutOfSlots, SlotAllocator
 
 
 def test_churn_keeps_integrity():
@@ -83,7 +83,7 @@ def test_req_to_token_pool_rows():
     pool.free(rows[1])
     with pytest.raises(DoubleFree):
         pool.free(rows[1])
-    pool.rows.check_integrity(holders=[[rows[0]], [rows[2]]])
+    pool.allocator.check_integrity(holders=[[rows[0]], [rows[2]]])
 
 
 def test_kv_pool_capacity_from_byte_budget():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.colocated import ColocatedEngine
-from common.forward_batch import ForwardBatch
-from common.model_runner import ModelRunner, RunnerArgs
-from common.sampling import SamplingParams
+from common.engine.colocated import ColocatedEngine
+from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.sampling import SamplingParams
 from tests.oracle import hf_greedy, hf_logits
 
 VARIANTS = ["llama", "qwen2", "qwen3", "qwen2-tied", "qwen3-sharded"]
@@ -73,4 +73,4 @@ def test_greedy_tokens_match_hf_generate(checkpoint, variant):
         assert req.finish_reason == "length"
     assert len({t for r in reqs for t in r.output}) > 4, "degenerate outputs make a weak oracle check"
     runner.kv_allocator.check_integrity(holders=[])
-    runner.req_to_token_pool.rows.check_integrity(holders=[])
+    runner.req_to_token_pool.allocator.check_integrity(holders=[])

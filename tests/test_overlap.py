@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from common.sampling import SamplingParams
-from common.streams import HostEvent, WorkerStream
+from common.engine.sampling import SamplingParams
+from common.engine.streams import HostEvent, WorkerStream
 from decode_service.scheduler import SchedulerHooks
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy

@@ -14,7 +14,7 @@ import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.demo import free_port, wait_serving
+from common.tools.procs import free_port, wait_serving
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
@@ -131,10 +131,10 @@ def test_killing_prefill_processes_mid_handoff(checkpoint):
 
 def test_re_prefill_continues_the_seeded_stream(checkpoint):
     """A retry prefills prompt + sent tokens and samples output position len(sent): same tokens."""
-    from common.colocated import ColocatedEngine
-    from common.handoff import PrefillRequest
-    from common.model_runner import ModelRunner, RunnerArgs
-    from common.sampling import SamplingParams
+    from common.engine.colocated import ColocatedEngine
+    from common.engine.handoff import HandoffRequest
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+    from common.engine.sampling import SamplingParams
     from prefill_service.engine import PrefillEngine
 
     path = checkpoint("qwen3")
@@ -144,5 +144,5 @@ def test_re_prefill_continues_the_seeded_stream(checkpoint):
     [ref] = ColocatedEngine(ModelRunner(args), 16).generate([prompt], params)
     engine = PrefillEngine(ModelRunner(args), 16)
     for sent in range(4):
-        [h] = engine.prefill([PrefillRequest("r", prompt + ref.output[:sent], params, 77, first_position=sent)])
+        [h] = engine.prefill([HandoffRequest("r", prompt + ref.output[:sent], params, 77, first_position=sent)])
         assert h.first_token == ref.output[sent] and h.first_position == sent and h.prompt_len == len(prompt) + sent

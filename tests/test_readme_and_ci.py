@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from common import demo
+from common.tools import demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +20,7 @@ def test_readme_has_exactly_two_one_line_commands():
     lines = _first_block()
     assert len(lines) == 2
     main_job, tests = lines
-    assert "common.demo" in main_job and "pytest" in tests
+    assert "common.tools.demo" in main_job and "pytest" in tests
     for line in lines:
         assert line.startswith("bash .ci/setup && .venv/bin/python -m ")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.colocated import ColocatedEngine
-from common.model_runner import ModelRunner, RunnerArgs
-from common.sampling import SamplingParams, sample, uniform
+from common.engine.colocated import ColocatedEngine
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.sampling import SamplingParams, sample, uniform
 
 V = 50
 

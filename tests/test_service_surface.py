@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.config import load_model_config
+from common.models.config import load_model_config
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from tests.grpc_harness import GrpcPair
@@ -121,7 +121,7 @@ def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(chec
 def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
     import threading
 
-    from common.proto_gen import prefill_pb2, prefill_pb2_grpc
+    from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
     from prefill_service.config import PrefillConfig
     from prefill_service.server import PrefillService
 

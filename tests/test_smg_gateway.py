@@ -16,8 +16,8 @@ import urllib.request
 
 import pytest
 
-from common.config import load_model_config
-from common.tokenizer import load_tokenizer
+from common.models.config import load_model_config
+from common.tools.tokenizer import load_tokenizer
 from tests.grpc_harness import GrpcPair
 from tests.oracle import hf_greedy
 

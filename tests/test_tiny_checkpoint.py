@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 
-from common.config import load_model_config
-from common.tiny_checkpoint import build
-from common.tokenizer import load_tokenizer
+from common.models.config import load_model_config
+from common.tools.tiny_checkpoint import build
+from common.tools.tokenizer import load_tokenizer
 
 
 def _digest(path: str) -> dict[str, str]:
@@ -39,7 +39,7 @@ def test_tokenizer_round_trips_and_has_chat_template(checkpoint):
 
 def test_runnable_as_a_module(tmp_path):
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, "-m", "common.tiny_checkpoint", "--arch", "qwen2", "--tied", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "common.tools.tiny_checkpoint", "--arch", "qwen2", "--tied", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "built tiny qwen2 checkpoint" in proc.stdout

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from common.forward_batch import ForwardBatch
+from common.engine.forward_batch import ForwardBatch
 
 
 def run_chunked_prefill(runner, reqs: list, chunk_size: int, on_done: Callable[[list, object], None]) -> None:

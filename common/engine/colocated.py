@@ -9,7 +9,7 @@ Lifecycle of `generate(prompts, params)`:
      already in the pool; a request whose prompt completes samples its first token;
   4. decode: one token per running request per step until EOS / stop_token_ids / max_new_tokens;
   5. free every slot exactly once (also when a step raises).
-The disaggregated services reuse the same pieces (ForwardBatch, ModelRunner, sampler).
+The disaggregated services reuse the same pieces (ForwardBatch, ModelRunner, sampler, request rules).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.chunked_prefill import run_chunked_prefill
-from common.forward_batch import ForwardBatch
-from common.model_runner import ModelRunner
-from common.sampling import SamplingParams, sample
+from common.engine.chunked_prefill import run_chunked_prefill
+from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import ModelRunner
+from common.engine.sampling import SamplingParams, sample
+from common.request_rules import finish_reason, validate_prompt
 
 
 @dataclass
@@ -39,31 +40,6 @@ class Request:
     def committed_len(self) -> int:
         """Tokens whose KV is in the pool (the last sampled token is not yet run)."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
-
-
-def validate_prompt(prompt: list[int], params: SamplingParams, vocab_size: int, context_length: int) -> None:
-    if not prompt:
-        raise ValueError("empty prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
-    params.validate(vocab_size)
-    if len(prompt) + params.max_new_tokens > context_length:
-        raise ValueError(
-            f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
-            f"length {context_length}")
-
-
-def finish_reason(params: SamplingParams, output: list[int], eos_ids: tuple[int, ...]) -> str | None:
-    """Why a request stops after its newest output token, or None to go on."""
-    token = output[-1]
-    if not params.ignore_eos and token in eos_ids:
-        return "stop"
-    if token in params.stop_token_ids:
-        return "stop"
-    if len(output) >= params.max_new_tokens:
-        return "length"
-    return None
 
 
 class ColocatedEngine:
@@ -88,9 +64,9 @@ class ColocatedEngine:
     def _reserve(self, reqs: list[Request]) -> None:
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         need = sum(len(r.prompt) + r.params.max_new_tokens for r in reqs)
-        if len(reqs) > pool.rows.num_free or not kv.can_alloc(need):
+        if len(reqs) > pool.allocator.num_free or not kv.can_alloc(need):
             raise RuntimeError(f"batch does not fit: {len(reqs)} requests / {need} KV slots, "
-                               f"{pool.rows.num_free} request slots / {kv.num_free} KV slots free")
+                               f"{pool.allocator.num_free} request slots / {kv.num_free} KV slots free")
         for r in reqs:
             r.req_pool_idx = pool.alloc()
             r.kv_slots = kv.alloc(len(r.prompt) + r.params.max_new_tokens)

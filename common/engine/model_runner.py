@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from common.attention import create_backend
-from common.config import ModelConfig, load_model_config
-from common.forward_batch import ForwardBatch
-from common.kv_pool import KVPool, slots_for_budget
-from common.loader import load_model, resolve_dtype
-from common.req_to_token_pool import ReqToTokenPool
-from common.slot_allocator import SlotAllocator
+from common.models.config import ModelConfig, load_model_config
+from common.engine.forward_batch import ForwardBatch
+from common.engine.kv_pool import KVPool, slots_for_budget
+from common.models.loader import load_model, resolve_dtype
+from common.engine.req_to_token_pool import ReqToTokenPool
+from common.engine.slot_allocator import SlotAllocator
 
 
 @dataclass
@@ -35,7 +35,7 @@ class RunnerArgs:
         """The runner part of a prefill/decode service config (same flag names on both)."""
         return cls(config.model_path, device=config.device, dtype=config.dtype,
                    max_total_tokens=config.max_total_tokens, max_running_requests=config.max_running_requests,
-                   context_length=config.context_length)
+                   context_length=config.context_length, attention_backend=config.attention_backend)
 
 
 class ModelRunner:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from common.slot_allocator import SlotAllocator
+from common.engine.slot_allocator import SlotAllocator
 
 
 class ReqToTokenPool:
@@ -16,13 +16,13 @@ class ReqToTokenPool:
         self.max_context = max_context
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((size + 1, max_context), dtype=torch.int32, device=self.device)
-        self.rows = SlotAllocator(size, name="request slots")
+        self.allocator = SlotAllocator(size, name="request slots")
 
     def alloc(self) -> int:
-        return int(self.rows.alloc(1)[0])
+        return int(self.allocator.alloc(1)[0])
 
     def free(self, req_pool_idx: int) -> None:
-        self.rows.free([req_pool_idx])
+        self.allocator.free([req_pool_idx])
 
     def write(self, req_pool_idx: int, start: int, kv_slots: torch.Tensor) -> None:
         """Map positions start.. of the row to `kv_slots`."""

@@ -1,6 +1,6 @@
 """The main job: both services locally on CPU, one real request through the client, clean stop.
 
-    python -m common.demo [--model-path DIR] [--prompt TEXT] [--max-new-tokens N]
+    python -m common.tools.demo [--model-path DIR] [--prompt TEXT] [--max-new-tokens N]
 
 1. without --model-path, build a tiny random-weight Llama checkpoint in a temporary folder (its
    answer is gibberish by design: the point is the whole path running);
@@ -15,47 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"service on {address} exited with code {proc.returncode}")
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"service on {address} not serving after {timeout:.0f}s")
-
-
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+from common.tools.procs import free_port, stop, wait_serving
 
 
 def main(argv=None) -> str:
@@ -65,12 +30,12 @@ def main(argv=None) -> str:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
-    from common.client import Client
+    from common.tools.client import Client
 
     with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tmp:
         path = args.model_path
         if path is None:
-            from common.tiny_checkpoint import build
+            from common.tools.tiny_checkpoint import build
 
             print("[demo] building a tiny random-weight llama checkpoint ...", flush=True)
             path = build(tmp, "llama")

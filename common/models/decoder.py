@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.config import ModelConfig
-from common.forward_batch import ForwardBatch
-from common.rope import RotaryEmbedding, apply_rotary
+from common.models.config import ModelConfig
+from common.engine.forward_batch import ForwardBatch
+from common.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):

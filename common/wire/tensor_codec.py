@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from common.proto_gen import prefill_pb2
+from common.wire.proto_gen import prefill_pb2
 
 _BY_NAME = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32,
                                                        torch.int64, torch.float64, torch.uint8)}

@@ -13,8 +13,8 @@ import os
 import torch
 from safetensors import safe_open
 
-from common.config import CheckpointError, ModelConfig, load_model_config
-from common.model import DecoderLM
+from common.models.config import CheckpointError, ModelConfig, load_model_config
+from common.models.decoder import DecoderLM
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -10,8 +10,8 @@ from typing import Iterator
 
 import torch
 
-from common import tensor_codec
-from common.proto_gen import prefill_pb2
+from common.wire import tensor_codec
+from common.wire.proto_gen import prefill_pb2
 
 
 def plan(num_tokens: int, num_layers: int, bytes_per_token_layer: int, max_bytes: int) -> Iterator[tuple[int, int, int, int]]:

@@ -2,7 +2,8 @@
 
 Transport-independent: the gRPC layer streams it as first token, KV chunks and a final record;
 in-process tests pass the object. KV is per layer [prompt_len, kv_heads, head_dim] on the host, in
-the model dtype. Draft KV and the EAGLE draft seed have their fields reserved for later.
+the model dtype. `HandoffRequest` is what the decode side asks a prefill peer for (the wire's
+message of the same content is `disagg.v1.PrefillRequest`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling import SamplingParams
+from common.engine.sampling import SamplingParams
 
 
 @dataclass
-class PrefillRequest:
+class HandoffRequest:
     rid: str
     prompt_ids: list[int]             # the ids to prefill: the prompt, plus tokens already sent on a retry
     params: SamplingParams
@@ -32,9 +33,6 @@ class Handoff:
     first_token: int
     k: list[torch.Tensor] | None        # None: the KV already arrived as chunks (written on arrival)
     v: list[torch.Tensor] | None
-    draft_k: list[torch.Tensor] | None = None
-    draft_v: list[torch.Tensor] | None = None
-    draft_seed: dict | None = None
     first_position: int = 0           # output index of first_token; prompt_ids ends with that many outputs
 
     @property

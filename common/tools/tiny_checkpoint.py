@@ -6,7 +6,7 @@ ids in the configs and a chat template. Weights are redrawn from a seeded genera
 (biases and norms included) is non-trivial, and the lm_head is scaled so greedy choices are not
 decided by float noise.
 
-    python -m common.tiny_checkpoint --arch qwen3 --out /tmp/tiny-qwen3 [--tied] [--shard-bytes N]
+    python -m common.tools.tiny_checkpoint --arch qwen3 --out /tmp/tiny-qwen3 [--tied] [--shard-bytes N]
 """
 
 from __future__ import annotations

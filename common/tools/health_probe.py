@@ -1,6 +1,6 @@
 """Exit 0 if a gRPC server reports SERVING (grpc.health.v1), else 1. Used by compose health checks.
 
-    python -m common.health_probe HOST:PORT [SERVICE] [--timeout S]
+    python -m common.tools.health_probe HOST:PORT [SERVICE] [--timeout S]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m common.health_probe")
+    p = argparse.ArgumentParser(prog="python -m common.tools.health_probe")
     p.add_argument("address")
     p.add_argument("service", nargs="?", default="")
     p.add_argument("--timeout", type=float, default=3.0)

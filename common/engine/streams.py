@@ -8,10 +8,16 @@ One interface, two implementations:
   order; `HostEvent` is a thread-safe flag. So overlap is real on CPU, and the scheduler code is the
   same on both.
 
-`Event.record(stream)` marks the point after all work submitted to that stream so far; on CPU the
-event must be *armed* (created unset) first, which `make_event()` does. An exception raised by
-submitted work is kept and re-raised to the schedule side at the next `synchronize()` or
-`raise_if_failed()`, and the stream refuses further work.
+The event contract, the same on both (DESIGN section 6, invariant 3):
+- `set_here()` is called *inside* stream work: the event is reached when the stream gets there.
+  On CUDA that records the event on the stream while the host launches the work, so the record
+  always happens before `submit` returns; on CPU the flag was created unset (armed) by
+  `make_event()` and the worker sets it when it runs that point.
+- Nobody waits on an event whose work has not been submitted: a fresh `torch.cuda.Event` reads as
+  already reached until its first record, so "armed, unset" exists only while its work is queued.
+- A failed stream never reaches its later events. An exception raised by submitted work is kept;
+  the CPU stream then skips ordinary work (signals still run) and refuses new work, and
+  `wait_event` re-raises the error to every waiter instead of letting it wait forever.
 """
 
 from __future__ import annotations
@@ -24,18 +30,23 @@ from typing import Callable
 
 import torch
 
+POLL_S = 0.05  # how often a waiter re-checks a stream for failure (the event itself wakes it at once)
+
+
+class StreamFailed(RuntimeError):
+    """Work on a stream raised; every later wait on that stream raises this."""
+
 
 class HostEvent:
     def __init__(self):
         self._flag = threading.Event()
 
     def record(self, stream: "WorkerStream") -> None:
-        stream.submit(self._flag.set)
+        stream.submit_signal(self._flag.set)
 
-    def set(self) -> None:
+    def set_here(self) -> None:
+        """Called from inside stream work: the point is reached now."""
         self._flag.set()
-
-    set_here = set  # called from inside stream work: the point is reached now
 
     def wait_here(self) -> None:
         """Called from inside stream work: block this stream until the event is reached."""
@@ -47,10 +58,6 @@ class HostEvent:
     def synchronize(self, timeout: float | None = None) -> None:
         if not self._flag.wait(timeout):
             raise TimeoutError("event not reached within timeout")
-
-    def wait_on(self, stream: "WorkerStream") -> None:
-        """Make later work on `stream` start only after this event (cross-stream chaining)."""
-        stream.submit(self._flag.wait)
 
 
 class WorkerStream:
@@ -64,11 +71,12 @@ class WorkerStream:
 
     def _loop(self) -> None:
         while True:
-            fn = self._queue.get()
-            if fn is None:
+            item = self._queue.get()
+            if item is None:
                 return
-            if self._error is not None and fn.__name__ != "set":
-                continue  # after a failure only event signals run, so waiters wake up
+            fn, is_signal = item
+            if self._error is not None and not is_signal:
+                continue  # after a failure only event signals run, so `record`ed events still fire
             try:
                 fn()
             except BaseException as e:  # surfaced to the schedule side
@@ -76,16 +84,20 @@ class WorkerStream:
 
     def submit(self, fn: Callable[[], object]) -> None:
         self.raise_if_failed()
-        self._queue.put(fn)
+        self._queue.put((fn, False))
+
+    def submit_signal(self, fn: Callable[[], object]) -> None:
+        """Queue an event signal: it runs in order, and also after a failure (so waiters wake)."""
+        self._queue.put((fn, True))
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"forward stream failed: {self._error!r}") from self._error
+            raise StreamFailed(f"forward stream failed: {self._error!r}") from self._error
 
     def synchronize(self, timeout: float | None = None) -> None:
         done = HostEvent()
         done.record(self)
-        done.synchronize(timeout)
+        wait_event(done, self, timeout)
         self.raise_if_failed()
 
     def close(self) -> None:
@@ -96,9 +108,6 @@ class WorkerStream:
 class DeviceEvent:
     def __init__(self):
         self._event = torch.cuda.Event()
-
-    def record(self, stream: "DeviceStream") -> None:
-        self._event.record(stream.stream)
 
     def query(self) -> bool:
         return self._event.query()
@@ -112,9 +121,6 @@ class DeviceEvent:
             if time.monotonic() >= deadline:
                 raise TimeoutError("event not reached within timeout")
             time.sleep(0.0005)
-
-    def wait_on(self, stream: "DeviceStream") -> None:
-        stream.stream.wait_event(self._event)
 
     def set_here(self) -> None:
         self._event.record(torch.cuda.current_stream())
@@ -144,13 +150,32 @@ class DeviceStream:
         self._in_flight.append((done, fn))
 
     def raise_if_failed(self) -> None:
-        pass
+        pass  # a failed kernel surfaces as an exception from the next synchronize or query
 
     def synchronize(self, timeout: float | None = None) -> None:
-        self.stream.synchronize()
+        done = DeviceEvent()
+        with torch.cuda.stream(self.stream):
+            done.set_here()
+        done.synchronize(timeout)
 
     def close(self) -> None:
         self.stream.synchronize()
+
+
+def wait_event(event, stream, timeout: float | None = None) -> None:
+    """Wait until `event` is reached; raise StreamFailed if `stream` failed first (its later events
+    may never be reached), TimeoutError after `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        stream.raise_if_failed()
+        wait = POLL_S if deadline is None else min(POLL_S, max(deadline - time.monotonic(), 0.0))
+        try:
+            event.synchronize(wait)
+            return
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                stream.raise_if_failed()
+                raise
 
 
 def make_stream(device: torch.device | str, name: str = "forward"):

@@ -1,7 +1,7 @@
 """Client library and CLI for the decode service (gRPC SglangScheduler).
 
-    python -m common.client --addr 127.0.0.1:30000 "What is the capital of France?" [--chat]
-    python -m common.client --addr 127.0.0.1:30000 --ids 5,6,7 --max-new-tokens 8
+    python -m common.tools.client --addr 127.0.0.1:30000 "What is the capital of France?" [--chat]
+    python -m common.tools.client --addr 127.0.0.1:30000 --ids 5,6,7 --max-new-tokens 8
 
 Text goes through the model's tokenizer (the folder the service reports, or --tokenizer); the answer
 is printed as it streams. With --ids, raw token ids go in and come out.
@@ -19,7 +19,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from common.grpc_server import channel_options
+from common.wire.grpc_server import channel_options
 
 _counter = itertools.count()
 
@@ -41,7 +41,7 @@ class Client:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from common.tokenizer import load_tokenizer
+            from common.tools.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self._tokenizer_path or self.model_info().tokenizer_path)
         return self._tokenizer
@@ -86,7 +86,7 @@ class Client:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m common.client", description="Talk to the decode service.")
+    p = argparse.ArgumentParser(prog="python -m common.tools.client", description="Talk to the decode service.")
     p.add_argument("prompt", nargs="?", default=None)
     p.add_argument("--addr", default="127.0.0.1:30000")
     p.add_argument("--ids", default=None, help="comma-separated token ids instead of text")

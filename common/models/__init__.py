@@ -1,0 +1,1 @@
+"""Model code: checkpoint config, rotary embedding, the decoder, the safetensors loader."""

@@ -1,0 +1,54 @@
+"""Request rules, written once: what a valid request is, and why a request finishes.
+
+Used by the colocated engine, the prefill engine and service, the decode scheduler and the decode
+front door. Every violation raises `InvalidRequest` (a ValueError) with a message naming the field;
+the services map it to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from common.engine.sampling import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """The request is malformed or does not fit this model (INVALID_ARGUMENT)."""
+
+
+def validate_prompt(prompt: list[int], params: SamplingParams, vocab_size: int, context_length: int,
+                    kv_capacity: int | None = None) -> None:
+    """A non-empty prompt of in-vocabulary ids whose prompt + max_new_tokens fits the context (and,
+    when given, whose prompt fits a KV pool of `kv_capacity` slots); valid sampling params."""
+    if not prompt:
+        raise InvalidRequest("empty prompt: input_ids has no tokens")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"input_ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
+    if len(prompt) + params.max_new_tokens > context_length:
+        raise InvalidRequest(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
+            f"length {context_length}")
+    if kv_capacity is not None and len(prompt) > kv_capacity:
+        raise InvalidRequest(f"prompt of {len(prompt)} tokens exceeds the KV pool ({kv_capacity} slots)")
+
+
+def default_max_new_tokens(prompt_len: int, default: int, context_length: int) -> int:
+    """max_new_tokens for a request that gives none: the server default, clamped to the context."""
+    if prompt_len >= context_length:
+        raise InvalidRequest(f"prompt of {prompt_len} tokens leaves no room in the context length {context_length}")
+    return min(default, context_length - prompt_len)
+
+
+def finish_reason(params: SamplingParams, output: list[int], eos_ids: tuple[int, ...]) -> str | None:
+    """Why a request stops after its newest output token ("stop" or "length"), or None to go on."""
+    token = output[-1]
+    if not params.ignore_eos and token in eos_ids:
+        return "stop"
+    if token in params.stop_token_ids:
+        return "stop"
+    if len(output) >= params.max_new_tokens:
+        return "length"
+    return None

@@ -1,0 +1,57 @@
+"""Service configuration, declared once: each field of a config dataclass is one CLI flag.
+
+`flag(default, help)` declares a field with its help text; `build_parser(cls)` turns the dataclass
+into an argparse parser (`model_path` -> `--model-path`; bools are switches; a field without a
+default is required), and `parse_config(cls, argv)` returns the dataclass. `ServiceConfig` holds the
+flags both services share (same names, same meaning); each service subclasses it, overriding a
+default where its role differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+from common.attention import BACKENDS
+
+REQUIRED = MISSING
+
+
+def flag(default=REQUIRED, help: str = "", type=None, choices=None, hidden: bool = False):
+    """A config field that is also a command-line flag."""
+    meta = {"help": argparse.SUPPRESS if hidden else help, "type": type, "choices": choices}
+    return field(metadata=meta) if default is REQUIRED else field(default=default, metadata=meta)
+
+
+@dataclass
+class ServiceConfig:
+    model_path: str = flag(help="Hugging Face checkpoint folder")
+    host: str = flag("127.0.0.1", "address to bind (loopback unless told otherwise)")
+    port: int = flag(0, "port to bind (0 = any free port)")
+    device: str = flag("cpu", "where the model runs", choices=["cpu", "cuda"])
+    dtype: str = flag("auto", "model dtype: auto = float32 on CPU, bfloat16 on CUDA")
+    max_total_tokens: int = flag(8192, "KV slots of this service's pool")
+    max_running_requests: int = flag(16, "request slots (requests in flight at once)")
+    context_length: int | None = flag(None, "cap on the model's context length", type=int)
+    attention_backend: str = flag("torch", "attention backend", choices=sorted(BACKENDS))
+    torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
+    debug_checks: bool = flag(False, "debug invariant checks: FutureMap consume-once guard, pool integrity when idle")
+
+
+def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    for f in fields(cls):
+        name = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        if f.default is MISSING:
+            p.add_argument(name, required=True, type=meta["type"] or str, help=meta["help"])
+        elif isinstance(f.default, bool):
+            p.add_argument(name, action="store_true", help=meta["help"])
+        else:
+            p.add_argument(name, default=f.default, type=meta["type"] or type(f.default), choices=meta["choices"],
+                           help=meta["help"] if meta["help"] == argparse.SUPPRESS else f"{meta['help']} (default: %(default)s)")
+    return p
+
+
+def parse_config(cls, prog: str, description: str, argv=None):
+    return cls(**vars(build_parser(cls, prog, description).parse_args(argv)))

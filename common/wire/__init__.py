@@ -1,0 +1,1 @@
+"""The wire: tensor codec, KV chunks, gRPC server helpers and the generated stubs of proto/."""
