@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.engine.sampling import SamplingParams
-from common.engine.streams import HostEvent, WorkerStream
+from common.engine.streams import HostEvent, StreamFailed, WorkerStream
 from decode_service.future_map import ConsumeOnceError, FutureMap
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.scheduler import InvariantError
@@ -74,6 +74,29 @@ def test_3_resolve_waits_for_the_armed_step_not_an_older_event():
         fm.resolve_seq_lens_cpu(_idx(4), timeout=0.3)
     latch.set()
     assert fm.resolve_seq_lens_cpu(_idx(4), timeout=5).tolist() == [11]
+    stream.close()
+
+
+def test_3_resolve_fails_instead_of_hanging_when_the_stream_failed_before_publish():
+    fm, stream = _fm(), WorkerStream()
+    fence = fm.arm_publish(stream)
+
+    def broken_forward():
+        raise RuntimeError("forward blew up before its publish")
+    stream.submit(broken_forward)
+    stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([10]), fence))  # never runs
+    outcome = []
+
+    def resolve():
+        try:
+            outcome.append(fm.resolve_seq_lens_cpu(_idx(4)))   # no timeout: must still return
+        except Exception as e:
+            outcome.append(e)
+    waiter = threading.Thread(target=resolve, daemon=True)
+    waiter.start()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive(), "resolve_seq_lens_cpu hung on a failed stream"
+    assert isinstance(outcome[0], StreamFailed) and "blew up" in str(outcome[0])
     stream.close()
 
 

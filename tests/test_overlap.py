@@ -65,3 +65,22 @@ def test_worker_stream_runs_in_order_and_surfaces_errors():
     with pytest.raises(RuntimeError, match="bad kernel"):
         stream.submit(lambda: None)
     stream.close()
+
+
+def test_worker_stream_survives_failing_work_without_a_name():
+    """Work items need no __name__ (a functools.partial has none): after a failure the worker
+    keeps running, so every waiter wakes with the error (regression: the worker thread died)."""
+    import functools
+
+    def fail(msg):
+        raise ValueError(msg)
+
+    stream, latch = WorkerStream(), threading.Event()
+    stream.submit(lambda: latch.wait(5))           # hold the worker so both items queue behind it
+    stream.submit(functools.partial(fail, "bad kernel"))
+    stream.submit(functools.partial(print, "skipped after the failure"))
+    latch.set()
+    with pytest.raises(RuntimeError, match="bad kernel"):
+        stream.synchronize(timeout=5)              # not TimeoutError: the worker is alive
+    assert stream._thread.is_alive()
+    stream.close()

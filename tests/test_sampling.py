@@ -98,3 +98,17 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch(checkpoint):
     assert batch[2].output == alone.output
     different_seed = SamplingParams(**{**target.__dict__, "seed": 4321})
     assert engine.generate([prompt], different_seed)[0].output != alone.output
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_temperature_sampling_follows_the_softmax(filtered):
+    """Both draw paths (unsorted for temperature only, sorted when a filter is on) sample from
+    softmax(logits / T): empirical frequencies over 4000 seeds within 0.03 of it."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5, 0.2, -0.5]])
+    params = SamplingParams(temperature=0.7, top_p=0.99999 if filtered else 1.0)
+    assert params.filtered == filtered
+    n = 4000
+    tokens = sample(logits.expand(n, -1).contiguous(), [params] * n, list(range(n)), [3] * n)
+    freq = torch.bincount(tokens, minlength=8).float() / n
+    expected = torch.softmax(logits[0] / 0.7, dim=-1)
+    assert (freq - expected).abs().max() < 0.03, (freq, expected)

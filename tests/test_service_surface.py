@@ -153,3 +153,36 @@ def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
         assert service.num_prefilled == 1
     finally:
         service.stop()
+
+
+def test_prefill_call_cancelled_between_the_engine_loops_looks_still_gets_one_answer(checkpoint):
+    """A call whose cancel lands while the engine loop sorts its batch is answered exactly once
+    (regression: it was neither failed nor prefilled, and its handler thread blocked forever)."""
+    import queue
+
+    from common.engine.handoff import HandoffRequest
+    from common.engine.sampling import SamplingParams
+    from prefill_service.config import PrefillConfig
+    from prefill_service.server import PrefillService, _Call
+
+    class CancelledAfterFirstLook:
+        def __init__(self):
+            self.looks = 0
+
+        def is_set(self) -> bool:
+            self.looks += 1
+            return self.looks > 1
+
+    service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0))
+    call = _Call(HandoffRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=1), seed=1))
+    call.cancelled = CancelledAfterFirstLook()
+    service.prefill_queue.put(call)
+    service.prefill_queue.put(None)
+    service._engine_loop()                          # runs the batch, then meets the stop sentinel
+    try:
+        answer = call.results.get(timeout=1)
+    except queue.Empty:
+        pytest.fail("the call got no answer: its handler would wait forever")
+    assert call.results.empty(), "answered twice"
+    assert getattr(answer, "first_token", None) is not None or isinstance(answer, Exception)
+    service.server.stop(0)

@@ -3,7 +3,7 @@
 Randomness is counter-based: the uniform number that picks request r's token at output position
 n is a hash of (seed_r, n). No generator state is carried, so a seeded request gives the same tokens
 whatever batch it shares, on any device, and across the prefill -> decode handoff (prefill samples
-position 0, decode the rest). A token is chosen by inverse CDF over the filtered distribution.
+position 0, decode the rest). A token is chosen by inverse CDF over the (filtered) distribution.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filtered(self) -> bool:
+        """top-k, top-p or min-p narrows the distribution (sampling must sort)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
     def resolved_seed(self) -> int:
         """The seed to use; call once per request and keep it (None draws a fresh one)."""
         return self.seed if self.seed is not None else random.getrandbits(63)
@@ -66,18 +71,33 @@ def uniform(seed: int, position: int) -> float:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> torch.Tensor:
-    """logits [B, V] (float32) -> token ids [B] (int64, same device). positions = output index of each token."""
+    """logits [B, V] (float32) -> token ids [B] (int64, same device). positions = output index of each token.
+
+    Greedy rows take the argmax. Rows with temperature only draw by inverse CDF over the vocabulary
+    in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once to apply the filters."""
     tokens = torch.argmax(logits, dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return tokens
+    plain = [i for i, p in enumerate(params) if not p.greedy and not p.filtered]
+    filtered = [i for i, p in enumerate(params) if not p.greedy and p.filtered]
+    if plain:
+        _draw(logits, tokens, plain, params, seeds, positions, filters=False)
+    if filtered:
+        _draw(logits, tokens, filtered, params, seeds, positions, filters=True)
+    return tokens
+
+
+def _draw(logits, tokens, rows, params, seeds, positions, filters: bool) -> None:
     device = logits.device
     idx = torch.tensor(rows, device=device)
     sub = logits[idx].float()
     temperature = torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
     probs = torch.softmax(sub / temperature, dim=-1)
+    u = torch.tensor([uniform(seeds[i], positions[i]) for i in rows], device=device, dtype=probs.dtype)
+    if not filters:
+        cdf = torch.cumsum(probs, dim=-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=sub.shape[1] - 1)
+        tokens[idx] = pick.squeeze(1)
+        return
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-
     rank = torch.arange(sub.shape[1], device=device)[None, :]
     top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else sub.shape[1] for i in rows], device=device)
     top_p = torch.tensor([params[i].top_p for i in rows], device=device)
@@ -88,8 +108,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     keep[:, 0] = True                                              # the most likely token always survives
     kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     cdf = torch.cumsum(kept, dim=-1)
-    u = torch.tensor([uniform(seeds[i], positions[i]) for i in rows], device=device, dtype=cdf.dtype)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=sub.shape[1] - 1)
     pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)     # float edge: stay inside the kept set
     tokens[idx] = order.gather(1, pick).squeeze(1)
-    return tokens

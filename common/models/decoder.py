@@ -6,6 +6,10 @@ are the Hugging Face ones, so the loader maps checkpoint tensors one to one.
 
 Tokens of all requests are packed into one [T, hidden] tensor; attention goes through the backend
 (which stores K/V in the paged pool and reads it back through req_to_token).
+
+q/k/v and gate/up run as one matmul each (`qkv_proj`, `gate_up_proj`): fewer, larger GEMMs per
+layer. The checkpoint keeps HF's separate tensors; `checkpoint_tensors()` maps each HF name to
+its slice of the fused parameter, so the loader still checks and copies tensors one to one.
 """
 
 from __future__ import annotations
@@ -38,9 +42,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -48,9 +51,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -61,12 +65,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -113,6 +117,20 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, forward_batch, backend)
         return self.model.norm(x)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the parameter (or slice of a fused parameter) it loads into."""
+        cfg, out = self.config, {}
+        for name, param in self.named_parameters():
+            for fused, parts, sizes in (("qkv_proj", ("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]),
+                                        ("gate_up_proj", ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2)):
+                if f".{fused}." in name:
+                    for part, view in zip(parts, param.data.split(sizes, dim=0)):
+                        out[name.replace(fused, part)] = view
+                    break
+            else:
+                out[name] = param.data
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given rows of hidden states."""

@@ -44,7 +44,7 @@ def checkpoint_files(path: str) -> dict[str, list[str]]:
 
 def load_weights(model: DecoderLM, path: str) -> None:
     cfg = model.config
-    params = dict(model.named_parameters())
+    params = model.checkpoint_tensors()  # HF names, fused projections split into views
     loaded: set[str] = set()
     for file, names in checkpoint_files(path).items():
         with safe_open(os.path.join(path, file), framework="pt") as f:

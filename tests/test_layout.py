@@ -1,0 +1,80 @@
+"""The layout holds: the engine runs without the wire or the tools (or gRPC), files stay small, and
+the README's layout table names exactly the modules in the tree."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_DIRS = ["common/models", "common/attention", "common/engine"]
+ENGINE_FILES = ["common/request_rules.py", "decode_service/scheduler.py", "decode_service/future_map.py",
+                "decode_service/schedule_batch.py", "decode_service/req.py", "decode_service/step.py",
+                "decode_service/inbox.py", "prefill_service/engine.py", "prefill_service/inprocess.py",
+                "prefill_service/batching.py"]
+FORBIDDEN = ("common.wire", "common.tools", "grpc", "grpc_health", "grpc_reflection", "google.protobuf",
+             "smg_grpc_proto")
+
+
+def _py_files(*dirs: str) -> list[str]:
+    out = []
+    for d in dirs:
+        for dirpath, _, names in os.walk(os.path.join(ROOT, d)):
+            out += [os.path.relpath(os.path.join(dirpath, n), ROOT) for n in names if n.endswith(".py")]
+    return sorted(out)
+
+
+def _engine_files() -> list[str]:
+    return _py_files(*ENGINE_DIRS) + ENGINE_FILES
+
+
+def _imports(path: str) -> list[str]:
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    names = []
+    for node in ast.walk(tree):  # function-local imports count too
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def test_engine_imports_nothing_from_the_wire_tools_or_grpc():
+    bad = {f: [n for n in _imports(f) if n.startswith(FORBIDDEN)] for f in _engine_files()}
+    assert not {f: n for f, n in bad.items() if n}
+
+
+def test_engine_modules_import_with_grpc_and_protobuf_absent():
+    modules = [f[:-3].replace("/", ".").removesuffix(".__init__") for f in _engine_files()]
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               f"        if name.split('.')[0] in {sorted({m.split('.')[0] for m in FORBIDDEN[2:]})!r}:\n"
+               "            raise ImportError('blocked: ' + name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               f"for m in {modules!r}:\n"
+               "    __import__(m)\n"
+               "print('ok', len(sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-2000:]
+
+
+def test_no_file_over_400_lines():
+    files = [f for f in _py_files("common", "decode_service", "prefill_service", "tests", "bench", "proto")
+             if "proto_gen" not in f]
+    long = {f: n for f in files if (n := sum(1 for _ in open(os.path.join(ROOT, f)))) > 400}
+    assert not long
+
+
+def test_readme_layout_table_matches_the_tree():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## Layout"):]
+    section = section[:section.index("\n## ", 4)] if "\n## " in section[4:] else section
+    named = set(re.findall(r"`((?:common|decode_service|prefill_service)/[\w/]+\.py)`", section))
+    modules = {f for f in _py_files("common", "decode_service", "prefill_service")
+               if not f.endswith("__init__.py") and "proto_gen" not in f}
+    assert named <= modules, f"README names files that do not exist: {sorted(named - modules)}"
+    assert modules <= named, f"README's layout table misses: {sorted(modules - named)}"
