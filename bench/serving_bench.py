@@ -1,0 +1,209 @@
+"""Decode speed on a real model, in one run: HF generate vs our decode scheduler vs the gRPC pair.
+
+    python -m bench.serving_bench [--batch-sizes 1,16,64] [--new-tokens 64] [--model-path DIR] [--threads 2]
+
+Model: SmolLM2-135M-Instruct (converted once by common.tools.smollm2) unless --model-path, fp32 on
+CPU, one chat prompt (the same ids for every request, so HF needs no padding), greedy, EOS ignored.
+For each batch size B:
+1. HF `generate` on a [B, L] batch: TTFT = the time of generate(max_new_tokens=1); decode tok/s =
+   B * (N - 1) / (time(N) - time(1)); ITL = that decode time / (N - 1).
+2. ours in-process: DecodeScheduler + the prefill engine on a thread (InProcessPrefill), B requests
+   submitted at once; token arrival times come from the output callback.
+3. the pair over gRPC: `python -m prefill_service` and `python -m decode_service` as subprocesses on
+   loopback, B concurrent streaming Generate calls from this process.
+For 2 and 3: TTFT = first token - submit; decode tok/s = the sum over requests of
+(tokens - 1) / (last token - first token); ITL p50/p99 over every gap between a request's tokens.
+Prints a markdown table and the ratios (pair / HF, pair / in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+PROMPT = "What is the capital of France? Answer in one sentence, then explain why it became the capital."
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def summarize(submitted: list[float], arrivals: list[list[float]]) -> dict:
+    """Per-request token arrival times -> TTFT (ms), decode tok/s, ITL p50/p99 (ms)."""
+    ttft = [a[0] - s for s, a in zip(submitted, arrivals)]
+    rate = sum((len(a) - 1) / (a[-1] - a[0]) for a in arrivals if len(a) > 1 and a[-1] > a[0])
+    gaps = [y - x for a in arrivals for x, y in zip(a, a[1:])]
+    return dict(ttft_ms=1e3 * statistics.median(ttft), tok_s=rate, itl_p50_ms=1e3 * _pct(gaps, 0.5),
+                itl_p99_ms=1e3 * _pct(gaps, 0.99))
+
+
+def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt] * batch)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=0)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    t1, tn = run(1), run(new_tokens)
+    decode = tn - t1
+    itl = decode / (new_tokens - 1)
+    return dict(ttft_ms=1e3 * t1, tok_s=batch * (new_tokens - 1) / decode, itl_p50_ms=1e3 * itl, itl_p99_ms=1e3 * itl)
+
+
+def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+    from common.engine.sampling import SamplingParams
+    from decode_service.scheduler import DecodeScheduler
+    from prefill_service.engine import PrefillEngine
+    from prefill_service.inprocess import InProcessPrefill
+
+    args = dict(max_running_requests=batch, max_total_tokens=batch * (len(prompt) + new_tokens) + 64)
+    peer: list[InProcessPrefill] = []
+    sched = DecodeScheduler(ModelRunner(RunnerArgs(path, **args)), lambda r: peer[0](r))
+    peer.append(InProcessPrefill(PrefillEngine(ModelRunner(RunnerArgs(path, **args)), chunk_size=8192),
+                                 sched.deliver_handoff, sched.fail_handoff, max_batch=batch))
+    arrivals = [[] for _ in range(batch)]
+    done = threading.Semaphore(0)
+
+    def on_output(rid, tokens, reason):
+        now = time.perf_counter()
+        arrivals[int(rid)].extend([now] * len(tokens))
+        if reason is not None:
+            done.release()
+
+    sched.start()
+    try:
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        submitted = []
+        for i in range(batch):
+            submitted.append(time.perf_counter())
+            sched.submit(str(i), prompt, params, on_output)
+        for _ in range(batch):
+            if not done.acquire(timeout=600):
+                raise TimeoutError("in-process run did not finish")
+    finally:
+        sched.stop()
+        peer[0].close()
+    return summarize(submitted, arrivals)
+
+
+def start_pair(path: str, threads: int, max_batch: int, tokens: int) -> tuple[str, list[subprocess.Popen]]:
+    from common.tools.procs import free_port, wait_serving
+
+    pp, dp = free_port(), free_port()
+    common = ["--model-path", path, "--torch-threads", str(threads), "--max-running-requests", str(max_batch),
+              "--max-total-tokens", str(tokens)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(pp)], env=env,
+                               stderr=subprocess.DEVNULL)
+    decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(dp),
+                               "--prefill-addr", f"127.0.0.1:{pp}"], env=env, stderr=subprocess.DEVNULL)
+    wait_serving(f"127.0.0.1:{pp}", prefill)
+    wait_serving(f"127.0.0.1:{dp}", decode)
+    return f"127.0.0.1:{dp}", [decode, prefill]
+
+
+def bench_pair(address: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
+    import grpc
+    from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+    from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.SglangSchedulerStub(channel)
+    submitted, arrivals, errors = [0.0] * batch, [[] for _ in range(batch)], []
+    barrier = threading.Barrier(batch)
+
+    def client(i: int) -> None:
+        req = pb.GenerateRequest(request_id=f"b{i}", tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
+                                 sampling_params=pb.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        barrier.wait()
+        submitted[i] = time.perf_counter()
+        try:
+            for msg in stub.Generate(req, timeout=600):
+                if msg.HasField("chunk"):
+                    arrivals[i].extend([time.perf_counter()] * len(msg.chunk.token_ids))
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    channel.close()
+    if errors or any(len(a) != new_tokens for a in arrivals):
+        raise RuntimeError(f"pair run failed: {errors[:1]} / token counts {[len(a) for a in arrivals][:8]}")
+    return summarize(submitted, arrivals)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (converted once)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for HF, in-process and each service")
+    parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from common.tools.tokenizer import load_tokenizer
+
+    if args.model_path is None:
+        from common.tools.smollm2 import ensure_smollm2
+        args.model_path = ensure_smollm2()
+    tok = load_tokenizer(args.model_path)
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"# {os.path.basename(args.model_path)}, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "
+          f"{args.threads} torch threads, {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
+    rows = {}
+    address, procs = (None, [])
+    if "pair" not in skip:
+        address, procs = start_pair(args.model_path, args.threads, max(batches),
+                                    max(batches) * (len(prompt) + args.new_tokens) + 64)
+    try:
+        for b in batches:
+            for name, fn in (("hf", lambda: bench_hf(args.model_path, prompt, b, args.new_tokens)),
+                             ("inprocess", lambda: bench_inprocess(args.model_path, prompt, b, args.new_tokens)),
+                             ("pair", lambda: bench_pair(address, prompt, b, args.new_tokens))):
+                if name in skip:
+                    continue
+                if name == "pair":
+                    bench_pair(address, prompt, b, 4)  # warm-up at this batch size
+                rows[name, b] = r = fn()
+                print(f"  B={b:>3} {name:>9}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.1f} ms  "
+                      f"p99 {r['itl_p99_ms']:6.1f} ms  TTFT {r['ttft_ms']:7.1f} ms", flush=True)
+    finally:
+        from common.tools.procs import stop
+        for p in procs:
+            stop(p)
+    print("\n| B | HF tok/s | in-process tok/s | pair tok/s | pair ITL p50 / p99 (ms) | pair TTFT (ms) "
+          "| pair / HF | pair / in-process |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    nan = dict(tok_s=float("nan"), itl_p50_ms=float("nan"), itl_p99_ms=float("nan"), ttft_ms=float("nan"))
+    for b in batches:
+        hf, ip, pr = (rows.get((n, b), nan) for n in ("hf", "inprocess", "pair"))
+        print(f"| {b} | {hf['tok_s']:.1f} | {ip['tok_s']:.1f} | {pr['tok_s']:.1f} | {pr['itl_p50_ms']:.1f} / "
+              f"{pr['itl_p99_ms']:.1f} | {pr['ttft_ms']:.0f} | {pr['tok_s'] / hf['tok_s']:.2f}x | "
+              f"{pr['tok_s'] / ip['tok_s']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
