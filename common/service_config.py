@@ -33,7 +33,7 @@ class ServiceConfig:
     max_total_tokens: int = flag(8192, "KV slots of this service's pool")
     max_running_requests: int = flag(16, "request slots (requests in flight at once)")
     context_length: int | None = flag(None, "cap on the model's context length", type=int)
-    attention_backend: str = flag("torch", "attention backend", choices=sorted(BACKENDS))
+    attention_backend: str = flag("batched", "attention backend", choices=sorted(BACKENDS))
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     debug_checks: bool = flag(False, "debug invariant checks: FutureMap consume-once guard, pool integrity when idle")
 

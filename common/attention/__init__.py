@@ -1,9 +1,11 @@
 """Attention backends behind one interface (`AttentionBackend`); `create_backend` picks one by name."""
 
 from common.attention.base import AttentionBackend
+from common.attention.batched import BatchedBackend
 from common.attention.torch_ref import TorchReferenceBackend
 
-BACKENDS = {"torch": TorchReferenceBackend}
+# "torch" is the per-request reference (the oracle for the others); "batched" is the default.
+BACKENDS = {"batched": BatchedBackend, "torch": TorchReferenceBackend}
 
 
 def create_backend(name: str, kv_pool, req_to_token_pool) -> AttentionBackend:
@@ -12,4 +14,4 @@ def create_backend(name: str, kv_pool, req_to_token_pool) -> AttentionBackend:
     return BACKENDS[name](kv_pool, req_to_token_pool)
 
 
-__all__ = ["AttentionBackend", "TorchReferenceBackend", "create_backend", "BACKENDS"]
+__all__ = ["AttentionBackend", "BatchedBackend", "TorchReferenceBackend", "create_backend", "BACKENDS"]

@@ -28,7 +28,7 @@ class RunnerArgs:
     kv_budget_bytes: int = 256 << 20
     max_running_requests: int = 32
     context_length: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "batched"
 
     @classmethod
     def from_service_config(cls, config) -> "RunnerArgs":

@@ -65,9 +65,9 @@ def main(argv=None) -> str:
                 pieces.append(piece)
                 print(piece, end="", flush=True)
             text, c = "".join(pieces), client.last_complete
-            decode = (c.completion_tokens - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else float("nan")
+            rate = (c.completion_tokens - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else float("nan")
             print(f"\n[demo] {c.completion_tokens} tokens ({c.finish_reason}) in {time.perf_counter() - start:.2f}s: "
-                  f"TTFT {1e3 * (arrivals[0] - start):.0f} ms, decode {decode:.1f} tokens/s", flush=True)
+                  f"TTFT {1e3 * (arrivals[0] - start):.0f} ms, decode {rate:.1f} tokens/s", flush=True)
             client.close()
         finally:
             codes = (stop(decode), stop(prefill))

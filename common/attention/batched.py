@@ -1,0 +1,99 @@
+"""Batched attention in plain torch: one scaled_dot_product_attention call per layer for the whole batch.
+
+`init_forward_metadata` (once per forward, from the ForwardBatch's host lists, no device sync)
+builds a padded [B, S_max] index of KV slots read from req_to_token (padded lanes -> slot 0, the
+padding slot) and a boolean mask [B, 1, Q_max, S_max] = key within the sequence and causal (query
+i of request b sits at position prefix_b + i). Ragged extends scatter the packed queries [T, heads, d]
+into a padded [B, Q_max, heads, d] buffer and gather the output back with flat index tensors built
+there too; decode (Q_max = 1) and equal-length extends are plain views.
+
+Cost model per layer: one index_select of B * S_max KV rows each for k and v (on CPU into a scratch
+buffer reused by all layers and forwards, grown to the largest box seen), one SDPA over [B, heads,
+Q_max, S_max]. On CPU the GQA heads are shared through `enable_gqa`; elsewhere (and on torch < 2.5)
+K/V are repeat_interleave'd, since on CUDA `enable_gqa` with a mask falls back to the math kernel.
+Work and memory grow with the padded box B * Q_max * S_max, so very ragged batches waste compute
+on padding, but there is no Python loop over requests per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.attention.base import AttentionBackend
+from common.engine.forward_batch import ForwardBatch
+
+
+def _probe_enable_gqa() -> bool:
+    try:
+        F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
+                                       enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+_HAS_ENABLE_GQA = _probe_enable_gqa()
+
+
+def sdpa(q, k, v, mask, scale):
+    """q [B, heads, Q, d], k/v [B, kv_heads, S, d], mask [B, 1, Q, S] bool -> [B, heads, Q, d]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and _HAS_ENABLE_GQA and q.device.type == "cpu":   # CPU flash kernel shares heads itself
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if group > 1:  # torch < 2.5, or CUDA, where enable_gqa with a mask silently takes the math kernel
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class BatchedBackend(AttentionBackend):
+    _scratch = None   # CPU: [2, rows, kv_heads, d] gathered K/V, reused by every layer, grown as needed
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        table = self.req_to_token_pool.req_to_token
+        device = table.device
+        prefix, extend = forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu
+        seq = [p + n for p, n in zip(prefix, extend)]
+        batch, s_max, q_max = len(seq), max(seq), max(extend)
+        seq_t = torch.tensor(seq, dtype=torch.int64).to(device, non_blocking=True)
+        prefix_t = torch.tensor(prefix, dtype=torch.int64).to(device, non_blocking=True)
+        rows = torch.tensor(forward_batch.req_pool_indices_cpu, dtype=torch.int64).to(device, non_blocking=True)
+        k_pos = torch.arange(s_max, device=device)
+        in_seq = k_pos[None, :] < seq_t[:, None]                                      # [B, S]
+        self._slots = torch.where(in_seq, table[rows, :s_max], 0).to(torch.int64).view(-1)  # [B*S]
+        # Query i of request b sits at position prefix_b + i; padded query rows (i >= extend_b) keep
+        # key 0 visible so no softmax row is empty (their output is never read).
+        q_pos = prefix_t[:, None] + torch.arange(q_max, device=device)[None, :]      # [B, Q]
+        self._mask = (in_seq[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])).unsqueeze(1)
+        self._batch, self._q_max = batch, q_max
+        k0 = self.kv_pool.k[0]   # on CPU, faulting in fresh pages each layer costs more than the gather
+        if k0.device.type == "cpu" and (self._scratch is None or self._scratch.shape[1] < batch * s_max):
+            self._scratch = k0.new_empty((2, batch * s_max) + k0.shape[1:])
+        self._flat = None                     # None: packed queries are already [B, Q_max] in order
+        if any(n != q_max for n in extend):
+            lens = torch.tensor(extend)
+            first = torch.cumsum(lens, 0) - lens                                     # packed start of each req
+            shift = (torch.arange(batch) * q_max - first).repeat_interleave(lens)    # packed -> padded row
+            self._flat = (torch.arange(int(lens.sum())) + shift).to(device, non_blocking=True)  # [T]
+
+    def forward(self, q, k, v, layer, forward_batch, scale):
+        self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        heads, d = q.shape[1], q.shape[2]
+        batch, q_max = self._batch, self._q_max
+        # index_select on the flat slot list into reused scratch: several times faster than k_buf[slots_2d]
+        kv_shape, n = (batch, -1) + k_buf.shape[1:], self._slots.numel()     # [B, S, kv_heads, d]
+        if self._scratch is None:
+            keys, values = k_buf.index_select(0, self._slots), v_buf.index_select(0, self._slots)
+        else:
+            keys = torch.index_select(k_buf, 0, self._slots, out=self._scratch[0, :n])
+            values = torch.index_select(v_buf, 0, self._slots, out=self._scratch[1, :n])
+        keys = keys.view(kv_shape).to(q.dtype).transpose(1, 2)
+        values = values.view(kv_shape).to(q.dtype).transpose(1, 2)
+        if self._flat is None:
+            query = q.reshape(batch, q_max, heads, d)
+        else:
+            query = q.new_zeros(batch * q_max, heads, d).index_copy_(0, self._flat, q).view(batch, q_max, heads, d)
+        out = sdpa(query.transpose(1, 2), keys, values, self._mask, scale)
+        out = out.transpose(1, 2).reshape(batch * q_max, heads, d)   # [B*Q_max, heads, d]
+        return out if self._flat is None else out.index_select(0, self._flat)
