@@ -46,6 +46,7 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
             torch.set_num_threads(config.torch_threads)
         self.runner = ModelRunner(RunnerArgs.from_service_config(config))
         self.model_config = self.runner.config
+        self.runner.warmup()
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s,
                                      call_timeout_s=config.prefill_timeout_s)

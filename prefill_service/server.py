@@ -50,6 +50,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             torch.set_num_threads(config.torch_threads)
         self.runner = ModelRunner(RunnerArgs.from_service_config(config))
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
+        self.runner.warmup()
         self.prefill_queue: queue.Queue = queue.Queue()
         self.num_running = 0
         self.num_prefilled = 0  # requests prefilled since start

@@ -74,3 +74,21 @@ def test_greedy_tokens_match_hf_generate(checkpoint, variant):
     assert len({t for r in reqs for t in r.output}) > 4, "degenerate outputs make a weak oracle check"
     runner.kv_allocator.check_integrity(holders=[])
     runner.req_to_token_pool.allocator.check_integrity(holders=[])
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen2-tied"])
+def test_packed_cpu_linears_equal_plain_ones(checkpoint, variant):
+    """The oneDNN-packed linears (the CPU fp32 default) give the plain F.linear logits."""
+    from common.models.packed_linear import PackedLinear
+
+    path = checkpoint(variant)
+    runs = {}
+    for pack in (False, True):
+        runner = ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4, pack_linear=pack))
+        packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+        assert bool(packed) == pack and (getattr(runner.model, "_lm_head_packed", None) is not None) == pack
+        prompts = _prompts(runner.config.vocab_size)
+        rows = [_reserve(runner, len(p)) for p in prompts]
+        runs[pack] = runner.forward(ForwardBatch.extend(runner.req_to_token_pool.req_to_token, rows,
+                                                        [0] * len(rows), prompts, all_logits=True))[0]
+    assert torch.allclose(runs[True], runs[False], atol=1e-4, rtol=1e-4), (runs[True] - runs[False]).abs().max()

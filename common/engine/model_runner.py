@@ -14,6 +14,7 @@ from common.attention import create_backend
 from common.models.config import ModelConfig, load_model_config
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
+from common.models import packed_linear
 from common.models.loader import load_model, resolve_dtype
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
@@ -29,6 +30,7 @@ class RunnerArgs:
     max_running_requests: int = 32
     context_length: int | None = None
     attention_backend: str = "batched"
+    pack_linear: bool = True            # CPU fp32: oneDNN-packed linear weights (common/models/packed_linear.py)
 
     @classmethod
     def from_service_config(cls, config) -> "RunnerArgs":
@@ -47,6 +49,8 @@ class ModelRunner:
         cfg = self.config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
         self.model = load_model(args.model_path, self.device, self.dtype, cfg)
+        if args.pack_linear and packed_linear.available(self.device, self.dtype):
+            self.model.pack_for_cpu()
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
@@ -59,3 +63,18 @@ class ModelRunner:
         """Run one forward; returns (logits [len(logits_indices), V] float32, hidden [T, H])."""
         hidden = self.model(forward_batch, self.backend)
         return self.model.compute_logits(hidden[forward_batch.logits_indices]), hidden
+
+    @torch.inference_mode()
+    def warmup(self, prompt_len: int = 16) -> None:
+        """One extend and one decode forward on scratch slots (freed after), so the first real request
+        does not pay one-time kernel and allocator set-up. Run before a service reports SERVING."""
+        n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))
+        row, slots = self.req_to_token_pool.alloc(), self.kv_allocator.alloc(n + 1)
+        try:
+            self.req_to_token_pool.write(row, 0, slots)
+            self.forward(ForwardBatch.extend(self.req_to_token_pool.req_to_token, [row], [0], [[0] * n]))
+            self.forward(ForwardBatch.decode(self.req_to_token_pool.req_to_token, torch.tensor([row]), [n],
+                                             torch.zeros(1, dtype=torch.int64), req_pool_indices_cpu=[row]))
+        finally:
+            self.kv_allocator.free(slots)
+            self.req_to_token_pool.free(row)

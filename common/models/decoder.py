@@ -132,6 +132,18 @@ class DecoderLM(nn.Module):
                 out[name] = param.data
         return out
 
+    def pack_for_cpu(self) -> None:
+        """After loading: oneDNN-packed weights for every linear and the lm_head (CPU fp32 only)."""
+        from common.models.packed_linear import pack_linears, pack_weight
+
+        self._lm_head_packed = pack_weight(self.lm_head_weight)  # lm_head itself stays plain (tied: the embedding)
+        pack_linears(self.model)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given rows of hidden states."""
+        packed = getattr(self, "_lm_head_packed", None)
+        if packed is not None:
+            from common.models.packed_linear import packed_linear
+
+            return packed_linear(hidden, packed, None).float()
         return F.linear(hidden, self.lm_head_weight).float()
