@@ -4,12 +4,14 @@
 new tensors (bump, filter, merge): an in-flight forward may still read the old ones, and the
 forward never writes them (speculative changes go to the ForwardBatch). `seq_lens_sum` is always
 derived from `seq_lens_cpu` by one helper, never kept as a separate number that can go stale.
+Sampling parameters live on the batch (`sampling`), built once per membership, not per step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from common.engine.sampling import SamplingBatch
 from decode_service.req import DecodeReq
 
 
@@ -33,6 +35,13 @@ class ScheduleBatch:
 
     def __len__(self) -> int:
         return len(self.reqs)
+
+    @property
+    def sampling(self) -> SamplingBatch:
+        """The batch's sampling inputs, made once per membership (filter/merge make new batches)."""
+        if "_sampling" not in self.__dict__:
+            self._sampling = SamplingBatch([r.params for r in self.reqs], [r.seed for r in self.reqs])
+        return self._sampling
 
     @property
     def seq_lens_sum(self) -> int:

@@ -34,7 +34,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
-from common.engine.sampling import SamplingParams, sample
+from common.engine.sampling import SamplingParams
 from common.engine.streams import make_event, make_stream, wait_event
 from common.request_rules import finish_reason, validate_prompt
 from decode_service.future_map import FutureMap
@@ -294,9 +294,9 @@ class DecodeScheduler:
         result = StepResult(step, list(batch.reqs), make_event(self.device), batch.seq_lens, batch.seq_lens._version)
         indices, seq_lens, seq_lens_cpu = batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu.tolist()
         rows = batch.req_pool_indices_cpu.tolist()
-        params = [r.params for r in batch.reqs]
-        seeds = [r.seed for r in batch.reqs]
-        positions = [s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]  # output index sampled
+        sampling = batch.sampling
+        positions = [] if sampling.all_greedy else [  # output index sampled (only random draws need it)
+            s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]
         runner, fm, hooks = self.runner, self.future_map, self.hooks
 
         def forward():
@@ -306,7 +306,7 @@ class DecodeScheduler:
             fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, seq_lens_cpu, input_ids, seq_lens,
                                      req_pool_indices_cpu=rows)
             logits, _ = runner.forward(fb)
-            tokens = sample(logits, params, seeds, positions)
+            tokens = sampling.sample(logits, positions)
             fm.stash_tokens(indices, tokens)
             result.tokens_cpu = tokens.to("cpu", non_blocking=True)
             result.results_ready.set_here()

@@ -22,13 +22,12 @@ import threading
 import time
 
 import grpc
-import torch
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.wire.grpc_server import Server
-from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.model_runner import ModelRunner
 from decode_service.config import DecodeConfig
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
@@ -42,11 +41,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
 class DecodeService(pb_grpc.SglangSchedulerServicer):
     def __init__(self, config: DecodeConfig):
         self.config = config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        self.runner = ModelRunner(RunnerArgs.from_service_config(config))
+        self.runner = ModelRunner.for_service(config)
         self.model_config = self.runner.config
-        self.runner.warmup()
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s,
                                      call_timeout_s=config.prefill_timeout_s)

@@ -18,12 +18,11 @@ import threading
 import time
 
 import grpc
-import torch
 
 from common.wire import kv_chunks
 from common.wire.grpc_server import Server
 from common.engine.handoff import HandoffRequest
-from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.model_runner import ModelRunner
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from common.engine.sampling import SamplingParams
 from common.request_rules import validate_prompt
@@ -46,11 +45,8 @@ class _Call:
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, config: PrefillConfig):
         self.config = config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        self.runner = ModelRunner(RunnerArgs.from_service_config(config))
+        self.runner = ModelRunner.for_service(config)
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
-        self.runner.warmup()
         self.prefill_queue: queue.Queue = queue.Queue()
         self.num_running = 0
         self.num_prefilled = 0  # requests prefilled since start

@@ -112,3 +112,20 @@ def test_temperature_sampling_follows_the_softmax(filtered):
     freq = torch.bincount(tokens, minlength=8).float() / n
     expected = torch.softmax(logits[0] / 0.7, dim=-1)
     assert (freq - expected).abs().max() < 0.03, (freq, expected)
+
+
+def test_sampling_inputs_live_on_the_batch_not_rebuilt_per_step():
+    from decode_service.req import DecodeReq
+    from decode_service.schedule_batch import ScheduleBatch
+
+    reqs = [DecodeReq(str(i), [5, 6], SamplingParams(temperature=0.5 * i), seed=i, req_pool_idx=i + 1) for i in range(3)]
+    batch = ScheduleBatch.prebuilt(reqs, [2, 2, 2], torch.device("cpu"))
+    first = batch.sampling
+    assert first.plain == [1, 2] and not first.all_greedy
+    batch.bump()
+    assert batch.sampling is first                       # a step changes lengths, not membership
+    reqs[0].finish_reason = "stop"
+    smaller = batch.filter_unfinished()
+    assert smaller.sampling is not first and smaller.sampling.plain == [0, 1]
+    logits = _logits(2)
+    assert torch.equal(smaller.sampling.sample(logits, [4, 4]), sample(logits, [r.params for r in reqs[1:]], [1, 2], [4, 4]))

@@ -58,6 +58,15 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
 
+    @classmethod
+    def for_service(cls, config) -> "ModelRunner":
+        """A service's runner: its torch threads set, its model loaded and warmed up."""
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        runner = cls(RunnerArgs.from_service_config(config))
+        runner.warmup()
+        return runner
+
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one forward; returns (logits [len(logits_indices), V] float32, hidden [T, H])."""

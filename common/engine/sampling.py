@@ -70,44 +70,65 @@ def uniform(seed: int, position: int) -> float:
     return (_splitmix64(_splitmix64(seed) ^ position) >> 11) * (1.0 / (1 << 53))
 
 
+class SamplingBatch:
+    """A batch's sampling inputs, built once when the batch's membership changes (the decode
+    scheduler keeps one per ScheduleBatch), not every step: which rows are greedy, temperature-only
+    or filtered, and their parameters as device tensors (made on first use)."""
+
+    def __init__(self, params: list[SamplingParams], seeds: list[int]):
+        self.params, self.seeds = list(params), list(seeds)
+        self.plain = [i for i, p in enumerate(self.params) if not p.greedy and not p.filtered]
+        self.filtered = [i for i, p in enumerate(self.params) if not p.greedy and p.filtered]
+        self._tensors: dict = {}
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.plain and not self.filtered
+
+    def sample(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """logits [B, V] (float32) -> token ids [B] (int64, same device); positions = output index
+        of each row's token. Greedy rows take the argmax. Temperature-only rows draw by inverse CDF
+        over the vocabulary in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once."""
+        tokens = torch.argmax(logits, dim=-1)
+        for rows, filters in ((self.plain, False), (self.filtered, True)):
+            if rows:
+                self._draw(logits, tokens, rows, positions, filters)
+        return tokens
+
+    def _row_tensors(self, rows: list[int], filters: bool, device: torch.device):
+        key = (filters, device)
+        if key not in self._tensors:
+            ps = [self.params[i] for i in rows]
+            self._tensors[key] = (
+                torch.tensor(rows, device=device),
+                torch.tensor([p.temperature for p in ps], device=device)[:, None],
+                torch.tensor([p.top_k if p.top_k > 0 else 1 << 62 for p in ps], device=device)[:, None],
+                torch.tensor([p.top_p for p in ps], device=device)[:, None],
+                torch.tensor([p.min_p for p in ps], device=device)[:, None])
+        return self._tensors[key]
+
+    def _draw(self, logits, tokens, rows, positions, filters: bool) -> None:
+        idx, temperature, top_k, top_p, min_p = self._row_tensors(rows, filters, logits.device)
+        sub = logits[idx].float()
+        probs = torch.softmax(sub / temperature, dim=-1)
+        u = torch.tensor([uniform(self.seeds[i], positions[i]) for i in rows], device=logits.device, dtype=probs.dtype)
+        last = sub.shape[1] - 1
+        if not filters:
+            cdf = torch.cumsum(probs, dim=-1)
+            tokens[idx] = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last).squeeze(1)
+            return
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        rank = torch.arange(sub.shape[1], device=logits.device)[None, :]
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs    # mass strictly ahead of each candidate
+        keep = (rank < top_k) & (before < top_p)
+        keep &= sorted_probs >= min_p * sorted_probs[:, :1]
+        keep[:, 0] = True                                              # the most likely token always survives
+        cdf = torch.cumsum(torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)), dim=-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last)
+        pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)     # float edge: stay inside the kept set
+        tokens[idx] = order.gather(1, pick).squeeze(1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> torch.Tensor:
-    """logits [B, V] (float32) -> token ids [B] (int64, same device). positions = output index of each token.
-
-    Greedy rows take the argmax. Rows with temperature only draw by inverse CDF over the vocabulary
-    in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once to apply the filters."""
-    tokens = torch.argmax(logits, dim=-1)
-    plain = [i for i, p in enumerate(params) if not p.greedy and not p.filtered]
-    filtered = [i for i, p in enumerate(params) if not p.greedy and p.filtered]
-    if plain:
-        _draw(logits, tokens, plain, params, seeds, positions, filters=False)
-    if filtered:
-        _draw(logits, tokens, filtered, params, seeds, positions, filters=True)
-    return tokens
-
-
-def _draw(logits, tokens, rows, params, seeds, positions, filters: bool) -> None:
-    device = logits.device
-    idx = torch.tensor(rows, device=device)
-    sub = logits[idx].float()
-    temperature = torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
-    probs = torch.softmax(sub / temperature, dim=-1)
-    u = torch.tensor([uniform(seeds[i], positions[i]) for i in rows], device=device, dtype=probs.dtype)
-    if not filters:
-        cdf = torch.cumsum(probs, dim=-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=sub.shape[1] - 1)
-        tokens[idx] = pick.squeeze(1)
-        return
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(sub.shape[1], device=device)[None, :]
-    top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else sub.shape[1] for i in rows], device=device)
-    top_p = torch.tensor([params[i].top_p for i in rows], device=device)
-    min_p = torch.tensor([params[i].min_p for i in rows], device=device)
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs    # mass strictly ahead of each candidate
-    keep = (rank < top_k[:, None]) & (before < top_p[:, None])
-    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
-    keep[:, 0] = True                                              # the most likely token always survives
-    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    cdf = torch.cumsum(kept, dim=-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=sub.shape[1] - 1)
-    pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)     # float edge: stay inside the kept set
-    tokens[idx] = order.gather(1, pick).squeeze(1)
+    """One-off sampling of a batch (see SamplingBatch.sample)."""
+    return SamplingBatch(params, seeds).sample(logits, positions)
