@@ -120,17 +120,7 @@ class DecoderLM(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the parameter (or slice of a fused parameter) it loads into."""
-        cfg, out = self.config, {}
-        for name, param in self.named_parameters():
-            for fused, parts, sizes in (("qkv_proj", ("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]),
-                                        ("gate_up_proj", ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2)):
-                if f".{fused}." in name:
-                    for part, view in zip(parts, param.data.split(sizes, dim=0)):
-                        out[name.replace(fused, part)] = view
-                    break
-            else:
-                out[name] = param.data
-        return out
+        return split_fused(self, self.config)
 
     def pack_for_cpu(self) -> None:
         """After loading: oneDNN-packed weights for every linear and the lm_head (CPU fp32 only)."""
@@ -147,3 +137,20 @@ class DecoderLM(nn.Module):
 
             return packed_linear(hidden, packed, None).float()
         return F.linear(hidden, self.lm_head_weight).float()
+
+
+def split_fused(module: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Parameter names of `module` in HF's layout: each fused qkv_proj / gate_up_proj parameter is
+    named as its q/k/v (gate/up) parts, each a view of its rows of the fused tensor."""
+    fused_parts = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]),
+                   "gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate_size] * 2)}
+    out = {}
+    for name, param in module.named_parameters():
+        fused = next((f for f in fused_parts if f".{f}." in f".{name}"), None)
+        if fused is None:
+            out[name] = param.data
+            continue
+        parts, sizes = fused_parts[fused]
+        for part, view in zip(parts, param.data.split(sizes, dim=0)):
+            out[name.replace(fused, part)] = view
+    return out
