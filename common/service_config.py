@@ -36,6 +36,12 @@ class ServiceConfig:
     attention_backend: str = flag("batched", "attention backend", choices=sorted(BACKENDS))
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     debug_checks: bool = flag(False, "debug invariant checks: FutureMap consume-once guard, pool integrity when idle")
+    speculative_algorithm: str | None = flag(None, "EAGLE speculative decoding (same on both services)", type=str,
+                                             choices=["EAGLE", "EAGLE3"])
+    speculative_draft_model_path: str | None = flag(None, "draft head folder (public EAGLE / EAGLE3 layout)", type=str)
+    speculative_num_steps: int = flag(3, "draft tokens proposed per step")
+    speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting)")
+    speculative_num_draft_tokens: int = flag(4, "tokens one verify covers (num_steps + 1 for a chain)")
 
 
 def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 Invariants (../shared/DESIGN.md section 6), each with a test in tests/test_future_map.py:
 1. Every buffer has req_pool_size + 1 rows and is indexed by req_pool_idx; the future indices of
    a batch *are* its req_pool_indices (no ring counter).
-2. `stash` writes forward-only values (next tokens; EAGLE extras later), read only by the next
+2. `stash` writes forward-only values (next tokens; EAGLE's draft seed), read only by the next
    forward on the same stream: no fence. `publish` writes values the schedule side consumes
    (EAGLE new_seq_lens) and sets that step's `publish_ready` event right after the write; a
    publish from another stream first waits on the previous event (chaining).
@@ -28,16 +28,21 @@ class ConsumeOnceError(AssertionError):
 
 
 class FutureMap:
-    def __init__(self, req_pool_size: int, device: torch.device | str, make_event, debug: bool = False):
+    def __init__(self, req_pool_size: int, device: torch.device | str, make_event, debug: bool = False,
+                 draft_hidden_size: int = 0, draft_dtype: torch.dtype = torch.float32):
         self.num_rows = req_pool_size + 1
         self.device = torch.device(device)
         self.debug = debug
         self._make_event = make_event
         self.token_ids = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
         self.new_seq_lens = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
+        names = ["token_ids", "new_seq_lens"]
+        if draft_hidden_size:  # EAGLE: the draft seed of each row (next draft token, head hidden)
+            self.draft_token_ids = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
+            self.draft_hidden = torch.zeros(self.num_rows, draft_hidden_size, dtype=draft_dtype, device=self.device)
+            names += ["draft_token_ids", "draft_hidden"]
         # debug guard: writes since the last gather, per buffer and row
-        self._writes = {name: torch.zeros(self.num_rows, dtype=torch.int32, device=self.device)
-                        for name in ("token_ids", "new_seq_lens")}
+        self._writes = {name: torch.zeros(self.num_rows, dtype=torch.int32, device=self.device) for name in names}
         self.publish_ready = None      # the event of the latest armed step
         self._last_publish_stream = None
 
@@ -47,6 +52,19 @@ class FutureMap:
 
     def gather_tokens(self, indices: torch.Tensor) -> torch.Tensor:
         return self._gather("token_ids", indices, minimum=0)
+
+    def stash_draft(self, indices: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """EAGLE: the next step's first draft token and the head hidden it came from (forward-only)."""
+        self._write("draft_token_ids", indices, tokens.to(torch.int64).flatten())
+        self._write("draft_hidden", indices, hidden)
+
+    def gather_draft(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._gather("draft_token_ids", indices, minimum=0), self._gather("draft_hidden", indices, minimum=None)
+
+    def seed_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """A prebuilt batch's rows: their seq_lens as if published (stream work, no fence needed: the
+        schedule side knows them from the handoff)."""
+        self.new_seq_lens[indices.to(self.device)] = seq_lens.to(self.device, torch.int64)
 
     def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, fence: "PublishReady") -> None:
         """Write new seq_lens, then set `fence` (the publish_ready armed for this step at submit).
@@ -84,15 +102,16 @@ class FutureMap:
             writes = self._writes[name]
             writes[indices] += 1
 
-    def _gather(self, name: str, indices: torch.Tensor, minimum: int) -> torch.Tensor:
+    def _gather(self, name: str, indices: torch.Tensor, minimum: int | None) -> torch.Tensor:
         indices = indices.to(self.device)
         buf = getattr(self, name)
         values = buf[indices]
         if self.debug:
             writes = self._writes[name][indices]
+            valid = (values >= minimum).all() if minimum is not None else torch.tensor(True, device=self.device)
             if self.device.type == "cuda":
-                torch._assert_async((writes == 1).all() & (values >= minimum).all())
-            elif not bool((writes == 1).all()) or not bool((values >= minimum).all()):
+                torch._assert_async((writes == 1).all() & valid)
+            elif not bool((writes == 1).all()) or not bool(valid):
                 raise ConsumeOnceError(
                     f"{name}: rows {indices.tolist()} gathered with writes {writes.tolist()} "
                     f"(need exactly 1 since the last gather) and values {values.tolist()}")

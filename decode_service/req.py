@@ -36,6 +36,8 @@ class DecodeReq:
     finish_reason: str | None = None
     error: str | None = None             # detail when finish_reason == "error"
     handoff: object = None               # the Handoff while PREBUILT
+    spec_accepted: int = 0               # EAGLE: drafts accepted / proposed for this request
+    spec_drafted: int = 0
 
     @property
     def prompt_len(self) -> int:

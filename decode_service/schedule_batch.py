@@ -47,6 +47,11 @@ class ScheduleBatch:
     def seq_lens_sum(self) -> int:
         return int(self.seq_lens_cpu.sum())
 
+    def set_seq_lens(self, seq_lens_cpu: torch.Tensor) -> None:
+        """EAGLE: the lengths resolved from the last step's publish (new tensors; never in place)."""
+        self.seq_lens_cpu = seq_lens_cpu.to(torch.int64)
+        self.seq_lens = self.seq_lens_cpu.to(self.device)
+
     def bump(self) -> None:
         """Every request committed one more token (new tensors; never in place)."""
         self.seq_lens_cpu = self.seq_lens_cpu + 1

@@ -36,8 +36,10 @@ from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.engine.streams import make_event, make_stream, wait_event
-from common.request_rules import finish_reason, validate_prompt
+from common.request_rules import InvalidRequest, finish_reason, validate_prompt
+from decode_service.eagle_step import eagle_step
 from decode_service.future_map import FutureMap
+from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
 from decode_service.inbox import (Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, InboxMessage,
                                   KvChunkArrived, Submit)
 from decode_service.req import DecodeReq, OutputCallback, ReqState
@@ -58,7 +60,11 @@ class DecodeScheduler:
         self.device = runner.device
         self.eos_ids = runner.config.eos_token_ids
         self.stream = make_stream(self.device)
-        self.future_map = FutureMap(runner.req_to_token_pool.size, self.device, lambda: make_event(self.device), debug)
+        self.spec = runner.draft.spec if runner.draft is not None else None
+        self.future_map = FutureMap(runner.req_to_token_pool.size, self.device, lambda: make_event(self.device), debug,
+                                    draft_hidden_size=runner.config.hidden_size if self.spec else 0,
+                                    draft_dtype=runner.dtype)
+        self.spec_stats = [0, 0]  # EAGLE: drafts accepted, drafts proposed (all requests since start)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[DecodeReq] = deque()
         self.awaiting_handoff: dict[str, DecodeReq] = {}
@@ -83,6 +89,8 @@ class DecodeScheduler:
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                on_output: OutputCallback | None = None) -> None:
         validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
+        if self.spec and not params.greedy:
+            raise InvalidRequest("temperature > 0 is not supported with speculative decoding yet (greedy only)")
         self._post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
 
     def deliver_handoff(self, handoff: Handoff) -> None:
@@ -155,10 +163,13 @@ class DecodeScheduler:
         """One iteration; returns False when there was nothing to do."""
         self._recv()
         self._admit()
+        if self.spec and len(self.running):  # EAGLE: lengths come from the last step's publish (invariant 3)
+            self.running.set_seq_lens(self.future_map.resolve_seq_lens_cpu(self.running.req_pool_indices))
         batch = self.running.filter_unfinished().merge(self._prebuilt_batch())
         result = self._launch(batch) if len(batch) else None
         if result is not None:
-            batch.bump()
+            if not self.spec:
+                batch.bump()
             if self.hooks.after_launch:
                 self.hooks.after_launch(result.step)
         self.running = batch
@@ -195,7 +206,8 @@ class DecodeScheduler:
             elif isinstance(msg, KvChunkArrived):
                 req = self.awaiting_handoff.get(msg.rid)
                 if req is not None:
-                    self._submit_kv_write(req, msg)
+                    submit_kv_chunk(self.stream, self.runner, req.kv_slots, msg.token_start, msg.layer_start,
+                                    msg.k, msg.v)
             else:
                 raise InvariantError(f"unknown inbox message {msg!r}")
 
@@ -212,10 +224,11 @@ class DecodeScheduler:
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         while self.waiting:
             req = self.waiting[0]
-            if pool.allocator.num_free == 0 or not kv.can_alloc(req.reserve_len):
+            need = req.reserve_len + (self.spec.extra_slots if self.spec else 0)  # + draft positions
+            if pool.allocator.num_free == 0 or not kv.can_alloc(need):
                 return  # wait in order
             self.waiting.popleft()
-            req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(req.reserve_len)
+            req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(need)
             req.state = ReqState.AWAITING_HANDOFF
             self.awaiting_handoff[req.rid] = req
             self.prefill_fn(HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed))
@@ -227,6 +240,8 @@ class DecodeScheduler:
         try:
             if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
                 handoff.check(self.runner.config.num_layers)
+            if self.spec:
+                handoff.check_draft(self.runner.config.hidden_size)
             sent = req.output_ids[:handoff.first_position]
             if handoff.prompt_ids != req.prompt_ids + sent or len(sent) != handoff.first_position:
                 raise ValueError(f"handoff {handoff.rid}: prefilled ids differ from prompt + tokens sent")
@@ -245,7 +260,7 @@ class DecodeScheduler:
         live, kv_lens = [], []
         for req in reqs:
             handoff, req.handoff = req.handoff, None
-            self._submit_prebuilt_writes(req, handoff)
+            submit_prebuilt(self.stream, self.runner, self.future_map, req.req_pool_idx, req.kv_slots, handoff)
             new = []  # tokens streamed early (or resent on a retry) may already finish the request
             if len(req.output_ids) == handoff.first_position and \
                     (not req.output_ids or finish_reason(req.params, req.output_ids, self.eos_ids) is None):
@@ -261,33 +276,6 @@ class DecodeScheduler:
                 self._finish(req, reason, emit=False)
         return ScheduleBatch.prebuilt(live, kv_lens, self.device)
 
-    def _submit_prebuilt_writes(self, req: DecodeReq, handoff: Handoff) -> None:
-        runner, fm = self.runner, self.future_map
-        idx, slots = req.req_pool_idx, req.kv_slots
-        row = torch.tensor([idx], dtype=torch.int64)
-        first = torch.tensor([handoff.first_token], dtype=torch.int64)
-
-        def write():
-            runner.req_to_token_pool.write(idx, 0, slots)
-            if handoff.k is not None:
-                loc = slots[:handoff.prompt_len].to(runner.device)
-                for layer in range(runner.config.num_layers):
-                    runner.kv_pool.write(layer, loc, handoff.k[layer].to(runner.device),
-                                         handoff.v[layer].to(runner.device))
-            fm.reset_rows(row.to(fm.device))
-            fm.stash_tokens(row, first.to(fm.device))
-        self.stream.submit(write)
-
-    def _submit_kv_write(self, req: DecodeReq, chunk: KvChunkArrived) -> None:
-        runner = self.runner
-        loc = req.kv_slots[chunk.token_start:chunk.token_start + chunk.k[0].shape[0]]
-
-        def write():
-            dev_loc = loc.to(runner.device)
-            for i, (kt, vt) in enumerate(zip(chunk.k, chunk.v)):
-                runner.kv_pool.write(chunk.layer_start + i, dev_loc, kt.to(runner.device), vt.to(runner.device))
-        self.stream.submit(write)
-
     def _launch(self, batch: ScheduleBatch) -> StepResult:
         self.step_count += 1
         step = self.step_count
@@ -298,6 +286,20 @@ class DecodeScheduler:
         positions = [] if sampling.all_greedy else [  # output index sampled (only random draws need it)
             s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]
         runner, fm, hooks = self.runner, self.future_map, self.hooks
+
+        if self.spec:
+            fence = fm.arm_publish(self.stream)
+            lanes = [(r.rid, r.prompt_len) for r in batch.reqs]
+
+            def forward():
+                if hooks.before_forward:
+                    hooks.before_forward(step)
+                tokens, accepted = eagle_step(runner, fm, indices, rows, seq_lens_cpu, self.spec.num_steps, fence,
+                                              hooks, lanes)
+                result.tokens_cpu, result.accepted_cpu = tokens.to("cpu", non_blocking=True), accepted.to("cpu")
+                result.results_ready.set_here()
+            self.stream.submit(forward)
+            return result
 
         def forward():
             if hooks.before_forward:
@@ -318,12 +320,24 @@ class DecodeScheduler:
         wait_event(result.results_ready, self.stream)  # raises if the forward failed (its fence never comes)
         if result.seq_lens._version != result.seq_lens_version:
             raise InvariantError(f"step {result.step}: seq_lens was modified in place while its forward could read it")
-        for req, token in zip(result.reqs, result.tokens_cpu.tolist()):
+        tokens = result.tokens_cpu.tolist()
+        accepted = result.accepted_cpu.tolist() if result.accepted_cpu is not None else [0] * len(tokens)
+        for req, row, n in zip(result.reqs, tokens, accepted):
             if req.finished:
                 continue  # finished at an earlier step (or aborted); this lane was wasted work
-            req.output_ids.append(token)
-            reason = finish_reason(req.params, req.output_ids, self.eos_ids)
-            self._emit(req, [token], reason)
+            if self.spec:
+                req.spec_accepted += n
+                req.spec_drafted += self.spec.num_steps
+                self.spec_stats[0] += n
+                self.spec_stats[1] += self.spec.num_steps
+            new, reason = [], None
+            for token in (row[:n + 1] if self.spec else [row]):  # EAGLE commits accept_len = A + 1 tokens
+                req.output_ids.append(token)
+                new.append(token)
+                reason = finish_reason(req.params, req.output_ids, self.eos_ids)
+                if reason is not None:
+                    break  # tokens past a finish are dropped
+            self._emit(req, new, reason)
             if reason is not None:
                 self._finish(req, reason, emit=False)
 

@@ -22,7 +22,8 @@ class StepResult:
     results_ready: object
     seq_lens: torch.Tensor           # the mirror tensor the forward reads
     seq_lens_version: int
-    tokens_cpu: torch.Tensor | None = None
+    tokens_cpu: torch.Tensor | None = None      # [B], or EAGLE's [B, S+1]
+    accepted_cpu: torch.Tensor | None = None    # EAGLE: accepted drafts per request [B]
 
 
 @dataclass
@@ -30,3 +31,4 @@ class SchedulerHooks:
     """Test hooks: called on the scheduler thread (after_launch) or the stream (before_forward)."""
     after_launch: Callable[[int], None] | None = None
     before_forward: Callable[[int], None] | None = None
+    propose: Callable | None = None  # EAGLE: ([(rid, prompt_len)], seq_lens_cpu, drafts [B, S]) -> drafts to verify

@@ -5,8 +5,11 @@ Lifecycle of `prefill(requests)`:
   2. take requests in order while a request slot and KV slots for the prompt are free (a wave);
   3. chunked prefill of the wave under the token budget (`chunk_size`);
   4. sample the first token (output position 0 of the request's seeded stream);
-  5. copy the prompt's K/V out of the pool into a Handoff, free the wave's slots exactly once;
-  6. repeat until every request has its handoff.
+  5. with EAGLE on: the draft extend over each prompt (its features were kept during 3) gives the
+     draft KV and the draft seed (draft_prefill.py);
+  6. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff, free the wave's slots
+     exactly once;
+  7. repeat until every request has its handoff.
 The prefill side is stateless between calls.
 """
 
@@ -21,6 +24,7 @@ from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import sample
 from common.request_rules import validate_prompt
+from prefill_service.draft_prefill import draft_extend
 
 
 @dataclass
@@ -31,6 +35,7 @@ class _Running:
     prefilled: int = 0
     first_token: int | None = None
     prompt: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: target features, chunk by chunk
 
 
 class PrefillEngine:
@@ -48,7 +53,9 @@ class PrefillEngine:
             wave = self._reserve_wave(todo)
             todo = todo[len(wave):]
             try:
-                run_chunked_prefill(self.runner, wave, self.chunk_size, self._sample_first)
+                spec = self.runner.draft is not None
+                run_chunked_prefill(self.runner, wave, self.chunk_size, self._sample_first,
+                                    on_features=self._keep_features if spec else None)
                 handoffs.extend(self._to_handoff(w) for w in wave)
             finally:
                 for w in wave:
@@ -73,10 +80,24 @@ class PrefillEngine:
         for w, t in zip(done, tokens.tolist()):
             w.first_token = t
 
+    @staticmethod
+    def _keep_features(chunk: list, features: torch.Tensor) -> None:
+        start = 0
+        for w, _, ids in chunk:
+            w.features.append(features[start:start + len(ids)])
+            start += len(ids)
+
     def _to_handoff(self, w: _Running) -> Handoff:
         pool = self.runner.kv_pool
         loc = w.kv_slots.to(pool.device)
         r = w.request
+        extra = {}
+        if self.runner.draft is not None:
+            extra = draft_extend(self.runner, w.req_pool_idx, w.prompt, w.first_token, torch.cat(w.features),
+                                 self.chunk_size, self.runner.draft.spec.eagle_topk)
+            w.features = []
+            dpool = self.runner.draft.kv_pool
+            extra.update(draft_k=[dpool.k[0][loc].cpu()], draft_v=[dpool.v[0][loc].cpu()])
         return Handoff(rid=r.rid, prompt_ids=list(r.prompt_ids), params=r.params, seed=r.seed,
                        first_token=w.first_token, k=[k[loc].cpu() for k in pool.k], v=[v[loc].cpu() for v in pool.v],
-                       first_position=r.first_position)
+                       first_position=r.first_position, **extra)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from common.engine.draft_runner import SpecArgs
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from decode_service.scheduler import DecodeScheduler, SchedulerHooks
 from prefill_service.engine import PrefillEngine
@@ -27,15 +28,16 @@ class Outputs:
             self.reasons[rid] = reason
 
 
-def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16):
-    prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8))
-    decode = ModelRunner(RunnerArgs(path, max_total_tokens=decode_tokens, max_running_requests=decode_reqs))
+def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16, spec: SpecArgs | None = None):
+    spec = spec or SpecArgs()
+    prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, spec=spec))
+    decode = ModelRunner(RunnerArgs(path, max_total_tokens=decode_tokens, max_running_requests=decode_reqs, spec=spec))
     return prefill, decode
 
 
 class Pair:
     def __init__(self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: SchedulerHooks | None = None,
-                 **sizes):
+                 **sizes):  # sizes: decode_tokens, decode_reqs, spec
         prefill, decode = runners(path, **sizes)
         self.out = Outputs()
         self.link = InProcessPrefill(PrefillEngine(prefill, chunk_size),

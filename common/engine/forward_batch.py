@@ -69,6 +69,25 @@ class ForwardBatch:
         )
 
     @classmethod
+    def extend_fixed(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, req_pool_indices_cpu: list[int],
+                     prefix_lens: list[int], input_ids: torch.Tensor, length: int) -> "ForwardBatch":
+        """`length` new tokens per request on top of prefix_lens[i] (EAGLE's verify and draft extend):
+        `input_ids` [B * length] may be a device tensor made by the forward itself (no host sync);
+        every token gets logits."""
+        device = req_to_token.device
+        positions = (torch.tensor(prefix_lens)[:, None] + torch.arange(length)[None, :]).flatten().to(device)
+        rows = torch.tensor(req_pool_indices_cpu).repeat_interleave(length).to(device)
+        batch = len(prefix_lens)
+        return cls(
+            mode=ForwardMode.EXTEND, input_ids=input_ids.to(device, torch.int64), positions=positions,
+            req_pool_indices=req_pool_indices.to(device, torch.int64),
+            seq_lens=torch.tensor([p + length for p in prefix_lens], dtype=torch.int64, device=device),
+            out_cache_loc=req_to_token[rows, positions].to(torch.int64),
+            logits_indices=torch.arange(batch * length, device=device),
+            prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=[length] * batch,
+            req_pool_indices_cpu=list(req_pool_indices_cpu))
+
+    @classmethod
     def decode(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int],
                input_ids: torch.Tensor, seq_lens: torch.Tensor | None = None,
                req_pool_indices_cpu: list[int] | None = None) -> "ForwardBatch":

@@ -34,6 +34,13 @@ class Handoff:
     k: list[torch.Tensor] | None        # None: the KV already arrived as chunks (written on arrival)
     v: list[torch.Tensor] | None
     first_position: int = 0           # output index of first_token; prompt_ids ends with that many outputs
+    # EAGLE: the head's one layer of KV over the prompt, and its seed at the last position (the next
+    # draft token(s) with their probabilities, and the head's hidden there)
+    draft_k: list[torch.Tensor] | None = None
+    draft_v: list[torch.Tensor] | None = None
+    draft_topk_ids: torch.Tensor | None = None
+    draft_topk_p: torch.Tensor | None = None
+    draft_hidden: torch.Tensor | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -46,3 +53,13 @@ class Handoff:
         for t in self.k + self.v:
             if t.shape[0] != self.prompt_len:
                 raise ValueError(f"handoff {self.rid}: KV of {t.shape[0]} tokens, prompt has {self.prompt_len}")
+
+    def check_draft(self, hidden_size: int) -> None:
+        """For a speculative receiver: the draft seed (and draft KV, when in the record) is present."""
+        if self.draft_topk_ids is None or self.draft_hidden is None:
+            raise ValueError(f"handoff {self.rid}: no draft seed, but speculative decoding is on here")
+        if tuple(self.draft_hidden.shape) != (hidden_size,):
+            raise ValueError(f"handoff {self.rid}: draft hidden of shape {tuple(self.draft_hidden.shape)}, "
+                             f"expected ({hidden_size},)")
+        if self.draft_k is not None and any(t.shape[0] != self.prompt_len for t in self.draft_k + self.draft_v):
+            raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt")

@@ -6,12 +6,13 @@ Sizes: `max_total_tokens` KV slots if given, else as many as `kv_budget_bytes` h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.attention import create_backend
 from common.models.config import ModelConfig, load_model_config
+from common.engine.draft_runner import DraftRunner, SpecArgs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
 from common.models import packed_linear
@@ -31,13 +32,17 @@ class RunnerArgs:
     context_length: int | None = None
     attention_backend: str = "batched"
     pack_linear: bool = True            # CPU fp32: oneDNN-packed linear weights (common/models/packed_linear.py)
+    spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
 
     @classmethod
     def from_service_config(cls, config) -> "RunnerArgs":
         """The runner part of a prefill/decode service config (same flag names on both)."""
         return cls(config.model_path, device=config.device, dtype=config.dtype,
                    max_total_tokens=config.max_total_tokens, max_running_requests=config.max_running_requests,
-                   context_length=config.context_length, attention_backend=config.attention_backend)
+                   context_length=config.context_length, attention_backend=config.attention_backend,
+                   spec=SpecArgs(config.speculative_algorithm, config.speculative_draft_model_path,
+                                 config.speculative_num_steps, config.speculative_eagle_topk,
+                                 config.speculative_num_draft_tokens))
 
 
 class ModelRunner:
@@ -55,8 +60,11 @@ class ModelRunner:
             args.kv_budget_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
+        # rows also cover the draft positions a speculative request writes past its context
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_length + args.spec.extra_slots,
+                                                self.device)
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
+        self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
 
     @classmethod
     def for_service(cls, config) -> "ModelRunner":
@@ -72,6 +80,16 @@ class ModelRunner:
         """Run one forward; returns (logits [len(logits_indices), V] float32, hidden [T, H])."""
         hidden = self.model(forward_batch, self.backend)
         return self.model.compute_logits(hidden[forward_batch.logits_indices]), hidden
+
+    @torch.inference_mode()
+    def forward_features(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like forward, but returns the draft head's input features for every token instead of the
+        hidden: the final normed hidden (EAGLE) or the captured layers concatenated (EAGLE3)."""
+        capture = self.draft.capture if self.draft is not None else ()
+        if not capture:
+            return self.forward(forward_batch)
+        hidden, aux = self.model(forward_batch, self.backend, capture=capture)
+        return self.model.compute_logits(hidden[forward_batch.logits_indices]), aux
 
     @torch.inference_mode()
     def warmup(self, prompt_len: int = 16) -> None:

@@ -109,13 +109,19 @@ class DecoderLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, forward_batch: ForwardBatch, backend) -> torch.Tensor:
-        """Run all tokens of the batch; returns final normed hidden states [T, hidden]."""
+    def forward(self, forward_batch: ForwardBatch, backend, capture: tuple[int, ...] = ()):
+        """Run all tokens of the batch; returns final normed hidden states [T, hidden]. With `capture`
+        (layer ids), returns (normed hidden, the outputs of those layers concatenated [T, len * hidden])."""
         backend.init_forward_metadata(forward_batch)
         x = self.model.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary.cos_sin(forward_batch.positions, x.dtype)
-        for layer in self.model.layers:
+        captured = {}
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, forward_batch, backend)
+            if i in capture:
+                captured[i] = x
+        if capture:
+            return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
         return self.model.norm(x)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:

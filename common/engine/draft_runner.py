@@ -1,0 +1,82 @@
+"""DraftRunner: an EAGLE / EAGLE3 head beside a target ModelRunner, with its own one-layer KV pool.
+
+The draft pool shares slot indices (and the ReqToTokenPool) with the target: the slots reserved for a
+request hold its target KV and its draft KV at the same indices (DESIGN section 5). The head embeds
+with the target's embedding table; EAGLE's logits come from the target's lm_head.
+`SpecArgs` are the speculative settings, named as SGLang users know them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.attention import create_backend
+from common.engine.forward_batch import ForwardBatch
+from common.engine.kv_pool import KVPool
+from common.models.eagle import DraftHead, load_draft_config, load_draft_head
+from common.models.rope import RotaryEmbedding
+
+
+@dataclass
+class SpecArgs:
+    algorithm: str | None = None        # None (off), "EAGLE" or "EAGLE3"
+    draft_model_path: str | None = None
+    num_steps: int = 3                  # draft tokens proposed per step (a chain of num_steps)
+    eagle_topk: int = 1                 # 1: chain drafting (tree drafting comes later)
+    num_draft_tokens: int = 4           # tokens one verify covers: the bonus token + the drafts
+
+    def validate(self) -> None:
+        if self.algorithm is None:
+            return
+        if not self.draft_model_path:
+            raise ValueError("--speculative-algorithm needs --speculative-draft-model-path")
+        if self.num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be >= 1, got {self.num_steps}")
+        if self.eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {self.eagle_topk}: only 1 (chain drafting) is supported")
+        if self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be num_steps + 1 = {self.num_steps + 1} for "
+                             f"chain drafting, got {self.num_draft_tokens}")
+
+    @property
+    def extra_slots(self) -> int:
+        """KV positions a request may write past prompt + max_new_tokens: a verify of num_draft_tokens
+        from its last committed length, and one more step if it finished while the next was in flight."""
+        return 0 if self.algorithm is None else 2 * self.num_draft_tokens
+
+
+class DraftRunner:
+    def __init__(self, spec: SpecArgs, target):
+        spec.validate()
+        self.spec = spec
+        self.target = target
+        self.config = load_draft_config(spec.draft_model_path, spec.algorithm, target.config)
+        layer = self.config.layer
+        self.head: DraftHead = load_draft_head(spec.draft_model_path, self.config, target.device, target.dtype)
+        self.kv_pool = KVPool(target.kv_pool.num_slots, 1, layer.num_kv_heads, layer.head_dim, target.dtype,
+                              target.device)
+        self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
+        self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        """Target layers whose outputs the head reads (EAGLE3); empty: the final normed hidden (EAGLE)."""
+        return self.config.aux_layer_ids
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Tokens of `forward_batch` are those at p+1; `hidden` [T, H or 3H] the features for p.
+        Writes the draft KV at the batch's slots and returns the head's hidden for p+1 [T, H]."""
+        self.backend.init_forward_metadata(forward_batch)
+        embeds = self.target.model.model.embed_tokens(forward_batch.input_ids)
+        cos, sin = self.rotary.cos_sin(forward_batch.positions, embeds.dtype)
+        return self.head(embeds, hidden.to(embeds.dtype), cos, sin, forward_batch, self.backend)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over target ids (EAGLE: the target's lm_head)."""
+        if self.config.algorithm == "EAGLE":
+            return self.target.model.compute_logits(hidden)
+        return self.head.logits(hidden, self.target.model.lm_head_weight)

@@ -1,0 +1,54 @@
+"""One EAGLE chain step, run as work on the forward stream (DESIGN section 7).
+
+For a batch with committed lengths n (host copy known to the schedule side: resolved from the last
+step's publish, or the handoff for a prebuilt request) and, per request, a pending bonus token b
+(at position n, not in KV yet) and a draft seed (first draft token d1, the head's hidden for n):
+  1. draft: num_steps - 1 head forwards extend the chain d1..dS (head KV at positions n..n+S-2);
+  2. verify: one target forward over [b, d1..dS] at positions n..n+S (target KV written there);
+  3. accept (greedy): A = how many leading drafts equal the target argmax before them; the bonus is
+     the target argmax after the last accepted; accept_len = A + 1 tokens are committed;
+  4. publish new_seq_lens = n + A + 1 through the FutureMap (sets this step's publish_ready fence),
+     so the schedule side can build the next step while 5 runs;
+  5. draft extend over the verified positions n..n+S with the target's features (head KV rewritten
+     with real features; entries past n+A are overwritten next step), the head's output at n+A
+     seeds the next step; stash the bonus token and the seed at the rows.
+Everything stays on the device (static shapes: every request verifies S+1 tokens); the tokens
+[B, S+1] and A [B] are copied to the host for the schedule side behind the results-ready fence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+
+
+def eagle_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu: list[int], num_steps: int,
+               fence, hooks=None, lanes: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits tokens[i, :A+1]."""
+    draft, table, batch = runner.draft, runner.req_to_token_pool.req_to_token, len(rows)
+    bonus = fm.gather_tokens(indices)
+    token, hidden = fm.gather_draft(indices)
+    drafts = [token]
+    for k in range(1, num_steps):                                   # 1. the chain
+        fb = ForwardBatch.decode(table, indices, [n + k - 1 for n in seq_lens_cpu], drafts[-1],
+                                 req_pool_indices_cpu=rows)
+        hidden = draft.forward(fb, hidden)
+        drafts.append(draft.logits(hidden).argmax(-1))
+    proposed = torch.stack(drafts, dim=1)                           # [B, S]
+    if hooks is not None and hooks.propose is not None:              # tests: plant drafts
+        proposed = hooks.propose(lanes, seq_lens_cpu, proposed)
+    verify_ids = torch.cat([bonus[:, None], proposed], dim=1).flatten()
+    fb = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, verify_ids, num_steps + 1)
+    logits, features = runner.forward_features(fb)                  # 2. verify
+    target = logits.argmax(-1).view(batch, num_steps + 1)
+    accepted = (proposed == target[:, :num_steps]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # 3.
+    committed = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=indices.device)
+    fm.publish_seq_lens(indices, committed + accepted + 1, fence)   # 4.
+    lanes = torch.arange(batch, device=indices.device)
+    extend = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, target.flatten(), num_steps + 1)
+    out = draft.forward(extend, features).view(batch, num_steps + 1, -1)  # 5.
+    seed_hidden = out[lanes, accepted]
+    fm.stash_tokens(indices, target[lanes, accepted])
+    fm.stash_draft(indices, draft.logits(seed_hidden).argmax(-1), seed_hidden)
+    return target, accepted

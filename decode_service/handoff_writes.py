@@ -1,0 +1,46 @@
+"""Stream work that lands a handoff in the decode pools: KV chunks as they arrive, then the prebuilt
+writes (req_to_token row, KV carried in the record, FutureMap seeds). Submitted on the forward
+stream, so it is ordered after every forward that could still read the slots (invariant 7).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine.handoff import Handoff
+
+
+def submit_kv_chunk(stream, runner, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list,
+                    v: list) -> None:
+    loc = kv_slots[token_start:token_start + k[0].shape[0]]
+
+    def write():
+        dev_loc = loc.to(runner.device)
+        for i, (kt, vt) in enumerate(zip(k, v)):
+            runner.kv_pool.write(layer_start + i, dev_loc, kt.to(runner.device), vt.to(runner.device))
+    stream.submit(write)
+
+
+def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+    """Map the row, write KV carried in the record (target, and the head's with EAGLE), and seed the
+    FutureMap row: the first token, and with EAGLE the draft seed and the seq_lens (prompt length)."""
+    row = torch.tensor([req_pool_idx], dtype=torch.int64)
+    first = torch.tensor([handoff.first_token], dtype=torch.int64)
+
+    def write():
+        runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
+        loc = kv_slots[:handoff.prompt_len].to(runner.device)
+        if handoff.k is not None:
+            for layer in range(runner.config.num_layers):
+                runner.kv_pool.write(layer, loc, handoff.k[layer].to(runner.device), handoff.v[layer].to(runner.device))
+        dev_row = row.to(fm.device)
+        fm.reset_rows(dev_row)
+        fm.stash_tokens(dev_row, first.to(fm.device))
+        if runner.draft is not None:
+            if handoff.draft_k is not None:
+                runner.draft.kv_pool.write(0, loc, handoff.draft_k[0].to(runner.device),
+                                           handoff.draft_v[0].to(runner.device))
+            fm.stash_draft(dev_row, handoff.draft_topk_ids[:1].to(fm.device),
+                           handoff.draft_hidden[None].to(fm.device, fm.draft_hidden.dtype))
+            fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))
+    stream.submit(write)

@@ -1,0 +1,156 @@
+"""EAGLE / EAGLE3 chain drafting in the decode engine: exact against HF greedy, whatever the drafts.
+
+Random heads rarely propose the target's token, so the multi-token paths are driven by planted
+drafts (the `propose` hook): the oracle's own continuation (everything accepted), a continuation
+that goes wrong after one token, and runs whose finish lands inside an accepted run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.draft_runner import SpecArgs
+from common.engine.sampling import SamplingParams
+from common.models.config import CheckpointError
+from common.request_rules import InvalidRequest
+from common.tools.eagle_checkpoint import build as build_head
+from decode_service.future_map import ConsumeOnceError
+from decode_service.scheduler import SchedulerHooks
+from tests.decode_harness import Pair
+from tests.oracle import hf_greedy
+
+STEPS = 3
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """heads(target_path, algorithm) -> a random head folder for that target (built once)."""
+    built = {}
+
+    def get(target: str, algorithm: str) -> str:
+        if (target, algorithm) not in built:
+            built[target, algorithm] = build_head(target, algorithm, str(tmp_path_factory.mktemp(algorithm)))
+        return built[target, algorithm]
+    return get
+
+
+def _spec(head: str, algorithm: str) -> SpecArgs:
+    return SpecArgs(algorithm, head, STEPS, 1, STEPS + 1)
+
+
+def _run(pair: Pair, prompts, params) -> dict:
+    for i, p in enumerate(prompts):
+        pair.submit(str(i), p, params[i] if isinstance(params, list) else params)
+    pair.wait([str(i) for i in range(len(prompts))])
+    return pair.out.tokens
+
+
+@pytest.mark.parametrize("arch,algorithm", [("llama", "EAGLE"), ("llama", "EAGLE3"), ("qwen3", "EAGLE3")])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_random_heads_match_hf_greedy(checkpoint, heads, arch, algorithm, overlap):
+    path = checkpoint(arch)
+    pair = Pair(path, overlap=overlap, spec=_spec(heads(path, algorithm), algorithm))
+    out = _run(pair, PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    for i, p in enumerate(PROMPTS):
+        assert out[str(i)] == hf_greedy(path, p, 24), f"prompt {i}"
+    accepted, proposed = pair.scheduler.spec_stats
+    assert proposed > 0 and 0 <= accepted <= proposed
+    pair.close()  # pool integrity: no draft tail leaked
+
+
+def _planted(path: str, wrong_after: int | None = None):
+    """A propose hook drafting the oracle's continuation (wrong from draft `wrong_after` on)."""
+    refs = {str(i): hf_greedy(path, p, 40) for i, p in enumerate(PROMPTS)}
+    seen = []
+
+    def propose(lanes, seq_lens, drafts):
+        out = drafts.clone()
+        for lane, ((rid, prompt_len), n) in enumerate(zip(lanes, seq_lens)):
+            pos = n - prompt_len  # output index of the pending bonus token
+            seen.append((rid, n, pos))
+            for k in range(drafts.shape[1]):
+                ref = refs[rid]
+                token = ref[pos + 1 + k] if pos + 1 + k < len(ref) else 0
+                out[lane, k] = token if wrong_after is None or k < wrong_after else (token + 1) % 300
+        return out
+    return propose, seen
+
+
+@pytest.mark.parametrize("wrong_after", [None, 1])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_planted_drafts_commit_several_tokens_per_step_exactly(checkpoint, heads, wrong_after, overlap):
+    path = checkpoint("llama")
+    propose, seen = _planted(path, wrong_after)
+    pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=SchedulerHooks(propose=propose))
+    lengths = [23, 24, 25, 7]  # finishes land inside accepted runs
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    out = _run(pair, PROMPTS, params)
+    for i, p in enumerate(PROMPTS):
+        assert out[str(i)] == hf_greedy(path, p, lengths[i]), f"prompt {i}"
+        assert pair.out.reasons[str(i)] == "length"
+    accepted, proposed = pair.scheduler.spec_stats
+    per_step = 1 if wrong_after == 1 else STEPS
+    assert accepted >= 0.8 * per_step / STEPS * proposed, (accepted, proposed)
+    # seq_lens count committed KV only: each step starts where the last one's accept_len ended
+    steps = {}
+    for rid, n, pos in seen:
+        steps.setdefault(rid, []).append((n, pos))
+    for rid, runs in steps.items():
+        assert all(pos == n - len(PROMPTS[int(rid)]) and pos >= 0 for n, pos in runs)
+        gaps = {b[0] - a[0] for a, b in zip(runs, runs[1:]) if b[0] != a[0]}
+        assert gaps <= set(range(1, STEPS + 2)) and (wrong_after == 1 or STEPS + 1 in gaps), gaps
+    pair.close()
+
+
+def test_stop_token_inside_an_accepted_run_drops_what_follows(checkpoint, heads):
+    path = checkpoint("llama")
+    propose, _ = _planted(path)
+    ref = hf_greedy(path, PROMPTS[0], 40)
+    stop = next(t for t in ref[5:] if t not in ref[:5])
+    pair = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=SchedulerHooks(propose=propose))
+    out = _run(pair, PROMPTS[:1], SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=(stop,)))
+    assert out["0"] == ref[:ref.index(stop) + 1] and pair.out.reasons["0"] == "stop"
+    pair.close()
+
+
+def test_spec_requests_are_greedy_only(checkpoint, heads):
+    path = checkpoint("llama")
+    pair = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        pair.submit("t", [5, 6], SamplingParams(temperature=0.7))
+    pair.close()
+
+
+def test_head_layout_is_checked_against_the_algorithm(checkpoint, heads, tmp_path):
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+
+    path = checkpoint("llama")
+    with pytest.raises(CheckpointError, match="architectures"):
+        ModelRunner(RunnerArgs(path, max_total_tokens=64, spec=_spec(heads(path, "EAGLE"), "EAGLE3")))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    from safetensors.torch import load_file, save_file
+    src = heads(path, "EAGLE")
+    tensors = load_file(f"{src}/model.safetensors")
+    del tensors["fc.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    (broken / "config.json").write_text(open(f"{src}/config.json").read())
+    with pytest.raises(CheckpointError, match="fc.weight"):
+        ModelRunner(RunnerArgs(path, max_total_tokens=64, spec=_spec(str(broken), "EAGLE")))
+    with pytest.raises(ValueError, match="num-draft-tokens"):
+        SpecArgs("EAGLE", src, 3, 1, 7).validate()
+
+
+def test_draft_seed_gathers_are_consume_once():
+    from common.engine.streams import HostEvent
+    from decode_service.future_map import FutureMap
+
+    fm = FutureMap(4, "cpu", HostEvent, debug=True, draft_hidden_size=8)
+    rows = torch.tensor([2])
+    fm.stash_draft(rows, torch.tensor([7]), torch.ones(1, 8))
+    token, hidden = fm.gather_draft(rows)
+    assert token.tolist() == [7] and hidden.shape == (1, 8)
+    with pytest.raises(ConsumeOnceError):
+        fm.gather_draft(rows)  # a planted second gather without a stash
