@@ -9,12 +9,15 @@ Life of a request (queues named as in the code):
   3. deliver_handoff(): the handoff lands on `inbox`; the loop checks it and queues it on `prebuilt`.
      A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
   4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
-     maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token; the
+     maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token (and
+     with EAGLE the draft seed and seq_lens; handoff_writes.py); the
      first token is streamed; seq_lens = prompt length; the batch merges into the running batch.
   5. overlap loop: build step N+1 (drop finished requests, merge prebuilt), launch its forward on the
-     forward stream, bump seq_lens (new tensors), and only then process step N's results: append
-     tokens, stream, finish (EOS unless ignore_eos, stop_token_ids, max_new_tokens) and release.
-     A request finished at N still rides in N+1; its result is skipped, never released twice.
+     forward stream (decode_step.py, or eagle_step.py with EAGLE), bump seq_lens (new tensors), and
+     only then process step N's results: append tokens, stream, finish (EOS unless ignore_eos,
+     stop_token_ids, max_new_tokens) and release. A request finished at N still rides in N+1; its
+     result is skipped, never released twice. With EAGLE a step commits accept_len tokens per request
+     and seq_lens are not bumped: the next build resolves them from the step's publish (FutureMap).
   6. release: free KV slots and the request slot exactly once. Every schedule-side device write
      (KV, req_to_token, FutureMap) is stream work, so slot reuse is ordered after in-flight reads.
   7. abort(): in `waiting`, `awaiting_handoff`, `prebuilt` or running; finish_reason "abort".
@@ -31,12 +34,12 @@ from typing import Callable
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.engine.streams import make_event, make_stream, wait_event
 from common.request_rules import InvalidRequest, finish_reason, validate_prompt
+from decode_service.decode_step import decode_step
 from decode_service.eagle_step import eagle_step
 from decode_service.future_map import FutureMap
 from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
@@ -287,29 +290,18 @@ class DecodeScheduler:
             s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]
         runner, fm, hooks = self.runner, self.future_map, self.hooks
 
-        if self.spec:
-            fence = fm.arm_publish(self.stream)
-            lanes = [(r.rid, r.prompt_len) for r in batch.reqs]
-
-            def forward():
-                if hooks.before_forward:
-                    hooks.before_forward(step)
-                tokens, accepted = eagle_step(runner, fm, indices, rows, seq_lens_cpu, self.spec.num_steps, fence,
-                                              hooks, lanes)
-                result.tokens_cpu, result.accepted_cpu = tokens.to("cpu", non_blocking=True), accepted.to("cpu")
-                result.results_ready.set_here()
-            self.stream.submit(forward)
-            return result
+        spec = self.spec
+        fence = fm.arm_publish(self.stream) if spec else None  # armed at submit (invariant 3)
+        lanes = [(r.rid, r.prompt_len) for r in batch.reqs]
 
         def forward():
             if hooks.before_forward:
                 hooks.before_forward(step)
-            input_ids = fm.gather_tokens(indices)
-            fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, seq_lens_cpu, input_ids, seq_lens,
-                                     req_pool_indices_cpu=rows)
-            logits, _ = runner.forward(fb)
-            tokens = sampling.sample(logits, positions)
-            fm.stash_tokens(indices, tokens)
+            if spec:
+                tokens, accepted = eagle_step(runner, fm, indices, rows, seq_lens_cpu, spec.num_steps, fence, hooks, lanes)
+                result.accepted_cpu = accepted.to("cpu")
+            else:
+                tokens = decode_step(runner, fm, indices, rows, seq_lens_cpu, seq_lens, sampling, positions)
             result.tokens_cpu = tokens.to("cpu", non_blocking=True)
             result.results_ready.set_here()
         self.stream.submit(forward)

@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_DIRS = ["common/models", "common/attention", "common/engine"]
 ENGINE_FILES = ["common/request_rules.py", "decode_service/scheduler.py", "decode_service/future_map.py",
                 "decode_service/schedule_batch.py", "decode_service/req.py", "decode_service/step.py",
-                "decode_service/inbox.py", "prefill_service/engine.py", "prefill_service/inprocess.py",
-                "prefill_service/batching.py"]
+                "decode_service/inbox.py", "decode_service/decode_step.py", "decode_service/eagle_step.py",
+                "decode_service/handoff_writes.py", "prefill_service/engine.py", "prefill_service/inprocess.py",
+                "prefill_service/batching.py", "prefill_service/draft_prefill.py"]
 FORBIDDEN = ("common.wire", "common.tools", "grpc", "grpc_health", "grpc_reflection", "google.protobuf",
              "smg_grpc_proto")
 
