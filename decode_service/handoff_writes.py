@@ -10,14 +10,15 @@ import torch
 from common.engine.handoff import Handoff
 
 
-def submit_kv_chunk(stream, runner, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list,
+def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list,
                     v: list) -> None:
+    """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots."""
     loc = kv_slots[token_start:token_start + k[0].shape[0]]
 
     def write():
-        dev_loc = loc.to(runner.device)
+        dev_loc = loc.to(pool.device)
         for i, (kt, vt) in enumerate(zip(k, v)):
-            runner.kv_pool.write(layer_start + i, dev_loc, kt.to(runner.device), vt.to(runner.device))
+            pool.write(layer_start + i, dev_loc, kt.to(pool.device), vt.to(pool.device))
     stream.submit(write)
 
 

@@ -35,12 +35,13 @@ class FirstTokenArrived:
 
 @dataclass
 class KvChunkArrived:
-    """Target K/V of tokens token_start.. for layers layer_start..; written into reserved slots."""
+    """K/V of tokens token_start.. for layers layer_start..; written into reserved slots."""
     rid: str
     token_start: int
     layer_start: int
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    draft: bool = False     # the EAGLE head's KV (its one layer) instead of the target's
 
 
 @dataclass

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.wire.grpc_server import channel_options
 from common.engine.handoff import Handoff, HandoffRequest
-from common.wire.kv_chunks import KvAssembler
+from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,11 +54,12 @@ class _Peer:
 class PrefillClient:
     def __init__(self, addresses: list[str], model_config, scheduler=None, wait_ready_s: float = 30.0,
                  max_chunk_bytes: int = 0, max_concurrent: int = 64,  # 0: the server's bound
-                 call_timeout_s: float = 600.0):
+                 call_timeout_s: float = 600.0, draft_config=None):
         if not addresses:
             raise ValueError("at least one prefill address is needed")
         self.peers = [_Peer(a) for a in addresses]
         self.config = model_config
+        self.draft_config = draft_config  # EAGLE: the head's layer config (its KV chunks' shape)
         self.scheduler = scheduler
         self.wait_ready_s = wait_ready_s
         self.max_chunk_bytes = max_chunk_bytes
@@ -164,8 +165,9 @@ class PrefillClient:
             self._calls[request.rid] = (call, peer)
             if request.rid in self._cancelled:
                 call.cancel()
-        cfg = self.config
-        assembler = KvAssembler(len(request.prompt_ids), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
+        cfg, draft, n = self.config, self.draft_config, len(request.prompt_ids)
+        assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
+        draft_assembler = KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False) if draft else None
         first = None
         for chunk in call:
             kind = chunk.WhichOneof("payload")
@@ -175,16 +177,23 @@ class PrefillClient:
                     sent.append(first)
                 self.scheduler.deliver_first_token(request.rid, first, request.first_position)
             elif kind == "kv":
-                k, v = assembler.add(chunk.kv)
-                self.scheduler.deliver_kv(request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v)
+                if chunk.kv.draft and draft_assembler is None:
+                    raise ValueError("draft KV from a prefill replica, but speculative decoding is off here")
+                k, v = (draft_assembler if chunk.kv.draft else assembler).add(chunk.kv)
+                self.scheduler.deliver_kv(request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v,
+                                          draft=chunk.kv.draft)
             elif kind == "record":
                 rec = chunk.record
                 assembler.finish()
-                if rec.prompt_len != len(request.prompt_ids) or rec.num_kv_chunks != assembler.chunks:
+                chunks = assembler.chunks
+                if draft_assembler is not None:  # the head's KV must cover the prompt too
+                    draft_assembler.finish()
+                    chunks += draft_assembler.chunks
+                if rec.prompt_len != n or rec.num_kv_chunks != chunks:
                     raise ValueError(f"record says {rec.prompt_len} tokens / {rec.num_kv_chunks} chunks, "
-                                     f"got {len(request.prompt_ids)} / {assembler.chunks}")
+                                     f"got {n} / {chunks}")
                 if first is not None and rec.first_token != first:
                     raise ValueError("record's first token differs from the streamed one")
                 return Handoff(request.rid, request.prompt_ids, request.params, request.seed, rec.first_token,
-                               k=None, v=None, first_position=request.first_position)
+                               k=None, v=None, first_position=request.first_position, **decode_seed(rec))
         raise ValueError("prefill stream ended without a record")

@@ -41,6 +41,7 @@ from common.engine.streams import make_event, make_stream, wait_event
 from common.request_rules import InvalidRequest, finish_reason, validate_prompt
 from decode_service.decode_step import decode_step
 from decode_service.eagle_step import eagle_step
+from decode_service.finish_notes import FinishNotes
 from decode_service.future_map import FutureMap
 from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
 from decode_service.inbox import (Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, InboxMessage,
@@ -80,15 +81,10 @@ class DecodeScheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fatal_error: Exception | None = None
-        self.errors: dict[str, str] = {}
-        self._errors_lock = threading.Lock()
+        self.notes = FinishNotes()  # errors and EAGLE stats of finished requests, for the front door
         self._step_lock = threading.RLock()  # other threads observe state only between steps
 
     # ---- API (any thread) -----------------------------------------------------------------------
-    def pop_error(self, rid: str) -> str | None:
-        with self._errors_lock:
-            return self.errors.pop(rid, None)
-
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                on_output: OutputCallback | None = None) -> None:
         validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
@@ -103,9 +99,9 @@ class DecodeScheduler:
         """A token sampled by prefill (output index `position`), streamed before the handoff completes."""
         self._post(FirstTokenArrived(rid, token, position))
 
-    def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list) -> None:
-        """One KV chunk: written into the request's reserved slots as stream work, as it arrives."""
-        self._post(KvChunkArrived(rid, token_start, layer_start, k, v))
+    def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list, draft: bool = False) -> None:
+        """One KV chunk (target, or the EAGLE head's): written into the reserved slots as it arrives."""
+        self._post(KvChunkArrived(rid, token_start, layer_start, k, v, draft))
 
     def fail_handoff(self, rid: str, error: str) -> None:
         self._post(HandoffFailed(rid, error))
@@ -209,8 +205,8 @@ class DecodeScheduler:
             elif isinstance(msg, KvChunkArrived):
                 req = self.awaiting_handoff.get(msg.rid)
                 if req is not None:
-                    submit_kv_chunk(self.stream, self.runner, req.kv_slots, msg.token_start, msg.layer_start,
-                                    msg.k, msg.v)
+                    pool = self.runner.draft.kv_pool if msg.draft and self.spec else self.runner.kv_pool
+                    submit_kv_chunk(self.stream, pool, req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v)
             else:
                 raise InvariantError(f"unknown inbox message {msg!r}")
 
@@ -329,6 +325,8 @@ class DecodeScheduler:
                 reason = finish_reason(req.params, req.output_ids, self.eos_ids)
                 if reason is not None:
                     break  # tokens past a finish are dropped
+            if reason is not None and self.spec:  # read by the front door with the finish
+                self.notes.put_spec(req.rid, req.spec_accepted, req.spec_drafted)
             self._emit(req, new, reason)
             if reason is not None:
                 self._finish(req, reason, emit=False)
@@ -351,10 +349,7 @@ class DecodeScheduler:
         req.finish_reason = reason
         req.error = detail
         if detail is not None:  # read (and popped) by the front door to explain the failure
-            with self._errors_lock:
-                self.errors[req.rid] = detail
-                while len(self.errors) > 1024:
-                    self.errors.pop(next(iter(self.errors)))
+            self.notes.put_error(req.rid, detail)
         if emit:
             self._emit(req, [], reason)
         self._release(req)

@@ -45,7 +45,8 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s,
-                                     call_timeout_s=config.prefill_timeout_s)
+                                     call_timeout_s=config.prefill_timeout_s,
+                                     draft_config=self.runner.draft.config.layer if self.runner.draft else None)
         self.scheduler = DecodeScheduler(self.runner, self.prefill, disable_overlap=config.disable_overlap_schedule,
                                          debug=config.debug_checks)
         self.prefill.scheduler = self.scheduler
@@ -127,15 +128,17 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
                 yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.GenerateStreamChunk(
                     token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids)))
             if reason is not None:
+                accepted, drafted = self.scheduler.notes.pop_spec(rid)
                 complete = pb.GenerateComplete(output_ids=all_ids, finish_reason=reason, prompt_tokens=len(ids),
-                                               completion_tokens=len(all_ids))
+                                               completion_tokens=len(all_ids), spec_accepted_tokens=accepted,
+                                               spec_draft_tokens=drafted)
                 if reason == "stop" and all_ids:
                     complete.matched_token_id = all_ids[-1]
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 return
 
     def _error_detail(self, rid: str) -> str:
-        return self.scheduler.pop_error(rid) or repr(self.scheduler.fatal_error)
+        return self.scheduler.notes.pop_error(rid) or repr(self.scheduler.fatal_error)
 
     def _track(self, client_id: str, rid: str, add: bool) -> None:
         with self._lock:
@@ -178,7 +181,14 @@ class DecodeService(pb_grpc.SglangSchedulerServicer):
                      "served_model_name": self.served_model_name, "context_length": self.runner.context_length,
                      "max_total_tokens": self.runner.kv_allocator.size, "tp_size": 1, "dp_size": 1, "pp_size": 1,
                      "max_running_requests": self.config.max_running_requests, "disaggregation_mode": "null",
-                     "is_embedding": False, "vocab_size": self.model_config.vocab_size})
+                     "is_embedding": False, "vocab_size": self.model_config.vocab_size,
+                     "speculative_algorithm": self.config.speculative_algorithm or "",
+                     "speculative_num_steps": self.config.speculative_num_steps})
+        if self.scheduler.spec:  # mean accept length = 1 + accepted drafts per verify step
+            accepted, proposed = self.scheduler.spec_stats
+            steps = proposed / self.config.speculative_num_steps
+            args.update({"spec_accept_rate": accepted / proposed if proposed else 0.0,
+                         "spec_mean_accept_length": 1 + accepted / steps if steps else 0.0})
         return pb.GetServerInfoResponse(server_args=args, active_requests=len(self.scheduler.reqs),
                                         uptime_seconds=time.time() - self.started_at, sglang_version="disagg-serve",
                                         max_total_num_tokens=self.runner.kv_allocator.size)

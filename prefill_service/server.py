@@ -4,8 +4,9 @@ Lifecycle of one Prefill call:
   1. validate the request (prompt ids, sampling params, fits the context): INVALID_ARGUMENT if not;
   2. queue it on `prefill_queue`; the engine thread takes everything queued (a batch), runs chunked
      prefill, samples the first token, copies the prompt's KV out and frees its local slots;
-  3. the call's thread streams: FirstToken at once, then KvChunks bounded by max_chunk_bytes, then the
-     PrebuiltRecord (prompt length, first token, chunk count);
+  3. the call's thread streams: FirstToken at once, then KvChunks bounded by max_chunk_bytes (with
+     EAGLE the head's KV follows, marked `draft`), then the PrebuiltRecord (prompt length, first
+     token, chunk count, and with EAGLE the draft seed);
   4. a cancelled call is dropped before its prefill if it has not started, or stops streaming.
 The service is stateless between calls. Health: NOT_SERVING until the model is loaded.
 With --debug-checks the pools' integrity is checked after every batch (every slot free again).
@@ -13,6 +14,7 @@ With --debug-checks the pools' integrity is checked after every batch (every slo
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -129,7 +131,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
         max_bytes = request.max_chunk_bytes or self.config.max_chunk_bytes
         count = 0
-        for chunk in kv_chunks.split(result.k, result.v, max_bytes):
+        chunks = kv_chunks.split(result.k, result.v, max_bytes)
+        if result.draft_k is not None:  # EAGLE: the head's KV follows the target's
+            chunks = itertools.chain(chunks, kv_chunks.split(result.draft_k, result.draft_v, max_bytes, draft=True))
+        for chunk in chunks:
             if call.cancelled.is_set():
                 return
             if self.config.test_kv_chunk_delay_s:
@@ -138,6 +143,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             yield prefill_pb2.PrefillChunk(kv=chunk)
         yield prefill_pb2.PrefillChunk(record=prefill_pb2.PrebuiltRecord(
             prompt_len=len(prompt), first_token=result.first_token, num_kv_chunks=count,
+            draft_seed=kv_chunks.encode_seed(result),
             queue_us=int(1e6 * (call.started_at - call.queued_at)),
             compute_us=int(1e6 * (call.finished_at - call.started_at))))
 

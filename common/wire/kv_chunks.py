@@ -23,12 +23,13 @@ def plan(num_tokens: int, num_layers: int, bytes_per_token_layer: int, max_bytes
             yield t0, min(tokens, num_tokens - t0), l0, min(layers, num_layers - l0)
 
 
-def split(k: list[torch.Tensor], v: list[torch.Tensor], max_bytes: int) -> Iterator[prefill_pb2.KvChunk]:
+def split(k: list[torch.Tensor], v: list[torch.Tensor], max_bytes: int, draft: bool = False) -> Iterator[prefill_pb2.KvChunk]:
+    """Chunks of the target KV, or with `draft` of the EAGLE head's KV (its one layer)."""
     num_tokens = k[0].shape[0]
     per = 2 * k[0][:1].numel() * k[0].element_size()
     for t0, nt, l0, nl in plan(num_tokens, len(k), per, max_bytes):
         yield prefill_pb2.KvChunk(
-            token_start=t0, num_tokens=nt, layer_start=l0,
+            token_start=t0, num_tokens=nt, layer_start=l0, draft=draft,
             k=[tensor_codec.encode(k[i][t0:t0 + nt]) for i in range(l0, l0 + nl)],
             v=[tensor_codec.encode(v[i][t0:t0 + nt]) for i in range(l0, l0 + nl)])
 
@@ -76,3 +77,23 @@ class KvAssembler:
         if not bool((self.covered == 1).all()):
             raise ValueError("KV chunks do not cover every (layer, token) exactly once")
         return self.k, self.v
+
+
+SEED_FIELDS = ("draft_topk_ids", "draft_topk_p", "draft_hidden")
+
+
+def encode_seed(handoff) -> dict:
+    """The EAGLE draft seed of a handoff as the record's `draft_seed` map (empty without EAGLE)."""
+    if handoff.draft_hidden is None:
+        return {}
+    return {name: tensor_codec.encode(getattr(handoff, name)) for name in SEED_FIELDS}
+
+
+def decode_seed(record: prefill_pb2.PrebuiltRecord) -> dict:
+    """The record's draft seed as Handoff fields; raises ValueError if it is partial."""
+    names = set(record.draft_seed)
+    if not names:
+        return {}
+    if names != set(SEED_FIELDS):
+        raise ValueError(f"draft seed has fields {sorted(names)}, expected {list(SEED_FIELDS)}")
+    return {name: tensor_codec.decode(record.draft_seed[name]) for name in SEED_FIELDS}
