@@ -68,14 +68,19 @@ def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
     return dict(ttft_ms=1e3 * t1, tok_s=batch * (new_tokens - 1) / decode, itl_p50_ms=1e3 * itl, itl_p99_ms=1e3 * itl)
 
 
-def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
+def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, spec=None, stats: list | None = None) -> dict:
+    """Our decode scheduler + in-process prefill; with `spec` (SpecArgs) EAGLE is on, and `stats`
+    receives (drafts accepted, drafts proposed)."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
     from decode_service.scheduler import DecodeScheduler
     from prefill_service.engine import PrefillEngine
     from prefill_service.inprocess import InProcessPrefill
 
-    args = dict(max_running_requests=batch, max_total_tokens=batch * (len(prompt) + new_tokens) + 64)
+    from common.engine.draft_runner import SpecArgs
+    spec = spec or SpecArgs()
+    args = dict(max_running_requests=batch, max_total_tokens=batch * (len(prompt) + new_tokens + spec.extra_slots) + 64,
+                spec=spec)
     peer: list[InProcessPrefill] = []
     sched = DecodeScheduler(ModelRunner(RunnerArgs(path, **args)), lambda r: peer[0](r))
     peer.append(InProcessPrefill(PrefillEngine(ModelRunner(RunnerArgs(path, **args)), chunk_size=8192),
@@ -102,6 +107,8 @@ def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int) -
     finally:
         sched.stop()
         peer[0].close()
+    if stats is not None:
+        stats[:] = sched.spec_stats
     return summarize(submitted, arrivals)
 
 

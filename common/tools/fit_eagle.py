@@ -1,0 +1,199 @@
+"""Fit an EAGLE / EAGLE3 draft head to a target on the target's own greedy answers.
+
+    python -m common.tools.fit_eagle --target DIR --algorithm EAGLE|EAGLE3 --out DIR [--minutes 10]
+        [--prompts 256] [--answer-tokens 96] [--seed 0]
+
+1. data (eagle_data.py): generated instructions, chat-formatted, answered greedily by the target;
+   the target's features at every position;
+2. fit from random init within the time budget: at position p the head reads (token p+1, the
+   target's features at p, plus a little noise) and is trained to predict the target's token at p+2
+   (cross-entropy; EAGLE3 over its draft vocabulary: the most frequent answer tokens) and, for
+   EAGLE, the target's hidden at p+1 (smooth L1, the main term; CE weighted 0.1); AdamW, cosine
+   schedule over the budget; progress and ETA on stderr;
+3. write the head in the public layout (config.json + model.safetensors) that the services load
+   with --speculative-draft-model-path; atomically (a temp folder renamed into place).
+`measure_acceptance` runs the decode engine with a head on held-out prompts and returns the mean
+accept length (tokens committed per verify step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.models.eagle import DraftHead, load_draft_config
+from common.models.rope import RotaryEmbedding
+from common.tools import eagle_data
+from common.tools.eagle_checkpoint import head_config, save_head
+
+
+class CausalBlocks:
+    """Attention for training: causal within each packed sequence (a block-diagonal mask)."""
+
+    def __init__(self, lengths: list[int]):
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        self.mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+
+    def forward(self, q, k, v, layer, forward_batch, scale):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=self.mask, scale=scale)
+        return out.transpose(0, 1)
+
+
+def _batches(seqs, feats, max_tokens: int, gen: torch.Generator):
+    order = torch.randperm(len(seqs), generator=gen).tolist()
+    batch, size = [], 0
+    for i in order:
+        n = len(seqs[i]) - 2  # positions with both targets (hidden at p+1, token at p+2)
+        if n <= 0:
+            continue
+        if batch and size + n > max_tokens:
+            yield batch
+            batch, size = [], 0
+        batch.append(i)
+        size += n
+    if batch:
+        yield batch
+
+
+def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: int = 256, answer_tokens: int = 96,
+        seed: int = 0, max_batch_tokens: int = 2048, noise: float = 0.2, lr: float = 1e-3,
+        max_steps: int | None = None) -> str:
+    """Fit and write a head; stops at the time budget or after `max_steps` optimizer steps (tests use
+    a step cap so the result does not depend on the machine's speed)."""
+    torch.manual_seed(seed)
+    runner = ModelRunner(RunnerArgs(target, max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64))
+    cfg = runner.config
+    from common.tools.tokenizer import load_tokenizer
+    tok = load_tokenizer(target)
+    prompt_ids = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(prompts, seed)]
+    seqs = eagle_data.answers(runner, prompt_ids, answer_tokens)
+    draft_vocab = None
+    if algorithm == "EAGLE3":  # the draft vocabulary: the answer tokens seen most often
+        counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=cfg.vocab_size)
+        draft_vocab = counts.argsort(descending=True)[:min(cfg.vocab_size, max(64, int((counts > 0).sum())))].sort().values
+    config = head_config(cfg, algorithm, None if draft_vocab is None else draft_vocab.numel())
+    tmp = f"{out}.tmp-{os.getpid()}"
+    save_head_config(tmp, config)
+    head = DraftHead(load_draft_config(tmp, algorithm, cfg)).float().train()
+    capture = head.config.aux_layer_ids
+    feats = [eagle_data.features(runner, s, capture) for s in seqs]
+    print(f"[fit] {len(seqs)} sequences, {sum(map(len, seqs))} tokens of data", file=sys.stderr, flush=True)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
+        if draft_vocab is not None:
+            head.d2t.copy_(draft_vocab - torch.arange(draft_vocab.numel()))
+    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.int64)
+    if draft_vocab is not None:
+        t2d[draft_vocab] = torch.arange(draft_vocab.numel())
+    embed = runner.model.model.embed_tokens.weight.detach().float()
+    lm_head = runner.model.lm_head_weight.detach().float()
+    rotary = RotaryEmbedding(head.config.layer.rope, head.config.layer.head_dim)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    gen, budget, start, step, shown = torch.Generator().manual_seed(seed), 60 * minutes, time.monotonic(), 0, 0.0
+    while (elapsed := time.monotonic() - start) < budget and (max_steps is None or step < max_steps):
+        for batch in _batches(seqs, feats, max_batch_tokens, gen):
+            elapsed = time.monotonic() - start
+            if elapsed >= budget or (max_steps is not None and step >= max_steps):
+                break
+            for group in opt.param_groups:  # cosine over the time budget
+                done = max(elapsed / budget, step / max_steps if max_steps else 0.0)
+                group["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * min(done, 1.0))).item())
+            toks = [torch.tensor(seqs[i]) for i in batch]
+            lengths = [len(t) - 2 for t in toks]
+            hidden = torch.cat([feats[i][:-2] for i in batch])
+            hidden = hidden + noise * hidden.std() * torch.randn_like(hidden) / hidden.shape[-1] ** 0.5
+            positions = torch.cat([torch.arange(n) for n in lengths])
+            cos, sin = rotary.cos_sin(positions, torch.float32)
+            pred = head(embed[torch.cat([t[1:-1] for t in toks])], hidden, cos, sin, None, CausalBlocks(lengths))
+            next_tokens = torch.cat([t[2:] for t in toks])
+            if algorithm == "EAGLE":
+                logits = F.linear(pred, lm_head)
+                loss = F.smooth_l1_loss(pred, torch.cat([feats[i][1:-1] for i in batch])) + 0.1 * F.cross_entropy(
+                    logits, next_tokens)
+            else:
+                logits = head.lm_head(head.norm(pred))
+                next_tokens = t2d[next_tokens]
+                loss = F.cross_entropy(logits, next_tokens, ignore_index=-100)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            if elapsed - shown >= max(5.0, budget / 40):
+                shown = elapsed
+                acc = (logits.argmax(-1) == next_tokens).float().mean().item()
+                print(f"[fit] {elapsed:5.0f}/{budget:.0f}s step {step} loss {loss.item():.4f} top-1 {acc:.2f}",
+                      file=sys.stderr, flush=True)
+    save_head(head.eval(), config, tmp)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    print(f"[fit] wrote {out} after {step} steps", file=sys.stderr, flush=True)
+    return out
+
+
+def save_head_config(path: str, config: dict) -> None:
+    import json
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def measure_acceptance(target: str, head: str, algorithm: str, prompts: list[list[int]], num_steps: int = 3,
+                       max_new_tokens: int = 64) -> float:
+    """Mean accept length (committed tokens per verify step) of the decode engine on `prompts`."""
+    from common.engine.draft_runner import SpecArgs
+    from common.engine.sampling import SamplingParams
+    from decode_service.scheduler import DecodeScheduler
+    from prefill_service.engine import PrefillEngine
+
+    spec = SpecArgs(algorithm, head, num_steps, 1, num_steps + 1)
+    args = dict(max_total_tokens=len(prompts) * (max(map(len, prompts)) + max_new_tokens + 16), spec=spec,
+                max_running_requests=len(prompts))
+    pending: list = []
+    sched = DecodeScheduler(ModelRunner(RunnerArgs(target, **args)), pending.append)
+    for i, p in enumerate(prompts):
+        sched.submit(str(i), p, SamplingParams(max_new_tokens=max_new_tokens))
+    sched.step()
+    for h in PrefillEngine(ModelRunner(RunnerArgs(target, **args)), chunk_size=1024).prefill(pending):
+        sched.deliver_handoff(h)
+    while not sched.idle:
+        sched.step()
+    sched.stop()
+    accepted, proposed = sched.spec_stats
+    return 1 + accepted / (proposed / num_steps) if proposed else 1.0
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m common.tools.fit_eagle", description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="target checkpoint folder")
+    p.add_argument("--algorithm", required=True, choices=["EAGLE", "EAGLE3"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float, default=10.0, help="time budget of the fit (data generation not included)")
+    p.add_argument("--prompts", type=int, default=256, help="generated instructions answered by the target")
+    p.add_argument("--answer-tokens", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for the accept length (0: skip)")
+    args = p.parse_args(argv)
+    fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed)
+    if args.eval_prompts:
+        from common.tools.tokenizer import load_tokenizer
+        tok = load_tokenizer(args.target)
+        held_out = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(args.eval_prompts, args.seed + 10_000)]
+        length = measure_acceptance(args.target, args.out, args.algorithm, held_out)
+        print(f"mean accept length at num_steps 3 on {len(held_out)} held-out prompts: {length:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
