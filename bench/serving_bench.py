@@ -33,6 +33,18 @@ import torch
 PROMPT = "What is the capital of France? Answer in one sentence, then explain why it became the capital."
 
 
+def chat_prompt(model_path: str | None) -> tuple[str, list[int]]:
+    """(the model folder, default SmolLM2-135M-Instruct; PROMPT as chat-formatted ids)."""
+    from common.tools.tokenizer import load_tokenizer
+
+    if model_path is None:
+        from common.tools.smollm2 import ensure_smollm2
+        model_path = ensure_smollm2()
+    tok = load_tokenizer(model_path)
+    return model_path, list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False))
+
+
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -171,14 +183,7 @@ def main(argv=None) -> None:
     parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from common.tools.tokenizer import load_tokenizer
-
-    if args.model_path is None:
-        from common.tools.smollm2 import ensure_smollm2
-        args.model_path = ensure_smollm2()
-    tok = load_tokenizer(args.model_path)
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
+    args.model_path, prompt = chat_prompt(args.model_path)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     print(f"# {os.path.basename(args.model_path)}, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from bench.serving_bench import PROMPT, bench_inprocess
+from bench.serving_bench import bench_inprocess, chat_prompt
 from common.engine.draft_runner import SpecArgs
 
 
@@ -32,13 +32,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from common.tools.tokenizer import load_tokenizer
-    if args.model_path is None:
-        from common.tools.smollm2 import ensure_smollm2
-        args.model_path = ensure_smollm2()
-    tok = load_tokenizer(args.model_path)
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
+    args.model_path, prompt = chat_prompt(args.model_path)
     spec = SpecArgs(args.algorithm, args.head, args.num_steps, 1, args.num_steps + 1)
     print(f"# {os.path.basename(args.model_path)}, head {args.head}, {args.algorithm} num_steps {args.num_steps}, "
           f"prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {args.threads} threads", flush=True)

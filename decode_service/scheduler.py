@@ -295,7 +295,7 @@ class DecodeScheduler:
                 hooks.before_forward(step)
             if spec:
                 tokens, accepted = eagle_step(runner, fm, indices, rows, seq_lens_cpu, spec.num_steps, fence, hooks, lanes)
-                result.accepted_cpu = accepted.to("cpu")
+                result.accepted_cpu = accepted.to("cpu", non_blocking=True)
             else:
                 tokens = decode_step(runner, fm, indices, rows, seq_lens_cpu, seq_lens, sampling, positions)
             result.tokens_cpu = tokens.to("cpu", non_blocking=True)

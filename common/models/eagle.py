@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from common.models.config import CheckpointError, ModelConfig
 from common.models.decoder import Attention, DecoderLayer, RMSNorm, split_fused
-from common.models.loader import checkpoint_files
+from common.models.loader import checkpoint_files, copy_checked
 
 ALGORITHMS = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
 
@@ -162,12 +162,7 @@ def load_draft_head(path: str, cfg: DraftConfig, device, dtype) -> DraftHead:
                     continue  # EAGLE shares the target's lm_head
                 if key not in params:
                     raise CheckpointError(f"draft head {file}: unexpected tensor '{name}' for {cfg.algorithm}")
-                tensor, dst = f.get_tensor(name), params[key]
-                if tuple(tensor.shape) != tuple(dst.shape):
-                    raise CheckpointError(f"draft head {file}: tensor '{name}' has shape {tuple(tensor.shape)}, "
-                                          f"expected {tuple(dst.shape)}")
-                with torch.no_grad():
-                    dst.copy_(tensor.to(dst.dtype))
+                copy_checked(f.get_tensor(name), params[key], f"draft head {file}: tensor '{name}'")
                 loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing:

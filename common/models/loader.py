@@ -42,6 +42,14 @@ def checkpoint_files(path: str) -> dict[str, list[str]]:
     raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
+def copy_checked(tensor: torch.Tensor, dst: torch.Tensor, what: str) -> None:
+    """Copy a checkpoint tensor into its parameter (or view), or say which one has the wrong shape."""
+    if tuple(tensor.shape) != tuple(dst.shape):
+        raise CheckpointError(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(tensor.to(dst.dtype))
+
+
 def load_weights(model: DecoderLM, path: str) -> None:
     cfg = model.config
     params = model.checkpoint_tensors()  # HF names, fused projections split into views
@@ -58,14 +66,7 @@ def load_weights(model: DecoderLM, path: str) -> None:
                     continue  # tied: the embedding serves as lm_head
                 if name not in params:
                     raise CheckpointError(f"{file}: unexpected tensor '{name}' for {cfg.architecture}")
-                tensor = f.get_tensor(name)
-                param = params[name]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise CheckpointError(
-                        f"{file}: tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor.to(param.dtype))
+                copy_checked(f.get_tensor(name), params[name], f"{file}: tensor '{name}'")
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
