@@ -26,6 +26,7 @@ def main(argv=None) -> None:
     p.add_argument("--algorithm", default="EAGLE", choices=["EAGLE", "EAGLE3"])
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--token-map", default=None, help="--speculative-token-map (hot token ids to draft from)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model-path", default=None)
@@ -33,8 +34,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.model_path, prompt = chat_prompt(args.model_path)
-    spec = SpecArgs(args.algorithm, args.head, args.num_steps, 1, args.num_steps + 1)
+    spec = SpecArgs(args.algorithm, args.head, args.num_steps, 1, args.num_steps + 1, args.token_map)
     print(f"# {os.path.basename(args.model_path)}, head {args.head}, {args.algorithm} num_steps {args.num_steps}, "
+          f"token map {args.token_map}, "
           f"prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {args.threads} threads", flush=True)
     print("| B | plain tok/s | EAGLE tok/s | speed-up | mean accept length |\n| --- | --- | --- | --- | --- |")
     for b in [int(x) for x in args.batch_sizes.split(",")]:

@@ -42,6 +42,7 @@ class ServiceConfig:
     speculative_num_steps: int = flag(3, "draft tokens proposed per step")
     speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting)")
     speculative_num_draft_tokens: int = flag(4, "tokens one verify covers (num_steps + 1 for a chain)")
+    speculative_token_map: str | None = flag(None, "EAGLE: JSON list of hot token ids to draft from", type=str)
 
 
 def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:

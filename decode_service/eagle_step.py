@@ -34,7 +34,7 @@ def eagle_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu:
         fb = ForwardBatch.decode(table, indices, [n + k - 1 for n in seq_lens_cpu], drafts[-1],
                                  req_pool_indices_cpu=rows)
         hidden = draft.forward(fb, hidden)
-        drafts.append(draft.logits(hidden).argmax(-1))
+        drafts.append(draft.topk(hidden, 1)[1][:, 0])
     proposed = torch.stack(drafts, dim=1)                           # [B, S]
     if hooks is not None and hooks.propose is not None:              # tests: plant drafts
         proposed = hooks.propose(lanes, seq_lens_cpu, proposed)
@@ -50,5 +50,5 @@ def eagle_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu:
     out = draft.forward(extend, features).view(batch, num_steps + 1, -1)  # 5.
     seed_hidden = out[lanes, accepted]
     fm.stash_tokens(indices, target[lanes, accepted])
-    fm.stash_draft(indices, draft.logits(seed_hidden).argmax(-1), seed_hidden)
+    fm.stash_draft(indices, draft.topk(seed_hidden, 1)[1][:, 0], seed_hidden)
     return target, accepted

@@ -25,6 +25,5 @@ def draft_extend(runner, row: int, prompt: list[int], first_token: int, features
         batch = ForwardBatch.extend(table, [row], [start], [ids], all_logits=True)
         hidden = draft.forward(batch, features[start:start + len(ids)])
     last = hidden[-1:]
-    probs = torch.softmax(draft.logits(last), dim=-1)
-    topk_p, topk_ids = probs.topk(topk, dim=-1)
+    topk_p, topk_ids = draft.topk(last, topk)
     return dict(draft_topk_ids=topk_ids[0].cpu(), draft_topk_p=topk_p[0].cpu(), draft_hidden=last[0].cpu())

@@ -181,3 +181,30 @@ def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, arch, algori
         assert info["speculative_algorithm"] == algorithm and info["spec_mean_accept_length"] >= 1.0
     finally:
         pair.close()
+
+
+def test_token_map_drafts_only_hot_tokens_and_stays_exact(checkpoint, heads, tmp_path):
+    """--speculative-token-map: the head proposes only hot ids (a smaller lm_head per draft step);
+    the output is still the target's greedy output."""
+    import json
+
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+
+    path = checkpoint("llama")
+    hot = list(range(0, 384, 3))
+    (tmp_path / "map.json").write_text(json.dumps(hot))
+    spec = SpecArgs("EAGLE", heads(path, "EAGLE"), STEPS, 1, STEPS + 1, str(tmp_path / "map.json"))
+    proposed = []
+
+    def spy(lanes, seq_lens, drafts):
+        proposed.extend(drafts.flatten().tolist())
+        return drafts
+    pair = Pair(path, spec=spec, hooks=SchedulerHooks(propose=spy))
+    out = _run(pair, PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert out["0"] == hf_greedy(path, PROMPTS[0], 12) and out["1"] == hf_greedy(path, PROMPTS[1], 12)
+    assert proposed and set(proposed) <= set(hot)
+    pair.close()
+    (tmp_path / "bad.json").write_text(json.dumps([1, 1, 2]))
+    with pytest.raises(ValueError, match="distinct token ids"):
+        ModelRunner(RunnerArgs(path, max_total_tokens=64, spec=SpecArgs("EAGLE", heads(path, "EAGLE"), STEPS, 1,
+                                                                        STEPS + 1, str(tmp_path / "bad.json"))))

@@ -15,6 +15,7 @@ import torch
 from common.attention import create_backend
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
+from common.models import packed_linear
 from common.models.eagle import DraftHead, load_draft_config, load_draft_head
 from common.models.rope import RotaryEmbedding
 
@@ -26,6 +27,7 @@ class SpecArgs:
     num_steps: int = 3                  # draft tokens proposed per step (a chain of num_steps)
     eagle_topk: int = 1                 # 1: chain drafting (tree drafting comes later)
     num_draft_tokens: int = 4           # tokens one verify covers: the bonus token + the drafts
+    token_map: str | None = None        # EAGLE: a JSON list of "hot" token ids the head drafts from
 
     def validate(self) -> None:
         if self.algorithm is None:
@@ -59,6 +61,14 @@ class DraftRunner:
                               target.device)
         self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
+        self.hot_ids = self.hot_lm_head = None
+        if spec.token_map:  # draft over a frequent-token subset: a far smaller lm_head per draft step
+            if self.config.algorithm != "EAGLE":
+                raise ValueError("--speculative-token-map is for EAGLE heads (EAGLE3 has its own draft vocabulary)")
+            self.hot_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
+            weight = target.model.lm_head_weight[self.hot_ids].contiguous()
+            self.hot_lm_head = (packed_linear.pack_weight(weight) if packed_linear.available(target.device, target.dtype)
+                                else weight)
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -80,3 +90,29 @@ class DraftRunner:
         if self.config.algorithm == "EAGLE":
             return self.target.model.compute_logits(hidden)
         return self.head.logits(hidden, self.target.model.lm_head_weight)
+
+    @torch.inference_mode()
+    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's k most likely next tokens (probabilities, target ids) [T, k]; with a token map,
+        among the hot tokens only (their probabilities renormalised over the map)."""
+        if self.hot_ids is None:
+            probs, ids = torch.softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
+            return probs, ids
+        if self.hot_lm_head.is_mkldnn:
+            logits = packed_linear.packed_linear(hidden, self.hot_lm_head, None).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, self.hot_lm_head).float()
+        probs, idx = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        return probs, self.hot_ids[idx]
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """A JSON list of distinct token ids in [0, vocab_size); a clear error otherwise."""
+    import json
+
+    with open(path) as f:
+        ids = json.load(f)
+    if not isinstance(ids, list) or not ids or len(set(ids)) != len(ids) or \
+            not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"--speculative-token-map {path}: need a JSON list of distinct token ids in [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.int64)

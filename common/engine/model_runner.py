@@ -42,7 +42,7 @@ class RunnerArgs:
                    context_length=config.context_length, attention_backend=config.attention_backend,
                    spec=SpecArgs(config.speculative_algorithm, config.speculative_draft_model_path,
                                  config.speculative_num_steps, config.speculative_eagle_topk,
-                                 config.speculative_num_draft_tokens))
+                                 config.speculative_num_draft_tokens, config.speculative_token_map))
 
 
 class ModelRunner:

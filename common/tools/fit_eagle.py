@@ -11,7 +11,8 @@
    EAGLE, the target's hidden at p+1 (smooth L1, the main term; CE weighted 0.1); AdamW, cosine
    schedule over the budget; progress and ETA on stderr;
 3. write the head in the public layout (config.json + model.safetensors) that the services load
-   with --speculative-draft-model-path; atomically (a temp folder renamed into place).
+   with --speculative-draft-model-path, and for EAGLE `token_map.json` (the answers' tokens, most
+   frequent first, at most 8192) for --speculative-token-map; atomically (a temp folder renamed).
 `measure_acceptance` runs the decode engine with a head on held-out prompts and returns the mean
 accept length (tokens committed per verify step).
 """
@@ -19,6 +20,7 @@ accept length (tokens committed per verify step).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -32,6 +34,10 @@ from common.models.eagle import DraftHead, load_draft_config
 from common.models.rope import RotaryEmbedding
 from common.tools import eagle_data
 from common.tools.eagle_checkpoint import head_config, save_head
+
+
+TOKEN_MAP = "token_map.json"  # beside an EAGLE head: the hot tokens it drafts from (FR-Spec style)
+HOT_TOKENS = 8192
 
 
 class CausalBlocks:
@@ -136,6 +142,11 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
                 print(f"[fit] {elapsed:5.0f}/{budget:.0f}s step {step} loss {loss.item():.4f} top-1 {acc:.2f}",
                       file=sys.stderr, flush=True)
     save_head(head.eval(), config, tmp)
+    if algorithm == "EAGLE":  # the tokens the answers use, most frequent first (for --speculative-token-map)
+        counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=cfg.vocab_size)
+        hot = counts.argsort(descending=True)[:min(int((counts > 0).sum()), HOT_TOKENS)]
+        with open(os.path.join(tmp, TOKEN_MAP), "w") as f:
+            json.dump(hot.tolist(), f)
     if os.path.exists(out):
         shutil.rmtree(out)
     os.rename(tmp, out)
@@ -144,21 +155,20 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
 
 
 def save_head_config(path: str, config: dict) -> None:
-    import json
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
 
 
 def measure_acceptance(target: str, head: str, algorithm: str, prompts: list[list[int]], num_steps: int = 3,
-                       max_new_tokens: int = 64) -> float:
+                       max_new_tokens: int = 64, token_map: str | None = None) -> float:
     """Mean accept length (committed tokens per verify step) of the decode engine on `prompts`."""
     from common.engine.draft_runner import SpecArgs
     from common.engine.sampling import SamplingParams
     from decode_service.scheduler import DecodeScheduler
     from prefill_service.engine import PrefillEngine
 
-    spec = SpecArgs(algorithm, head, num_steps, 1, num_steps + 1)
+    spec = SpecArgs(algorithm, head, num_steps, 1, num_steps + 1, token_map)
     args = dict(max_total_tokens=len(prompts) * (max(map(len, prompts)) + max_new_tokens + 16), spec=spec,
                 max_running_requests=len(prompts))
     pending: list = []
@@ -193,6 +203,10 @@ def main(argv=None) -> None:
         held_out = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(args.eval_prompts, args.seed + 10_000)]
         length = measure_acceptance(args.target, args.out, args.algorithm, held_out)
         print(f"mean accept length at num_steps 3 on {len(held_out)} held-out prompts: {length:.2f}", flush=True)
+        token_map = os.path.join(args.out, TOKEN_MAP)
+        if os.path.exists(token_map):
+            length = measure_acceptance(args.target, args.out, args.algorithm, held_out, token_map=token_map)
+            print(f"  with --speculative-token-map {token_map}: {length:.2f}", flush=True)
 
 
 if __name__ == "__main__":
