@@ -35,6 +35,7 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [T, kv_heads, head_dim] at KV slots `loc` [T]."""
-        self.k[layer][loc] = k.to(self.dtype)
-        self.v[layer][loc] = v.to(self.dtype)
+        """Store k, v [T, kv_heads, head_dim] at KV slots `loc` [T] (index_copy_: ~10x cheaper than an
+        indexed assignment on CPU; padded lanes may all write the padding slot 0, never read)."""
+        self.k[layer].index_copy_(0, loc, k.to(self.dtype))
+        self.v[layer].index_copy_(0, loc, v.to(self.dtype))
