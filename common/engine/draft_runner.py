@@ -2,7 +2,8 @@
 
 The draft pool shares slot indices (and the ReqToTokenPool) with the target: the slots reserved for a
 request hold its target KV and its draft KV at the same indices (DESIGN section 5). The head embeds
-with the target's embedding table; EAGLE's logits come from the target's lm_head.
+with the target's embedding table; EAGLE's logits come from the target's lm_head (or the rows of a
+token map), EAGLE3's from its own lm_head over its draft vocabulary.
 `SpecArgs` are the speculative settings, named as SGLang users know them.
 """
 
@@ -61,14 +62,19 @@ class DraftRunner:
                               target.device)
         self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
-        self.hot_ids = self.hot_lm_head = None
-        if spec.token_map:  # draft over a frequent-token subset: a far smaller lm_head per draft step
+        # The draft vocabulary: the columns of the head's logits and the target id of each. EAGLE
+        # drafts over the target's whole vocabulary (its lm_head) unless a token map narrows it to hot
+        # ids (a far smaller lm_head per draft step); EAGLE3 over its own, mapped by d2t.
+        self.vocab_ids = self.vocab_lm_head = None
+        if spec.token_map:
             if self.config.algorithm != "EAGLE":
                 raise ValueError("--speculative-token-map is for EAGLE heads (EAGLE3 has its own draft vocabulary)")
-            self.hot_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
-            weight = target.model.lm_head_weight[self.hot_ids].contiguous()
-            self.hot_lm_head = (packed_linear.pack_weight(weight) if packed_linear.available(target.device, target.dtype)
-                                else weight)
+            self.vocab_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
+            weight = target.model.lm_head_weight[self.vocab_ids].contiguous()
+            self.vocab_lm_head = (packed_linear.pack_weight(weight) if packed_linear.available(target.device, target.dtype)
+                                  else weight)
+        elif self.config.algorithm == "EAGLE3":
+            self.vocab_ids = self.head.d2t + torch.arange(self.head.d2t.numel(), device=target.device)
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -85,25 +91,19 @@ class DraftRunner:
         return self.head(embeds, hidden.to(embeds.dtype), cos, sin, forward_batch, self.backend)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits over target ids (EAGLE: the target's lm_head)."""
-        if self.config.algorithm == "EAGLE":
-            return self.target.model.compute_logits(hidden)
-        return self.head.logits(hidden, self.target.model.lm_head_weight)
-
-    @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's k most likely next tokens (probabilities, target ids) [T, k]; with a token map,
-        among the hot tokens only (their probabilities renormalised over the map)."""
-        if self.hot_ids is None:
-            probs, ids = torch.softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
-            return probs, ids
-        if self.hot_lm_head.is_mkldnn:
-            logits = packed_linear.packed_linear(hidden, self.hot_lm_head, None).float()
+        """The head's k most likely next tokens [T, k] (probabilities over its draft vocabulary, target
+        ids)."""
+        if self.config.algorithm == "EAGLE3":
+            logits = self.head.lm_head(self.head.norm(hidden)).float()
+        elif self.vocab_lm_head is None:
+            logits = self.target.model.compute_logits(hidden)
+        elif self.vocab_lm_head.is_mkldnn:
+            logits = packed_linear.packed_linear(hidden, self.vocab_lm_head, None).float()
         else:
-            logits = torch.nn.functional.linear(hidden, self.hot_lm_head).float()
+            logits = torch.nn.functional.linear(hidden, self.vocab_lm_head).float()
         probs, idx = torch.softmax(logits, dim=-1).topk(k, dim=-1)
-        return probs, self.hot_ids[idx]
+        return probs, idx if self.vocab_ids is None else self.vocab_ids[idx]
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:

@@ -25,7 +25,6 @@ import os
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from common.models.config import CheckpointError, ModelConfig
 from common.models.decoder import Attention, DecoderLayer, RMSNorm, split_fused
@@ -117,16 +116,6 @@ class DraftHead(nn.Module):
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)
         return self.layer.forward_pair(embeds, hidden, cos, sin, forward_batch, backend)
-
-    def logits(self, hidden: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
-        """float32 logits over the *target* vocabulary ids the head can propose (EAGLE3: its draft
-        vocabulary scattered to target ids; every other id gets -inf)."""
-        if self.config.algorithm == "EAGLE":
-            return F.linear(hidden, target_lm_head).float()
-        draft = self.lm_head(self.norm(hidden)).float()
-        out = torch.full((hidden.shape[0], target_lm_head.shape[0]), float("-inf"), device=hidden.device)
-        out[:, self.d2t + torch.arange(self.d2t.numel(), device=hidden.device)] = draft
-        return out
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Public layout name -> tensor to load (fused projections split into views, as the target)."""
