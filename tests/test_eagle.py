@@ -208,3 +208,29 @@ def test_token_map_drafts_only_hot_tokens_and_stays_exact(checkpoint, heads, tmp
     with pytest.raises(ValueError, match="distinct token ids"):
         ModelRunner(RunnerArgs(path, max_total_tokens=64, spec=SpecArgs("EAGLE", heads(path, "EAGLE"), STEPS, 1,
                                                                         STEPS + 1, str(tmp_path / "bad.json"))))
+
+
+def test_broken_draft_handoff_and_aborts_free_everything_once(checkpoint, heads):
+    """A handoff without its draft seed fails its request; aborts mid-decode free the draft tail too."""
+    import dataclasses
+
+    from tests.decode_harness import ManualPair
+
+    path = checkpoint("llama")
+    pair = ManualPair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for rid, prompt in (("broken", PROMPTS[0]), ("aborted", PROMPTS[1]), ("ok", PROMPTS[3])):
+        pair.submit(rid, prompt, params)
+    pair.scheduler.step()                              # admission: three reservations (incl. draft tail)
+    handoffs = {h.rid: h for h in pair.engine.prefill(pair.pending)}
+    pair.pending.clear()
+    handoffs["broken"] = dataclasses.replace(handoffs["broken"], draft_hidden=None)
+    for h in handoffs.values():
+        pair.scheduler.deliver_handoff(h)
+    for _ in range(3):
+        pair.scheduler.step()
+    pair.scheduler.abort("aborted")
+    pair.close()                                        # idle, integrity, nothing used
+    assert pair.out.reasons == {"broken": "error", "aborted": "abort", "ok": "length"}
+    assert pair.out.tokens["ok"] == hf_greedy(path, PROMPTS[3], 30)
+    assert "draft seed" in pair.scheduler.notes.pop_error("broken")
