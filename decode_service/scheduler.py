@@ -288,7 +288,7 @@ class DecodeScheduler:
 
         spec = self.spec
         fence = fm.arm_publish(self.stream) if spec else None  # armed at submit (invariant 3)
-        lanes = [(r.rid, r.prompt_len) for r in batch.reqs]
+        lanes = [(r.rid, r.prompt_len) for r in batch.reqs] if spec else None  # for the propose hook
 
         def forward():
             if hooks.before_forward:
