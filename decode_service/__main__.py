@@ -17,7 +17,7 @@ def main(argv=None) -> None:
                  service.served_model_name, service.address, ",".join(config.prefill_addrs))
     wait_for_shutdown_signal()
     logging.info("decode service stopping")
-    service.stop()
+    service.shutdown(config.shutdown_grace_s)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ class DecodeConfig(ServiceConfig):
     default_max_new_tokens: int = flag(128, "used when a request gives none (clamped to the context)")
     served_model_name: str | None = flag(None, "model id reported to clients (default: folder name)", type=str)
     disable_overlap_schedule: bool = flag(False, "process each step's results before launching the next")
-    prefill_wait_s: float = flag(30.0, "how long to wait for a prefill replica")
+    max_queued_requests: int = flag(256, "Generate calls that may wait beyond max_running_requests "
+                                         "(more: RESOURCE_EXHAUSTED)")
+    prefill_wait_s: float = flag(3.0, "how long a request admitted while a replica went away waits for one")
     prefill_timeout_s: float = flag(600.0, "deadline of one Prefill call")
 
     @property
