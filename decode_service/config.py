@@ -23,6 +23,8 @@ class DecodeConfig(ServiceConfig):
                                          "(more: RESOURCE_EXHAUSTED)")
     prefill_wait_s: float = flag(3.0, "how long a request admitted while a replica went away waits for one")
     prefill_timeout_s: float = flag(600.0, "deadline of one Prefill call")
+    prefill_progress_timeout_s: float = flag(5.0, "after its first token, a Prefill call silent this long is "
+                                                   "cancelled and retried on another replica")
 
     @property
     def prefill_addrs(self) -> list[str]:

@@ -4,7 +4,9 @@ Called by the scheduler with a HandoffRequest once the request's slots are reser
 thread it picks a serving replica (least loaded: its GetLoad plus our own calls in flight to it;
 waits up to `wait_ready_s` if none is ready), streams the call, and forwards: the first token at
 once, each KV chunk (checked: ranges, shapes, exactly-once coverage) to be written into the
-reserved slots, then the record as a Handoff. A call that breaks is retried on another replica by
+reserved slots, then the record as a Handoff. Once the first token is in, a call that sends nothing
+for `progress_timeout_s` is cancelled by a watchdog (a stalled, stopped or wedged replica; HTTP/2
+keepalive pings also break calls to a vanished host). A call that breaks is retried on another replica by
 re-prefilling prompt + the tokens already sent (sampled at the next output position), so the client
 never sees a token twice or changed. With no replica left it ends in exactly one `fail_handoff`.
 """
@@ -54,7 +56,7 @@ class _Peer:
 class PrefillClient:
     def __init__(self, addresses: list[str], model_config, scheduler=None, wait_ready_s: float = 30.0,
                  max_chunk_bytes: int = 0, max_concurrent: int = 64,  # 0: the server's bound
-                 call_timeout_s: float = 600.0, draft_config=None):
+                 call_timeout_s: float = 600.0, draft_config=None, progress_timeout_s: float = 5.0):
         if not addresses:
             raise ValueError("at least one prefill address is needed")
         self.peers = [_Peer(a) for a in addresses]
@@ -65,14 +67,22 @@ class PrefillClient:
         self.max_chunk_bytes = max_chunk_bytes
         self.call_timeout_s = call_timeout_s  # a wedged replica cannot hold a reservation forever
         self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call")
-        self._calls: dict[str, tuple[grpc.Future, _Peer]] = {}
+        self.progress_timeout_s = progress_timeout_s
+        self._calls: dict[str, list] = {}  # rid -> [call, peer, time of its last message or None]
+        self._stalled: set[str] = set()    # rids whose call the watchdog cancelled
         self._cancelled: set[str] = set()
+        self._early_cancel: dict[str, bool] = {}  # cancelled before __call__ (insertion-ordered)
         self._active: set[str] = set()  # rids between __call__ and the end of _run
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._watchdog, name="prefill-watchdog", daemon=True).start()
+        self.retries = 0  # calls retried on another replica since start
 
     def __call__(self, request: HandoffRequest) -> None:
         with self._lock:
             self._active.add(request.rid)
+            if self._early_cancel.pop(request.rid, False):  # aborted before the scheduler called us
+                self._cancelled.add(request.rid)
         self._pool.submit(self._run, request)
 
     def any_serving(self) -> bool:
@@ -80,7 +90,10 @@ class PrefillClient:
 
     def cancel(self, rid: str) -> None:
         with self._lock:
-            if rid not in self._active:
+            if rid not in self._active:  # the scheduler may still call us for it: remember (bounded)
+                self._early_cancel[rid] = True
+                while len(self._early_cancel) > 4096:
+                    self._early_cancel.pop(next(iter(self._early_cancel)))
                 return
             self._cancelled.add(rid)
             call = self._calls.get(rid)
@@ -93,7 +106,29 @@ class PrefillClient:
             call = self._calls.get(rid)
         return call[1].address if call else None
 
+    def _watchdog(self) -> None:
+        while not self._closed.wait(min(0.25, self.progress_timeout_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                stale = [(rid, c[0]) for rid, c in self._calls.items()
+                         if c[2] is not None and now - c[2] > self.progress_timeout_s]
+                self._stalled.update(rid for rid, _ in stale)
+            for rid, call in stale:
+                call.cancel()
+
+    def _progress(self, rid: str) -> None:
+        with self._lock:
+            if rid in self._calls:
+                self._calls[rid][2] = time.monotonic()
+
     def close(self) -> None:
+        """Cancel every call in flight (no retries), stop the workers, close the channels."""
+        self._closed.set()
+        with self._lock:
+            self._cancelled.update(self._active)
+            calls = [c[0] for c in self._calls.values()]
+        for call in calls:
+            call.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for p in self.peers:
             p.channel.close()
@@ -128,14 +163,18 @@ class PrefillClient:
                     handoff = self._stream(peer, attempt, sent)
                 except (grpc.RpcError, ValueError) as e:
                     detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
-                    errors.append(f"{peer.address}: {detail}")
                     with self._lock:
                         cancelled = request.rid in self._cancelled
+                        if request.rid in self._stalled:
+                            self._stalled.discard(request.rid)
+                            detail = f"no progress for {self.progress_timeout_s:g}s"
+                    errors.append(f"{peer.address}: {detail}")
                     if cancelled:  # aborted by the front door; a no-op if the scheduler already freed it
                         sched.fail_handoff(request.rid, "cancelled")
                         return
                     logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", request.rid, peer.address,
                                    detail)
+                    self.retries += 1
                     continue
                 finally:
                     with self._lock:
@@ -149,6 +188,7 @@ class PrefillClient:
         finally:
             with self._lock:
                 self._cancelled.discard(request.rid)
+                self._stalled.discard(request.rid)
                 self._active.discard(request.rid)
 
     def _stream(self, peer: _Peer, request: HandoffRequest, sent: list[int]) -> Handoff:
@@ -162,7 +202,7 @@ class PrefillClient:
                                                        max_new_tokens=p.max_new_tokens))
         call = peer.stub.Prefill(msg, timeout=self.call_timeout_s)
         with self._lock:
-            self._calls[request.rid] = (call, peer)
+            self._calls[request.rid] = [call, peer, None]
             if request.rid in self._cancelled:
                 call.cancel()
         cfg, draft, n = self.config, self.draft_config, len(request.prompt_ids)
@@ -170,6 +210,7 @@ class PrefillClient:
         draft_assembler = KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False) if draft else None
         first = None
         for chunk in call:
+            self._progress(request.rid)
             kind = chunk.WhichOneof("payload")
             if kind == "first_token":
                 first = chunk.first_token.token_id

@@ -60,6 +60,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s,
                                      call_timeout_s=config.prefill_timeout_s,
+                                     progress_timeout_s=config.prefill_progress_timeout_s,
                                      draft_config=self.runner.draft.config.layer if self.runner.draft else None)
         self.scheduler = DecodeScheduler(self.runner, self.prefill, disable_overlap=config.disable_overlap_schedule,
                                          debug=config.debug_checks)
@@ -100,6 +101,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
     def stop(self) -> None:
         self._draining = True
         self._stop.set()
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=5)
         self.server.stop(grace=1.0)
         self.scheduler.stop()
         self.prefill.close()

@@ -16,7 +16,7 @@ def main(argv=None) -> None:
     logging.info("prefill service serving %s on %s", config.model_path, service.address)
     wait_for_shutdown_signal()
     logging.info("prefill service stopping")
-    service.stop()
+    service.stop(config.shutdown_grace_s)
 
 
 if __name__ == "__main__":

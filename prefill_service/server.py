@@ -31,6 +31,7 @@ from common.request_rules import validate_prompt
 from prefill_service.batching import take_batch
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
+from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
@@ -52,6 +53,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.prefill_queue: queue.Queue = queue.Queue()
         self.num_running = 0
         self.num_prefilled = 0  # requests prefilled since start
+        self.faults = FaultInjector(FaultPlan.parse(config.inject_faults))
         self._thread = threading.Thread(target=self._engine_loop, name="prefill-engine", daemon=True)
         self.server = Server(config.host, config.port, [SERVICE_NAME])
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
@@ -62,9 +64,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.server.set_serving(True)
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 2.0) -> None:
+        """NOT_SERVING, then calls still streaming after `grace_s` are cancelled (decode retries them)."""
         self.prefill_queue.put(None)
-        self.server.stop()
+        self.server.stop(grace_s)
         self._thread.join(timeout=10)
         while True:  # calls still queued get an answer, so no handler thread waits forever
             try:
@@ -130,7 +133,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
         yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
         max_bytes = request.max_chunk_bytes or self.config.max_chunk_bytes
-        count = 0
+        count, fault = 0, self.faults.draw()
         chunks = kv_chunks.split(result.k, result.v, max_bytes)
         if result.draft_k is not None:  # EAGLE: the head's KV follows the target's
             chunks = itertools.chain(chunks, kv_chunks.split(result.draft_k, result.draft_v, max_bytes, draft=True))
@@ -141,6 +144,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 time.sleep(self.config.test_kv_chunk_delay_s)
             count += 1
             yield prefill_pb2.PrefillChunk(kv=chunk)
+            if count == 1 and fault == "fail":
+                context.abort(grpc.StatusCode.INTERNAL, "injected handoff failure")
+            if count == 1 and fault == "stall":  # hold the call open, sending nothing
+                call.cancelled.wait(STALL_MAX_S)
+                return
         yield prefill_pb2.PrefillChunk(record=prefill_pb2.PrebuiltRecord(
             prompt_len=len(prompt), first_token=result.first_token, num_kv_chunks=count,
             draft_seed=kv_chunks.encode_seed(result),

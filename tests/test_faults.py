@@ -1,0 +1,173 @@
+"""Faults under load: injected handoff failures and stalls, client cancels, a stopped replica, SIGTERM
+with streams open. Every call ends with a result or a status, results stay exact, nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from common.tools.procs import free_port, wait_serving
+from decode_service.config import DecodeConfig
+from decode_service.server import DecodeService
+from prefill_service.config import PrefillConfig
+from prefill_service.fault_injection import FaultPlan
+from prefill_service.server import PrefillService
+from tests.oracle import hf_greedy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _request(prompt, n, rid, stream=True):
+    return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=stream,
+                              sampling_params=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+def _ids(responses) -> list[int]:
+    ids, complete = [], None
+    for r in responses:
+        if r.HasField("chunk"):
+            ids.extend(r.chunk.token_ids)
+        else:
+            complete = r.complete
+    return ids or list(complete.output_ids)
+
+
+def _balanced(decode: DecodeService, replicas=()) -> None:
+    deadline = time.time() + 20
+    while not decode.scheduler.idle or any(r.num_running or r.prefill_queue.qsize() for r in replicas):
+        assert time.time() < deadline, "services never went idle"
+        time.sleep(0.02)
+    time.sleep(0.1)
+    decode.scheduler.check_integrity()
+    assert decode.runner.kv_allocator.num_used == 0 and decode.runner.req_to_token_pool.allocator.num_used == 0
+    for r in replicas:
+        assert r.runner.kv_allocator.num_used == 0 and r.runner.req_to_token_pool.allocator.num_used == 0
+
+
+def test_fault_plan_parsing():
+    assert FaultPlan.parse("fail=0.05,stall=0.02,seed=3") == FaultPlan(0.05, 0.02, 3)
+    assert not FaultPlan.parse(None).active
+    for bad in ("fail=2", "explode=0.1", "fail=0.7,stall=0.7"):
+        with pytest.raises(ValueError, match="inject-faults"):
+            FaultPlan.parse(bad)
+
+
+def test_300_requests_with_injected_faults_and_cancels(checkpoint):
+    path = checkpoint("llama")
+    replicas = [PrefillService(PrefillConfig(path, port=0, debug_checks=True, max_chunk_bytes=1024,
+                                             inject_faults=f"fail=0.05,stall=0.02,seed={i}")).start() for i in range(2)]
+    decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(r.address for r in replicas), port=0,
+                                        debug_checks=True, prefill_progress_timeout_s=1.0)).start()
+    rng = random.Random(0)
+    prompts = [[5 + (7 * i + j) % 200 for j in range(3 + 5 * i)] for i in range(12)]
+    refs = {i: hf_greedy(path, p, 24) for i, p in enumerate(prompts)}
+    plan = [(rng.randrange(12), rng.randrange(4, 25), rng.random() < 0.5, rng.random() < 0.1) for _ in range(300)]
+    stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+
+    def one(k):
+        p, n, stream, cancel = plan[k]
+        call = stub.Generate(_request(prompts[p], n, f"load{k}", stream), timeout=60)
+        if cancel:  # cancel at a random moment: before, during or after the first messages
+            threading.Timer(rng.random() * 0.2, call.cancel).start()
+        try:
+            ids = _ids(call)
+        except grpc.RpcError as e:
+            return e.code()
+        assert ids == refs[p][:n], f"request {k} is not exact"
+        return "ok"
+
+    try:
+        with futures.ThreadPoolExecutor(32) as pool:
+            outcomes = list(pool.map(one, range(300)))
+        counts = {o: outcomes.count(o) for o in set(outcomes)}
+        assert set(counts) <= {"ok", grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, counts
+        assert counts["ok"] >= 240, counts
+        injected = sum(sum(r.faults.injected.values()) for r in replicas)
+        assert injected >= 5 and decode.prefill.retries >= 5, (injected, decode.prefill.retries)
+        _balanced(decode, replicas)
+        assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
+    finally:
+        decode.stop()
+        for r in replicas:
+            r.stop()
+
+
+def _prefill_proc(path: str, port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "prefill_service", "--model-path", path, "--port", str(port),
+                             "--torch-threads", "1", *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint):
+    path = checkpoint("llama")
+    ports = [free_port(), free_port()]
+    procs = {p: _prefill_proc(path, p, "--max-chunk-bytes", "512", "--test-kv-chunk-delay-s", "0.05") for p in ports}
+    decode = None
+    try:
+        for port, proc in procs.items():
+            wait_serving(f"127.0.0.1:{port}", proc)
+        decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports),
+                                            port=0)).start()
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+        prompt = list(range(5, 45))
+        call = stub.Generate(_request(prompt, 8, "wedge"), timeout=60)
+        first = next(call)
+        victim = int(decode.prefill.peer_of(next(iter(decode.scheduler.awaiting_handoff))).rsplit(":", 1)[1])
+        os.kill(procs[victim].pid, signal.SIGSTOP)
+        stopped_at = time.perf_counter()
+        rest = _ids(call)
+        print("stopped replica: call done after", time.perf_counter() - stopped_at)
+        assert time.perf_counter() - stopped_at < 10.0, "the wedged replica held the call"
+        assert list(first.chunk.token_ids) + rest == hf_greedy(path, prompt, 8)
+        _balanced(decode)
+    finally:
+        if decode is not None:
+            decode.stop()
+        for proc in procs.values():
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_with_open_streams_exits_within_the_grace_period(checkpoint):
+    path = checkpoint("llama")
+    pport, dport = free_port(), free_port()
+    prefill = _prefill_proc(path, pport, "--max-chunk-bytes", "256", "--test-kv-chunk-delay-s", "0.5")
+    decode = subprocess.Popen([sys.executable, "-m", "decode_service", "--model-path", path, "--port", str(dport),
+                               "--prefill-addr", f"127.0.0.1:{pport}", "--torch-threads", "1",
+                               "--shutdown-grace-s", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_serving(f"127.0.0.1:{pport}", prefill)
+        wait_serving(f"127.0.0.1:{dport}", decode)
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(f"127.0.0.1:{dport}"))
+        calls = [stub.Generate(_request(list(range(5, 40)), 50, f"open{i}"), timeout=30) for i in range(4)]
+        next(calls[0])  # streams are open and one is mid-handoff
+        decode.send_signal(signal.SIGTERM)
+        sent_at = time.perf_counter()
+        decode.wait(timeout=10)
+        assert time.perf_counter() - sent_at < 5.0, "decode took too long to exit"
+        assert decode.returncode == 0, decode.stderr.read()
+        for c in calls:  # each stream ended with a status, not silence
+            with pytest.raises(grpc.RpcError) as err:
+                _ids(c)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "Traceback" not in decode.stderr.read()
+        prefill.send_signal(signal.SIGTERM)
+        prefill.wait(timeout=10)
+    finally:
+        for proc in (decode, prefill):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

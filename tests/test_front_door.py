@@ -1,0 +1,164 @@
+"""The decode front door under pressure: every bad input named, control RPCs answering with 200
+streams open, fast failure with no prefill replica, UNIMPLEMENTED without a traceback."""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from prefill_service.config import PrefillConfig
+from prefill_service.server import PrefillService
+from tests.grpc_harness import GrpcPair
+from tests.oracle import hf_greedy
+
+OK_PROMPT = [5, 6, 7, 8]
+
+
+def _req(**over) -> pb.GenerateRequest:
+    r = pb.GenerateRequest(request_id="bad", tokenized=pb.TokenizedInput(input_ids=OK_PROMPT),
+                           sampling_params=pb.SamplingParams(max_new_tokens=4))
+    for path, value in over.items():
+        target, name = (r.sampling_params, path[3:]) if path.startswith("sp_") else (r, path)
+        if name == "input_ids":
+            del r.tokenized.input_ids[:]
+            r.tokenized.input_ids.extend(value)
+        elif isinstance(value, list):
+            getattr(target, name).extend(value)
+        elif name == "logit_bias":
+            target.logit_bias["5"] = value
+        elif name in ("custom_params", "disaggregated_params", "mm_inputs"):
+            getattr(target, name).SetInParent()
+        else:
+            setattr(target, name, value)
+    return r
+
+
+BAD = [  # (field set, value, words the message must contain)
+    ("sp_temperature", float("nan"), "temperature"), ("sp_temperature", math.inf, "temperature"),
+    ("sp_temperature", -0.5, "temperature"), ("sp_top_p", 1.5, "top_p"), ("sp_top_p", -0.1, "top_p"),
+    ("sp_top_k", -2, "top_k"), ("sp_min_p", 1.5, "min_p"), ("sp_min_p", -0.1, "min_p"),
+    ("sp_max_new_tokens", 0, "max_new_tokens"), ("sp_max_new_tokens", 10**6, "context length"),
+    ("input_ids", [], "empty prompt"), ("input_ids", [5, 10**7], "vocabulary"), ("sp_n", 2, "n > 1"),
+    ("sp_stop", ["end"], "stop"), ("sp_stop_token_ids", [10**7], "stop_token_ids"),
+    ("sp_regex", "a+", "regex"), ("sp_json_schema", "{}", "json_schema"), ("sp_ebnf_grammar", "x", "ebnf_grammar"),
+    ("sp_frequency_penalty", 0.5, "frequency_penalty"), ("sp_presence_penalty", 0.5, "presence_penalty"),
+    ("sp_repetition_penalty", 1.2, "repetition_penalty"), ("sp_min_new_tokens", 2, "min_new_tokens"),
+    ("sp_logit_bias", 1.0, "logit_bias"), ("sp_custom_params", None, "custom_params"),
+    ("sp_stream_interval", 4, "stream_interval"), ("return_logprob", True, "return_logprob"),
+    ("top_logprobs_num", 3, "return_logprob"), ("token_ids_logprob", [5], "return_logprob"),
+    ("return_hidden_states", True, "return_hidden_states"), ("mm_inputs", None, "mm_inputs"),
+    ("lora_id", "adapter", "lora_id"), ("custom_logit_processor", "proc", "custom_logit_processor"),
+    ("input_embeds", [0.5, 0.5], "input_embeds"), ("disaggregated_params", None, "disaggregated_params"),
+    ("data_parallel_rank", 7, "data_parallel_rank"),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint):
+    p = GrpcPair(checkpoint("llama"), decode_kw=dict(max_running_requests=8, max_queued_requests=256))
+    yield p
+    p.close()
+
+
+def test_every_bad_input_is_named_then_a_good_request_works(pair, checkpoint):
+    for field, value, words in BAD:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pair.stub.Generate(_req(**{field: value})))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value)
+        assert words in err.value.details(), (field, err.value.details())
+    # an Abort that names no request, and a request id already in flight
+    with pytest.raises(grpc.RpcError) as err:
+        pair.stub.Abort(pb.AbortRequest(request_id=""))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    first = pair.generate(OK_PROMPT, 400, stream=True, rid="twin", ignore_eos=True)
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        list(pair.generate(OK_PROMPT, 4, rid="twin"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in err.value.details()
+    assert pair.stub.Abort(pb.AbortRequest(request_id="twin")).success
+    assert pair.collect(first)[1].finish_reason == "abort"
+    # fields that only shape text, and data_parallel_rank 0, are accepted
+    ok = _req(data_parallel_rank=0, sp_skip_special_tokens=True, sp_stream_interval=1, logprob_start_len=-1)
+    ids, complete = pair.collect(pair.stub.Generate(ok))
+    assert ids == hf_greedy(checkpoint("llama"), OK_PROMPT, 4)
+    pair.wait_idle()
+
+
+def test_unimplemented_rpcs_answer_cleanly(pair, caplog):
+    caplog.set_level(logging.DEBUG)
+    channel = pair.channel
+    call = channel.unary_stream("/sglang.grpc.scheduler.SglangScheduler/SubscribeKvEvents")
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(b""))
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    flush = channel.unary_unary("/sglang.grpc.scheduler.SglangScheduler/FlushCache")
+    with pytest.raises(grpc.RpcError) as err:
+        flush(b"")
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_control_rpcs_answer_with_200_streams_open(checkpoint):
+    # prefill is slowed so 200 calls stay open (8 awaiting handoffs, the rest queued)
+    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(test_kv_chunk_delay_s=0.5, max_chunk_bytes=512),
+                    decode_kw=dict(max_running_requests=8, max_queued_requests=192))
+    calls = []
+    try:
+        calls = [pair.generate([5 + i % 50, 6, 7], 8, stream=True, rid=f"open{i}", ignore_eos=True)
+                 for i in range(200)]
+        deadline = time.time() + 20
+        while pair.decode._open < 200:
+            assert time.time() < deadline, f"only {pair.decode._open} calls open"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as err:  # over the bound
+            list(pair.generate([5, 6], 2, rid="one-too-many"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        health = health_pb2_grpc.HealthStub(pair.channel)
+        rpcs = {"HealthCheck": lambda: pair.stub.HealthCheck(pb.HealthCheckRequest()).healthy,
+                "health.Check": lambda: health.Check(health_pb2.HealthCheckRequest()).status == 1,
+                "GetLoads": lambda: pair.stub.GetLoads(pb.GetLoadsRequest()).loads[0].num_waiting_reqs > 100,
+                "Abort": lambda: pair.stub.Abort(pb.AbortRequest(request_id="open199")).success}
+        for name, rpc in rpcs.items():
+            started = time.perf_counter()
+            assert rpc(), name
+            assert time.perf_counter() - started < 0.2, f"{name} took {time.perf_counter() - started:.3f}s"
+        probe = subprocess.run([sys.executable, "-m", "common.tools.health_probe", pair.decode.address],
+                               capture_output=True, timeout=30)
+        assert probe.returncode == 0, probe.stderr
+    finally:
+        for c in calls:
+            c.cancel()
+        pair.close()  # waits for idle and checks both pools balance
+
+
+def test_no_prefill_replica_fails_fast_and_a_restart_serves_within_seconds(checkpoint):
+    path = checkpoint("llama")
+    pair = GrpcPair(path)
+    port = int(pair.prefill.address.rsplit(":", 1)[1])
+    try:
+        pair.prefill.stop()
+        deadline = time.time() + 5
+        while pair.stub.HealthCheck(pb.HealthCheckRequest()).healthy:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        started = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as err:
+            list(pair.generate(OK_PROMPT, 4))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.perf_counter() - started < 1.0
+        assert pair.decode.runner.kv_allocator.num_used == 0  # nothing was reserved
+        pair.prefill = PrefillService(PrefillConfig(path, port=port, debug_checks=True)).start()
+        serving_at = time.perf_counter()
+        while not pair.stub.HealthCheck(pb.HealthCheckRequest()).healthy:
+            assert time.perf_counter() - serving_at < 3.0, "restarted replica not used within 3 s"
+            time.sleep(0.05)
+        assert pair.collect(pair.generate(OK_PROMPT, 4))[0] == hf_greedy(path, OK_PROMPT, 4)
+    finally:
+        pair.close()
