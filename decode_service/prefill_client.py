@@ -77,6 +77,7 @@ class PrefillClient:
         self._closed = threading.Event()
         threading.Thread(target=self._watchdog, name="prefill-watchdog", daemon=True).start()
         self.retries = 0  # calls retried on another replica since start
+        self.metrics = None  # DecodeMetrics, set by the service
 
     def __call__(self, request: HandoffRequest) -> None:
         with self._lock:
@@ -175,6 +176,8 @@ class PrefillClient:
                     logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", request.rid, peer.address,
                                    detail)
                     self.retries += 1
+                    if self.metrics is not None:
+                        self.metrics.retries.inc()
                     continue
                 finally:
                     with self._lock:
@@ -208,9 +211,11 @@ class PrefillClient:
         cfg, draft, n = self.config, self.draft_config, len(request.prompt_ids)
         assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
         draft_assembler = KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False) if draft else None
-        first = None
+        first, started, nbytes = None, None, 0
         for chunk in call:
             self._progress(request.rid)
+            started = started or time.perf_counter()
+            nbytes += chunk.ByteSize()
             kind = chunk.WhichOneof("payload")
             if kind == "first_token":
                 first = chunk.first_token.token_id
@@ -235,6 +240,9 @@ class PrefillClient:
                                      f"got {n} / {chunks}")
                 if first is not None and rec.first_token != first:
                     raise ValueError("record's first token differs from the streamed one")
+                if self.metrics is not None:
+                    self.metrics.handoff_transfer.observe(time.perf_counter() - started)
+                    self.metrics.handoff_bytes.inc(nbytes)
                 return Handoff(request.rid, request.prompt_ids, request.params, request.seed, rec.first_token,
                                k=None, v=None, first_position=request.first_position, **decode_seed(rec))
         raise ValueError("prefill stream ended without a record")

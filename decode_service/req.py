@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +39,7 @@ class DecodeReq:
     handoff: object = None               # the Handoff while PREBUILT
     spec_accepted: int = 0               # EAGLE: drafts accepted / proposed for this request
     spec_drafted: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def prompt_len(self) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -82,6 +83,7 @@ class DecodeScheduler:
         self._thread: threading.Thread | None = None
         self.fatal_error: Exception | None = None
         self.notes = FinishNotes()  # errors and EAGLE stats of finished requests, for the front door
+        self.metrics = None  # DecodeMetrics, set by the service
         self._step_lock = threading.RLock()  # other threads observe state only between steps
 
     # ---- API (any thread) -----------------------------------------------------------------------
@@ -228,6 +230,8 @@ class DecodeScheduler:
                 return  # wait in order
             self.waiting.popleft()
             req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(need)
+            if self.metrics is not None:
+                self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
             req.state = ReqState.AWAITING_HANDOFF
             self.awaiting_handoff[req.rid] = req
             self.prefill_fn(HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed))

@@ -35,6 +35,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.engine.model_runner import ModelRunner
+from common.metrics import DecodeMetrics
 from common.wire.aio_server import AioServer, answer_unimplemented
 from decode_service.config import DecodeConfig
 from decode_service.info_rpcs import InfoRpcs
@@ -65,6 +66,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.scheduler = DecodeScheduler(self.runner, self.prefill, disable_overlap=config.disable_overlap_schedule,
                                          debug=config.debug_checks)
         self.prefill.scheduler = self.scheduler
+        kv = self.runner.kv_allocator
+        self.metrics = DecodeMetrics(running=lambda: self.load_counts()[0], queued=lambda: self.load_counts()[1],
+                                     kv_usage=lambda: kv.num_used / kv.size, open_streams=lambda: self._open)
+        self.scheduler.metrics = self.prefill.metrics = self.metrics
+        self.metrics_port: int | None = None
         self._ids = itertools.count()
         self._live: dict[str, str] = {}  # client request_id -> internal id (only requests that name one)
         self._open = 0                   # Generate calls open (touched on the event loop only)
@@ -78,6 +84,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "DecodeService":
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self.scheduler.start()
         self._prefill_serving = self.prefill.any_serving()
         self._watcher.start()
@@ -106,6 +114,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.server.stop(grace=1.0)
         self.scheduler.stop()
         self.prefill.close()
+        self.metrics.close()
 
     @property
     def address(self) -> str:
@@ -140,6 +149,9 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 yield response
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:  # the client went away (or the server stopped)
+            self.metrics.aborts.inc()
+            raise
         finally:
             self._open -= 1
             if request.request_id and self._live.get(request.request_id) == rid:
@@ -170,6 +182,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
 
     async def _responses(self, request, rid, ids, outputs, context):
         all_ids: list[int] = []
+        m, started = self.metrics, time.perf_counter()
+        last = started
         while True:
             try:
                 tokens, reason = await asyncio.wait_for(outputs.get(), timeout=1.0)
@@ -178,7 +192,20 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"decode scheduler failed: {self.scheduler.fatal_error!r}")
                 continue
+            if tokens:
+                now = time.perf_counter()
+                if not all_ids:
+                    m.ttft.observe(now - started)
+                    tokens_after_first = len(tokens) - 1
+                else:
+                    tokens_after_first = len(tokens)
+                for _ in range(tokens_after_first):
+                    m.itl.observe((now - last) / len(tokens))
+                last = now
+                m.generation_tokens.inc(len(tokens))
             all_ids.extend(tokens)
+            if reason is not None:
+                self._count_finish(reason, len(ids), started)
             if reason == "error":
                 detail = f"request failed: {self._error_detail(rid)}"
                 code = grpc.StatusCode.INTERNAL if not self.scheduler.alive else grpc.StatusCode.UNAVAILABLE
@@ -190,6 +217,10 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                     token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids)))
             if reason is not None:
                 accepted, drafted = self.scheduler.notes.pop_spec(rid)
+                if drafted:
+                    m.spec_accepted.inc(accepted)
+                    m.spec_drafted.inc(drafted)
+                    m.spec_accept_length.observe(1 + accepted * self.config.speculative_num_steps / drafted)
                 complete = pb.GenerateComplete(output_ids=all_ids, finish_reason=reason, prompt_tokens=len(ids),
                                                completion_tokens=len(all_ids), spec_accepted_tokens=accepted,
                                                spec_draft_tokens=drafted)
@@ -197,6 +228,17 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                     complete.matched_token_id = all_ids[-1]
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 return
+
+    def _count_finish(self, reason: str, prompt_len: int, started: float) -> None:
+        m = self.metrics
+        m.requests.labels(finish_reason=reason).inc()
+        m.prompt_tokens.inc(prompt_len)
+        if reason == "abort":
+            m.aborts.inc()
+        elif reason == "error":
+            m.failures.inc()
+        else:
+            m.e2e.observe(time.perf_counter() - started)
 
     def _error_detail(self, rid: str) -> str:
         return self.scheduler.notes.pop_error(rid) or repr(self.scheduler.fatal_error)

@@ -25,6 +25,7 @@ from common.wire import kv_chunks
 from common.wire.grpc_server import Server
 from common.engine.handoff import HandoffRequest
 from common.engine.model_runner import ModelRunner
+from common.metrics import PrefillMetrics
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from common.engine.sampling import SamplingParams
 from common.request_rules import validate_prompt
@@ -54,11 +55,17 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.num_running = 0
         self.num_prefilled = 0  # requests prefilled since start
         self.faults = FaultInjector(FaultPlan.parse(config.inject_faults))
+        kv = self.runner.kv_allocator
+        self.metrics = PrefillMetrics(running=lambda: self.num_running, queued=self.prefill_queue.qsize,
+                                      kv_usage=lambda: kv.num_used / kv.size)
+        self.metrics_port: int | None = None
         self._thread = threading.Thread(target=self._engine_loop, name="prefill-engine", daemon=True)
         self.server = Server(config.host, config.port, [SERVICE_NAME])
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
 
     def start(self) -> "PrefillService":
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self._thread.start()
         self.server.start()
         self.server.set_serving(True)
@@ -68,6 +75,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         """NOT_SERVING, then calls still streaming after `grace_s` are cancelled (decode retries them)."""
         self.prefill_queue.put(None)
         self.server.stop(grace_s)
+        self.metrics.close()
         self._thread.join(timeout=10)
         while True:  # calls still queued get an answer, so no handler thread waits forever
             try:
@@ -127,33 +135,45 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         context.add_callback(call.cancelled.set)
         self.prefill_queue.put(call)
         result = call.results.get()
-        if call.cancelled.is_set():
+        m = self.metrics
+        if call.cancelled.is_set() or isinstance(result, Exception):
+            m.failures.inc()
+            if not call.cancelled.is_set():
+                context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
             return
-        if isinstance(result, Exception):
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
+        m.queue_time.observe(call.started_at - call.queued_at)
+        m.compute.observe(call.finished_at - call.started_at)
         yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
+        sent_first = time.perf_counter()
         max_bytes = request.max_chunk_bytes or self.config.max_chunk_bytes
         count, fault = 0, self.faults.draw()
+        if fault:
+            m.injected.labels(kind=fault).inc()
         chunks = kv_chunks.split(result.k, result.v, max_bytes)
         if result.draft_k is not None:  # EAGLE: the head's KV follows the target's
             chunks = itertools.chain(chunks, kv_chunks.split(result.draft_k, result.draft_v, max_bytes, draft=True))
         for chunk in chunks:
             if call.cancelled.is_set():
+                m.failures.inc()
                 return
             if self.config.test_kv_chunk_delay_s:
                 time.sleep(self.config.test_kv_chunk_delay_s)
             count += 1
+            m.handoff_bytes.inc(chunk.ByteSize())
             yield prefill_pb2.PrefillChunk(kv=chunk)
-            if count == 1 and fault == "fail":
-                context.abort(grpc.StatusCode.INTERNAL, "injected handoff failure")
-            if count == 1 and fault == "stall":  # hold the call open, sending nothing
-                call.cancelled.wait(STALL_MAX_S)
+            if count == 1 and fault:
+                m.failures.inc()
+                if fault == "fail":
+                    context.abort(grpc.StatusCode.INTERNAL, "injected handoff failure")
+                call.cancelled.wait(STALL_MAX_S)  # a stall: hold the call open, sending nothing
                 return
         yield prefill_pb2.PrefillChunk(record=prefill_pb2.PrebuiltRecord(
             prompt_len=len(prompt), first_token=result.first_token, num_kv_chunks=count,
             draft_seed=kv_chunks.encode_seed(result),
             queue_us=int(1e6 * (call.started_at - call.queued_at)),
             compute_us=int(1e6 * (call.finished_at - call.started_at))))
+        m.handoff_transfer.observe(time.perf_counter() - sent_first)
+        m.requests.inc()
 
     def GetLoad(self, request, context):
         kv = self.runner.kv_allocator

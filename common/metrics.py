@@ -1,0 +1,89 @@
+"""Prometheus metrics of both services, each on its own registry, served on `--metrics-port`.
+
+Names follow the serving conventions (`*_time_to_first_token_seconds`,
+`*_inter_token_latency_seconds`, ...) under the `disagg_` prefix. Decode records what a client sees
+(TTFT, ITL, end-to-end, queue time before its slots are reserved, the handoff's transfer time and
+bytes, finishes by reason, retries, EAGLE accept length); prefill records its own queue and compute
+time, the time and bytes it streams, failures and injected faults. Gauges are read when scraped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self._http = None
+
+    def _histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+        return Histogram(f"disagg_{name}", doc, buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels=()) -> Counter:
+        return Counter(f"disagg_{name}", doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, read: Callable[[], float]) -> Gauge:
+        gauge = Gauge(f"disagg_{name}", doc, registry=self.registry)
+        gauge.set_function(read)
+        return gauge
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics over HTTP on host:port (0 = any free port); the port bound."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class DecodeMetrics(_Metrics):
+    def __init__(self, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float],
+                 open_streams: Callable[[], float]):
+        super().__init__()
+        h, c = self._histogram, self._counter
+        self.ttft = h("time_to_first_token_seconds", "Generate call start to its first token")
+        self.itl = h("inter_token_latency_seconds", "time between output tokens (a step's tokens share it)",
+                     ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Generate call start to its last token")
+        self.queue_time = h("queue_time_seconds", "submission to the reservation of its request slot and KV")
+        self.handoff_transfer = h("handoff_transfer_seconds", "a Prefill call's first message to its record")
+        self.spec_accept_length = h("spec_accept_length", "EAGLE: tokens per verify step, per request",
+                                    (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0))
+        self.requests = c("requests_total", "finished Generate calls by finish reason", ["finish_reason"])
+        self.aborts = c("aborted_requests_total", "requests aborted (client cancel, Abort RPC, shutdown)")
+        self.failures = c("failed_requests_total", "requests failed (no prefill replica left, scheduler error)")
+        self.retries = c("prefill_retries_total", "Prefill calls retried on another replica")
+        self.handoff_bytes = c("handoff_bytes_total", "KV bytes received from prefill")
+        self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of finished requests")
+        self.generation_tokens = c("generation_tokens_total", "tokens generated")
+        self.spec_accepted = c("spec_accepted_tokens_total", "EAGLE: draft tokens accepted")
+        self.spec_drafted = c("spec_draft_tokens_total", "EAGLE: draft tokens proposed")
+        self._gauge("num_running_reqs", "requests decoding", running)
+        self._gauge("num_queue_reqs", "requests waiting for a slot or their handoff", queued)
+        self._gauge("kv_cache_usage_ratio", "used share of the decode KV pool", kv_usage)
+        self._gauge("open_streams", "Generate calls open", open_streams)
+
+
+class PrefillMetrics(_Metrics):
+    def __init__(self, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float]):
+        super().__init__()
+        h, c = self._histogram, self._counter
+        self.queue_time = h("prefill_queue_time_seconds", "Prefill call arrival to the start of its batch")
+        self.compute = h("prefill_compute_seconds", "prefill compute of the batch the call was in")
+        self.handoff_transfer = h("handoff_transfer_seconds", "first token sent to the record sent")
+        self.handoff_bytes = c("handoff_bytes_total", "KV bytes sent to decode")
+        self.requests = c("prefill_requests_total", "Prefill calls answered with a record")
+        self.failures = c("prefill_failures_total", "Prefill calls that failed or were cancelled")
+        self.injected = c("injected_faults_total", "handoff faults injected (--inject-faults)", ["kind"])
+        self._gauge("num_running_reqs", "prompts in the running prefill batch", running)
+        self._gauge("num_queue_reqs", "Prefill calls queued", queued)
+        self._gauge("kv_cache_usage_ratio", "used share of the prefill KV pool", kv_usage)

@@ -1,0 +1,50 @@
+"""Prometheus metrics: after traffic, both services' /metrics show the histograms and counters moving."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.grpc_harness import GrpcPair
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return samples
+
+
+def test_metrics_move_with_traffic(checkpoint):
+    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(metrics_port=0), decode_kw=dict(metrics_port=0))
+    try:
+        before = _scrape(pair.decode.metrics_port)
+        assert before["disagg_time_to_first_token_seconds_count"] == 0
+        for i in range(3):
+            pair.collect(pair.generate([5 + i, 6, 7, 8], 6, stream=True, rid=f"m{i}", ignore_eos=True))
+        call = pair.generate([9, 10, 11], 200, stream=True, rid="gone", ignore_eos=True)
+        next(call)
+        call.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+        pair.wait_idle()
+        d, p = _scrape(pair.decode.metrics_port), _scrape(pair.prefill.metrics_port)
+        assert d["disagg_time_to_first_token_seconds_count"] == 4
+        assert d["disagg_inter_token_latency_seconds_count"] >= 3 * 5
+        assert d["disagg_e2e_request_latency_seconds_count"] == 3
+        assert d["disagg_queue_time_seconds_count"] == 4 and d["disagg_handoff_transfer_seconds_count"] >= 3
+        assert d["disagg_requests_total{finish_reason=length}"] == 3 and d["disagg_aborted_requests_total"] == 1
+        assert d["disagg_generation_tokens_total"] >= 19 and d["disagg_prompt_tokens_total"] == 12
+        assert d["disagg_handoff_bytes_total"] > 0 and d["disagg_open_streams"] == 0
+        assert d["disagg_kv_cache_usage_ratio"] == 0 and d["disagg_num_running_reqs"] == 0
+        assert p["disagg_prefill_compute_seconds_count"] == 4 and p["disagg_prefill_requests_total"] >= 3
+        assert p["disagg_handoff_bytes_total"] > 0 and p["disagg_handoff_transfer_seconds_count"] >= 3
+    finally:
+        pair.close()
