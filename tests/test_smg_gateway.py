@@ -143,3 +143,15 @@ def test_closing_a_stream_aborts_on_the_decode_service(gateway):
         assert time.time() < deadline, f"no abort seen on the decode service: {reasons}"
         time.sleep(0.05)
     pair.wait_idle()
+
+
+def test_load_generator_through_the_openai_endpoint(gateway):
+    from bench import load_gen
+
+    base, path, pair, _ = gateway
+    result = load_gen.main(["--backend", "openai", "--base-url", base, "--tokenizer", path, "--num-prompts", "8",
+                            "--max-concurrency", "4", "--random-input-len", "16", "--random-output-len", "6",
+                            "--no-progress"])
+    assert result["completed"] == 8 and result["failed"] == 0, result["errors"]
+    assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0
+    pair.wait_idle()

@@ -1,0 +1,277 @@
+"""Load generator in the style of SGLang's bench_serving, against our gRPC front door or an OpenAI endpoint.
+
+    python -m bench.load_gen --backend grpc --addr 127.0.0.1:30000 --num-prompts 200 --request-rate 4
+    python -m bench.load_gen --backend openai --base-url http://127.0.0.1:8000 --tokenizer DIR \
+        --max-concurrency 16 --dataset file --dataset-path prompts.jsonl --output-json report.json
+
+Prompts: `--dataset random` draws input lengths uniformly in [ratio * L, L] (`--random-input-len L`,
+`--random-range-ratio`) and output lengths the same way from `--random-output-len`, with random
+token ids (decoded to text for the OpenAI backend, which needs `--tokenizer`); `--dataset file` reads
+JSONL lines `{"prompt": "...", "output_len": N}` (output_len optional) or plain text lines. Requests
+ignore EOS, so each asks for exactly its output length. Arrivals: a Poisson process at
+`--request-rate` per second (inf = all at once), optionally capped at `--max-concurrency` in flight.
+The report (text, and JSON with --output-json): successes and failures, duration, request and token
+throughput, TTFT / ITL / TPOT / end-to-end latency (mean, median, p99, ms), and the speculative accept
+length when the server drafts (gRPC backend: from each Complete's spec counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+import urllib.request
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int] | None
+    prompt_text: str | None
+    output_len: int
+
+
+@dataclass
+class Outcome:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    spec_accepted: int = 0
+    spec_drafted: int = 0
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+def random_jobs(n: int, input_len: int, output_len: int, ratio: float, vocab: list[int], tokenizer, seed: int):
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        ids = [rng.choice(vocab) for _ in range(rng.randint(max(1, int(input_len * ratio)), input_len))]
+        out = rng.randint(max(1, int(output_len * ratio)), output_len)
+        jobs.append(Job(ids, tokenizer.decode(ids) if tokenizer is not None else None, out))
+    return jobs
+
+
+def file_jobs(path: str, n: int, default_output_len: int, tokenizer):
+    jobs = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            item = json.loads(line) if line.lstrip().startswith("{") else {"prompt": line.rstrip("\n")}
+            text = item["prompt"]
+            ids = tokenizer.encode(text) if tokenizer is not None else None
+            jobs.append(Job(ids, text, int(item.get("output_len", default_output_len))))
+    if not jobs:
+        raise SystemExit(f"{path}: no prompts")
+    return [jobs[i % len(jobs)] for i in range(n)]
+
+
+# ---- backends: one blocking request -> Outcome ---------------------------------------------------------
+class GrpcBackend:
+    def __init__(self, addr: str):
+        import grpc
+        from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+        from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+        self.pb, self.grpc = pb, grpc
+        self.channel = grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = pb_grpc.SglangSchedulerStub(self.channel)
+        info = self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        self.vocab_size, self.model = info.vocab_size, info.served_model_name
+        args = self.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).server_args
+        spec = "speculative_algorithm" in args and args["speculative_algorithm"]
+        self.num_steps = int(args["speculative_num_steps"]) if spec else 0
+
+    def __call__(self, job: Job, rid: str, timeout: float) -> Outcome:
+        pb, out = self.pb, Outcome(prompt_tokens=len(job.prompt_ids))
+        req = pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=job.prompt_ids), stream=True,
+                                 sampling_params=pb.SamplingParams(max_new_tokens=job.output_len, ignore_eos=True))
+        start = last = time.perf_counter()
+        try:
+            for r in self.stub.Generate(req, timeout=timeout):
+                now = time.perf_counter()
+                if r.HasField("chunk"):
+                    if out.output_tokens == 0:
+                        out.ttft = now - start
+                    else:
+                        out.itls.append(now - last)
+                    out.output_tokens += len(r.chunk.token_ids)
+                    last = now
+                else:
+                    out.spec_accepted, out.spec_drafted = r.complete.spec_accepted_tokens, r.complete.spec_draft_tokens
+            out.ok, out.e2e = True, time.perf_counter() - start
+        except self.grpc.RpcError as e:
+            out.error = f"{e.code().name}: {e.details()}"
+        return out
+
+
+class OpenAIBackend:
+    def __init__(self, base_url: str, model: str | None):
+        self.base_url = base_url.rstrip("/")
+        if model is None:
+            with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=10) as resp:
+                model = json.loads(resp.read())["data"][0]["id"]
+        self.model, self.num_steps = model, 0
+
+    def __call__(self, job: Job, rid: str, timeout: float) -> Outcome:
+        out = Outcome(prompt_tokens=len(job.prompt_ids or ()))
+        body = {"model": self.model, "prompt": job.prompt_text, "max_tokens": job.output_len, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        req = urllib.request.Request(f"{self.base_url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        start = last = time.perf_counter()
+        seen_text = False
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                for line in resp:
+                    line = line.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    event, now = json.loads(line[5:]), time.perf_counter()
+                    if event.get("usage"):
+                        out.prompt_tokens = event["usage"]["prompt_tokens"]
+                        out.output_tokens = event["usage"]["completion_tokens"]
+                    if event.get("choices") and event["choices"][0].get("text"):
+                        if not seen_text:
+                            out.ttft, seen_text = now - start, True
+                        else:
+                            out.itls.append(now - last)
+                        last = now
+            out.ok, out.e2e = seen_text, time.perf_counter() - start
+            out.error = "" if seen_text else "no text streamed"
+        except Exception as e:  # HTTP errors, timeouts, broken streams: a failed request
+            out.error = repr(e)
+        return out
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+def run(jobs: list[Job], send, rate: float, max_concurrency: int | None, timeout: float, seed: int,
+        progress: bool = True) -> tuple[list[Outcome], float]:
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    slots = threading.Semaphore(max_concurrency or len(jobs))
+    bar = tqdm(total=len(jobs), disable=not progress, desc="requests", unit="req")
+
+    def one(i: int) -> Outcome:
+        try:
+            return send(jobs[i], f"load-{seed}-{i}", timeout)
+        finally:
+            slots.release()
+            bar.update(1)
+
+    started = time.perf_counter()
+    with futures.ThreadPoolExecutor(max_workers=min(len(jobs), max_concurrency or len(jobs), 512)) as pool:
+        pending = []
+        for i in range(len(jobs)):
+            if rate != float("inf"):
+                time.sleep(rng.expovariate(rate))
+            slots.acquire()
+            pending.append(pool.submit(one, i))
+        outcomes = [p.result() for p in pending]
+    bar.close()
+    return outcomes, time.perf_counter() - started
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean_ms": None, "median_ms": None, "p99_ms": None}
+    a = 1e3 * np.asarray(values)
+    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
+
+
+def report(outcomes: list[Outcome], duration: float, num_steps: int) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    out_tokens = sum(o.output_tokens for o in ok)
+    tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    result = {
+        "completed": len(ok), "failed": len(outcomes) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "input_token_throughput": sum(o.prompt_tokens for o in ok) / duration,
+        "output_token_throughput": out_tokens / duration,
+        "ttft": _stats([o.ttft for o in ok]), "itl": _stats([x for o in ok for x in o.itls]),
+        "tpot": _stats(tpot), "e2e": _stats([o.e2e for o in ok]),
+        "errors": sorted({o.error for o in outcomes if not o.ok})[:10],
+    }
+    drafted = sum(o.spec_drafted for o in ok)
+    if num_steps and drafted:  # tokens per verify step = 1 + accepted drafts per step
+        result["spec_accept_length"] = 1 + sum(o.spec_accepted for o in ok) * num_steps / drafted
+    return result
+
+
+def print_report(r: dict) -> None:
+    print(f"{'completed / failed':<28}{r['completed']} / {r['failed']}")
+    print(f"{'duration (s)':<28}{r['duration_s']:.2f}")
+    print(f"{'request throughput (req/s)':<28}{r['request_throughput']:.2f}")
+    print(f"{'input tokens/s':<28}{r['input_token_throughput']:.1f}")
+    print(f"{'output tokens/s':<28}{r['output_token_throughput']:.1f}")
+    if "spec_accept_length" in r:
+        print(f"{'accept length':<28}{r['spec_accept_length']:.2f}")
+    print(f"{'(ms)':<28}{'mean':>10}{'median':>10}{'p99':>10}")
+    for name in ("ttft", "itl", "tpot", "e2e"):
+        s = r[name]
+        cells = "".join(f"{s[k]:>10.1f}" if s[k] is not None else f"{'-':>10}" for k in ("mean_ms", "median_ms", "p99_ms"))
+        print(f"{name.upper():<28}{cells}")
+    for e in r["errors"]:
+        print(f"error: {e}")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench.load_gen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc")
+    p.add_argument("--addr", default="127.0.0.1:30000", help="gRPC front door (backend grpc)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI endpoint (backend openai)")
+    p.add_argument("--model", default=None, help="OpenAI model name (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (needed for text prompts)")
+    p.add_argument("--dataset", choices=["random", "file"], default="random")
+    p.add_argument("--dataset-path", default=None)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.5)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    tokenizer = None
+    if args.tokenizer:
+        from common.tools.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer)
+    elif args.backend == "openai" or args.dataset == "file":
+        p.error("--tokenizer is needed for the openai backend and for --dataset file")
+    send = GrpcBackend(args.addr) if args.backend == "grpc" else OpenAIBackend(args.base_url, args.model)
+    if args.dataset == "file":
+        if not args.dataset_path:
+            p.error("--dataset file needs --dataset-path")
+        jobs = file_jobs(args.dataset_path, args.num_prompts, args.random_output_len, tokenizer)
+    else:
+        special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+        size = len(tokenizer) if tokenizer is not None else send.vocab_size
+        vocab = [t for t in range(size) if t not in special]
+        jobs = random_jobs(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                           vocab, tokenizer if args.backend == "openai" else None, args.seed)
+    outcomes, duration = run(jobs, send, args.request_rate, args.max_concurrency, args.timeout, args.seed,
+                             progress=not args.no_progress)
+    result = report(outcomes, duration, send.num_steps)
+    result["config"] = {k: v for k, v in vars(args).items() if k != "no_progress"}
+    print_report(result)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
