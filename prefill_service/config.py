@@ -19,6 +19,7 @@ class PrefillConfig(ServiceConfig):
     max_chunk_bytes: int = flag(DEFAULT_MAX_CHUNK_BYTES, "bound on one KV chunk on the wire")
     inject_faults: str | None = flag(None, "tests and drills: break or stall a fraction of handoffs, "
                                            "e.g. fail=0.05,stall=0.02[,seed=1] (default off)", type=str)
+    test_step_delay_s: float = flag(0.0, "test-only: sleep after each engine step", hidden=True)
     test_kv_chunk_delay_s: float = flag(0.0, "test-only: sleep before each KV chunk", hidden=True)
 
 

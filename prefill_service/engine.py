@@ -1,16 +1,21 @@
-"""PrefillEngine: batches prompts, runs chunked prefill, samples the first token, emits handoffs.
+"""PrefillEngine: continuous chunked prefill across requests, one extend forward per step.
 
-Lifecycle of `prefill(requests)`:
-  1. validate each request against this model (non-empty, ids in the vocabulary, fits the context);
-  2. take requests in order while a request slot and KV slots for the prompt are free (a wave);
-  3. chunked prefill of the wave under the token budget (`chunk_size`);
-  4. sample the first token (output position 0 of the request's seeded stream);
-  5. with EAGLE on: the draft extend over each prompt (its features were kept during 3) gives the
-     draft KV and the draft seed (draft_prefill.py);
-  6. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff, free the wave's slots
-     exactly once;
-  7. repeat until every request has its handoff.
-The prefill side is stateless between calls.
+Lifecycle of a request:
+  1. `admit` validates it against this model (non-empty, ids in the vocabulary, fits the context) and
+     reserves a request slot and KV slots for its prompt (`can_admit` says whether they are free);
+  2. each `step` runs one extend forward of at most `chunk_size` tokens over the running prompts
+     (the budget policy below), continuing each from the KV already in the pool;
+  3. in the step where its prompt completes: sample the first token (output position
+     `first_position` of the request's seeded stream); with EAGLE on, the draft extend over the
+     prompt (its features were kept during 2) gives the draft KV and the draft seed (draft_prefill.py);
+  4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff, free its slots exactly
+     once, and return the Handoff from that step, so its first token goes out while longer prompts
+     are still computing;
+  5. `abort` frees a running request's slots (its call was cancelled); `fail_all` frees every one.
+Budget policy: short prompts never wait behind a long one. The oldest running prompt is guaranteed a
+quarter of the budget (so it cannot starve); the rest goes to prompts by fewest remaining tokens,
+then back to the oldest. `prefill(requests)` runs a list of requests to completion (tests, tools).
+The prefill side is stateless between requests.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.chunked_prefill import run_chunked_prefill
+from common.engine.forward_batch import ForwardBatch
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import sample
@@ -37,42 +42,120 @@ class _Running:
     prompt: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: target features, chunk by chunk
 
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt) - self.prefilled
+
 
 class PrefillEngine:
     def __init__(self, runner: ModelRunner, chunk_size: int = 256):
         self.runner = runner
         self.chunk_size = chunk_size
+        self.running: list[_Running] = []  # admitted, prompt not complete yet (oldest first)
 
-    def prefill(self, requests: list[HandoffRequest]) -> list[Handoff]:
-        cfg, kv = self.runner.config, self.runner.kv_allocator
-        for r in requests:
-            validate_prompt(r.prompt_ids, r.params, cfg.vocab_size, self.runner.context_length, kv_capacity=kv.size)
-        handoffs: list[Handoff] = []
-        todo = list(requests)
-        while todo:
-            wave = self._reserve_wave(todo)
-            todo = todo[len(wave):]
+    # ---- admission ---------------------------------------------------------------------------------
+    def validate(self, request: HandoffRequest) -> None:
+        kv = self.runner.kv_allocator
+        validate_prompt(request.prompt_ids, request.params, self.runner.config.vocab_size,
+                        self.runner.context_length, kv_capacity=kv.size)
+
+    def can_admit(self, request: HandoffRequest) -> bool:
+        return (self.runner.req_to_token_pool.allocator.num_free > 0
+                and self.runner.kv_allocator.can_alloc(len(request.prompt_ids)))
+
+    def admit(self, request: HandoffRequest) -> None:
+        self.validate(request)
+        pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
+        row, slots = pool.alloc(), kv.alloc(len(request.prompt_ids))
+        pool.write(row, 0, slots)
+        self.running.append(_Running(request, row, slots, prompt=list(request.prompt_ids)))
+
+    def abort(self, request: HandoffRequest) -> bool:
+        """Free a running request's slots; False if it is not running."""
+        for w in self.running:
+            if w.request is request:
+                self.running.remove(w)
+                self._free(w)
+                return True
+        return False
+
+    def fail_all(self) -> list[HandoffRequest]:
+        """Free every running request (after a failed step); their requests."""
+        failed = [w.request for w in self.running]
+        for w in self.running:
+            self._free(w)
+        self.running = []
+        return failed
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def plan(self) -> list[tuple[_Running, int]]:
+        """(request, tokens) of the next forward under the budget policy."""
+        pending = [w for w in self.running if w.remaining > 0]
+        if not pending:
+            return []
+        oldest, budget = pending[0], self.chunk_size
+        take = {id(oldest): min(oldest.remaining, max(1, budget // 4))}
+        budget -= take[id(oldest)]
+        for w in sorted(pending[1:], key=lambda w: w.remaining):
+            if budget == 0:
+                break
+            take[id(w)] = min(w.remaining, budget)
+            budget -= take[id(w)]
+        extra = min(oldest.remaining - take[id(oldest)], budget)
+        take[id(oldest)] += extra
+        return [(w, take[id(w)]) for w in pending if take.get(id(w), 0) > 0]
+
+    def step(self) -> list[tuple[HandoffRequest, Handoff]]:
+        """One extend forward; (request, Handoff) of each prompt it completed (its slots already freed)."""
+        plan = self.plan()
+        if not plan:
+            return []
+        spec = self.runner.draft is not None
+        chunk = [(w, w.prefilled, w.prompt[w.prefilled:w.prefilled + n]) for w, n in plan]
+        batch = ForwardBatch.extend(self.runner.req_to_token_pool.req_to_token, [w.req_pool_idx for w, _, _ in chunk],
+                                    [start for _, start, _ in chunk], [ids for _, _, ids in chunk])
+        logits, features = (self.runner.forward_features if spec else self.runner.forward)(batch)
+        if spec:
+            self._keep_features(chunk, features)
+        done = []
+        for i, (w, start, ids) in enumerate(chunk):
+            w.prefilled = start + len(ids)
+            if w.remaining == 0:
+                done.append(i)
+        if not done:
+            return []
+        finished = [chunk[i][0] for i in done]
+        self._sample_first(finished, logits[done])
+        handoffs = []
+        for w in finished:
+            self.running.remove(w)
             try:
-                spec = self.runner.draft is not None
-                run_chunked_prefill(self.runner, wave, self.chunk_size, self._sample_first,
-                                    on_features=self._keep_features if spec else None)
-                handoffs.extend(self._to_handoff(w) for w in wave)
+                handoffs.append((w.request, self._to_handoff(w)))
             finally:
-                for w in wave:
-                    kv.free(w.kv_slots)
-                    self.runner.req_to_token_pool.free(w.req_pool_idx)
+                self._free(w)
         return handoffs
 
-    def _reserve_wave(self, todo: list[HandoffRequest]) -> list[_Running]:
-        pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
-        wave = []
-        for r in todo:
-            if pool.allocator.num_free == 0 or not kv.can_alloc(len(r.prompt_ids)):
-                break
-            row, slots = pool.alloc(), kv.alloc(len(r.prompt_ids))
-            pool.write(row, 0, slots)
-            wave.append(_Running(r, row, slots, prompt=list(r.prompt_ids)))
-        return wave
+    def prefill(self, requests: list[HandoffRequest]) -> list[Handoff]:
+        """Run `requests` to completion (admitting as slots free up); Handoffs in request order."""
+        for r in requests:
+            self.validate(r)
+        todo, out = list(requests), {}  # id(request) -> Handoff
+        try:
+            while todo or self.running:
+                while todo and self.can_admit(todo[0]):
+                    self.admit(todo.pop(0))
+                if not self.running:
+                    raise RuntimeError("a prompt does not fit the free KV slots")
+                out.update((id(r), h) for r, h in self.step())
+        except BaseException:
+            self.fail_all()
+            raise
+        return [out[id(r)] for r in requests]
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _free(self, w: _Running) -> None:
+        self.runner.kv_allocator.free(w.kv_slots)
+        self.runner.req_to_token_pool.free(w.req_pool_idx)
 
     def _sample_first(self, done: list[_Running], logits: torch.Tensor) -> None:
         tokens = sample(logits, [w.request.params for w in done], [w.request.seed for w in done],

@@ -2,18 +2,23 @@
 
 Lifecycle of one Prefill call:
   1. validate the request (prompt ids, sampling params, fits the context): INVALID_ARGUMENT if not;
-  2. queue it on `prefill_queue`; the engine thread takes everything queued (a batch), runs chunked
-     prefill, samples the first token, copies the prompt's KV out and frees its local slots;
+  2. queue it on `prefill_queue`; the engine thread admits it when a request slot and KV for its
+     prompt are free, then steps the PrefillEngine: one chunked extend forward per step across every
+     admitted prompt, short prompts first (engine.py), so a long prompt does not hold back the
+     first token of short ones; in the step its prompt completes, its first token is sampled, its
+     KV copied out and its slots freed, and the call gets its Handoff;
   3. the call's thread streams: FirstToken at once, then KvChunks bounded by max_chunk_bytes (with
      EAGLE the head's KV follows, marked `draft`), then the PrebuiltRecord (prompt length, first
      token, chunk count, and with EAGLE the draft seed);
-  4. a cancelled call is dropped before its prefill if it has not started, or stops streaming.
+  4. a cancelled call is dropped while queued, its slots freed if it was mid-prefill, or it stops
+     streaming; every call gets exactly one answer from the engine thread.
 The service is stateless between calls. Health: NOT_SERVING until the model is loaded.
-With --debug-checks the pools' integrity is checked after every batch (every slot free again).
+With --debug-checks the pools' integrity is checked whenever the engine is empty (every slot free).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -29,7 +34,6 @@ from common.metrics import PrefillMetrics
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from common.engine.sampling import SamplingParams
 from common.request_rules import validate_prompt
-from prefill_service.batching import take_batch
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
@@ -52,11 +56,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.runner = ModelRunner.for_service(config)
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
         self.prefill_queue: queue.Queue = queue.Queue()
-        self.num_running = 0
+        self.num_running = self.num_waiting = 0  # admitted to the engine / waiting for slots
         self.num_prefilled = 0  # requests prefilled since start
         self.faults = FaultInjector(FaultPlan.parse(config.inject_faults))
         kv = self.runner.kv_allocator
-        self.metrics = PrefillMetrics(running=lambda: self.num_running, queued=self.prefill_queue.qsize,
+        self.metrics = PrefillMetrics(running=lambda: self.num_running, queued=self.num_queued,
                                       kv_usage=lambda: kv.num_used / kv.size)
         self.metrics_port: int | None = None
         self._thread = threading.Thread(target=self._engine_loop, name="prefill-engine", daemon=True)
@@ -89,33 +93,84 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def address(self) -> str:
         return self.server.address
 
+    def num_queued(self) -> int:
+        return self.prefill_queue.qsize() + self.num_waiting
+
     # ---- engine thread ---------------------------------------------------------------------------
     def _engine_loop(self) -> None:
-        while (calls := take_batch(self.prefill_queue, self.config.max_running_requests)) is not None:
-            live = []
-            for c in calls:  # one look at `cancelled` per call: each call is answered exactly once
+        """Admit queued calls as slots free up, one engine step at a time; answer each call once."""
+        waiting: collections.deque[_Call] = collections.deque()
+        active: dict[int, _Call] = {}  # id(request) -> its call, admitted to the engine
+        stopping = False
+        while not stopping:
+            if not waiting and not active:  # nothing to do: block for the next call
+                first = self.prefill_queue.get()
+                if first is None:
+                    break
+                waiting.append(first)
+            stopping = self._drain(waiting)
+            for c in list(waiting):  # one look at `cancelled` per call and stage
                 if c.cancelled.is_set():
+                    waiting.remove(c)
                     c.results.put(RuntimeError("cancelled before prefill"))
-                else:
-                    live.append(c)
-            calls = live
-            self.num_running = len(calls)
-            try:
-                started = time.perf_counter()
-                handoffs = self.engine.prefill([c.request for c in calls]) if calls else []
-                finished = time.perf_counter()
-                for c, h in zip(calls, handoffs):
-                    c.started_at, c.finished_at = started, finished
-                    c.results.put(h)
-                self.num_prefilled += len(handoffs)
-            except Exception as e:  # the whole batch fails; each call reports it
-                for c in calls:
-                    c.results.put(e)
-            finally:
-                self.num_running = 0
-            if self.config.debug_checks:  # the engine frees every slot of a batch: the books balance
+            for key, c in list(active.items()):
+                if c.cancelled.is_set():
+                    self.engine.abort(c.request)
+                    del active[key]
+                    c.results.put(RuntimeError("cancelled during prefill"))
+            self._admit(waiting, active)
+            self.num_waiting, self.num_running = len(waiting), len(active)
+            if stopping:
+                break
+            self._step(active)
+            if self.config.debug_checks and not active:  # the engine freed every slot: the books balance
                 self.runner.kv_allocator.check_integrity(holders=[])
                 self.runner.req_to_token_pool.allocator.check_integrity(holders=[])
+        for req in self.engine.fail_all():  # stopping: everything still here gets its answer
+            active.pop(id(req)).results.put(RuntimeError("prefill service stopping"))
+        for c in waiting:
+            c.results.put(RuntimeError("prefill service stopping"))
+
+    def _drain(self, waiting) -> bool:
+        """Move every queued call to `waiting`; True if the stop sentinel was among them."""
+        while True:
+            try:
+                c = self.prefill_queue.get_nowait()
+            except queue.Empty:
+                return False
+            if c is None:
+                return True
+            waiting.append(c)
+
+    def _admit(self, waiting, active) -> None:
+        while waiting and len(active) < self.config.max_running_requests and self.engine.can_admit(waiting[0].request):
+            c = waiting.popleft()
+            try:
+                self.engine.admit(c.request)
+            except ValueError as e:
+                c.results.put(e)
+                continue
+            c.started_at = time.perf_counter()
+            active[id(c.request)] = c
+        if waiting and not active:  # nothing running, yet the head does not fit: it never will
+            waiting.popleft().results.put(RuntimeError("prompt does not fit the free KV slots"))
+
+    def _step(self, active) -> None:
+        try:
+            done = self.engine.step()
+        except Exception as e:  # every running prompt fails; each call reports it
+            for req in self.engine.fail_all():
+                active.pop(id(req)).results.put(e)
+            done = []
+        now = time.perf_counter()
+        for req, handoff in done:
+            c = active.pop(id(req))
+            c.finished_at = now
+            c.results.put(handoff)
+            self.num_prefilled += 1
+        self.num_running = len(active)
+        if self.config.test_step_delay_s:
+            time.sleep(self.config.test_step_delay_s)
 
     # ---- RPCs ------------------------------------------------------------------------------------
     def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
@@ -177,5 +232,5 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     def GetLoad(self, request, context):
         kv = self.runner.kv_allocator
-        return prefill_pb2.LoadResponse(num_running_reqs=self.num_running, num_waiting_reqs=self.prefill_queue.qsize(),
+        return prefill_pb2.LoadResponse(num_running_reqs=self.num_running, num_waiting_reqs=self.num_queued(),
                                         num_used_tokens=kv.num_used, max_total_tokens=kv.size)

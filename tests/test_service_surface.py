@@ -135,8 +135,8 @@ def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
                 type(self).finished += 1
 
     service = Counting(PrefillConfig(checkpoint("qwen2"), port=0)).start()
-    latch, prefill = threading.Event(), service.engine.prefill
-    service.engine.prefill = lambda reqs: (latch.wait(10), prefill(reqs))[1]
+    latch, step = threading.Event(), service.engine.step
+    service.engine.step = lambda: (latch.wait(10), step())[1]
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         busy = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]))
