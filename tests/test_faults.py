@@ -3,6 +3,7 @@ with streams open. Every call ends with a result or a status, results stay exact
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent import futures
 
 import grpc
@@ -140,7 +142,26 @@ def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint):
             proc.wait()
 
 
-def test_sigterm_with_open_streams_exits_within_the_grace_period(checkpoint):
+def _smg(decode_addr: str) -> tuple[subprocess.Popen, str]:
+    from tests.test_smg_gateway import _smg_binary
+
+    port = free_port()
+    proc = subprocess.Popen([_smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                             "--worker-urls", f"grpc://{decode_addr}", "--worker-startup-check-interval", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base, deadline = f"http://127.0.0.1:{port}", time.time() + 60
+    while True:
+        try:
+            if '"ready"' in urllib.request.urlopen(f"{base}/readiness", timeout=2).read().decode():
+                return proc, base
+        except OSError:
+            pass
+        assert time.time() < deadline and proc.poll() is None, "smg did not become ready"
+        time.sleep(0.3)
+
+
+def test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period(checkpoint):
     path = checkpoint("llama")
     pport, dport = free_port(), free_port()
     prefill = _prefill_proc(path, pport, "--max-chunk-bytes", "256", "--test-kv-chunk-delay-s", "0.5")
@@ -148,12 +169,35 @@ def test_sigterm_with_open_streams_exits_within_the_grace_period(checkpoint):
                                "--prefill-addr", f"127.0.0.1:{pport}", "--torch-threads", "1",
                                "--shutdown-grace-s", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
+    smg = None
     try:
         wait_serving(f"127.0.0.1:{pport}", prefill)
         wait_serving(f"127.0.0.1:{dport}", decode)
+        smg, base = _smg(f"127.0.0.1:{dport}")
+        ended = {}
+
+        def http_stream():  # a streaming completion through the gateway, held open by the slow handoff
+            body = {"model": os.path.basename(path), "prompt": "hello there", "max_tokens": 200, "stream": True,
+                    "ignore_eos": True}
+            req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    for _ in resp:
+                        pass
+            except OSError:
+                pass
+            ended["http"] = time.perf_counter()
+
+        reader = threading.Thread(target=http_stream)
+        reader.start()
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(f"127.0.0.1:{dport}"))
         calls = [stub.Generate(_request(list(range(5, 40)), 50, f"open{i}"), timeout=30) for i in range(4)]
         next(calls[0])  # streams are open and one is mid-handoff
+        deadline = time.time() + 10
+        while stub.GetLoads(pb.GetLoadsRequest()).loads[0].num_total_reqs < 5:  # the gateway's call too
+            assert time.time() < deadline, "the gateway's request never reached decode"
+            time.sleep(0.05)
         decode.send_signal(signal.SIGTERM)
         sent_at = time.perf_counter()
         decode.wait(timeout=10)
@@ -163,11 +207,71 @@ def test_sigterm_with_open_streams_exits_within_the_grace_period(checkpoint):
             with pytest.raises(grpc.RpcError) as err:
                 _ids(c)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        reader.join(15)
+        assert "http" in ended and ended["http"] - sent_at < 10.0, "the gateway's stream hung"
         assert "Traceback" not in decode.stderr.read()
         prefill.send_signal(signal.SIGTERM)
         prefill.wait(timeout=10)
     finally:
-        for proc in (decode, prefill):
+        for proc in (decode, prefill, smg):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_killing_a_prefill_process_under_load_then_restarting_it(checkpoint):
+    path = checkpoint("llama")
+    ports = [free_port(), free_port()]
+    extra = ("--max-chunk-bytes", "1024", "--test-kv-chunk-delay-s", "0.01")
+    procs = {p: _prefill_proc(path, p, *extra) for p in ports}
+    decode = None
+    try:
+        for port, proc in procs.items():
+            wait_serving(f"127.0.0.1:{port}", proc)
+        decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0,
+                                            debug_checks=True)).start()
+        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+        prompts = [[5 + 3 * i + j for j in range(6 + 4 * i)] for i in range(8)]
+        refs = [hf_greedy(path, p, 12) for p in prompts]
+        done = threading.Semaphore(0)
+
+        def one(k):
+            try:
+                ids = _ids(stub.Generate(_request(prompts[k % 8], 12, f"kill{k}"), timeout=60))
+            except grpc.RpcError as e:
+                return e.code()
+            finally:
+                done.release()
+            assert ids == refs[k % 8], f"request {k} is not exact"
+            return "ok"
+
+        victim, survivor = ports
+        with futures.ThreadPoolExecutor(8) as pool:
+            pending = [pool.submit(one, k) for k in range(40)]
+            for _ in range(10):
+                done.acquire()
+            procs[victim].kill()  # mid-load: some calls are streaming from it
+            procs[victim].wait()
+            outcomes = [f.result() for f in pending]
+        assert set(outcomes) <= {"ok", grpc.StatusCode.UNAVAILABLE} and outcomes.count("ok") >= 35, outcomes
+        _balanced(decode)
+        procs[victim] = _prefill_proc(path, victim, *extra)  # restart on the same port
+        wait_serving(f"127.0.0.1:{victim}", procs[victim])
+        procs[survivor].kill()  # from now on only the restarted replica can serve
+        procs[survivor].wait()
+        deadline = time.time() + 5
+        while True:
+            try:
+                assert _ids(stub.Generate(_request(prompts[0], 12, "after"), timeout=30)) == refs[0]
+                break
+            except grpc.RpcError as e:  # health may not have caught up with the kill yet
+                assert time.time() < deadline, e
+                time.sleep(0.2)
+        _balanced(decode)
+    finally:
+        if decode is not None:
+            decode.stop()
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

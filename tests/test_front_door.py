@@ -85,6 +85,10 @@ def test_every_bad_input_is_named_then_a_good_request_works(pair, checkpoint):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in err.value.details()
     assert pair.stub.Abort(pb.AbortRequest(request_id="twin")).success
     assert pair.collect(first)[1].finish_reason == "abort"
+    # a message over the 64 MiB limit is refused by gRPC itself, before the handler
+    with pytest.raises(grpc.RpcError) as err:
+        list(pair.stub.Generate(_req(custom_logit_processor="x" * (65 << 20))))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # fields that only shape text, and data_parallel_rank 0, are accepted
     ok = _req(data_parallel_rank=0, sp_skip_special_tokens=True, sp_stream_interval=1, logprob_start_len=-1)
     ids, complete = pair.collect(pair.stub.Generate(ok))
