@@ -39,7 +39,8 @@ from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.engine.streams import make_event, make_stream, wait_event
-from common.request_rules import InvalidRequest, finish_reason, validate_prompt
+from common.engine.spec_sampling import SpecDraws
+from common.request_rules import finish_reason, validate_prompt
 from decode_service.decode_step import decode_step
 from decode_service.eagle_step import eagle_step
 from decode_service.finish_notes import FinishNotes
@@ -90,8 +91,6 @@ class DecodeScheduler:
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                on_output: OutputCallback | None = None) -> None:
         validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
-        if self.spec and not params.greedy:
-            raise InvalidRequest("temperature > 0 is not supported with speculative decoding yet (greedy only)")
         self._post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
 
     def deliver_handoff(self, handoff: Handoff) -> None:
@@ -293,12 +292,16 @@ class DecodeScheduler:
         spec = self.spec
         fence = fm.arm_publish(self.stream) if spec else None  # armed at submit (invariant 3)
         lanes = [(r.rid, r.prompt_len) for r in batch.reqs] if spec else None  # for the propose hook
+        draws = None if not spec or sampling.all_greedy else SpecDraws.build(  # lanes with temperature > 0
+            sampling.params, sampling.seeds, [s - r.prompt_len for s, r in zip(seq_lens_cpu, batch.reqs)],
+            spec.num_steps, runner.config.vocab_size)
 
         def forward():
             if hooks.before_forward:
                 hooks.before_forward(step)
             if spec:
-                tokens, accepted = eagle_step(runner, fm, indices, rows, seq_lens_cpu, spec.num_steps, fence, hooks, lanes)
+                tokens, accepted = eagle_step(runner, fm, indices, rows, seq_lens_cpu, spec.num_steps, fence, hooks, lanes,
+                                              draws)
                 result.accepted_cpu = accepted.to("cpu", non_blocking=True)
             else:
                 tokens = decode_step(runner, fm, indices, rows, seq_lens_cpu, seq_lens, sampling, positions)

@@ -91,19 +91,33 @@ class DraftRunner:
         return self.head(embeds, hidden.to(embeds.dtype), cos, sin, forward_batch, self.backend)
 
     @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits [T, draft vocabulary] (column j is target id `vocab_ids[j]`, or j)."""
+        if self.config.algorithm == "EAGLE3":
+            return self.head.lm_head(self.head.norm(hidden)).float()
+        if self.vocab_lm_head is None:
+            return self.target.model.compute_logits(hidden)
+        if self.vocab_lm_head.is_mkldnn:
+            return packed_linear.packed_linear(hidden, self.vocab_lm_head, None).float()
+        return torch.nn.functional.linear(hidden, self.vocab_lm_head).float()
+
+    def to_target_vocab(self, columns: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns (any shape) -> target token ids."""
+        return columns if self.vocab_ids is None else self.vocab_ids[columns]
+
+    def target_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the draft vocabulary [T, Vd] -> over the target's [T, V] (0 off the map)."""
+        if self.vocab_ids is None:
+            return draft_probs
+        full = draft_probs.new_zeros(draft_probs.shape[0], self.target.config.vocab_size)
+        return full.index_copy_(1, self.vocab_ids, draft_probs)
+
+    @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's k most likely next tokens [T, k] (probabilities over its draft vocabulary, target
         ids)."""
-        if self.config.algorithm == "EAGLE3":
-            logits = self.head.lm_head(self.head.norm(hidden)).float()
-        elif self.vocab_lm_head is None:
-            logits = self.target.model.compute_logits(hidden)
-        elif self.vocab_lm_head.is_mkldnn:
-            logits = packed_linear.packed_linear(hidden, self.vocab_lm_head, None).float()
-        else:
-            logits = torch.nn.functional.linear(hidden, self.vocab_lm_head).float()
-        probs, idx = torch.softmax(logits, dim=-1).topk(k, dim=-1)
-        return probs, idx if self.vocab_ids is None else self.vocab_ids[idx]
+        probs, idx = torch.softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
+        return probs, self.to_target_vocab(idx)
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:

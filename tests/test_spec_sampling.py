@@ -1,0 +1,110 @@
+"""Speculative sampling (temperature > 0 with EAGLE): the accept/reject rule reproduces the target
+distribution (and a broken rule is caught), and the decode step wires it up right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine import spec_sampling
+from common.engine.sampling import SamplingParams
+from decode_service.scheduler import SchedulerHooks
+from tests.decode_harness import Pair
+from tests.oracle import hf_greedy
+from tests.test_eagle import PROMPTS, _planted, _run, _spec, heads  # noqa: F401 (fixture)
+
+V, S, N = 6, 3, 200_000
+TV_BOUND = 0.01  # sampling noise at N draws on 6 ids is ~0.003
+
+
+def _dists(seed: int, top_p: float = 1.0):
+    """Target p_0..p_S and draft q_1..q_S (deliberately different), as filtered_probs makes them."""
+    g = torch.Generator().manual_seed(seed)
+    p_logits, q_logits = torch.randn(S + 1, V, generator=g) * 1.5, torch.randn(S, V, generator=g) * 1.5
+    one = torch.ones(1, 1)
+
+    def probs(logits):
+        return spec_sampling.filtered_probs(logits, one.expand(len(logits), 1), torch.full((len(logits), 1), V),
+                                            torch.full((len(logits), 1), top_p), 0 * one.expand(len(logits), 1))
+    return probs(p_logits), probs(q_logits)
+
+
+def _simulate(p, q, seed: int = 0):
+    """N independent verify steps with context-free distributions: (first token, second token or -1)."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.stack([torch.multinomial(q[k], N, replacement=True, generator=g) for k in range(S)], dim=1)
+    accepted, bonus = spec_sampling.verify_chain(p.expand(N, S + 1, V), q.expand(N, S, V), drafts,
+                                                 torch.rand(N, S, generator=g), torch.rand(N, S + 1, generator=g))
+    emitted = torch.cat([drafts, bonus[:, None]], dim=1)
+    emitted[torch.arange(N), accepted] = bonus
+    first = emitted[:, 0]
+    second = torch.where(accepted >= 1, emitted[:, 1], -1)
+    return first, second
+
+
+def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(samples[samples >= 0], minlength=V).double()
+    return 0.5 * (counts / counts.sum() - p.double()).abs().sum().item()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_rule_reproduces_the_target_distribution(top_p):
+    p, q = _dists(1, top_p)
+    first, second = _simulate(p, q)
+    assert _tv(first, p[0]) < TV_BOUND, _tv(first, p[0])
+    assert _tv(second, p[1]) < TV_BOUND, _tv(second, p[1])  # given d1 was accepted, token 2 ~ p_1
+    if top_p < 1:  # filtered-out ids are never emitted
+        assert (p[0][first] > 0).all()
+
+
+def test_a_broken_rule_is_caught(monkeypatch):
+    p, q = _dists(2)
+    real = spec_sampling.verify_chain
+
+    def bonus_from_p(p_, q_, drafts, u_accept, u_bonus):  # the classic bug: resample from p, not max(0, p - q)
+        accepted, _ = real(p_, q_, drafts, u_accept, u_bonus)
+        lanes = torch.arange(len(drafts))
+        return accepted, spec_sampling.draw(p_[lanes, accepted], u_bonus[lanes, accepted])
+    monkeypatch.setattr(spec_sampling, "verify_chain", bonus_from_p)
+    first, _ = _simulate(p, q)
+    assert _tv(first, p[0]) > 2 * TV_BOUND  # the check above fails on the broken rule
+
+
+def test_draws_depend_only_on_seed_and_position():
+    a = spec_sampling.SpecDraws.build([SamplingParams(temperature=0.7), SamplingParams()], [11, 12], [4, 9], S, 100)
+    b = spec_sampling.SpecDraws.build([SamplingParams(), SamplingParams(temperature=0.7)], [12, 11], [9, 4], S, 100)
+    assert a.lanes.tolist() == [0] and b.lanes.tolist() == [1]
+    assert torch.equal(a.u_draft, b.u_draft) and torch.equal(a.u_bonus, b.u_bonus)
+    assert spec_sampling.SpecDraws.build([SamplingParams()], [1], [0], S, 100) is None  # all greedy
+
+
+@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_top_k_1_sampling_through_eagle_is_greedy(checkpoint, heads, planted, overlap):
+    """top_k = 1 makes both distributions one-hot: the sampled path must give HF greedy exactly."""
+    path = checkpoint("llama")
+    hooks = SchedulerHooks(propose=_planted(path, wrong_after=2)[0]) if planted else None
+    pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=hooks)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9, top_k=1, seed=i) if i % 2 else
+              SamplingParams(max_new_tokens=20, ignore_eos=True) for i in range(len(PROMPTS))]
+    out = _run(pair, PROMPTS, params)
+    for i, p in enumerate(PROMPTS):
+        assert out[str(i)] == hf_greedy(path, p, 20), f"prompt {i}"
+    if planted:
+        accepted, _ = pair.scheduler.spec_stats
+        assert accepted > 0
+    pair.close()
+
+
+def test_seeded_sampling_with_eagle_is_reproducible(checkpoint, heads):
+    path = checkpoint("llama")
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7 + i)
+              for i in range(len(PROMPTS))]
+    runs = []
+    for overlap in (True, False):
+        pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE3"), "EAGLE3"))
+        runs.append(dict(_run(pair, PROMPTS, params)))
+        pair.close()
+    assert runs[0] == runs[1] and all(len(v) == 16 for v in runs[0].values())
+    greedy = {str(i): hf_greedy(path, p, 16) for i, p in enumerate(PROMPTS)}
+    assert runs[0] != greedy  # it did sample
