@@ -80,9 +80,10 @@ def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
     return dict(ttft_ms=1e3 * t1, tok_s=batch * (new_tokens - 1) / decode, itl_p50_ms=1e3 * itl, itl_p99_ms=1e3 * itl)
 
 
-def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, spec=None, stats: list | None = None) -> dict:
+def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, spec=None, stats: list | None = None,
+                    temperature: float = 0.0) -> dict:
     """Our decode scheduler + in-process prefill; with `spec` (SpecArgs) EAGLE is on, and `stats`
-    receives (drafts accepted, drafts proposed)."""
+    receives (drafts accepted, drafts proposed). temperature > 0 samples (request i seeded with i)."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
     from decode_service.scheduler import DecodeScheduler
@@ -108,10 +109,10 @@ def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, s
 
     sched.start()
     try:
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         submitted = []
         for i in range(batch):
             submitted.append(time.perf_counter())
+            params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, seed=i)
             sched.submit(str(i), prompt, params, on_output)
         for _ in range(batch):
             if not done.acquire(timeout=600):

@@ -26,10 +26,13 @@ DRAFT, ACCEPT, BONUS = 0x5D1A_F7C3_0000_0001, 0x5D1A_F7C3_0000_0002, 0x5D1A_F7C3
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+                   min_p: torch.Tensor, filters: bool = True) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] with temperature, then top-k / top-p / min-p (params [N, 1];
-    top_k >= V for off), renormalised; the most likely token always survives."""
+    top_k >= V for off), renormalised; the most likely token always survives. `filters=False`: no
+    row filters (temperature only), so no sort."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if not filters:
+        return probs
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
@@ -79,6 +82,7 @@ class SpecDraws:
     u_draft: torch.Tensor   # [R, S]
     u_accept: torch.Tensor  # [R, S]
     u_bonus: torch.Tensor   # [R, S+1]
+    filters: bool = True    # some lane has top-k / top-p / min-p
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_index: list[int],
@@ -96,13 +100,16 @@ class SpecDraws:
         return cls(torch.tensor(lanes), torch.tensor([[sp.temperature] for sp in ps]),
                    torch.tensor([[sp.top_k if sp.top_k > 0 else vocab_size] for sp in ps]),
                    torch.tensor([[sp.top_p] for sp in ps]), torch.tensor([[sp.min_p] for sp in ps]),
-                   table(DRAFT, num_steps, 1), table(ACCEPT, num_steps, 1), table(BONUS, num_steps + 1, 1))
+                   table(DRAFT, num_steps, 1), table(ACCEPT, num_steps, 1), table(BONUS, num_steps + 1, 1),
+                   any(sp.filtered for sp in ps))
 
     def to(self, device) -> "SpecDraws":
-        return SpecDraws(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+        moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        moved.update({f: t.to(device, non_blocking=True) for f, t in moved.items() if isinstance(t, torch.Tensor)})
+        return SpecDraws(**moved)
 
     def probs(self, logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         """Filtered probabilities of logits [R * repeat, V] (lane-major), each lane's params repeated."""
         expand = (lambda t: t.repeat_interleave(repeat, dim=0)) if repeat > 1 else (lambda t: t)
         return filtered_probs(logits, expand(self.temperature), expand(self.top_k), expand(self.top_p),
-                              expand(self.min_p))
+                              expand(self.min_p), self.filters)
