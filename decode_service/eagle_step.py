@@ -25,6 +25,14 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.spec_sampling import draw, verify_chain
+from decode_service.eagle_tree_step import eagle_tree_step
+
+
+def speculative_step(runner, fm, indices, rows, seq_lens_cpu, spec, fence, hooks=None, lanes=None, draws=None):
+    """The EAGLE step for these settings: a tree (topk > 1, greedy) or a chain."""
+    if spec.eagle_topk > 1:
+        return eagle_tree_step(runner, fm, indices, rows, seq_lens_cpu, spec, fence, hooks, lanes)
+    return eagle_step(runner, fm, indices, rows, seq_lens_cpu, spec.num_steps, fence, hooks, lanes, draws)
 
 
 def eagle_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu: list[int], num_steps: int,

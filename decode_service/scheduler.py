@@ -13,7 +13,7 @@ Life of a request (queues named as in the code):
      with EAGLE the draft seed and seq_lens; handoff_writes.py); the
      first token is streamed; seq_lens = prompt length; the batch merges into the running batch.
   5. overlap loop: build step N+1 (drop finished requests, merge prebuilt), launch its forward on the
-     forward stream (decode_step.py, or eagle_step.py with EAGLE), bump seq_lens (new tensors), and
+     forward stream (decode_step.py; with EAGLE eagle_step.py, chain or tree), bump seq_lens, and
      only then process step N's results: append tokens, stream, finish (EOS unless ignore_eos,
      stop_token_ids, max_new_tokens) and release. A request finished at N still rides in N+1; its
      result is skipped, never released twice. With EAGLE a step commits accept_len tokens per request
@@ -40,9 +40,9 @@ from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.engine.streams import make_event, make_stream, wait_event
 from common.engine.spec_sampling import SpecDraws
-from common.request_rules import finish_reason, validate_prompt
+from common.request_rules import InvalidRequest, finish_reason, validate_prompt
 from decode_service.decode_step import decode_step
-from decode_service.eagle_step import eagle_step
+from decode_service.eagle_step import speculative_step
 from decode_service.finish_notes import FinishNotes
 from decode_service.future_map import FutureMap
 from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
@@ -91,6 +91,9 @@ class DecodeScheduler:
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                on_output: OutputCallback | None = None) -> None:
         validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
+        if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
+            raise InvalidRequest("temperature > 0 with tree drafting (--speculative-eagle-topk > 1) is not supported; "
+                                 "speculative sampling runs with chain drafting (topk 1)")
         self._post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
 
     def deliver_handoff(self, handoff: Handoff) -> None:
@@ -300,8 +303,8 @@ class DecodeScheduler:
             if hooks.before_forward:
                 hooks.before_forward(step)
             if spec:
-                tokens, accepted = eagle_step(runner, fm, indices, rows, seq_lens_cpu, spec.num_steps, fence, hooks, lanes,
-                                              draws)
+                tokens, accepted = speculative_step(runner, fm, indices, rows, seq_lens_cpu, spec, fence, hooks, lanes,
+                                                    draws)
                 result.accepted_cpu = accepted.to("cpu", non_blocking=True)
             else:
                 tokens = decode_step(runner, fm, indices, rows, seq_lens_cpu, seq_lens, sampling, positions)

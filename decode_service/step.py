@@ -32,3 +32,5 @@ class SchedulerHooks:
     after_launch: Callable[[int], None] | None = None
     before_forward: Callable[[int], None] | None = None
     propose: Callable | None = None  # EAGLE: ([(rid, prompt_len)], seq_lens_cpu, drafts [B, S]) -> drafts to verify
+    # EAGLE tree: ([(rid, prompt_len)], seq_lens_cpu, node tokens, parent, depth [B, M]) -> node tokens to verify
+    propose_tree: Callable | None = None

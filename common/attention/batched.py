@@ -53,7 +53,7 @@ class BatchedBackend(AttentionBackend):
         table = self.req_to_token_pool.req_to_token
         device = table.device
         prefix, extend = forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu
-        seq = [p + n for p, n in zip(prefix, extend)]
+        seq = forward_batch.seq_lens_cpu
         batch, s_max, q_max = len(seq), max(seq), max(extend)
         seq_t = torch.tensor(seq, dtype=torch.int64).to(device, non_blocking=True)
         prefix_t = torch.tensor(prefix, dtype=torch.int64).to(device, non_blocking=True)
@@ -64,7 +64,14 @@ class BatchedBackend(AttentionBackend):
         # Query i of request b sits at position prefix_b + i; padded query rows (i >= extend_b) keep
         # key 0 visible so no softmax row is empty (their output is never read).
         q_pos = prefix_t[:, None] + torch.arange(q_max, device=device)[None, :]      # [B, Q]
-        self._mask = (in_seq[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])).unsqueeze(1)
+        if forward_batch.tree_mask is None:
+            self._mask = (in_seq[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])).unsqueeze(1)
+        else:  # the prefix for every query, then the tree block through tree_mask
+            tree = forward_batch.tree_mask
+            block = torch.zeros(batch, q_max, s_max, dtype=torch.bool, device=device)
+            cols = (prefix_t[:, None, None] + torch.arange(tree.shape[2], device=device)).expand(-1, q_max, -1)
+            block.scatter_(2, cols, tree)
+            self._mask = ((k_pos[None, None, :] < prefix_t[:, None, None]) | block).unsqueeze(1)
         self._batch, self._q_max = batch, q_max
         k0 = self.kv_pool.k[0]   # on CPU, faulting in fresh pages each layer costs more than the gather
         if k0.device.type == "cpu" and (self._scratch is None or self._scratch.shape[1] < batch * s_max):

@@ -24,15 +24,20 @@ class TorchReferenceBackend(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k[layer], self.kv_pool.v[layer]
         group = q.shape[1] // k_buf.shape[1]
         out = torch.empty_like(q)
-        start = 0
-        for slots, prefix, n in zip(self._kv_slots, forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu):
+        start, tree = 0, forward_batch.tree_mask
+        for b, (slots, prefix, n) in enumerate(zip(self._kv_slots, forward_batch.prefix_lens_cpu,
+                                                  forward_batch.extend_lens_cpu)):
             keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)      # [S, heads, d]
             values = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
             query = q[start:start + n]                                           # [n, heads, d]
             scores = torch.einsum("qhd,khd->hqk", query.float(), keys.float()) * scale
             q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]
             k_pos = torch.arange(slots.numel(), device=q.device)[None, :]
-            scores.masked_fill_(k_pos > q_pos, float("-inf"))
+            if tree is None:
+                hidden = k_pos > q_pos
+            else:  # the prefix, then the tree block through tree_mask
+                hidden = (k_pos >= prefix) & ~torch.nn.functional.pad(tree[b], (prefix, 0), value=True)
+            scores.masked_fill_(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
             start += n

@@ -26,8 +26,8 @@ class SpecArgs:
     algorithm: str | None = None        # None (off), "EAGLE" or "EAGLE3"
     draft_model_path: str | None = None
     num_steps: int = 3                  # draft tokens proposed per step (a chain of num_steps)
-    eagle_topk: int = 1                 # 1: chain drafting (tree drafting comes later)
-    num_draft_tokens: int = 4           # tokens one verify covers: the bonus token + the drafts
+    eagle_topk: int = 1                 # 1: chain drafting; > 1: tree drafting (K branches per step)
+    num_draft_tokens: int = 4           # tokens one verify covers: the bonus token + the drafts (tree nodes)
     token_map: str | None = None        # EAGLE: a JSON list of "hot" token ids the head drafts from
 
     def validate(self) -> None:
@@ -37,17 +37,27 @@ class SpecArgs:
             raise ValueError("--speculative-algorithm needs --speculative-draft-model-path")
         if self.num_steps < 1:
             raise ValueError(f"--speculative-num-steps must be >= 1, got {self.num_steps}")
-        if self.eagle_topk != 1:
-            raise ValueError(f"--speculative-eagle-topk {self.eagle_topk}: only 1 (chain drafting) is supported")
-        if self.num_draft_tokens != self.num_steps + 1:
+        if self.eagle_topk < 1:
+            raise ValueError(f"--speculative-eagle-topk must be >= 1, got {self.eagle_topk}")
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
             raise ValueError(f"--speculative-num-draft-tokens must be num_steps + 1 = {self.num_steps + 1} for "
-                             f"chain drafting, got {self.num_draft_tokens}")
+                             f"chain drafting (--speculative-eagle-topk 1), got {self.num_draft_tokens}")
+        k, most = self.eagle_topk, 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk ** 2
+        if k > 1 and not 2 <= self.num_draft_tokens <= most:
+            raise ValueError(f"--speculative-num-draft-tokens must be in [2, {most}] for a tree of topk {k} and "
+                             f"{self.num_steps} steps (root + candidates), got {self.num_draft_tokens}")
+
+    @property
+    def window(self) -> int:
+        """Positions past the committed length one step writes: the verify's tokens (tree nodes), the
+        tree's draft scratch entries, and the draft extend over num_steps + 1 positions."""
+        return max(self.num_draft_tokens, (self.num_steps - 1) * self.eagle_topk, self.num_steps + 1)
 
     @property
     def extra_slots(self) -> int:
-        """KV positions a request may write past prompt + max_new_tokens: a verify of num_draft_tokens
-        from its last committed length, and one more step if it finished while the next was in flight."""
-        return 0 if self.algorithm is None else 2 * self.num_draft_tokens
+        """KV positions a request may write past prompt + max_new_tokens: one step's window from its
+        last committed length, and one more step if it finished while the next was in flight."""
+        return 0 if self.algorithm is None else 2 * self.window
 
 
 class DraftRunner:

@@ -6,6 +6,10 @@ a prompt). DECODE runs one new token per request (prefix = committed length). In
 `seq_lens[i] = prefix_lens[i] + extend_lens[i]` is the KV length attention sees after this forward
 writes its tokens, and `out_cache_loc` are the KV slots those tokens are written to, read from the
 request's ReqToTokenPool row (its KV slots are reserved before the forward is built).
+
+A TREE forward (EAGLE tree drafting and verify, `ForwardBatch.tree`) is an EXTEND whose queries see
+the prefix plus a block of E positions after it through `tree_mask` [B, Q, E] instead of causally
+(each node sees its ancestors and itself); its tokens sit at explicit block offsets and positions.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     req_pool_indices_cpu: list[int]  # host copy, so backends need no device sync
+    tree_mask: torch.Tensor | None = None  # TREE: [B, Q, E] bool, query i may see block position j
 
     @property
     def batch_size(self) -> int:
@@ -40,7 +45,30 @@ class ForwardBatch:
 
     @property
     def seq_lens_cpu(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+        """KV length each request's queries can see (prefix + new tokens, or prefix + the tree block)."""
+        block = self.tree_mask.shape[2] if self.tree_mask is not None else None
+        return [p + (block if block is not None else e) for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+    @classmethod
+    def tree(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, req_pool_indices_cpu: list[int],
+             prefix_lens: list[int], input_ids: torch.Tensor, depths: torch.Tensor, offsets: list[int],
+             tree_mask: torch.Tensor) -> "ForwardBatch":
+        """Q = len(offsets) tokens per request written at block positions prefix + offsets, each at
+        position prefix + depth (`depths` [B, Q], device); query i attends to the prefix and to the
+        block positions j where tree_mask[b, i, j] ([B, Q, E]). Every token gets logits."""
+        device = req_to_token.device
+        batch, q = len(prefix_lens), len(offsets)
+        prefix = torch.tensor(prefix_lens, dtype=torch.int64)
+        rows = torch.tensor(req_pool_indices_cpu).repeat_interleave(q).to(device)
+        write_pos = (prefix[:, None] + torch.tensor(offsets)[None, :]).flatten().to(device)
+        return cls(
+            mode=ForwardMode.EXTEND, input_ids=input_ids.to(device, torch.int64),
+            positions=(prefix.to(device)[:, None] + depths.to(device)).flatten(),
+            req_pool_indices=req_pool_indices.to(device, torch.int64),
+            seq_lens=(prefix + tree_mask.shape[2]).to(device), out_cache_loc=req_to_token[rows, write_pos].to(torch.int64),
+            logits_indices=torch.arange(batch * q, device=device), prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=[q] * batch, req_pool_indices_cpu=list(req_pool_indices_cpu),
+            tree_mask=tree_mask.to(device))
 
     @classmethod
     def extend(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], prefix_lens: list[int],

@@ -1,0 +1,136 @@
+"""One EAGLE tree step (topk > 1), run as work on the forward stream: greedy tree drafting and verify.
+
+For a batch with committed lengths n, per request a pending bonus token b (at position n, not in KV
+yet) and the head's seed hidden, with K = topk, S = num_steps, M = num_draft_tokens:
+  1. draft: the seed's top-K tokens are depth 1 (the frontier). Each of S - 1 head forwards runs the
+     K frontier nodes at once (TREE forward: each sees the committed head KV and its own ancestors'
+     scratch entries, written at positions n + (depth-1)*K + branch), expands K children each with
+     score = parent score * head probability, and keeps the best K children as the next frontier;
+  2. the tree: the root b plus the M - 1 best candidates by score (a parent always scores at least
+     its child, so the pick is a tree), ordered parents first; node i sits at block position n + i
+     and rope position n + depth(i);
+  3. verify: one target TREE forward over the M nodes (each sees the prefix and its ancestors);
+  4. accept (greedy): walk from the root through children whose token equals the target argmax at
+     their parent; A = depth of the deepest node reached; the bonus is the target argmax there;
+  5. publish new_seq_lens = n + A + 1 through the FutureMap (sets this step's publish_ready fence);
+  6. move the accepted path's target KV from its node slots to positions n+1..n+A, so committed KV
+     stays contiguous in req_to_token;
+  7. draft extend over positions n..n+S with the path's tokens and target features (as the chain
+     does); the head's output at n+A is the next seed; stash the bonus and the seed at the rows.
+Static shapes throughout (every request drafts and verifies the same tree size); tokens [B, S+1] and
+A [B] go to the host behind the results-ready fence, as for a chain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+
+
+def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, topk: int):
+    """Step 1: every candidate (token, score, parent candidate or -1 for the root) in level order."""
+    batch, k = len(rows), topk
+    probs, ids = draft.topk(hidden, k)                                   # depth 1: [B, K]
+    tokens, scores, parents = [ids], [probs], [torch.full_like(ids, -1)]
+    front_idx = torch.arange(k, device=ids.device).expand(batch, k)      # candidate index of each branch
+    front_tok, front_score = ids, probs
+    front_hidden = hidden.repeat_interleave(k, dim=0)                    # [B*K, H]
+    width = max(k, (num_steps - 1) * k)
+    ancestry = torch.zeros(batch, k, width, dtype=torch.bool, device=ids.device)  # scratch entries seen
+    ancestry[:, torch.arange(k), torch.arange(k)] = True
+    offset = k                                                           # candidates so far
+    for depth in range(1, num_steps):
+        fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, front_tok.flatten(),
+                               torch.full((batch, k), depth - 1, dtype=torch.int64),
+                               [(depth - 1) * k + j for j in range(k)], ancestry[:, :, :depth * k])
+        h = draft.forward(fb, front_hidden)                              # [B*K, H]
+        p, t = draft.topk(h, k)
+        child_scores = (front_score[:, :, None] * p.view(batch, k, k)).view(batch, k * k)
+        tokens.append(t.view(batch, k * k))
+        scores.append(child_scores)
+        parents.append(front_idx.repeat_interleave(k, dim=1))
+        if depth == num_steps - 1:
+            break
+        front_score, pick = child_scores.topk(k, dim=1)                  # the next frontier
+        branch = pick // k
+        front_idx = offset + pick
+        front_tok = t.view(batch, k * k).gather(1, pick)
+        front_hidden = h.view(batch, k, -1).gather(1, branch[..., None].expand(-1, -1, h.shape[-1])).flatten(0, 1)
+        ancestry = ancestry.gather(1, branch[..., None].expand(-1, -1, width)).clone()
+        ancestry[:, torch.arange(k), depth * k + torch.arange(k)] = True
+        offset += k * k
+    return torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+
+
+def _build_tree(tokens, scores, parents, bonus, num_nodes: int, topk: int):
+    """Step 2: node tokens, parent node, depth [B, M] and the ancestor-or-self mask [B, M, M]."""
+    batch, device = tokens.shape[0], tokens.device
+    sel = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_nodes - 1]
+    sel = torch.sort(sel, dim=1).values                                  # level order: parents first
+    level = torch.cat([torch.zeros(topk, dtype=torch.int64)] +
+                      [torch.full((topk * topk,), d) for d in range(1, (tokens.shape[1] - topk) // (topk * topk) + 1)])
+    node_of = torch.zeros_like(scores, dtype=torch.int64).scatter_(
+        1, sel, torch.arange(1, num_nodes, device=device).expand(batch, -1))
+    cand_parent = parents.gather(1, sel)
+    parent = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device),
+                        torch.where(cand_parent < 0, 0, node_of.gather(1, cand_parent.clamp(min=0)))], dim=1)
+    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), level.to(device)[sel] + 1], dim=1)
+    node_tokens = torch.cat([bonus[:, None], tokens.gather(1, sel)], dim=1)
+    eye = torch.eye(num_nodes, dtype=torch.bool, device=device)
+    anc = eye.expand(batch, -1, -1).clone()
+    lanes = torch.arange(batch, device=device)
+    for i in range(1, num_nodes):                                        # parents come first
+        anc[:, i] = anc[lanes, parent[:, i]] | eye[i]
+    return node_tokens, parent, depth, anc
+
+
+def eagle_tree_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu: list[int], spec, fence,
+                    hooks=None, lanes: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits tokens[i, :A+1]."""
+    draft, table, batch = runner.draft, runner.req_to_token_pool.req_to_token, len(rows)
+    steps, k, m = spec.num_steps, spec.eagle_topk, spec.num_draft_tokens
+    device = indices.device
+    bonus = fm.gather_tokens(indices)
+    _, hidden = fm.gather_draft(indices)
+    cand = _expand(draft, table, indices, rows, seq_lens_cpu, hidden, steps, k)           # 1.
+    node_tokens, parent, depth, anc = _build_tree(*cand, bonus, m, k)                    # 2.
+    if hooks is not None and hooks.propose_tree is not None:                               # tests: plant a path
+        node_tokens = hooks.propose_tree(lanes, seq_lens_cpu, node_tokens, parent, depth)
+    fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
+    logits, features = runner.forward_features(fb)                                         # 3.
+    target = logits.argmax(-1).view(batch, m)
+    lanes_t = torch.arange(batch, device=device)
+    reach = torch.zeros(batch, m, dtype=torch.bool, device=device)                         # 4.
+    reach[:, 0] = True
+    for i in range(1, m):
+        reach[:, i] = reach[lanes_t, parent[:, i]] & (node_tokens[:, i] == target[lanes_t, parent[:, i]])
+    last = (reach * (depth + 1)).argmax(dim=1)
+    accepted = depth[lanes_t, last]
+    committed = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=device)
+    fm.publish_seq_lens(indices, committed + accepted + 1, fence)                         # 5.
+    on_path = anc[lanes_t, last]                                                           # [B, M]
+    levels = torch.arange(steps + 1, device=device)
+    path = ((depth[:, None, :] == levels[None, :, None]) & on_path[:, None, :]).to(torch.int64).argmax(-1)  # [B, S+1]
+    tokens = torch.cat([node_tokens.gather(1, path[:, 1:]), node_tokens[:, :1]], dim=1)
+    tokens[lanes_t, accepted] = target[lanes_t, last]
+    _move_path_kv(runner.kv_pool, table, indices, committed, path, accepted)              # 6.
+    feats = features.view(batch, m, -1).gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+    extend = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, tokens.flatten(), steps + 1)
+    out = draft.forward(extend, feats.flatten(0, 1)).view(batch, steps + 1, -1)           # 7.
+    seed_hidden = out[lanes_t, accepted]
+    fm.stash_tokens(indices, tokens[lanes_t, accepted])
+    fm.stash_draft(indices, draft.topk(seed_hidden, 1)[1][:, 0], seed_hidden)
+    return tokens, accepted
+
+
+def _move_path_kv(pool, table, indices, committed, path, accepted) -> None:
+    """Target KV of path node at depth d (block position n + path[d]) -> position n + d, for d <= A."""
+    depths = torch.arange(1, path.shape[1], device=path.device)[None, :]
+    src_pos = committed[:, None] + torch.where(depths <= accepted[:, None], path[:, 1:], depths)
+    dst_pos = committed[:, None] + depths
+    row = indices[:, None].expand_as(dst_pos)
+    src, dst = table[row, src_pos].flatten().to(torch.int64), table[row, dst_pos].flatten().to(torch.int64)
+    for layer in range(len(pool.k)):
+        pool.k[layer][dst] = pool.k[layer][src]
+        pool.v[layer][dst] = pool.v[layer][src]
