@@ -1,6 +1,7 @@
 """EAGLE vs plain decode on a real model, in one run: decode tokens/s at batch 1 and 16, accept length.
 
-    python -m bench.spec_bench --head DIR [--algorithm EAGLE] [--batch-sizes 1,16] [--num-steps 3]
+    python -m bench.spec_bench --head DIR [--algorithm EAGLE] [--batch-sizes 1,16] [--num-steps 3] [--topk 4
+        --num-draft-tokens 8]
         [--new-tokens 64] [--repeats 3] [--model-path DIR] [--threads 2]
 
 Our decode scheduler with in-process prefill (bench.serving_bench.bench_inprocess), greedy (or
@@ -26,6 +27,8 @@ def main(argv=None) -> None:
     p.add_argument("--algorithm", default="EAGLE", choices=["EAGLE", "EAGLE3"])
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--topk", type=int, default=1, help="--speculative-eagle-topk (> 1: tree drafting)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tree nodes verified (default num_steps + 1)")
     p.add_argument("--token-map", default=None, help="--speculative-token-map (hot token ids to draft from)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -35,8 +38,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.model_path, prompt = chat_prompt(args.model_path)
-    spec = SpecArgs(args.algorithm, args.head, args.num_steps, 1, args.num_steps + 1, args.token_map)
+    spec = SpecArgs(args.algorithm, args.head, args.num_steps, args.topk, args.num_draft_tokens or args.num_steps + 1,
+                    args.token_map)
     print(f"# {os.path.basename(args.model_path)}, head {args.head}, {args.algorithm} num_steps {args.num_steps}, "
+          f"topk {spec.eagle_topk}, draft tokens {spec.num_draft_tokens}, "
           f"token map {args.token_map}, temperature {args.temperature}, "
           f"prompt {len(prompt)} tokens, {args.new_tokens} new tokens, {args.threads} threads", flush=True)
     print("| B | plain tok/s | EAGLE tok/s | speed-up | mean accept length |\n| --- | --- | --- | --- | --- |")
