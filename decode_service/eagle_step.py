@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.host_copy import to_device
 from common.engine.spec_sampling import draw, verify_chain
 from decode_service.eagle_tree_step import eagle_tree_step
 
@@ -73,7 +74,7 @@ def eagle_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu:
         picked[torch.arange(len(draws.lanes), device=indices.device), n_ok] = extra
         target = target.index_copy(0, draws.lanes, picked)
         accepted = accepted.index_copy(0, draws.lanes, n_ok)
-    committed = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=indices.device)
+    committed = to_device(seq_lens_cpu, indices.device, torch.int64)
     fm.publish_seq_lens(indices, committed + accepted + 1, fence)   # 4.
     extend = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, target.flatten(), num_steps + 1)
     out = draft.forward(extend, features).view(batch, num_steps + 1, -1)  # 5.

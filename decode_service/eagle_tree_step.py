@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.host_copy import to_device
 
 
 def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, topk: int):
@@ -37,12 +38,14 @@ def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, t
     front_tok, front_score = ids, probs
     front_hidden = hidden.repeat_interleave(k, dim=0)                    # [B*K, H]
     width = max(k, (num_steps - 1) * k)
-    ancestry = torch.zeros(batch, k, width, dtype=torch.bool, device=ids.device)  # scratch entries seen
-    ancestry[:, torch.arange(k), torch.arange(k)] = True
+    device = ids.device
+    ancestry = torch.zeros(batch, k, width, dtype=torch.bool, device=device)  # scratch entries seen
+    branches = torch.arange(k, device=device)
+    ancestry[:, branches, branches] = True
     offset = k                                                           # candidates so far
     for depth in range(1, num_steps):
         fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, front_tok.flatten(),
-                               torch.full((batch, k), depth - 1, dtype=torch.int64),
+                               torch.full((batch, k), depth - 1, dtype=torch.int64, device=device),
                                [(depth - 1) * k + j for j in range(k)], ancestry[:, :, :depth * k])
         h = draft.forward(fb, front_hidden)                              # [B*K, H]
         p, t = draft.topk(h, k)
@@ -58,7 +61,7 @@ def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, t
         front_tok = t.view(batch, k * k).gather(1, pick)
         front_hidden = h.view(batch, k, -1).gather(1, branch[..., None].expand(-1, -1, h.shape[-1])).flatten(0, 1)
         ancestry = ancestry.gather(1, branch[..., None].expand(-1, -1, width)).clone()
-        ancestry[:, torch.arange(k), depth * k + torch.arange(k)] = True
+        ancestry[:, branches, depth * k + branches] = True
         offset += k * k
     return torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
 
@@ -68,14 +71,15 @@ def _build_tree(tokens, scores, parents, bonus, num_nodes: int, topk: int):
     batch, device = tokens.shape[0], tokens.device
     sel = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_nodes - 1]
     sel = torch.sort(sel, dim=1).values                                  # level order: parents first
-    level = torch.cat([torch.zeros(topk, dtype=torch.int64)] +
-                      [torch.full((topk * topk,), d) for d in range(1, (tokens.shape[1] - topk) // (topk * topk) + 1)])
+    level = torch.cat([torch.zeros(topk, dtype=torch.int64, device=device)] +
+                      [torch.full((topk * topk,), d, dtype=torch.int64, device=device)
+                       for d in range(1, (tokens.shape[1] - topk) // (topk * topk) + 1)])
     node_of = torch.zeros_like(scores, dtype=torch.int64).scatter_(
         1, sel, torch.arange(1, num_nodes, device=device).expand(batch, -1))
     cand_parent = parents.gather(1, sel)
     parent = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device),
                         torch.where(cand_parent < 0, 0, node_of.gather(1, cand_parent.clamp(min=0)))], dim=1)
-    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), level.to(device)[sel] + 1], dim=1)
+    depth = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), level[sel] + 1], dim=1)
     node_tokens = torch.cat([bonus[:, None], tokens.gather(1, sel)], dim=1)
     eye = torch.eye(num_nodes, dtype=torch.bool, device=device)
     anc = eye.expand(batch, -1, -1).clone()
@@ -107,7 +111,7 @@ def eagle_tree_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens
         reach[:, i] = reach[lanes_t, parent[:, i]] & (node_tokens[:, i] == target[lanes_t, parent[:, i]])
     last = (reach * (depth + 1)).argmax(dim=1)
     accepted = depth[lanes_t, last]
-    committed = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=device)
+    committed = to_device(seq_lens_cpu, device, torch.int64)
     fm.publish_seq_lens(indices, committed + accepted + 1, fence)                         # 5.
     on_path = anc[lanes_t, last]                                                           # [B, M]
     levels = torch.arange(steps + 1, device=device)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.host_copy import to_device
 from common.engine.streams import wait_event
 
 
@@ -64,7 +65,7 @@ class FutureMap:
     def seed_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """A prebuilt batch's rows: their seq_lens as if published (stream work, no fence needed: the
         schedule side knows them from the handoff)."""
-        self.new_seq_lens[indices.to(self.device)] = seq_lens.to(self.device, torch.int64)
+        self.new_seq_lens[to_device(indices, self.device)] = to_device(seq_lens, self.device, torch.int64)
 
     def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, fence: "PublishReady") -> None:
         """Write new seq_lens, then set `fence` (the publish_ready armed for this step at submit).

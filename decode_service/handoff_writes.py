@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.handoff import Handoff
+from common.engine.host_copy import to_device
 
 
 def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list,
@@ -16,9 +17,9 @@ def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, laye
     loc = kv_slots[token_start:token_start + k[0].shape[0]]
 
     def write():
-        dev_loc = loc.to(pool.device)
+        dev_loc = to_device(loc, pool.device)
         for i, (kt, vt) in enumerate(zip(k, v)):
-            pool.write(layer_start + i, dev_loc, kt.to(pool.device), vt.to(pool.device))
+            pool.write(layer_start + i, dev_loc, to_device(kt, pool.device), to_device(vt, pool.device))
     stream.submit(write)
 
 
@@ -30,18 +31,19 @@ def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tenso
 
     def write():
         runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
-        loc = kv_slots[:handoff.prompt_len].to(runner.device)
+        loc = to_device(kv_slots[:handoff.prompt_len], runner.device)
         if handoff.k is not None:
             for layer in range(runner.config.num_layers):
-                runner.kv_pool.write(layer, loc, handoff.k[layer].to(runner.device), handoff.v[layer].to(runner.device))
-        dev_row = row.to(fm.device)
+                runner.kv_pool.write(layer, loc, to_device(handoff.k[layer], runner.device),
+                                     to_device(handoff.v[layer], runner.device))
+        dev_row = to_device(row, fm.device)
         fm.reset_rows(dev_row)
-        fm.stash_tokens(dev_row, first.to(fm.device))
+        fm.stash_tokens(dev_row, to_device(first, fm.device))
         if runner.draft is not None:
             if handoff.draft_k is not None:
-                runner.draft.kv_pool.write(0, loc, handoff.draft_k[0].to(runner.device),
-                                           handoff.draft_v[0].to(runner.device))
-            fm.stash_draft(dev_row, handoff.draft_topk_ids[:1].to(fm.device),
-                           handoff.draft_hidden[None].to(fm.device, fm.draft_hidden.dtype))
-            fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))
+                runner.draft.kv_pool.write(0, loc, to_device(handoff.draft_k[0], runner.device),
+                                           to_device(handoff.draft_v[0], runner.device))
+            fm.stash_draft(dev_row, to_device(handoff.draft_topk_ids[:1], fm.device),
+                           to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype))
+            fm.seed_seq_lens(dev_row, to_device([handoff.prompt_len], fm.device, torch.int64))
     stream.submit(write)

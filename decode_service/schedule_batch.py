@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.host_copy import to_device
 from common.engine.sampling import SamplingBatch
 from decode_service.req import DecodeReq
 
@@ -20,9 +21,9 @@ class ScheduleBatch:
         self.reqs = reqs
         self.device = device
         self.req_pool_indices_cpu = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        self.req_pool_indices = self.req_pool_indices_cpu.to(device)
+        self.req_pool_indices = to_device(self.req_pool_indices_cpu, device)
         self.seq_lens_cpu = seq_lens_cpu.to(torch.int64)
-        self.seq_lens = self.seq_lens_cpu.to(device)
+        self.seq_lens = to_device(self.seq_lens_cpu, device)
 
     @classmethod
     def empty(cls, device: torch.device) -> "ScheduleBatch":
@@ -50,7 +51,7 @@ class ScheduleBatch:
     def set_seq_lens(self, seq_lens_cpu: torch.Tensor) -> None:
         """EAGLE: the lengths resolved from the last step's publish (new tensors; never in place)."""
         self.seq_lens_cpu = seq_lens_cpu.to(torch.int64)
-        self.seq_lens = self.seq_lens_cpu.to(self.device)
+        self.seq_lens = to_device(self.seq_lens_cpu, self.device)
 
     def bump(self) -> None:
         """Every request committed one more token (new tensors; never in place)."""
@@ -65,9 +66,9 @@ class ScheduleBatch:
         idx = torch.tensor(keep, dtype=torch.int64)
         out.reqs, out.device = [self.reqs[i] for i in keep], self.device
         out.req_pool_indices_cpu = self.req_pool_indices_cpu[idx]
-        out.req_pool_indices = self.req_pool_indices[idx.to(self.device)]
+        out.req_pool_indices = self.req_pool_indices[to_device(idx, self.device)]
         out.seq_lens_cpu = self.seq_lens_cpu[idx]
-        out.seq_lens = self.seq_lens[idx.to(self.device)]
+        out.seq_lens = self.seq_lens[to_device(idx, self.device)]
         return out
 
     def merge(self, other: "ScheduleBatch") -> "ScheduleBatch":

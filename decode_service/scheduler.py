@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from common.engine.handoff import Handoff, HandoffRequest
+from common.engine.host_copy import to_device
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.engine.streams import make_event, make_stream, wait_event
@@ -92,8 +93,7 @@ class DecodeScheduler:
                on_output: OutputCallback | None = None) -> None:
         validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
         if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
-            raise InvalidRequest("temperature > 0 with tree drafting (--speculative-eagle-topk > 1) is not supported; "
-                                 "speculative sampling runs with chain drafting (topk 1)")
+            raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
         self._post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
 
     def deliver_handoff(self, handoff: Handoff) -> None:
@@ -370,7 +370,7 @@ class DecodeScheduler:
         if req.kv_slots is not None:
             self.runner.kv_allocator.free(req.kv_slots)
             self.runner.req_to_token_pool.free(req.req_pool_idx)
-            row = torch.tensor([req.req_pool_idx], dtype=torch.int64, device=self.future_map.device)
+            row = to_device([req.req_pool_idx], self.future_map.device, torch.int64)
             self.stream.submit(lambda: self.future_map.reset_rows(row))
             req.kv_slots, req.req_pool_idx = None, 0
         req.state = ReqState.FINISHED

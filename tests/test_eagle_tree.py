@@ -130,6 +130,6 @@ def test_tree_settings_are_checked(checkpoint, heads):
     with pytest.raises(ValueError, match="num-draft-tokens"):
         _tree_spec(heads(path, "EAGLE"), "EAGLE", 2, 2, 8).validate()  # at most 1 + 2 + 4 nodes
     pair = Pair(path, spec=_tree_spec(heads(path, "EAGLE"), "EAGLE", 2, 2, 4))
-    with pytest.raises(InvalidRequest, match="tree drafting"):
+    with pytest.raises(InvalidRequest, match="chain drafting"):
         pair.submit("t", [5, 6], SamplingParams(temperature=0.7))
     pair.close()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from common.attention.base import AttentionBackend
 from common.engine.forward_batch import ForwardBatch
+from common.engine.host_copy import to_device
 
 
 def _probe_enable_gqa() -> bool:
@@ -55,9 +56,9 @@ class BatchedBackend(AttentionBackend):
         prefix, extend = forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu
         seq = forward_batch.seq_lens_cpu
         batch, s_max, q_max = len(seq), max(seq), max(extend)
-        seq_t = torch.tensor(seq, dtype=torch.int64).to(device, non_blocking=True)
-        prefix_t = torch.tensor(prefix, dtype=torch.int64).to(device, non_blocking=True)
-        rows = torch.tensor(forward_batch.req_pool_indices_cpu, dtype=torch.int64).to(device, non_blocking=True)
+        seq_t = to_device(seq, device, torch.int64)
+        prefix_t = to_device(prefix, device, torch.int64)
+        rows = to_device(forward_batch.req_pool_indices_cpu, device, torch.int64)
         k_pos = torch.arange(s_max, device=device)
         in_seq = k_pos[None, :] < seq_t[:, None]                                      # [B, S]
         self._slots = torch.where(in_seq, table[rows, :s_max], 0).to(torch.int64).view(-1)  # [B*S]
@@ -81,7 +82,7 @@ class BatchedBackend(AttentionBackend):
             lens = torch.tensor(extend)
             first = torch.cumsum(lens, 0) - lens                                     # packed start of each req
             shift = (torch.arange(batch) * q_max - first).repeat_interleave(lens)    # packed -> padded row
-            self._flat = (torch.arange(int(lens.sum())) + shift).to(device, non_blocking=True)  # [T]
+            self._flat = to_device(torch.arange(int(lens.sum())) + shift, device)  # [T]
 
     def forward(self, q, k, v, layer, forward_batch, scale):
         self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.host_copy import to_device
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"
@@ -59,16 +61,17 @@ class ForwardBatch:
         device = req_to_token.device
         batch, q = len(prefix_lens), len(offsets)
         prefix = torch.tensor(prefix_lens, dtype=torch.int64)
-        rows = torch.tensor(req_pool_indices_cpu).repeat_interleave(q).to(device)
-        write_pos = (prefix[:, None] + torch.tensor(offsets)[None, :]).flatten().to(device)
+        rows = to_device(torch.tensor(req_pool_indices_cpu).repeat_interleave(q), device)
+        write_pos = to_device((prefix[:, None] + torch.tensor(offsets)[None, :]).flatten(), device)
         return cls(
             mode=ForwardMode.EXTEND, input_ids=input_ids.to(device, torch.int64),
-            positions=(prefix.to(device)[:, None] + depths.to(device)).flatten(),
+            positions=(to_device(prefix, device)[:, None] + to_device(depths, device)).flatten(),
             req_pool_indices=req_pool_indices.to(device, torch.int64),
-            seq_lens=(prefix + tree_mask.shape[2]).to(device), out_cache_loc=req_to_token[rows, write_pos].to(torch.int64),
+            seq_lens=to_device(prefix + tree_mask.shape[2], device),
+            out_cache_loc=req_to_token[rows, write_pos].to(torch.int64),
             logits_indices=torch.arange(batch * q, device=device), prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=[q] * batch, req_pool_indices_cpu=list(req_pool_indices_cpu),
-            tree_mask=tree_mask.to(device))
+            tree_mask=to_device(tree_mask, device))
 
     @classmethod
     def extend(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], prefix_lens: list[int],
@@ -103,13 +106,13 @@ class ForwardBatch:
         `input_ids` [B * length] may be a device tensor made by the forward itself (no host sync);
         every token gets logits."""
         device = req_to_token.device
-        positions = (torch.tensor(prefix_lens)[:, None] + torch.arange(length)[None, :]).flatten().to(device)
-        rows = torch.tensor(req_pool_indices_cpu).repeat_interleave(length).to(device)
+        positions = to_device((torch.tensor(prefix_lens)[:, None] + torch.arange(length)[None, :]).flatten(), device)
+        rows = to_device(torch.tensor(req_pool_indices_cpu).repeat_interleave(length), device)
         batch = len(prefix_lens)
         return cls(
             mode=ForwardMode.EXTEND, input_ids=input_ids.to(device, torch.int64), positions=positions,
             req_pool_indices=req_pool_indices.to(device, torch.int64),
-            seq_lens=torch.tensor([p + length for p in prefix_lens], dtype=torch.int64, device=device),
+            seq_lens=to_device([p + length for p in prefix_lens], device, torch.int64),
             out_cache_loc=req_to_token[rows, positions].to(torch.int64),
             logits_indices=torch.arange(batch * length, device=device),
             prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=[length] * batch,
@@ -120,18 +123,19 @@ class ForwardBatch:
                input_ids: torch.Tensor, seq_lens: torch.Tensor | None = None,
                req_pool_indices_cpu: list[int] | None = None) -> "ForwardBatch":
         """One new token per request at position = committed length (`seq_lens_cpu`, and its device
-        mirror `seq_lens` if the caller has one; it is only read). `input_ids` may be a device tensor
-        produced by the previous forward (no host sync here).
+        mirror `seq_lens` if the caller has one; it is only read: `positions` is a copy, so nothing the
+        forward does can reach the caller's tensor). `input_ids` may be a device tensor produced by
+        the previous forward (no host sync here).
         """
         device = req_to_token.device
         req_pool_indices = req_pool_indices.to(device, torch.int64)
         if seq_lens is None:
-            seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=device)
+            seq_lens = to_device(seq_lens_cpu, device, torch.int64)
         batch = len(seq_lens_cpu)
         return cls(
             mode=ForwardMode.DECODE,
             input_ids=input_ids.to(device, torch.int64),
-            positions=seq_lens,
+            positions=seq_lens.clone(),
             req_pool_indices=req_pool_indices,
             seq_lens=seq_lens + 1,
             out_cache_loc=req_to_token[req_pool_indices, seq_lens].to(torch.int64),

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.host_copy import to_device
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -100,18 +102,18 @@ class SamplingBatch:
         if key not in self._tensors:
             ps = [self.params[i] for i in rows]
             self._tensors[key] = (
-                torch.tensor(rows, device=device),
-                torch.tensor([p.temperature for p in ps], device=device)[:, None],
-                torch.tensor([p.top_k if p.top_k > 0 else 1 << 62 for p in ps], device=device)[:, None],
-                torch.tensor([p.top_p for p in ps], device=device)[:, None],
-                torch.tensor([p.min_p for p in ps], device=device)[:, None])
+                to_device(rows, device),
+                to_device([[p.temperature] for p in ps], device),
+                to_device([[p.top_k if p.top_k > 0 else 1 << 62] for p in ps], device),
+                to_device([[p.top_p] for p in ps], device),
+                to_device([[p.min_p] for p in ps], device))
         return self._tensors[key]
 
     def _draw(self, logits, tokens, rows, positions, filters: bool) -> None:
         idx, temperature, top_k, top_p, min_p = self._row_tensors(rows, filters, logits.device)
         sub = logits[idx].float()
         probs = torch.softmax(sub / temperature, dim=-1)
-        u = torch.tensor([uniform(self.seeds[i], positions[i]) for i in rows], device=logits.device, dtype=probs.dtype)
+        u = to_device([uniform(self.seeds[i], positions[i]) for i in rows], logits.device, probs.dtype)
         last = sub.shape[1] - 1
         if not filters:
             cdf = torch.cumsum(probs, dim=-1)

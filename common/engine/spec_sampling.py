@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.host_copy import to_device
 from common.engine.sampling import SamplingParams, uniform
 
 # Purposes of a uniform draw, mixed into the request's seed (any distinct 64-bit values).
@@ -105,7 +106,7 @@ class SpecDraws:
 
     def to(self, device) -> "SpecDraws":
         moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        moved.update({f: t.to(device, non_blocking=True) for f, t in moved.items() if isinstance(t, torch.Tensor)})
+        moved.update({f: to_device(t, device) for f, t in moved.items() if isinstance(t, torch.Tensor)})
         return SpecDraws(**moved)
 
     def probs(self, logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
