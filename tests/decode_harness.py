@@ -28,16 +28,18 @@ class Outputs:
             self.reasons[rid] = reason
 
 
-def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16, spec: SpecArgs | None = None):
+def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16, spec: SpecArgs | None = None,
+            device: str = "cpu", dtype: str = "auto"):
     spec = spec or SpecArgs()
-    prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, spec=spec))
-    decode = ModelRunner(RunnerArgs(path, max_total_tokens=decode_tokens, max_running_requests=decode_reqs, spec=spec))
+    kw = dict(spec=spec, device=device, dtype=dtype)
+    prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
+    decode = ModelRunner(RunnerArgs(path, max_total_tokens=decode_tokens, max_running_requests=decode_reqs, **kw))
     return prefill, decode
 
 
 class Pair:
     def __init__(self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: SchedulerHooks | None = None,
-                 **sizes):  # sizes: decode_tokens, decode_reqs, spec
+                 **sizes):  # sizes: decode_tokens, decode_reqs, spec, device, dtype
         prefill, decode = runners(path, **sizes)
         self.out = Outputs()
         self.link = InProcessPrefill(PrefillEngine(prefill, chunk_size),

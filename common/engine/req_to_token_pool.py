@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.host_copy import to_device
+
 from common.engine.slot_allocator import SlotAllocator
 
 
@@ -29,7 +31,7 @@ class ReqToTokenPool:
         end = start + kv_slots.numel()
         if end > self.max_context:
             raise ValueError(f"request slot {req_pool_idx}: positions up to {end} exceed max_context {self.max_context}")
-        self.req_to_token[req_pool_idx, start:end] = kv_slots.to(self.device, torch.int32)
+        self.req_to_token[req_pool_idx, start:end] = to_device(kv_slots, self.device, torch.int32)
 
     def slots(self, req_pool_idx: int, start: int, end: int) -> torch.Tensor:
         return self.req_to_token[req_pool_idx, start:end].to(torch.int64)

@@ -114,13 +114,9 @@ class DeviceEvent:
 
     def synchronize(self, timeout: float | None = None) -> None:
         if timeout is None:
-            self._event.synchronize()
+            self._event.synchronize()  # blocks in the driver with the GIL released
             return
-        deadline = time.monotonic() + timeout
-        while not self._event.query():
-            if time.monotonic() >= deadline:
-                raise TimeoutError("event not reached within timeout")
-            time.sleep(0.0005)
+        poll_until(self._event.query, timeout)
 
     def set_here(self) -> None:
         self._event.record(torch.cuda.current_stream())
@@ -162,9 +158,26 @@ class DeviceStream:
         self.stream.synchronize()
 
 
+def poll_until(query: Callable[[], bool], timeout: float, first_pause: float = 50e-6,
+               max_pause: float = 2e-3) -> None:
+    """Poll `query` until it is true, sleeping 50 us, then twice as long each time up to 2 ms (a
+    short wait stays short, a long one costs few wake-ups); TimeoutError after `timeout` seconds."""
+    deadline, pause = time.monotonic() + timeout, first_pause
+    while not query():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("event not reached within timeout")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, max_pause)
+
+
 def wait_event(event, stream, timeout: float | None = None) -> None:
     """Wait until `event` is reached; raise StreamFailed if `stream` failed first (its later events
-    may never be reached), TimeoutError after `timeout` seconds."""
+    may never be reached), TimeoutError after `timeout` seconds. A CUDA stream's failure surfaces
+    as an exception from the wait itself, so there the event is waited on in one call."""
+    if isinstance(stream, DeviceStream):
+        event.synchronize(timeout)
+        return
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         stream.raise_if_failed()

@@ -1,0 +1,44 @@
+"""The CPU side of the CUDA path's fixes (tests/gpu runs them on a GPU): host copies, no aliasing of
+the batch's seq_lens mirror, event waits that poll with backoff and honour their timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+from common.engine.host_copy import to_device
+from common.engine.streams import poll_until
+
+
+def test_to_device_on_cpu_is_the_host_tensor_with_the_dtype():
+    t = torch.tensor([1, 2, 3])
+    assert to_device(t, "cpu") is t
+    assert to_device([1, 2], "cpu", torch.int32).dtype == torch.int32
+    assert to_device(t, "cpu", torch.float32).tolist() == [1.0, 2.0, 3.0]
+
+
+def test_decode_batch_positions_do_not_alias_the_callers_seq_lens():
+    table = torch.arange(40, dtype=torch.int32).view(2, 20)
+    seq_lens = torch.tensor([3, 7])
+    fb = ForwardBatch.decode(table, torch.tensor([0, 1]), [3, 7], torch.tensor([5, 6]), seq_lens,
+                             req_pool_indices_cpu=[0, 1])
+    assert fb.positions.data_ptr() != seq_lens.data_ptr()
+    fb.positions.add_(100)                     # whatever a forward does to its positions...
+    assert seq_lens.tolist() == [3, 7]         # ...never reaches the scheduler's mirror
+    assert fb.out_cache_loc.tolist() == [3, 27] and fb.seq_lens.tolist() == [4, 8]
+
+
+def test_poll_until_backs_off_and_honours_the_timeout():
+    calls = []
+    with pytest.raises(TimeoutError):
+        poll_until(lambda: calls.append(1) is not None, timeout=0.1)  # never true
+    assert 5 < len(calls) < 80, len(calls)   # 0.5 ms polling would have made ~200 calls
+    flag = threading.Event()
+    threading.Timer(0.02, flag.set).start()
+    started = time.monotonic()
+    poll_until(flag.is_set, timeout=5)
+    assert time.monotonic() - started < 0.5
