@@ -81,9 +81,11 @@ def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
 
 
 def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, spec=None, stats: list | None = None,
-                    temperature: float = 0.0) -> dict:
+                    temperature: float = 0.0, device: str = "cpu", dtype: str = "auto", overlap: bool = True,
+                    runners: tuple | None = None) -> dict:
     """Our decode scheduler + in-process prefill; with `spec` (SpecArgs) EAGLE is on, and `stats`
-    receives (drafts accepted, drafts proposed). temperature > 0 samples (request i seeded with i)."""
+    receives (drafts accepted, drafts proposed). temperature > 0 samples (request i seeded with i).
+    `runners` (decode, prefill ModelRunners, sized for `batch`) are reused instead of loaded."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
     from decode_service.scheduler import DecodeScheduler
@@ -93,10 +95,11 @@ def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, s
     from common.engine.draft_runner import SpecArgs
     spec = spec or SpecArgs()
     args = dict(max_running_requests=batch, max_total_tokens=batch * (len(prompt) + new_tokens + spec.extra_slots) + 64,
-                spec=spec)
+                spec=spec, device=device, dtype=dtype)
+    decode_runner, prefill_runner = runners or (ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args)))
     peer: list[InProcessPrefill] = []
-    sched = DecodeScheduler(ModelRunner(RunnerArgs(path, **args)), lambda r: peer[0](r))
-    peer.append(InProcessPrefill(PrefillEngine(ModelRunner(RunnerArgs(path, **args)), chunk_size=8192),
+    sched = DecodeScheduler(decode_runner, lambda r: peer[0](r), disable_overlap=not overlap)
+    peer.append(InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=8192),
                                  sched.deliver_handoff, sched.fail_handoff, max_batch=batch))
     arrivals = [[] for _ in range(batch)]
     done = threading.Semaphore(0)

@@ -11,30 +11,46 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+try:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+except ImportError:  # a machine without it (a bare GPU node) still runs the services; --metrics-port says why
+    CollectorRegistry = None
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+class _Null:
+    """Stands in for a metric when prometheus-client is not installed: records nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self
+
+
 class _Metrics:
     def __init__(self):
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry() if CollectorRegistry is not None else None
         self._http = None
 
-    def _histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+    def _histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS):
+        if self.registry is None:
+            return _Null()
         return Histogram(f"disagg_{name}", doc, buckets=buckets, registry=self.registry)
 
-    def _counter(self, name: str, doc: str, labels=()) -> Counter:
-        return Counter(f"disagg_{name}", doc, labels, registry=self.registry)
+    def _counter(self, name: str, doc: str, labels=()):
+        return Counter(f"disagg_{name}", doc, labels, registry=self.registry) if self.registry is not None else _Null()
 
-    def _gauge(self, name: str, doc: str, read: Callable[[], float]) -> Gauge:
+    def _gauge(self, name: str, doc: str, read: Callable[[], float]):
+        if self.registry is None:
+            return _Null()
         gauge = Gauge(f"disagg_{name}", doc, registry=self.registry)
         gauge.set_function(read)
         return gauge
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP on host:port (0 = any free port); the port bound."""
+        if self.registry is None:
+            raise RuntimeError("--metrics-port needs the prometheus-client package (pip install prometheus-client)")
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         return self._http.server_port
 

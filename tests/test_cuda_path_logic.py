@@ -42,3 +42,17 @@ def test_poll_until_backs_off_and_honours_the_timeout():
     started = time.monotonic()
     poll_until(flag.is_set, timeout=5)
     assert time.monotonic() - started < 0.5
+
+
+def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
+    """The one-command GPU check (tests + bench + summary) on a tiny model, so it is ready for a GPU."""
+    import json
+
+    from bench import gpu_check
+
+    code = gpu_check.main(["--out-dir", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--shapes", "tiny",
+                           "--batch-sizes", "1,2", "--new-tokens", "6", "--prompt-len", "12"])
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 0 and summary["tests_ok"], summary["tests"]
+    assert [r["batch"] for r in summary["bench"]] == [1, 2]
+    assert all(r["hf_ms"] > 0 and r["ours_ms"] > 0 and r["floor_ms"] > 0 for r in summary["bench"])
