@@ -161,15 +161,17 @@ def save_head_config(path: str, config: dict) -> None:
 
 
 def measure_acceptance(target: str, head: str, algorithm: str, prompts: list[list[int]], num_steps: int = 3,
-                       max_new_tokens: int = 64, token_map: str | None = None) -> float:
-    """Mean accept length (committed tokens per verify step) of the decode engine on `prompts`."""
+                       max_new_tokens: int = 64, token_map: str | None = None, topk: int = 1,
+                       num_draft_tokens: int | None = None) -> float:
+    """Mean accept length (committed tokens per verify step) of the decode engine on `prompts`
+    (topk > 1: tree drafting with `num_draft_tokens` nodes)."""
     from common.engine.draft_runner import SpecArgs
     from common.engine.sampling import SamplingParams
     from decode_service.scheduler import DecodeScheduler
     from prefill_service.engine import PrefillEngine
 
-    spec = SpecArgs(algorithm, head, num_steps, 1, num_steps + 1, token_map)
-    args = dict(max_total_tokens=len(prompts) * (max(map(len, prompts)) + max_new_tokens + 16), spec=spec,
+    spec = SpecArgs(algorithm, head, num_steps, topk, num_draft_tokens or num_steps + 1, token_map)
+    args = dict(max_total_tokens=len(prompts) * (max(map(len, prompts)) + max_new_tokens + spec.extra_slots), spec=spec,
                 max_running_requests=len(prompts))
     pending: list = []
     sched = DecodeScheduler(ModelRunner(RunnerArgs(target, **args)), pending.append)
