@@ -197,17 +197,23 @@ def main(argv=None) -> None:
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for the accept length (0: skip)")
+    p.add_argument("--eval-only", action="store_true", help="skip the fit: evaluate the head already in --out")
+    p.add_argument("--topk", type=int, default=1, help="evaluate with --speculative-eagle-topk (> 1: a tree)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tree nodes verified (default num_steps + 1)")
     args = p.parse_args(argv)
-    fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed)
+    if not args.eval_only:
+        fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed)
     if args.eval_prompts:
         from common.tools.tokenizer import load_tokenizer
         tok = load_tokenizer(args.target)
         held_out = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(args.eval_prompts, args.seed + 10_000)]
-        length = measure_acceptance(args.target, args.out, args.algorithm, held_out)
-        print(f"mean accept length at num_steps 3 on {len(held_out)} held-out prompts: {length:.2f}", flush=True)
+        tree = dict(topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+        length = measure_acceptance(args.target, args.out, args.algorithm, held_out, **tree)
+        print(f"mean accept length at num_steps 3, topk {args.topk} on {len(held_out)} held-out prompts: {length:.2f}",
+              flush=True)
         token_map = os.path.join(args.out, TOKEN_MAP)
         if os.path.exists(token_map):
-            length = measure_acceptance(args.target, args.out, args.algorithm, held_out, token_map=token_map)
+            length = measure_acceptance(args.target, args.out, args.algorithm, held_out, token_map=token_map, **tree)
             print(f"  with --speculative-token-map {token_map}: {length:.2f}", flush=True)
 
 
