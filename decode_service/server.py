@@ -6,7 +6,7 @@ at once. The scheduler thread hands results to a call's queue with `call_soon_th
 
 Lifecycle of one Generate call:
   1. admit (before anything is reserved): UNAVAILABLE when draining, the scheduler is down or no
-     prefill replica is serving; INVALID_ARGUMENT for bad input (request_validation), a request_id
+     prefill replica is serving (cached health, re-checked live before refusing); INVALID_ARGUMENT for bad input (request_validation), a request_id
      already in flight; RESOURCE_EXHAUSTED past `max_running_requests + max_queued_requests` open;
   2. submit to the DecodeScheduler under a unique internal id: it queues for admission, reserves
      the request slot + KV, and calls Prefill through the PrefillClient;
@@ -131,6 +131,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
 
     # ---- Generate --------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        if not self._prefill_serving:  # no await between _admit's checks and registering the call
+            await self._recheck_prefill()
         try:
             ids, params = self._admit(request)
         except _Reject as e:
@@ -179,6 +181,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self._open} requests open: the admission queue is full (max_queued_requests)")
         return ids, params
+
+    async def _recheck_prefill(self) -> None:
+        """The cached health says no replica serves: ask them now (off the loop; a replica that just
+        came up is used at once, a dead one answers within the health check's 1 s deadline)."""
+        self._prefill_serving = await asyncio.get_running_loop().run_in_executor(None, self.prefill.any_serving)
 
     async def _responses(self, request, rid, ids, outputs, context):
         all_ids: list[int] = []
