@@ -73,7 +73,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.metrics_port: int | None = None
         self._ids = itertools.count()
         self._live: dict[str, str] = {}  # client request_id -> internal id (only requests that name one)
-        self._open = 0                   # Generate calls open (touched on the event loop only)
+        self._open_rids: set[str] = set()  # internal ids of every open Generate call (event loop only)
         self._draining = False
         self._prefill_serving = False
         self._stop = threading.Event()
@@ -98,13 +98,24 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self._draining = True
         self.server.set_serving(False)
         deadline = time.monotonic() + grace_s
-        while self._open and time.monotonic() < deadline:
+        while self._open_rids and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self._open:
-            logger.info("aborting %d calls still open after the %.1fs grace period", self._open, grace_s)
-            for rid in list(self._live.values()) + list(self.scheduler.reqs):
+        open_rids = list(self.server.run(self._snapshot_open()))
+        if open_rids:
+            logger.info("aborting %d calls still open after the %.1fs grace period", len(open_rids), grace_s)
+            for rid in open_rids:
                 self._abort_internal(rid)
+            deadline = time.monotonic() + 2.0  # their streams end with UNAVAILABLE before the server stops
+            while self._open_rids and time.monotonic() < deadline:
+                time.sleep(0.02)
         self.stop()
+
+    async def _snapshot_open(self) -> list[str]:
+        return list(self._open_rids)
+
+    @property
+    def _open(self) -> int:
+        return len(self._open_rids)
 
     def stop(self) -> None:
         self._draining = True
@@ -139,7 +150,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             await context.abort(e.code, e.detail)
         rid = f"{request.request_id or 'req'}#{next(self._ids)}"
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
-        self._open += 1
+        self._open_rids.add(rid)
         if request.request_id:
             self._live[request.request_id] = rid
         finished = False
@@ -155,7 +166,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self.metrics.aborts.inc()
             raise
         finally:
-            self._open -= 1
+            self._open_rids.discard(rid)
             if request.request_id and self._live.get(request.request_id) == rid:
                 del self._live[request.request_id]
             if not finished:  # cancelled, aborted or failed: free its slot and KV (a no-op if gone)

@@ -166,3 +166,25 @@ def test_no_prefill_replica_fails_fast_and_a_restart_serves_within_seconds(check
         assert pair.collect(pair.generate(OK_PROMPT, 4))[0] == hf_greedy(path, OK_PROMPT, 4)
     finally:
         pair.close()
+
+
+def test_shutdown_ends_open_streams_with_unavailable_and_frees_everything(checkpoint):
+    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(test_kv_chunk_delay_s=0.3, max_chunk_bytes=256))
+    try:
+        calls = [pair.generate([5 + i, 6, 7, 8], 40, stream=True, rid="", ignore_eos=True) for i in range(3)]
+        deadline = time.time() + 10
+        while pair.decode._open < 3:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        started = time.perf_counter()
+        pair.decode.shutdown(grace_s=0.3)  # nobody finishes within the grace period
+        assert time.perf_counter() - started < 5
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                list(c)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        sched = pair.decode.scheduler
+        assert sched.runner.kv_allocator.num_used == 0 and sched.runner.req_to_token_pool.allocator.num_used == 0
+    finally:
+        pair.channel.close()
+        pair.prefill.stop()
