@@ -158,9 +158,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def _step(self, active) -> None:
         try:
             done = self.engine.step()
-        except Exception as e:  # every running prompt fails; each call reports it
-            for req in self.engine.fail_all():
-                active.pop(id(req)).results.put(e)
+        except Exception as e:  # every admitted call fails (also any the step finished before it broke)
+            self.engine.fail_all()
+            for c in active.values():
+                c.results.put(e)
+            active.clear()
             done = []
         now = time.perf_counter()
         for req, handoff in done:

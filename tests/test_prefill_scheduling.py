@@ -81,3 +81,42 @@ def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint)
     finally:
         service.stop()
     assert service.runner.kv_allocator.num_used == 0
+
+
+def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
+    service = PrefillService(PrefillConfig(checkpoint("llama"), port=0, debug_checks=True)).start()
+    real = service.engine._to_handoff
+    calls = {"n": 0}
+
+    def second_breaks(w):  # the step completes two prompts; building the second handoff fails
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("copy-out failed")
+        return real(w)
+    service.engine._to_handoff = second_breaks
+    try:
+        stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
+        latch, drain = threading.Event(), service._drain
+        service._drain = lambda waiting: (latch.wait(10), drain(waiting))[1]  # both prompts land in one step
+        results = {}
+
+        def run(rid):
+            try:
+                results[rid] = [m.WhichOneof("payload") for m in stub.Prefill(
+                    prefill_pb2.PrefillRequest(request_id=rid, input_ids=[5, 6, 7]), timeout=20)]
+            except grpc.RpcError as e:
+                results[rid] = e.code()
+        threads = [threading.Thread(target=run, args=(r,)) for r in ("a", "b")]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while service.prefill_queue.qsize() < 1:  # "a" is held by the engine loop, "b" queued behind it
+            assert time.time() < deadline
+            time.sleep(0.01)
+        latch.set()
+        for t in threads:
+            t.join(30)
+        assert results == {"a": grpc.StatusCode.INTERNAL, "b": grpc.StatusCode.INTERNAL}, results
+        assert service.runner.kv_allocator.num_used == 0
+    finally:
+        service.stop()
