@@ -43,8 +43,8 @@ class ServiceConfig:
                                              choices=["EAGLE", "EAGLE3"])
     speculative_draft_model_path: str | None = flag(None, "draft head folder (public EAGLE / EAGLE3 layout)", type=str)
     speculative_num_steps: int = flag(3, "draft tokens proposed per step")
-    speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting)")
-    speculative_num_draft_tokens: int = flag(4, "tokens one verify covers (num_steps + 1 for a chain)")
+    speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting; > 1: a tree, greedy only)")
+    speculative_num_draft_tokens: int = flag(4, "tokens one verify covers (num_steps + 1 for a chain; tree nodes)")
     speculative_token_map: str | None = flag(None, "EAGLE: JSON list of hot token ids to draft from", type=str)
 
 
