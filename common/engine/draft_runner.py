@@ -68,6 +68,8 @@ class DraftRunner:
         self.config = load_draft_config(spec.draft_model_path, spec.algorithm, target.config)
         layer = self.config.layer
         self.head: DraftHead = load_draft_head(spec.draft_model_path, self.config, target.device, target.dtype)
+        if target.args.pack_linear and packed_linear.available(target.device, target.dtype):
+            packed_linear.pack_linears(self.head)  # CPU fp32: oneDNN-packed, as the target's linears
         self.kv_pool = KVPool(target.kv_pool.num_slots, 1, layer.num_kv_heads, layer.head_dim, target.dtype,
                               target.device)
         self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
