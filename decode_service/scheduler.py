@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from common.engine.handoff import Handoff, HandoffRequest
-from common.engine.host_copy import to_device
+from common.engine.host_copy import to_device, to_host
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.engine.streams import make_event, make_stream, wait_event
@@ -305,10 +305,10 @@ class DecodeScheduler:
             if spec:
                 tokens, accepted = speculative_step(runner, fm, indices, rows, seq_lens_cpu, spec, fence, hooks, lanes,
                                                     draws)
-                result.accepted_cpu = accepted.to("cpu", non_blocking=True)
+                result.accepted_cpu = to_host(accepted)
             else:
                 tokens = decode_step(runner, fm, indices, rows, seq_lens_cpu, seq_lens, sampling, positions)
-            result.tokens_cpu = tokens.to("cpu", non_blocking=True)
+            result.tokens_cpu = to_host(tokens)
             result.results_ready.set_here()
         self.stream.submit(forward)
         return result

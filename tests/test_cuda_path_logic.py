@@ -56,3 +56,10 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert code == 0 and summary["tests_ok"], summary["tests"]
     assert [r["batch"] for r in summary["bench"]] == [1, 2]
     assert all(r["hf_ms"] > 0 and r["ours_ms"] > 0 and r["floor_ms"] > 0 for r in summary["bench"])
+
+
+def test_to_host_keeps_host_tensors_as_they_are():
+    from common.engine.host_copy import to_host
+
+    t = torch.tensor([4, 5])
+    assert to_host(t) is t

@@ -86,6 +86,10 @@ def test_killing_prefill_processes_mid_handoff(checkpoint):
         for port, proc in procs.items():
             wait_serving(f"127.0.0.1:{port}", proc)
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+        deadline = time.time() + 10  # decode's channels reconnect to replicas that came up after it
+        while not stub.HealthCheck(pb.HealthCheckRequest()).healthy:
+            assert time.time() < deadline, "decode never saw the replicas serving"
+            time.sleep(0.05)
         prompt = list(range(5, 25))
         # 1. the replica serving the handoff dies after the first token: the other one finishes it
         call = _generate(stub, prompt, 10, "survive")

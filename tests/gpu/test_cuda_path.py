@@ -153,3 +153,14 @@ def test_decode_step_launch_has_no_host_sync(checkpoint):
     checking[0] = False
     assert not errors, errors[:3]
     pair.close()
+
+
+@pytest.mark.gpu
+def test_host_copies_go_through_pinned_memory():
+    from common.engine.host_copy import to_device, to_host
+
+    d = to_device([1, 2, 3], "cuda", torch.int64)
+    assert d.is_cuda and d.tolist() == [1, 2, 3]
+    h = to_host(d * 2)
+    torch.cuda.synchronize()
+    assert h.is_pinned() and h.tolist() == [2, 4, 6]
