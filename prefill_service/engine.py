@@ -4,7 +4,8 @@ Lifecycle of a request:
   1. `admit` validates it against this model (non-empty, ids in the vocabulary, fits the context) and
      reserves a request slot and KV slots for its prompt (`can_admit` says whether they are free);
   2. each `step` runs one extend forward of at most `chunk_size` tokens over the running prompts
-     (the budget policy below), continuing each from the KV already in the pool;
+     (chunked_prefill.py's budget policy: short prompts first, the oldest never starves),
+     continuing each from the KV already in the pool;
   3. in the step where its prompt completes: sample the first token (output position
      `first_position` of the request's seeded stream); with EAGLE on, the draft extend over the
      prompt (its features were kept during 2) gives the draft KV and the draft seed (draft_prefill.py);
@@ -12,9 +13,7 @@ Lifecycle of a request:
      once, and return the Handoff from that step, so its first token goes out while longer prompts
      are still computing;
   5. `abort` frees a running request's slots (its call was cancelled); `fail_all` frees every one.
-Budget policy: short prompts never wait behind a long one. The oldest running prompt is guaranteed a
-quarter of the budget (so it cannot starve); the rest goes to prompts by fewest remaining tokens,
-then back to the oldest. `prefill(requests)` runs a list of requests to completion (tests, tools).
+`prefill(requests)` runs a list of requests to completion (tests, tools).
 The prefill side is stateless between requests.
 """
 
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
+from common.engine.chunked_prefill import plan_chunk, prefill_step
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import sample
@@ -41,10 +40,6 @@ class _Running:
     first_token: int | None = None
     prompt: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: target features, chunk by chunk
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prompt) - self.prefilled
 
 
 class PrefillEngine:
@@ -89,43 +84,17 @@ class PrefillEngine:
 
     # ---- one step ----------------------------------------------------------------------------------
     def plan(self) -> list[tuple[_Running, int]]:
-        """(request, tokens) of the next forward under the budget policy."""
-        pending = [w for w in self.running if w.remaining > 0]
-        if not pending:
-            return []
-        oldest, budget = pending[0], self.chunk_size
-        take = {id(oldest): min(oldest.remaining, max(1, budget // 4))}
-        budget -= take[id(oldest)]
-        for w in sorted(pending[1:], key=lambda w: w.remaining):
-            if budget == 0:
-                break
-            take[id(w)] = min(w.remaining, budget)
-            budget -= take[id(w)]
-        extra = min(oldest.remaining - take[id(oldest)], budget)
-        take[id(oldest)] += extra
-        return [(w, take[id(w)]) for w in pending if take.get(id(w), 0) > 0]
+        """(request, tokens) of the next forward under the budget policy (common/engine/chunked_prefill.py)."""
+        return plan_chunk(self.running, self.chunk_size)
 
     def step(self) -> list[tuple[HandoffRequest, Handoff]]:
         """One extend forward; (request, Handoff) of each prompt it completed (its slots already freed)."""
-        plan = self.plan()
-        if not plan:
-            return []
         spec = self.runner.draft is not None
-        chunk = [(w, w.prefilled, w.prompt[w.prefilled:w.prefilled + n]) for w, n in plan]
-        batch = ForwardBatch.extend(self.runner.req_to_token_pool.req_to_token, [w.req_pool_idx for w, _, _ in chunk],
-                                    [start for _, start, _ in chunk], [ids for _, _, ids in chunk])
-        logits, features = (self.runner.forward_features if spec else self.runner.forward)(batch)
-        if spec:
-            self._keep_features(chunk, features)
-        done = []
-        for i, (w, start, ids) in enumerate(chunk):
-            w.prefilled = start + len(ids)
-            if w.remaining == 0:
-                done.append(i)
-        if not done:
+        finished, logits = prefill_step(self.runner, self.running, self.chunk_size,
+                                        self._keep_features if spec else None)
+        if not finished:
             return []
-        finished = [chunk[i][0] for i in done]
-        self._sample_first(finished, logits[done])
+        self._sample_first(finished, logits)
         handoffs = []
         for w in finished:
             self.running.remove(w)

@@ -2,10 +2,16 @@
 
 A prompt longer than the budget is split across forwards, each continuing from the KV already in
 the pool. Requests need `prompt`, `prefilled` (tokens run so far) and `req_pool_idx` (whose
-ReqToTokenPool row already maps the prompt's KV slots). `on_done(reqs, logits)` is called after
-each forward with the requests whose prompt completed in it and their last-position logits. With
-`on_features`, forwards return the draft head's features (EAGLE) and `on_features(chunk, features)`
-gets them for every token of the chunk, where chunk is a list of (request, start, ids).
+ReqToTokenPool row already maps the prompt's KV slots).
+
+Budget policy (`plan_chunk`): short prompts never wait behind a long one. The oldest unfinished
+prompt is guaranteed a quarter of the budget (so it cannot starve); the rest goes to prompts by
+fewest remaining tokens, then back to the oldest.
+
+`prefill_step` runs one forward and returns the requests whose prompt completed in it with their
+last-position logits; with `on_features`, forwards return the draft head's features (EAGLE) and
+`on_features(chunk, features)` gets them for every token of the chunk, where chunk is a list of
+(request, start, ids). `run_chunked_prefill` steps until every prompt is done.
 """
 
 from __future__ import annotations
@@ -15,26 +21,48 @@ from typing import Callable
 from common.engine.forward_batch import ForwardBatch
 
 
+def plan_chunk(reqs: list, chunk_size: int) -> list[tuple[object, int]]:
+    """(request, tokens) of the next forward; `reqs` oldest first."""
+    pending = [r for r in reqs if r.prefilled < len(r.prompt)]
+    if not pending:
+        return []
+    left = {id(r): len(r.prompt) - r.prefilled for r in pending}
+    oldest, budget = pending[0], chunk_size
+    take = {id(oldest): min(left[id(oldest)], max(1, budget // 4))}
+    budget -= take[id(oldest)]
+    for r in sorted(pending[1:], key=lambda r: left[id(r)]):
+        if budget == 0:
+            break
+        take[id(r)] = min(left[id(r)], budget)
+        budget -= take[id(r)]
+    take[id(oldest)] += min(left[id(oldest)] - take[id(oldest)], budget)
+    return [(r, take[id(r)]) for r in pending if take.get(id(r), 0) > 0]
+
+
+def prefill_step(runner, reqs: list, chunk_size: int,
+                 on_features: Callable[[list, object], None] | None = None) -> tuple[list, object]:
+    """One extend forward under the budget; (requests completed in it, their last-position logits)."""
+    plan = plan_chunk(reqs, chunk_size)
+    if not plan:
+        return [], None
+    chunk = [(r, r.prefilled, r.prompt[r.prefilled:r.prefilled + n]) for r, n in plan]
+    batch = ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [r.req_pool_idx for r, _, _ in chunk],
+                                [start for _, start, _ in chunk], [ids for _, _, ids in chunk])
+    logits, features = (runner.forward_features if on_features else runner.forward)(batch)
+    if on_features:
+        on_features(chunk, features)
+    done = []
+    for i, (r, start, ids) in enumerate(chunk):
+        r.prefilled = start + len(ids)
+        if r.prefilled == len(r.prompt):
+            done.append(i)
+    return [chunk[i][0] for i in done], (logits[done] if done else None)
+
+
 def run_chunked_prefill(runner, reqs: list, chunk_size: int, on_done: Callable[[list, object], None],
                         on_features: Callable[[list, object], None] | None = None) -> None:
-    table = runner.req_to_token_pool.req_to_token
-    while pending := [r for r in reqs if r.prefilled < len(r.prompt)]:
-        chunk, budget = [], chunk_size
-        for r in pending:
-            n = min(len(r.prompt) - r.prefilled, budget)
-            if n == 0:
-                break
-            chunk.append((r, r.prefilled, r.prompt[r.prefilled:r.prefilled + n]))
-            budget -= n
-        batch = ForwardBatch.extend(table, [r.req_pool_idx for r, _, _ in chunk],
-                                    [start for _, start, _ in chunk], [ids for _, _, ids in chunk])
-        logits, features = (runner.forward_features if on_features else runner.forward)(batch)
-        if on_features:
-            on_features(chunk, features)
-        done = []
-        for i, (r, start, ids) in enumerate(chunk):
-            r.prefilled = start + len(ids)
-            if r.prefilled == len(r.prompt):
-                done.append(i)
+    """Prefill every prompt of `reqs`; `on_done(reqs, logits)` after each forward that completed some."""
+    while any(r.prefilled < len(r.prompt) for r in reqs):
+        done, logits = prefill_step(runner, reqs, chunk_size, on_features)
         if done:
-            on_done([chunk[i][0] for i in done], logits[done])
+            on_done(done, logits)
