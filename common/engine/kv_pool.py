@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.host_copy import to_device
-
 
 def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -39,6 +37,5 @@ class KVPool:
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] at KV slots `loc` [T] (index_copy_: ~10x cheaper than an
         indexed assignment on CPU; padded lanes may all write the padding slot 0, never read)."""
-        loc = to_device(loc, self.k[layer].device)
-        self.k[layer].index_copy_(0, loc, to_device(k, self.k[layer].device, self.dtype))
-        self.v[layer].index_copy_(0, loc, to_device(v, self.v[layer].device, self.dtype))
+        self.k[layer].index_copy_(0, loc, k.to(self.dtype))
+        self.v[layer].index_copy_(0, loc, v.to(self.dtype))

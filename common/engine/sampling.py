@@ -72,6 +72,17 @@ def uniform(seed: int, position: int) -> float:
     return (_splitmix64(_splitmix64(seed) ^ position) >> 11) * (1.0 / (1 << 53))
 
 
+def keep_sorted(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> torch.Tensor:
+    """Which candidates of each row of probabilities sorted descending [N, V] survive top-k, top-p and
+    min-p (params [N, 1]); the most likely one always does."""
+    rank = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)[None, :]
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs    # mass strictly ahead of each candidate
+    keep = (rank < top_k) & (before < top_p) & (sorted_probs >= min_p * sorted_probs[:, :1])
+    keep[:, 0] = True
+    return keep
+
+
 class SamplingBatch:
     """A batch's sampling inputs, built once when the batch's membership changes (the decode
     scheduler keeps one per ScheduleBatch), not every step: which rows are greedy, temperature-only
@@ -120,11 +131,7 @@ class SamplingBatch:
             tokens[idx] = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last).squeeze(1)
             return
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        rank = torch.arange(sub.shape[1], device=logits.device)[None, :]
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs    # mass strictly ahead of each candidate
-        keep = (rank < top_k) & (before < top_p)
-        keep &= sorted_probs >= min_p * sorted_probs[:, :1]
-        keep[:, 0] = True                                              # the most likely token always survives
+        keep = keep_sorted(sorted_probs, top_k, top_p, min_p)
         cdf = torch.cumsum(torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)), dim=-1)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last)
         pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)     # float edge: stay inside the kept set

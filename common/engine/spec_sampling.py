@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.host_copy import to_device
-from common.engine.sampling import SamplingParams, uniform
+from common.engine.sampling import SamplingParams, keep_sorted, uniform
 
 # Purposes of a uniform draw, mixed into the request's seed (any distinct 64-bit values).
 DRAFT, ACCEPT, BONUS = 0x5D1A_F7C3_0000_0001, 0x5D1A_F7C3_0000_0002, 0x5D1A_F7C3_0000_0003
@@ -35,10 +35,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if not filters:
         return probs
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep = (rank < top_k) & (before < top_p) & (sorted_probs >= min_p * sorted_probs[:, :1])
-    keep[:, 0] = True
+    keep = keep_sorted(sorted_probs, top_k, top_p, min_p)
     kept = torch.zeros_like(probs).scatter_(1, order, torch.where(keep, sorted_probs, 0.0))
     return kept / kept.sum(-1, keepdim=True)
 
