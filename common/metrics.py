@@ -14,7 +14,7 @@ from typing import Callable
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 except ImportError:  # a machine without it (a bare GPU node) still runs the services; --metrics-port says why
-    CollectorRegistry = None
+    CollectorRegistry = Counter = Gauge = Histogram = start_http_server = None
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -28,22 +28,27 @@ class _Null:
 
 
 class _Metrics:
-    def __init__(self):
+    """A registry with the load gauges both services share (read when scraped)."""
+
+    def __init__(self, role: str, running: Callable[[], float], queued: Callable[[], float],
+                 kv_usage: Callable[[], float]):
         self.registry = CollectorRegistry() if CollectorRegistry is not None else None
         self._http = None
+        self._gauge("num_running_reqs", f"requests running ({role})", running)
+        self._gauge("num_queue_reqs", f"requests queued ({role})", queued)
+        self._gauge("kv_cache_usage_ratio", f"used share of the {role} KV pool", kv_usage)
+
+    def _new(self, kind, name: str, doc: str, **kwargs):
+        return kind(f"disagg_{name}", doc, registry=self.registry, **kwargs) if self.registry is not None else _Null()
 
     def _histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS):
-        if self.registry is None:
-            return _Null()
-        return Histogram(f"disagg_{name}", doc, buckets=buckets, registry=self.registry)
+        return self._new(Histogram, name, doc, buckets=buckets)
 
     def _counter(self, name: str, doc: str, labels=()):
-        return Counter(f"disagg_{name}", doc, labels, registry=self.registry) if self.registry is not None else _Null()
+        return self._new(Counter, name, doc, labelnames=labels)
 
     def _gauge(self, name: str, doc: str, read: Callable[[], float]):
-        if self.registry is None:
-            return _Null()
-        gauge = Gauge(f"disagg_{name}", doc, registry=self.registry)
+        gauge = self._new(Gauge, name, doc)
         gauge.set_function(read)
         return gauge
 
@@ -64,7 +69,7 @@ class _Metrics:
 class DecodeMetrics(_Metrics):
     def __init__(self, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float],
                  open_streams: Callable[[], float]):
-        super().__init__()
+        super().__init__("decode", running, queued, kv_usage)
         h, c = self._histogram, self._counter
         self.ttft = h("time_to_first_token_seconds", "Generate call start to its first token")
         self.itl = h("inter_token_latency_seconds", "time between output tokens (a step's tokens share it)",
@@ -83,15 +88,12 @@ class DecodeMetrics(_Metrics):
         self.generation_tokens = c("generation_tokens_total", "tokens generated")
         self.spec_accepted = c("spec_accepted_tokens_total", "EAGLE: draft tokens accepted")
         self.spec_drafted = c("spec_draft_tokens_total", "EAGLE: draft tokens proposed")
-        self._gauge("num_running_reqs", "requests decoding", running)
-        self._gauge("num_queue_reqs", "requests waiting for a slot or their handoff", queued)
-        self._gauge("kv_cache_usage_ratio", "used share of the decode KV pool", kv_usage)
         self._gauge("open_streams", "Generate calls open", open_streams)
 
 
 class PrefillMetrics(_Metrics):
     def __init__(self, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float]):
-        super().__init__()
+        super().__init__("prefill", running, queued, kv_usage)
         h, c = self._histogram, self._counter
         self.queue_time = h("prefill_queue_time_seconds", "Prefill call arrival to the start of its batch")
         self.compute = h("prefill_compute_seconds", "prefill compute of the batch the call was in")
@@ -100,6 +102,3 @@ class PrefillMetrics(_Metrics):
         self.requests = c("prefill_requests_total", "Prefill calls answered with a record")
         self.failures = c("prefill_failures_total", "Prefill calls that failed or were cancelled")
         self.injected = c("injected_faults_total", "handoff faults injected (--inject-faults)", ["kind"])
-        self._gauge("num_running_reqs", "prompts in the running prefill batch", running)
-        self._gauge("num_queue_reqs", "Prefill calls queued", queued)
-        self._gauge("kv_cache_usage_ratio", "used share of the prefill KV pool", kv_usage)
