@@ -28,7 +28,7 @@ from torch import nn
 
 from common.models.config import CheckpointError, ModelConfig
 from common.models.decoder import Attention, DecoderLayer, RMSNorm, split_fused
-from common.models.loader import checkpoint_files, copy_checked
+from common.models.loader import load_tensors
 
 ALGORITHMS = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
 
@@ -132,28 +132,18 @@ class DraftHead(nn.Module):
 
 def load_draft_head(path: str, cfg: DraftConfig, device, dtype) -> DraftHead:
     """Build the head and load its tensors; names the missing, unexpected or mis-shaped tensor."""
-    from safetensors import safe_open
-
     with torch.device("meta"):
         head = DraftHead(cfg)
     head = head.to(dtype).to_empty(device=device)
     if cfg.algorithm == "EAGLE3":
         head.d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device)
-    params, loaded = head.checkpoint_tensors(), set()
     aliases = {"layers.0.": "midlayer."} if cfg.algorithm == "EAGLE3" else {}
-    for file, names in checkpoint_files(path).items():
-        with safe_open(os.path.join(path, file), framework="pt") as f:
-            for name in names if names is not None else sorted(f.keys()):
-                key = next((name.replace(a, b, 1) for a, b in aliases.items() if name.startswith(a)), name)
-                if key in ("embed_tokens.weight", "t2d") or key.endswith("rotary_emb.inv_freq"):
-                    continue  # the head embeds with the target's table; t2d is derivable from d2t
-                if key == "lm_head.weight" and cfg.algorithm == "EAGLE":
-                    continue  # EAGLE shares the target's lm_head
-                if key not in params:
-                    raise CheckpointError(f"draft head {file}: unexpected tensor '{name}' for {cfg.algorithm}")
-                copy_checked(f.get_tensor(name), params[key], f"draft head {file}: tensor '{name}'")
-                loaded.add(key)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise CheckpointError(f"draft head {path}: missing tensor(s) {missing[:5]}")
+
+    def skip(key: str) -> bool:
+        # the head embeds with the target's table; t2d is derivable from d2t; EAGLE uses the target's lm_head
+        return key in ("embed_tokens.weight", "t2d") or (key == "lm_head.weight" and cfg.algorithm == "EAGLE")
+
+    def rename(name: str) -> str:
+        return next((name.replace(a, b, 1) for a, b in aliases.items() if name.startswith(a)), name)
+    load_tensors(path, head.checkpoint_tensors(), cfg.algorithm, label="draft head ", skip=skip, rename=rename)
     return head.eval().requires_grad_(False)

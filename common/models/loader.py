@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -50,27 +51,36 @@ def copy_checked(tensor: torch.Tensor, dst: torch.Tensor, what: str) -> None:
         dst.copy_(tensor.to(dst.dtype))
 
 
-def load_weights(model: DecoderLM, path: str) -> None:
-    cfg = model.config
-    params = model.checkpoint_tensors()  # HF names, fused projections split into views
+def load_tensors(path: str, params: dict[str, torch.Tensor], owner: str, label: str = "",
+                 rename: Callable[[str], str] = lambda name: name, skip: Callable[[str], bool] = lambda key: False) -> None:
+    """Copy every tensor of the checkpoint folder `path` into `params` (name -> destination, checked
+    shape), after `rename`; tensors whose name `skip`s are not read. A tensor missing from its shard,
+    one `params` does not expect (named for `owner`), or one of `params` left unfilled is a
+    CheckpointError (messages start with `label`)."""
     loaded: set[str] = set()
     for file, names in checkpoint_files(path).items():
         with safe_open(os.path.join(path, file), framework="pt") as f:
             present = set(f.keys())
             for name in names if names is not None else sorted(present):
                 if name not in present:
-                    raise CheckpointError(f"{file}: tensor '{name}' listed in {INDEX_FILE} is missing")
-                if name.endswith(_IGNORED_SUFFIXES):
+                    raise CheckpointError(f"{label}{file}: tensor '{name}' listed in {INDEX_FILE} is missing")
+                key = rename(name)
+                if key.endswith(_IGNORED_SUFFIXES) or skip(key):
                     continue
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # tied: the embedding serves as lm_head
-                if name not in params:
-                    raise CheckpointError(f"{file}: unexpected tensor '{name}' for {cfg.architecture}")
-                copy_checked(f.get_tensor(name), params[name], f"{file}: tensor '{name}'")
-                loaded.add(name)
+                if key not in params:
+                    raise CheckpointError(f"{label}{file}: unexpected tensor '{name}' for {owner}")
+                copy_checked(f.get_tensor(name), params[key], f"{label}{file}: tensor '{name}'")
+                loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise CheckpointError(f"{label}{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def load_weights(model: DecoderLM, path: str) -> None:
+    cfg = model.config
+    tied = cfg.tie_word_embeddings  # tied: the embedding serves as lm_head
+    load_tensors(path, model.checkpoint_tensors(), cfg.architecture,  # HF names, fused projections as views
+                 skip=lambda name: tied and name == "lm_head.weight")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
