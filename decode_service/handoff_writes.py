@@ -45,5 +45,5 @@ def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tenso
                                            to_device(handoff.draft_v[0], runner.device))
             fm.stash_draft(dev_row, to_device(handoff.draft_topk_ids[:1], fm.device),
                            to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype))
-            fm.seed_seq_lens(dev_row, to_device([handoff.prompt_len], fm.device, torch.int64))
+            fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))  # seed_seq_lens moves it
     stream.submit(write)

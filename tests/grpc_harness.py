@@ -45,6 +45,14 @@ class GrpcPair:
         assert complete is not None
         return (streamed if streamed else list(complete.output_ids)), complete
 
+    def check_against_oracle(self, path: str, prompts, max_new_tokens: int, rid: str = "o") -> None:
+        """Each prompt (every other one streamed) gives HF greedy's tokens exactly."""
+        from tests.oracle import hf_greedy
+
+        for i, p in enumerate(prompts):
+            ids, _ = self.collect(self.generate(p, max_new_tokens, stream=i % 2 == 0, rid=f"{rid}{i}", ignore_eos=True))
+            assert ids == hf_greedy(path, p, max_new_tokens), f"prompt {i}"
+
     def wait_idle(self, timeout: float = 20) -> None:
         sched = self.decode.scheduler
         deadline = time.time() + timeout

@@ -96,9 +96,7 @@ def test_grpc_pair_on_cuda(checkpoint):
     kw = dict(device="cuda", dtype="float32")
     pair = GrpcPair(path, prefill_kw=kw, decode_kw=kw)
     try:
-        for i, p in enumerate(PROMPTS):
-            ids, _ = pair.collect(pair.generate(p, 12, stream=i % 2 == 0, rid=f"c{i}", ignore_eos=True))
-            assert ids == hf_greedy(path, p, 12), f"prompt {i}"
+        pair.check_against_oracle(path, PROMPTS, 12, rid="c")
     finally:
         pair.close()
 
