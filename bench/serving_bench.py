@@ -53,10 +53,12 @@ def _pct(values: list[float], q: float) -> float:
 def summarize(submitted: list[float], arrivals: list[list[float]]) -> dict:
     """Per-request token arrival times -> TTFT (ms), decode tok/s, ITL p50/p99 (ms)."""
     ttft = [a[0] - s for s, a in zip(submitted, arrivals)]
-    rate = sum((len(a) - 1) / (a[-1] - a[0]) for a in arrivals if len(a) > 1 and a[-1] > a[0])
+    decoding = [a for a in arrivals if len(a) > 1 and a[-1] > a[0]]
+    rate = sum((len(a) - 1) / (a[-1] - a[0]) for a in decoding)
     gaps = [y - x for a in arrivals for x, y in zip(a, a[1:])]
     return dict(ttft_ms=1e3 * statistics.median(ttft), tok_s=rate, itl_p50_ms=1e3 * _pct(gaps, 0.5),
-                itl_p99_ms=1e3 * _pct(gaps, 0.99))
+                itl_p99_ms=1e3 * _pct(gaps, 0.99), decode_tokens=sum(len(a) - 1 for a in decoding),
+                decode_s=sum(a[-1] - a[0] for a in decoding))
 
 
 def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
@@ -80,11 +82,12 @@ def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
     return dict(ttft_ms=1e3 * t1, tok_s=batch * (new_tokens - 1) / decode, itl_p50_ms=1e3 * itl, itl_p99_ms=1e3 * itl)
 
 
-def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, spec=None, stats: list | None = None,
+def bench_inprocess(path: str, prompt: list, batch: int, new_tokens: int, spec=None, stats: list | None = None,
                     temperature: float = 0.0, device: str = "cpu", dtype: str = "auto", overlap: bool = True,
-                    runners: tuple | None = None) -> dict:
+                    runners: tuple | None = None, ignore_eos: bool = True) -> dict:
     """Our decode scheduler + in-process prefill; with `spec` (SpecArgs) EAGLE is on, and `stats`
     receives (drafts accepted, drafts proposed). temperature > 0 samples (request i seeded with i).
+    `prompt` is one prompt's ids, or a list of prompts (request i gets prompt[i % len]).
     `runners` (decode, prefill ModelRunners, sized for `batch`) are reused instead of loaded."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
@@ -94,7 +97,9 @@ def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, s
 
     from common.engine.draft_runner import SpecArgs
     spec = spec or SpecArgs()
-    args = dict(max_running_requests=batch, max_total_tokens=batch * (len(prompt) + new_tokens + spec.extra_slots) + 64,
+    prompts = prompt if isinstance(prompt[0], list) else [prompt]
+    longest = max(map(len, prompts))
+    args = dict(max_running_requests=batch, max_total_tokens=batch * (longest + new_tokens + spec.extra_slots) + 64,
                 spec=spec, device=device, dtype=dtype)
     decode_runner, prefill_runner = runners or (ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args)))
     peer: list[InProcessPrefill] = []
@@ -115,8 +120,8 @@ def bench_inprocess(path: str, prompt: list[int], batch: int, new_tokens: int, s
         submitted = []
         for i in range(batch):
             submitted.append(time.perf_counter())
-            params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, seed=i)
-            sched.submit(str(i), prompt, params, on_output)
+            params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos, temperature=temperature, seed=i)
+            sched.submit(str(i), prompts[i % len(prompts)], params, on_output)
         for _ in range(batch):
             if not done.acquire(timeout=600):
                 raise TimeoutError("in-process run did not finish")

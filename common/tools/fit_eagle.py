@@ -7,9 +7,11 @@
    the target's features at every position;
 2. fit from random init within the time budget: at position p the head reads (token p+1, the
    target's features at p, plus a little noise) and is trained to predict the target's token at p+2
-   (cross-entropy; EAGLE3 over its draft vocabulary: the most frequent answer tokens) and, for
-   EAGLE, the target's hidden at p+1 (smooth L1, the main term; CE weighted 0.1); AdamW, cosine
-   schedule over the budget; progress and ETA on stderr;
+   (cross-entropy over the draft vocabulary: the answers' most frequent tokens, EAGLE3's lm_head or
+   EAGLE's token map) and, for EAGLE, the target's hidden at p+1 (smooth L1, the main term; CE
+   weighted 0.1); unrolled `--unroll` draft steps deep on its own hidden (training-time test), so
+   later drafts learn from the inputs they get when serving; AdamW, cosine schedule over the
+   budget; progress on stderr;
 3. write the head in the public layout (config.json + model.safetensors) that the services load
    with --speculative-draft-model-path, and for EAGLE `token_map.json` (the answers' tokens, most
    frequent first, at most 8192) for --speculative-token-map; atomically (a temp folder renamed).
@@ -38,22 +40,38 @@ from common.tools.eagle_checkpoint import head_config, save_head
 
 TOKEN_MAP = "token_map.json"  # beside an EAGLE head: the hot tokens it drafts from (FR-Spec style)
 HOT_TOKENS = 8192
+HELD_OUT_SEED = 10_000  # instructions(n, seed + HELD_OUT_SEED, evaluation=True): the evaluation prompts
 
 
-class CausalBlocks:
-    """Attention for training: causal within each packed sequence (a block-diagonal mask)."""
+class UnrolledBlocks:
+    """Training attention over packed sequences, for a head unrolled on its own outputs (EAGLE3's
+    training-time test). Step 1 is causal within each sequence (a block-diagonal mask). Step k > 1 at
+    position p is the head's k-th draft from p: like serving, it sees step 1's keys at positions <= p
+    (drafts there were computed from the target's features) and its own chain of drafts at p."""
 
     def __init__(self, lengths: list[int]):
         seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         pos = torch.cat([torch.arange(n) for n in lengths])
         self.mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, q, k, v, layer, forward_batch, scale):
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=self.mask, scale=scale)
-        return out.transpose(0, 1)
+        self.kv.append((k, v))
+        k1, v1 = self.kv[0]
+        if len(self.kv) == 1:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 attn_mask=self.mask, scale=scale)
+            return out.transpose(0, 1)
+        scores = torch.einsum("thd,shd->hts", q, k1).masked_fill(~self.mask, float("-inf"))
+        own = torch.stack([(q * kj).sum(-1) for kj, _ in self.kv[1:]], dim=-1).transpose(0, 1)  # [H, T, k-1]
+        probs = torch.softmax(torch.cat([scores, own], dim=-1) * scale, dim=-1)
+        t = q.shape[0]
+        out = torch.einsum("hts,shd->thd", probs[..., :t], v1)
+        for j, (_, vj) in enumerate(self.kv[1:]):
+            out = out + probs[..., t + j].transpose(0, 1)[..., None] * vj
+        return out
 
 
 def _batches(seqs, feats, max_tokens: int, gen: torch.Generator):
@@ -72,9 +90,46 @@ def _batches(seqs, feats, max_tokens: int, gen: torch.Generator):
         yield batch
 
 
+def _hot_tokens(seqs: list[list[int]], vocab_size: int, limit: int, floor: int = 64) -> torch.Tensor:
+    """The ids the answers use, most frequent first (at most `limit`, at least `floor`)."""
+    counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=vocab_size)
+    return counts.argsort(descending=True)[:min(vocab_size, limit, max(floor, int((counts > 0).sum())))]
+
+
+def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unroll: int, noise: float):
+    """Sum over draft depths k = 1..unroll of the head's loss at every position p of the batch's
+    sequences: step k reads token p+k and (k = 1) the target's features at p, with noise, or (k > 1)
+    its own hidden from step k-1; it predicts the target's token at p+k+1 (cross-entropy over the
+    draft vocabulary) and, for EAGLE, the target's hidden at p+k (smooth L1, the main term; CE x 0.1).
+    Depth k weighs 0.8^(k-1). Returns (loss, step-1 top-1 accuracy)."""
+    lengths = [len(seqs[i]) - 2 for i in batch]  # positions with both step-1 targets
+    toks = [torch.tensor(seqs[i] + [0] * unroll) for i in batch]
+    pad = [torch.cat([feats[i], feats[i].new_zeros(unroll, feats[i].shape[-1])]) for i in batch]
+    attn, loss, acc = UnrolledBlocks(lengths), 0.0, 0.0
+    hidden = torch.cat([f[:n] for f, n in zip(pad, lengths)])
+    hidden = hidden + noise * hidden.std() * torch.randn_like(hidden) / hidden.shape[-1] ** 0.5
+    for k in range(1, unroll + 1):
+        valid = torch.cat([torch.arange(n) <= n - k for n in lengths])  # token p+k+1 exists
+        cos, sin = rotary.cos_sin(torch.cat([torch.arange(n) + k - 1 for n in lengths]), torch.float32)
+        hidden = head(embed[torch.cat([t[k:k + n] for t, n in zip(toks, lengths)])], hidden, cos, sin, None, attn)
+        labels = t2d[torch.cat([t[k + 1:k + 1 + n] for t, n in zip(toks, lengths)])][valid]
+        pred = hidden[valid]
+        if head.config.algorithm == "EAGLE":
+            logits = F.linear(pred, vocab_head)
+            truth = torch.cat([f[k:k + n] for f, n in zip(pad, lengths)])[valid]
+            step = F.smooth_l1_loss(pred, truth) + 0.1 * F.cross_entropy(logits, labels, ignore_index=-100)
+        else:
+            logits = head.lm_head(head.norm(pred))
+            step = F.cross_entropy(logits, labels, ignore_index=-100)
+        loss = loss + 0.8 ** (k - 1) * step
+        if k == 1:
+            acc = (logits.argmax(-1) == labels).float().mean().item()
+    return loss, acc
+
+
 def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: int = 256, answer_tokens: int = 96,
         seed: int = 0, max_batch_tokens: int = 2048, noise: float = 0.2, lr: float = 1e-3,
-        max_steps: int | None = None) -> str:
+        max_steps: int | None = None, unroll: int = 3) -> str:
     """Fit and write a head; stops at the time budget or after `max_steps` optimizer steps (tests use
     a step cap so the result does not depend on the machine's speed)."""
     torch.manual_seed(seed)
@@ -84,11 +139,10 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     tok = load_tokenizer(target)
     prompt_ids = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(prompts, seed)]
     seqs = eagle_data.answers(runner, prompt_ids, answer_tokens)
-    draft_vocab = None
-    if algorithm == "EAGLE3":  # the draft vocabulary: the answer tokens seen most often
-        counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=cfg.vocab_size)
-        draft_vocab = counts.argsort(descending=True)[:min(cfg.vocab_size, max(64, int((counts > 0).sum())))].sort().values
-    config = head_config(cfg, algorithm, None if draft_vocab is None else draft_vocab.numel())
+    # the draft vocabulary: EAGLE3's lm_head rows, EAGLE's token map (both trained over it alone)
+    hot = _hot_tokens(seqs, cfg.vocab_size, HOT_TOKENS if algorithm == "EAGLE" else cfg.vocab_size)
+    draft_vocab = hot.sort().values if algorithm == "EAGLE3" else hot
+    config = head_config(cfg, algorithm, None if algorithm == "EAGLE" else draft_vocab.numel())
     tmp = f"{out}.tmp-{os.getpid()}"
     save_head_config(tmp, config)
     head = DraftHead(load_draft_config(tmp, algorithm, cfg)).float().train()
@@ -98,13 +152,12 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     with torch.no_grad():
         for name, p in head.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-        if draft_vocab is not None:
+        if algorithm == "EAGLE3":
             head.d2t.copy_(draft_vocab - torch.arange(draft_vocab.numel()))
     t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.int64)
-    if draft_vocab is not None:
-        t2d[draft_vocab] = torch.arange(draft_vocab.numel())
+    t2d[draft_vocab] = torch.arange(draft_vocab.numel())
     embed = runner.model.model.embed_tokens.weight.detach().float()
-    lm_head = runner.model.lm_head_weight.detach().float()
+    vocab_head = runner.model.lm_head_weight.detach().float()[draft_vocab]
     rotary = RotaryEmbedding(head.config.layer.rope, head.config.layer.head_dim)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     gen, budget, start, step, shown = torch.Generator().manual_seed(seed), 60 * minutes, time.monotonic(), 0, 0.0
@@ -116,35 +169,17 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
             for group in opt.param_groups:  # cosine over the time budget
                 done = max(elapsed / budget, step / max_steps if max_steps else 0.0)
                 group["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * min(done, 1.0))).item())
-            toks = [torch.tensor(seqs[i]) for i in batch]
-            lengths = [len(t) - 2 for t in toks]
-            hidden = torch.cat([feats[i][:-2] for i in batch])
-            hidden = hidden + noise * hidden.std() * torch.randn_like(hidden) / hidden.shape[-1] ** 0.5
-            positions = torch.cat([torch.arange(n) for n in lengths])
-            cos, sin = rotary.cos_sin(positions, torch.float32)
-            pred = head(embed[torch.cat([t[1:-1] for t in toks])], hidden, cos, sin, None, CausalBlocks(lengths))
-            next_tokens = torch.cat([t[2:] for t in toks])
-            if algorithm == "EAGLE":
-                logits = F.linear(pred, lm_head)
-                loss = F.smooth_l1_loss(pred, torch.cat([feats[i][1:-1] for i in batch])) + 0.1 * F.cross_entropy(
-                    logits, next_tokens)
-            else:
-                logits = head.lm_head(head.norm(pred))
-                next_tokens = t2d[next_tokens]
-                loss = F.cross_entropy(logits, next_tokens, ignore_index=-100)
+            loss, acc = _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unroll, noise)
             opt.zero_grad()
             loss.backward()
             opt.step()
             step += 1
             if elapsed - shown >= max(5.0, budget / 40):
                 shown = elapsed
-                acc = (logits.argmax(-1) == next_tokens).float().mean().item()
                 print(f"[fit] {elapsed:5.0f}/{budget:.0f}s step {step} loss {loss.item():.4f} top-1 {acc:.2f}",
                       file=sys.stderr, flush=True)
     save_head(head.eval(), config, tmp)
-    if algorithm == "EAGLE":  # the tokens the answers use, most frequent first (for --speculative-token-map)
-        counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=cfg.vocab_size)
-        hot = counts.argsort(descending=True)[:min(int((counts > 0).sum()), HOT_TOKENS)]
+    if algorithm == "EAGLE":  # for --speculative-token-map
         with open(os.path.join(tmp, TOKEN_MAP), "w") as f:
             json.dump(hot.tolist(), f)
     if os.path.exists(out):
@@ -196,17 +231,20 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=256, help="generated instructions answered by the target")
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--unroll", type=int, default=3, help="draft steps trained on the head's own outputs")
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for the accept length (0: skip)")
     p.add_argument("--eval-only", action="store_true", help="skip the fit: evaluate the head already in --out")
     p.add_argument("--topk", type=int, default=1, help="evaluate with --speculative-eagle-topk (> 1: a tree)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tree nodes verified (default num_steps + 1)")
     args = p.parse_args(argv)
     if not args.eval_only:
-        fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed)
+        fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed,
+            unroll=args.unroll)
     if args.eval_prompts:
         from common.tools.tokenizer import load_tokenizer
         tok = load_tokenizer(args.target)
-        held_out = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(args.eval_prompts, args.seed + 10_000)]
+        texts = eagle_data.instructions(args.eval_prompts, args.seed + HELD_OUT_SEED, evaluation=True)
+        held_out = [eagle_data.chat_ids(tok, t) for t in texts]
         tree = dict(topk=args.topk, num_draft_tokens=args.num_draft_tokens)
         length = measure_acceptance(args.target, args.out, args.algorithm, held_out, **tree)
         print(f"mean accept length at num_steps 3, topk {args.topk} on {len(held_out)} held-out prompts: {length:.2f}",
