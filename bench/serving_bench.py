@@ -133,14 +133,15 @@ def bench_inprocess(path: str, prompt: list, batch: int, new_tokens: int, spec=N
     return summarize(submitted, arrivals)
 
 
-def start_pair(path: str, threads: int, max_batch: int, tokens: int, decode_flags: tuple = ()) -> tuple[str, list[subprocess.Popen]]:
+def start_pair(path: str, threads: int, max_batch: int, tokens: int, decode_flags: tuple = (),
+               prefill_flags: tuple = ()) -> tuple[str, list[subprocess.Popen]]:
     from common.tools.procs import free_port, wait_serving
 
     pp, dp = free_port(), free_port()
     common = ["--model-path", path, "--torch-threads", str(threads), "--max-running-requests", str(max_batch),
               "--max-total-tokens", str(tokens)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(pp)], env=env,
+    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags], env=env,
                                stderr=subprocess.DEVNULL)
     decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(dp),
                                "--prefill-addr", f"127.0.0.1:{pp}", *decode_flags], env=env, stderr=subprocess.DEVNULL)

@@ -3,7 +3,7 @@ the target's features at every position (what the head reads at serving time).
 
 Instructions come from templates x topics (seeded, distinct; one in 8 texts is held out for
 evaluation and never fitted on); each is chat-formatted with the target's
-tokenizer, answered greedily by our engine (batched), and the whole sequence is run once more as
+tokenizer, answered greedily by our serving engine (common.tools.offline), and the whole sequence is run once more as
 one extend to take the features: the final normed hidden (EAGLE) or the captured layers (EAGLE3).
 """
 
@@ -16,9 +16,9 @@ import zlib
 
 import torch
 
-from common.engine.colocated import ColocatedEngine
 from common.engine.forward_batch import ForwardBatch
 from common.engine.sampling import SamplingParams
+from common.tools import offline
 
 TEMPLATES = ["Explain {} to a child.", "Write a short poem about {}.", "List three facts about {}.",
              "What is the history of {}?", "Give me a tip about {}.", "Describe {} in one paragraph.",
@@ -70,15 +70,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def answers(runner, prompts: list[list[int]], max_new_tokens: int, batch: int = 32) -> list[list[int]]:
-    """prompt + the target's greedy answer (EOS ends it early), for every prompt."""
-    engine, out = ColocatedEngine(runner, chunk_size=1024), []
-    start = time.monotonic()
-    for i in range(0, len(prompts), batch):
-        reqs = engine.generate(prompts[i:i + batch], SamplingParams(max_new_tokens=max_new_tokens))
-        out += [r.prompt + r.output for r in reqs]
-        print(f"[fit] answers {len(out)}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr, flush=True)
-    return out
+def answers(runners: tuple, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """prompt + the target's greedy answer (EOS ends it early), for every prompt; `runners` are the
+    (decode, prefill) ModelRunners of the target."""
+    outputs, _ = offline.generate(*runners, prompts, SamplingParams(max_new_tokens=max_new_tokens), progress="fit answers")
+    return [p + o for p, o in zip(prompts, outputs)]
 
 
 @torch.inference_mode()

@@ -133,12 +133,13 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     """Fit and write a head; stops at the time budget or after `max_steps` optimizer steps (tests use
     a step cap so the result does not depend on the machine's speed)."""
     torch.manual_seed(seed)
-    runner = ModelRunner(RunnerArgs(target, max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64))
+    size = dict(max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64)
+    runner = ModelRunner(RunnerArgs(target, **size))
     cfg = runner.config
     from common.tools.tokenizer import load_tokenizer
     tok = load_tokenizer(target)
     prompt_ids = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(prompts, seed)]
-    seqs = eagle_data.answers(runner, prompt_ids, answer_tokens)
+    seqs = eagle_data.answers((runner, ModelRunner(RunnerArgs(target, **size))), prompt_ids, answer_tokens)
     # the draft vocabulary: EAGLE3's lm_head rows, EAGLE's token map (both trained over it alone)
     hot = _hot_tokens(seqs, cfg.vocab_size, HOT_TOKENS if algorithm == "EAGLE" else cfg.vocab_size)
     draft_vocab = hot.sort().values if algorithm == "EAGLE3" else hot
@@ -202,23 +203,14 @@ def measure_acceptance(target: str, head: str, algorithm: str, prompts: list[lis
     (topk > 1: tree drafting with `num_draft_tokens` nodes)."""
     from common.engine.draft_runner import SpecArgs
     from common.engine.sampling import SamplingParams
-    from decode_service.scheduler import DecodeScheduler
-    from prefill_service.engine import PrefillEngine
+    from common.tools import offline
 
     spec = SpecArgs(algorithm, head, num_steps, topk, num_draft_tokens or num_steps + 1, token_map)
-    args = dict(max_total_tokens=len(prompts) * (max(map(len, prompts)) + max_new_tokens + spec.extra_slots), spec=spec,
-                max_running_requests=len(prompts))
-    pending: list = []
-    sched = DecodeScheduler(ModelRunner(RunnerArgs(target, **args)), pending.append)
-    for i, p in enumerate(prompts):
-        sched.submit(str(i), p, SamplingParams(max_new_tokens=max_new_tokens))
-    sched.step()
-    for h in PrefillEngine(ModelRunner(RunnerArgs(target, **args)), chunk_size=1024).prefill(pending):
-        sched.deliver_handoff(h)
-    while not sched.idle:
-        sched.step()
-    sched.stop()
-    accepted, proposed = sched.spec_stats
+    batch = min(len(prompts), 32)
+    size = dict(max_total_tokens=batch * (max(map(len, prompts)) + max_new_tokens + spec.extra_slots), spec=spec,
+                max_running_requests=batch)
+    runners = ModelRunner(RunnerArgs(target, **size)), ModelRunner(RunnerArgs(target, **size))
+    _, (accepted, proposed) = offline.generate(*runners, prompts, SamplingParams(max_new_tokens=max_new_tokens))
     return 1 + accepted / (proposed / num_steps) if proposed else 1.0
 
 

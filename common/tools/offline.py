@@ -1,0 +1,61 @@
+"""Offline generation through the serving engine: a list of prompts in, their outputs out.
+
+The decode scheduler (continuous batching, overlap, EAGLE when the runner has a head) with the
+prefill engine on a thread (InProcessPrefill), all requests submitted at once: the scheduler admits
+them as request and KV slots free, so the batch stays full until the last prompts. Used to make a
+head's training data and to measure its accept length.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from common.engine.model_runner import ModelRunner
+from common.engine.sampling import SamplingParams
+
+
+def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: list[list[int]],
+             params: SamplingParams, progress: str | None = None) -> tuple[list[list[int]], tuple[int, int]]:
+    """(every prompt's output ids, in order; (drafts accepted, drafts proposed) when speculative).
+    With `progress`, prints a line with that label as outputs complete (about every 10%)."""
+    from decode_service.scheduler import DecodeScheduler
+    from prefill_service.engine import PrefillEngine
+    from prefill_service.inprocess import InProcessPrefill
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    failed: list[str] = []
+    lock, done, finished, start = threading.Lock(), threading.Event(), [0], time.monotonic()
+    peer: list[InProcessPrefill] = []
+
+    def on_output(rid, tokens, reason):
+        outputs[int(rid)].extend(tokens)
+        if reason is None:
+            return
+        with lock:
+            if reason not in ("stop", "length"):
+                failed.append(f"{rid}: {reason}")
+            finished[0] += 1
+            if progress and (finished[0] % max(1, len(prompts) // 10) == 0 or finished[0] == len(prompts)):
+                print(f"[{progress}] {finished[0]}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr,
+                      flush=True)
+            if finished[0] == len(prompts):
+                done.set()
+
+    sched = DecodeScheduler(decode_runner, lambda r: peer[0](r))
+    max_batch = decode_runner.req_to_token_pool.allocator.num_free
+    peer.append(InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=2048), sched.deliver_handoff,
+                                 sched.fail_handoff, max_batch=max_batch))
+    sched.start()
+    try:
+        for i, p in enumerate(prompts):
+            sched.submit(str(i), p, params, on_output)
+        if prompts and not done.wait(timeout=24 * 3600):
+            raise TimeoutError("offline generation did not finish")
+    finally:
+        sched.stop()
+        peer[0].close()
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    return outputs, tuple(sched.spec_stats)
