@@ -30,17 +30,44 @@ def test_unrolled_attention_sees_the_true_prefix_and_its_own_chain():
     from common.tools.fit_eagle import UnrolledBlocks
 
     torch.manual_seed(0)
-    lengths, heads, kv_heads, dim = [3, 5, 1], 4, 2, 8
-    t = sum(lengths)
-    attn = UnrolledBlocks(lengths)
+    seqs, length, heads, kv_heads, dim = 3, 5, 4, 2, 8
+    t = seqs * length
+    attn = UnrolledBlocks(seqs, length)
+    same_seq = torch.arange(t)[:, None] // length == torch.arange(t)[None, :] // length
+    causal = same_seq & (torch.arange(t)[:, None] >= torch.arange(t)[None, :])
     keys: list = []
     for step in range(3):
         q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
         out = attn.forward(q, k, v, None, None, dim ** -0.5)
         keys.append((k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)))
-        mask = torch.cat([attn.mask] + [torch.eye(t, dtype=torch.bool)] * step, dim=1)
+        mask = torch.cat([causal] + [torch.eye(t, dtype=torch.bool)] * step, dim=1)
         ref = F.scaled_dot_product_attention(q.transpose(0, 1), torch.cat([k for k, _ in keys]).transpose(0, 1),
                                              torch.cat([v for _, v in keys]).transpose(0, 1), attn_mask=mask,
                                              scale=dim ** -0.5).transpose(0, 1)
-        assert torch.allclose(out, ref, atol=1e-5), step
-    assert not attn.mask[3, 2] and attn.mask[4, 3] and not attn.mask[3, 4]  # sequences stay apart, causal
+        assert out.shape == q.shape and torch.allclose(out, ref, atol=1e-5), step
+
+
+def test_answers_keep_the_features_one_extend_over_the_whole_sequence_gives(checkpoint):
+    """The fitting data's features, kept while answers are generated (prefill chunks, then one decode
+    row per step), equal a single extend forward over prompt + answer, position by position: the
+    final normed hidden (EAGLE), and captured layers (EAGLE3)."""
+    import torch
+
+    from common.engine.forward_batch import ForwardBatch
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+
+    runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=512, max_running_requests=4))
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
+    for capture in ((), (0, 1)):
+        seqs, feats = eagle_data.answers(runner, prompts, 6, capture, batch=2)
+        assert [s[:len(p)] for s, p in zip(seqs, prompts)] == prompts
+        for seq, got in zip(seqs, feats):
+            pool, kv = runner.req_to_token_pool, runner.kv_allocator
+            row, slots = pool.alloc(), kv.alloc(len(seq))
+            pool.write(row, 0, slots)
+            _, ref = runner.forward_features(ForwardBatch.extend(pool.req_to_token, [row], [0], [seq]), capture)
+            kv.free(slots)
+            pool.free(row)
+            assert got.shape == (len(seq) - 1, ref.shape[-1]), capture
+            assert torch.allclose(got, ref[:-1].float(), atol=1e-4), capture
+        assert runner.kv_allocator.num_free == runner.kv_allocator.size

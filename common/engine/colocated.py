@@ -9,6 +9,8 @@ Lifecycle of `generate(prompts, params)`:
      already in the pool; a request whose prompt completes samples its first token;
   4. decode: one token per running request per step until EOS / stop_token_ids / max_new_tokens;
   5. free every slot exactly once (also when a step raises).
+With `capture` (the fitting tool's data), each request also keeps the draft head's input features of
+every position that ran (prompt + output[:-1]): the final normed hidden, or those layers (EAGLE3).
 The disaggregated services reuse the same pieces (ForwardBatch, ModelRunner, sampler, request rules).
 """
 
@@ -35,6 +37,7 @@ class Request:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    features: list[torch.Tensor] = field(default_factory=list)   # with ColocatedEngine(capture=...)
 
     @property
     def committed_len(self) -> int:
@@ -43,9 +46,10 @@ class Request:
 
 
 class ColocatedEngine:
-    def __init__(self, runner: ModelRunner, chunk_size: int = 256):
+    def __init__(self, runner: ModelRunner, chunk_size: int = 256, capture: tuple[int, ...] | None = None):
         self.runner = runner
         self.chunk_size = chunk_size
+        self.capture = capture
         self.eos_ids = runner.config.eos_token_ids
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
@@ -88,7 +92,14 @@ class ColocatedEngine:
             r.finish_reason = finish_reason(r.params, r.output, self.eos_ids)
 
     def _prefill(self, reqs: list[Request]) -> None:
-        run_chunked_prefill(self.runner, reqs, self.chunk_size, self._sample_into)
+        run_chunked_prefill(self.runner, reqs, self.chunk_size, self._sample_into,
+                            None if self.capture is None else self._keep_prefill_features, self.capture)
+
+    def _keep_prefill_features(self, chunk: list, features: torch.Tensor) -> None:
+        start = 0
+        for r, _, ids in chunk:
+            r.features.append(features[start:start + len(ids)].float().cpu())
+            start += len(ids)
 
     def _decode(self, running: list[Request]) -> None:
         table = self.runner.req_to_token_pool.req_to_token
@@ -96,6 +107,11 @@ class ColocatedEngine:
             rows = [r.req_pool_idx for r in running]
             batch = ForwardBatch.decode(table, torch.tensor(rows), [r.committed_len for r in running],
                                         torch.tensor([r.output[-1] for r in running]), req_pool_indices_cpu=rows)
-            logits, _ = self.runner.forward(batch)
+            if self.capture is None:
+                logits, _ = self.runner.forward(batch)
+            else:
+                logits, features = self.runner.forward_features(batch, self.capture)
+                for r, f in zip(running, features.float().cpu()):
+                    r.features.append(f[None])
             self._sample_into(running, logits)
             running = [r for r in running if r.finish_reason is None]

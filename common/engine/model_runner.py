@@ -82,10 +82,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden[forward_batch.logits_indices]), hidden
 
     @torch.inference_mode()
-    def forward_features(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_features(self, forward_batch: ForwardBatch,
+                         capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Like forward, but returns the draft head's input features for every token instead of the
-        hidden: the final normed hidden (EAGLE) or the captured layers concatenated (EAGLE3)."""
-        capture = self.draft.capture if self.draft is not None else ()
+        hidden: the final normed hidden (EAGLE) or the captured layers concatenated (EAGLE3). The
+        layers are the draft head's unless `capture` names them (the fitting tool's data)."""
+        if capture is None:
+            capture = self.draft.capture if self.draft is not None else ()
         if not capture:
             return self.forward(forward_batch)
         hidden, aux = self.model(forward_batch, self.backend, capture=capture)

@@ -3,8 +3,8 @@ the target's features at every position (what the head reads at serving time).
 
 Instructions come from templates x topics (seeded, distinct; one in 8 texts is held out for
 evaluation and never fitted on); each is chat-formatted with the target's
-tokenizer, answered greedily by our serving engine (common.tools.offline), and the whole sequence is run once more as
-one extend to take the features: the final normed hidden (EAGLE) or the captured layers (EAGLE3).
+tokenizer, and answered greedily by our engine in batches, which keeps the target's features of every
+position as it goes: the final normed hidden (EAGLE) or the captured layers (EAGLE3).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import zlib
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
+from common.engine.colocated import ColocatedEngine
 from common.engine.sampling import SamplingParams
-from common.tools import offline
 
 TEMPLATES = ["Explain {} to a child.", "Write a short poem about {}.", "List three facts about {}.",
              "What is the history of {}?", "Give me a tip about {}.", "Describe {} in one paragraph.",
@@ -70,23 +69,16 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def answers(runners: tuple, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """prompt + the target's greedy answer (EOS ends it early), for every prompt; `runners` are the
-    (decode, prefill) ModelRunners of the target."""
-    outputs, _ = offline.generate(*runners, prompts, SamplingParams(max_new_tokens=max_new_tokens), progress="fit answers")
-    return [p + o for p, o in zip(prompts, outputs)]
-
-
-@torch.inference_mode()
-def features(runner, seq: list[int], capture: tuple[int, ...] = ()) -> torch.Tensor:
-    """The head's input features [len(seq), F] at every position of `seq` (one extend forward): the
-    final normed hidden, or with `capture` (EAGLE3) those layers' outputs concatenated."""
-    pool, kv = runner.req_to_token_pool, runner.kv_allocator
-    row, slots = pool.alloc(), kv.alloc(len(seq))
-    try:
-        pool.write(row, 0, slots)
-        out = runner.model(ForwardBatch.extend(pool.req_to_token, [row], [0], [seq]), runner.backend, capture=capture)
-        return (out[1] if capture else out).float().cpu()
-    finally:
-        kv.free(slots)
-        pool.free(row)
+def answers(runner, prompts: list[list[int]], max_new_tokens: int, capture: tuple[int, ...] = (),
+            batch: int = 32) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """(prompt + the target's greedy answer (EOS ends it early), the target's features at every
+    position but the last [len - 1, F]) for every prompt: the final normed hidden, or with `capture`
+    (EAGLE3) those layers' outputs concatenated, kept while the answer is generated."""
+    engine, seqs, feats = ColocatedEngine(runner, chunk_size=2048, capture=capture), [], []
+    start = time.monotonic()
+    for i in range(0, len(prompts), batch):
+        for r in engine.generate(prompts[i:i + batch], SamplingParams(max_new_tokens=max_new_tokens)):
+            seqs.append(r.prompt + r.output)
+            feats.append(torch.cat(r.features))
+        print(f"[fit] answers {len(seqs)}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr, flush=True)
+    return seqs, feats

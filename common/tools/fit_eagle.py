@@ -44,34 +44,34 @@ HELD_OUT_SEED = 10_000  # instructions(n, seed + HELD_OUT_SEED, evaluation=True)
 
 
 class UnrolledBlocks:
-    """Training attention over packed sequences, for a head unrolled on its own outputs (EAGLE3's
-    training-time test). Step 1 is causal within each sequence (a block-diagonal mask). Step k > 1 at
-    position p is the head's k-th draft from p: like serving, it sees step 1's keys at positions <= p
-    (drafts there were computed from the target's features) and its own chain of drafts at p."""
+    """Training attention over a padded batch of sequences [N, L] (queries flat [N * L, heads, d]), for a
+    head unrolled on its own outputs (EAGLE3's training-time test). Step 1 is causal within each
+    sequence (padding sits at the ends, so no real position sees it). Step k > 1 at position p is the
+    head's k-th draft from p: like serving, it sees step 1's keys at positions <= p (drafts there were
+    computed from the target's features) and its own chain of drafts at p."""
 
-    def __init__(self, lengths: list[int]):
-        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        pos = torch.cat([torch.arange(n) for n in lengths])
-        self.mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+    def __init__(self, num_seqs: int, length: int):
+        self.shape = (num_seqs, length)
+        self.causal = torch.ones(length, length, dtype=torch.bool).tril()
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, q, k, v, layer, forward_batch, scale):
         group = q.shape[1] // k.shape[1]
+        q, k, v = (x.view(*self.shape, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [N, heads, L, d]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         self.kv.append((k, v))
         k1, v1 = self.kv[0]
         if len(self.kv) == 1:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                 attn_mask=self.mask, scale=scale)
-            return out.transpose(0, 1)
-        scores = torch.einsum("thd,shd->hts", q, k1).masked_fill(~self.mask, float("-inf"))
-        own = torch.stack([(q * kj).sum(-1) for kj, _ in self.kv[1:]], dim=-1).transpose(0, 1)  # [H, T, k-1]
-        probs = torch.softmax(torch.cat([scores, own], dim=-1) * scale, dim=-1)
-        t = q.shape[0]
-        out = torch.einsum("hts,shd->thd", probs[..., :t], v1)
-        for j, (_, vj) in enumerate(self.kv[1:]):
-            out = out + probs[..., t + j].transpose(0, 1)[..., None] * vj
-        return out
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            scores = (q @ k1.transpose(2, 3)).masked_fill(~self.causal, float("-inf"))
+            own = torch.stack([(q * kj).sum(-1) for kj, _ in self.kv[1:]], dim=-1)  # [N, heads, L, k-1]
+            probs = torch.softmax(torch.cat([scores, own], dim=-1) * scale, dim=-1)
+            length = self.shape[1]
+            out = probs[..., :length] @ v1
+            for j, (_, vj) in enumerate(self.kv[1:]):
+                out = out + probs[..., length + j, None] * vj
+        return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])  # [N * L, heads, d]
 
 
 def _batches(seqs, feats, max_tokens: int, gen: torch.Generator):
@@ -98,25 +98,29 @@ def _hot_tokens(seqs: list[list[int]], vocab_size: int, limit: int, floor: int =
 
 def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unroll: int, noise: float):
     """Sum over draft depths k = 1..unroll of the head's loss at every position p of the batch's
-    sequences: step k reads token p+k and (k = 1) the target's features at p, with noise, or (k > 1)
-    its own hidden from step k-1; it predicts the target's token at p+k+1 (cross-entropy over the
-    draft vocabulary) and, for EAGLE, the target's hidden at p+k (smooth L1, the main term; CE x 0.1).
-    Depth k weighs 0.8^(k-1). Returns (loss, step-1 top-1 accuracy)."""
-    lengths = [len(seqs[i]) - 2 for i in batch]  # positions with both step-1 targets
-    toks = [torch.tensor(seqs[i] + [0] * unroll) for i in batch]
-    pad = [torch.cat([feats[i], feats[i].new_zeros(unroll, feats[i].shape[-1])]) for i in batch]
-    attn, loss, acc = UnrolledBlocks(lengths), 0.0, 0.0
-    hidden = torch.cat([f[:n] for f, n in zip(pad, lengths)])
-    hidden = hidden + noise * hidden.std() * torch.randn_like(hidden) / hidden.shape[-1] ** 0.5
+    sequences (padded to one length): step k reads token p+k and (k = 1) the target's features at p,
+    with noise, or (k > 1) its own hidden from step k-1; it predicts the target's token at p+k+1
+    (cross-entropy over the draft vocabulary) and, for EAGLE, the target's hidden at p+k (smooth L1,
+    the main term; CE x 0.1). Depth k weighs 0.8^(k-1). Returns (loss, step-1 top-1 accuracy)."""
+    lengths = torch.tensor([len(seqs[i]) - 2 for i in batch])  # positions with both step-1 targets
+    n, dim = int(lengths.max()), feats[batch[0]].shape[-1]
+    toks = torch.zeros(len(batch), n + unroll + 2, dtype=torch.int64)
+    target = torch.zeros(len(batch), n + unroll + 1, dim)
+    for row, i in enumerate(batch):
+        toks[row, :len(seqs[i])] = torch.tensor(seqs[i])
+        target[row, :len(feats[i])] = feats[i]
+    attn, loss, acc = UnrolledBlocks(len(batch), n), 0.0, 0.0
+    hidden = target[:, :n].reshape(-1, dim)
+    hidden = hidden + noise * hidden.std() * torch.randn_like(hidden) / dim ** 0.5
     for k in range(1, unroll + 1):
-        valid = torch.cat([torch.arange(n) <= n - k for n in lengths])  # token p+k+1 exists
-        cos, sin = rotary.cos_sin(torch.cat([torch.arange(n) + k - 1 for n in lengths]), torch.float32)
-        hidden = head(embed[torch.cat([t[k:k + n] for t, n in zip(toks, lengths)])], hidden, cos, sin, None, attn)
-        labels = t2d[torch.cat([t[k + 1:k + 1 + n] for t, n in zip(toks, lengths)])][valid]
+        valid = (torch.arange(n)[None, :] <= (lengths - k)[:, None]).flatten()  # token p+k+1 exists
+        cos, sin = rotary.cos_sin((torch.arange(n) + k - 1).repeat(len(batch)), torch.float32)
+        hidden = head(embed[toks[:, k:k + n].flatten()], hidden, cos, sin, None, attn)
+        labels = t2d[toks[:, k + 1:k + 1 + n].flatten()][valid]
         pred = hidden[valid]
         if head.config.algorithm == "EAGLE":
             logits = F.linear(pred, vocab_head)
-            truth = torch.cat([f[k:k + n] for f, n in zip(pad, lengths)])[valid]
+            truth = target[:, k:k + n].reshape(-1, dim)[valid]
             step = F.smooth_l1_loss(pred, truth) + 0.1 * F.cross_entropy(logits, labels, ignore_index=-100)
         else:
             logits = head.lm_head(head.norm(pred))
@@ -139,16 +143,16 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     from common.tools.tokenizer import load_tokenizer
     tok = load_tokenizer(target)
     prompt_ids = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(prompts, seed)]
-    seqs = eagle_data.answers((runner, ModelRunner(RunnerArgs(target, **size))), prompt_ids, answer_tokens)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    save_head_config(tmp, head_config(cfg, algorithm, None if algorithm == "EAGLE" else cfg.vocab_size))
+    capture = load_draft_config(tmp, algorithm, cfg).aux_layer_ids   # the layers the head reads (EAGLE3)
+    seqs, feats = eagle_data.answers(runner, prompt_ids, answer_tokens, capture)
     # the draft vocabulary: EAGLE3's lm_head rows, EAGLE's token map (both trained over it alone)
     hot = _hot_tokens(seqs, cfg.vocab_size, HOT_TOKENS if algorithm == "EAGLE" else cfg.vocab_size)
     draft_vocab = hot.sort().values if algorithm == "EAGLE3" else hot
     config = head_config(cfg, algorithm, None if algorithm == "EAGLE" else draft_vocab.numel())
-    tmp = f"{out}.tmp-{os.getpid()}"
     save_head_config(tmp, config)
     head = DraftHead(load_draft_config(tmp, algorithm, cfg)).float().train()
-    capture = head.config.aux_layer_ids
-    feats = [eagle_data.features(runner, s, capture) for s in seqs]
     print(f"[fit] {len(seqs)} sequences, {sum(map(len, seqs))} tokens of data", file=sys.stderr, flush=True)
     with torch.no_grad():
         for name, p in head.named_parameters():
