@@ -1,10 +1,11 @@
 """Fit an EAGLE / EAGLE3 draft head to a target on the target's own greedy answers.
 
     python -m common.tools.fit_eagle --target DIR --algorithm EAGLE|EAGLE3 --out DIR [--minutes 10]
-        [--prompts 256] [--answer-tokens 96] [--seed 0]
+        [--prompts 256] [--answer-tokens 96] [--seed 0] [--unroll 3] [--lr 1e-3] [--data FILE]
+        [--eval-prompts 20] [--eval-only --topk K --num-draft-tokens M]
 
-1. data (eagle_data.py): generated instructions, chat-formatted, answered greedily by the target;
-   the target's features at every position;
+1. data (eagle_data.py): generated instructions, chat-formatted, answered greedily by the target,
+   with the target's features at every position (kept in --data FILE for a later fit);
 2. fit from random init within the time budget: at position p the head reads (token p+1, the
    target's features at p, plus a little noise) and is trained to predict the target's token at p+2
    (cross-entropy over the draft vocabulary: the answers' most frequent tokens, EAGLE3's lm_head or
@@ -15,8 +16,8 @@
 3. write the head in the public layout (config.json + model.safetensors) that the services load
    with --speculative-draft-model-path, and for EAGLE `token_map.json` (the answers' tokens, most
    frequent first, at most 8192) for --speculative-token-map; atomically (a temp folder renamed).
-`measure_acceptance` runs the decode engine with a head on held-out prompts and returns the mean
-accept length (tokens committed per verify step).
+`measure_acceptance` runs the decode engine with a head on held-out prompts (a split of the
+instructions never fitted on) and returns the mean accept length (tokens committed per verify step).
 """
 
 from __future__ import annotations
@@ -133,9 +134,10 @@ def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unr
 
 def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: int = 256, answer_tokens: int = 96,
         seed: int = 0, max_batch_tokens: int = 2048, noise: float = 0.2, lr: float = 1e-3,
-        max_steps: int | None = None, unroll: int = 3) -> str:
+        max_steps: int | None = None, unroll: int = 3, data: str | None = None) -> str:
     """Fit and write a head; stops at the time budget or after `max_steps` optimizer steps (tests use
-    a step cap so the result does not depend on the machine's speed)."""
+    a step cap so the result does not depend on the machine's speed). `data`: a file that keeps the
+    generated answers and features, reused by a later fit with the same target, prompts and seed."""
     torch.manual_seed(seed)
     size = dict(max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64)
     runner = ModelRunner(RunnerArgs(target, **size))
@@ -146,7 +148,14 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     tmp = f"{out}.tmp-{os.getpid()}"
     save_head_config(tmp, head_config(cfg, algorithm, None if algorithm == "EAGLE" else cfg.vocab_size))
     capture = load_draft_config(tmp, algorithm, cfg).aux_layer_ids   # the layers the head reads (EAGLE3)
-    seqs, feats = eagle_data.answers(runner, prompt_ids, answer_tokens, capture)
+    key = dict(target=os.path.abspath(target), prompts=prompts, answer_tokens=answer_tokens, seed=seed, capture=capture)
+    if data and os.path.exists(data) and (cached := torch.load(data))["key"] == key:
+        seqs, feats = cached["seqs"], cached["feats"]
+        print(f"[fit] data from {data}", file=sys.stderr, flush=True)
+    else:
+        seqs, feats = eagle_data.answers(runner, prompt_ids, answer_tokens, capture)
+        if data:
+            torch.save(dict(key=key, seqs=seqs, feats=feats), data)
     # the draft vocabulary: EAGLE3's lm_head rows, EAGLE's token map (both trained over it alone)
     hot = _hot_tokens(seqs, cfg.vocab_size, HOT_TOKENS if algorithm == "EAGLE" else cfg.vocab_size)
     draft_vocab = hot.sort().values if algorithm == "EAGLE3" else hot
@@ -228,6 +237,8 @@ def main(argv=None) -> None:
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unroll", type=int, default=3, help="draft steps trained on the head's own outputs")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (cosine to 0 over the budget)")
+    p.add_argument("--data", default=None, help="keep the generated data in this file and reuse it when it matches")
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for the accept length (0: skip)")
     p.add_argument("--eval-only", action="store_true", help="skip the fit: evaluate the head already in --out")
     p.add_argument("--topk", type=int, default=1, help="evaluate with --speculative-eagle-topk (> 1: a tree)")
@@ -235,7 +246,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not args.eval_only:
         fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed,
-            unroll=args.unroll)
+            unroll=args.unroll, lr=args.lr, data=args.data)
     if args.eval_prompts:
         from common.tools.tokenizer import load_tokenizer
         tok = load_tokenizer(args.target)
