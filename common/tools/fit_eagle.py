@@ -186,6 +186,7 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
             loss, acc = _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unroll, noise)
             opt.zero_grad()
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)  # the unrolled chain can spike
             opt.step()
             step += 1
             if elapsed - shown >= max(5.0, budget / 40):
