@@ -141,8 +141,8 @@ def start_pair(path: str, threads: int, max_batch: int, tokens: int, decode_flag
     common = ["--model-path", path, "--torch-threads", str(threads), "--max-running-requests", str(max_batch),
               "--max-total-tokens", str(tokens)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags], env=env,
-                               stderr=subprocess.DEVNULL)
+    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
+                               env=env, stderr=subprocess.DEVNULL)
     decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(dp),
                                "--prefill-addr", f"127.0.0.1:{pp}", *decode_flags], env=env, stderr=subprocess.DEVNULL)
     wait_serving(f"127.0.0.1:{pp}", prefill)

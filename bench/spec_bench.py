@@ -91,7 +91,8 @@ def main(argv=None) -> None:
                                                    args.temperature, not held_out)[0])
             rate, length = run(args.model_path, batch_prompts, b, args.new_tokens, spec, args.temperature, not held_out)
             best["spec"] = max(best["spec"], rate)
-        print(f"| {b} | {best['plain']:.1f} | {best['spec']:.1f} | {best['spec'] / best['plain']:.2f}x | {length:.2f} |",
+        ratio = best["spec"] / best["plain"]
+        print(f"| {b} | {best['plain']:.1f} | {best['spec']:.1f} | {ratio:.2f}x | {length:.2f} |",
               flush=True)
 
 

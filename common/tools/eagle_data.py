@@ -80,5 +80,6 @@ def answers(runner, prompts: list[list[int]], max_new_tokens: int, capture: tupl
         for r in engine.generate(prompts[i:i + batch], SamplingParams(max_new_tokens=max_new_tokens)):
             seqs.append(r.prompt + r.output)
             feats.append(torch.cat(r.features))
-        print(f"[fit] answers {len(seqs)}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr, flush=True)
+        print(f"[fit] answers {len(seqs)}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr,
+              flush=True)
     return seqs, feats
