@@ -89,48 +89,27 @@ def bench_inprocess(path: str, prompt: list, batch: int, new_tokens: int, spec=N
     receives (drafts accepted, drafts proposed). temperature > 0 samples (request i seeded with i).
     `prompt` is one prompt's ids, or a list of prompts (request i gets prompt[i % len]).
     `runners` (decode, prefill ModelRunners, sized for `batch`) are reused instead of loaded."""
+    from common.engine.draft_runner import SpecArgs
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
-    from decode_service.scheduler import DecodeScheduler
-    from prefill_service.engine import PrefillEngine
-    from prefill_service.inprocess import InProcessPrefill
+    from common.tools import offline
 
-    from common.engine.draft_runner import SpecArgs
     spec = spec or SpecArgs()
     prompts = prompt if isinstance(prompt[0], list) else [prompt]
     longest = max(map(len, prompts))
     args = dict(max_running_requests=batch, max_total_tokens=batch * (longest + new_tokens + spec.extra_slots) + 64,
                 spec=spec, device=device, dtype=dtype)
-    decode_runner, prefill_runner = runners or (ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args)))
-    peer: list[InProcessPrefill] = []
-    sched = DecodeScheduler(decode_runner, lambda r: peer[0](r), disable_overlap=not overlap)
-    peer.append(InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=8192),
-                                 sched.deliver_handoff, sched.fail_handoff, max_batch=batch))
-    arrivals = [[] for _ in range(batch)]
-    done = threading.Semaphore(0)
-
-    def on_output(rid, tokens, reason):
-        now = time.perf_counter()
-        arrivals[int(rid)].extend([now] * len(tokens))
-        if reason is not None:
-            done.release()
-
-    sched.start()
-    try:
-        submitted = []
-        for i in range(batch):
-            submitted.append(time.perf_counter())
-            params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos, temperature=temperature, seed=i)
-            sched.submit(str(i), prompts[i % len(prompts)], params, on_output)
-        for _ in range(batch):
-            if not done.acquire(timeout=600):
-                raise TimeoutError("in-process run did not finish")
-    finally:
-        sched.stop()
-        peer[0].close()
+    runners = runners or (ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args)))
+    arrivals: list[list[float]] = [[] for _ in range(batch)]
+    params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos, temperature=temperature, seed=i)
+              for i in range(batch)]
+    start = time.perf_counter()
+    _, spec_stats = offline.generate(*runners, [prompts[i % len(prompts)] for i in range(batch)], params,
+                                     on_tokens=lambda i, ids: arrivals[i].extend([time.perf_counter()] * len(ids)),
+                                     overlap=overlap, chunk_size=8192)
     if stats is not None:
-        stats[:] = sched.spec_stats
-    return summarize(submitted, arrivals)
+        stats[:] = spec_stats
+    return summarize([start] * batch, arrivals)
 
 
 def start_pair(path: str, threads: int, max_batch: int, tokens: int, decode_flags: tuple = (),

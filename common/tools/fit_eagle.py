@@ -139,8 +139,7 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     a step cap so the result does not depend on the machine's speed). `data`: a file that keeps the
     generated answers and features, reused by a later fit with the same target, prompts and seed."""
     torch.manual_seed(seed)
-    size = dict(max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64)
-    runner = ModelRunner(RunnerArgs(target, **size))
+    runner = ModelRunner(RunnerArgs(target, max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64))
     cfg = runner.config
     from common.tools.tokenizer import load_tokenizer
     tok = load_tokenizer(target)
@@ -148,7 +147,8 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     tmp = f"{out}.tmp-{os.getpid()}"
     save_head_config(tmp, head_config(cfg, algorithm, None if algorithm == "EAGLE" else cfg.vocab_size))
     capture = load_draft_config(tmp, algorithm, cfg).aux_layer_ids   # the layers the head reads (EAGLE3)
-    key = dict(target=os.path.abspath(target), prompts=prompts, answer_tokens=answer_tokens, seed=seed, capture=capture)
+    key = dict(target=os.path.abspath(target), prompts=prompts, answer_tokens=answer_tokens, seed=seed,
+               capture=capture)
     if data and os.path.exists(data) and (cached := torch.load(data))["key"] == key:
         seqs, feats = cached["seqs"], cached["feats"]
         print(f"[fit] data from {data}", file=sys.stderr, flush=True)

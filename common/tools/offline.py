@@ -2,8 +2,8 @@
 
 The decode scheduler (continuous batching, overlap, EAGLE when the runner has a head) with the
 prefill engine on a thread (InProcessPrefill), all requests submitted at once: the scheduler admits
-them as request and KV slots free, so the batch stays full until the last prompts. Used to make a
-head's training data and to measure its accept length.
+them as request and KV slots free, so the batch stays full until the last prompts. Used to measure
+a head's accept length and by the benchmarks (which tap each token's arrival).
 """
 
 from __future__ import annotations
@@ -13,13 +13,19 @@ import threading
 import time
 
 from common.engine.model_runner import ModelRunner
+from typing import Callable
+
 from common.engine.sampling import SamplingParams
 
 
 def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: list[list[int]],
-             params: SamplingParams, progress: str | None = None) -> tuple[list[list[int]], tuple[int, int]]:
+             params: SamplingParams | list[SamplingParams], progress: str | None = None,
+             on_tokens: Callable[[int, list[int]], None] | None = None, overlap: bool = True,
+             chunk_size: int = 2048) -> tuple[list[list[int]], tuple[int, int]]:
     """(every prompt's output ids, in order; (drafts accepted, drafts proposed) when speculative).
-    With `progress`, prints a line with that label as outputs complete (about every 10%)."""
+    `params` is one for all or one per prompt. With `progress`, prints a line with that label as
+    outputs complete (about every 10%); `on_tokens(i, new_ids)` sees prompt i's tokens as they come
+    (on the scheduler thread). A request that ends in error or abort raises after the run."""
     from decode_service.scheduler import DecodeScheduler
     from prefill_service.engine import PrefillEngine
     from prefill_service.inprocess import InProcessPrefill
@@ -31,6 +37,8 @@ def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: l
 
     def on_output(rid, tokens, reason):
         outputs[int(rid)].extend(tokens)
+        if on_tokens is not None and tokens:
+            on_tokens(int(rid), tokens)
         if reason is None:
             return
         with lock:
@@ -43,14 +51,15 @@ def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: l
             if finished[0] == len(prompts):
                 done.set()
 
-    sched = DecodeScheduler(decode_runner, lambda r: peer[0](r))
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    sched = DecodeScheduler(decode_runner, lambda r: peer[0](r), disable_overlap=not overlap)
     max_batch = decode_runner.req_to_token_pool.allocator.num_free
-    peer.append(InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=2048), sched.deliver_handoff,
+    peer.append(InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=chunk_size), sched.deliver_handoff,
                                  sched.fail_handoff, max_batch=max_batch))
     sched.start()
     try:
-        for i, p in enumerate(prompts):
-            sched.submit(str(i), p, params, on_output)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            sched.submit(str(i), p, sp, on_output)
         if prompts and not done.wait(timeout=24 * 3600):
             raise TimeoutError("offline generation did not finish")
     finally:
