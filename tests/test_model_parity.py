@@ -86,7 +86,7 @@ def test_packed_cpu_linears_equal_plain_ones(checkpoint, variant):
     for pack in (False, True):
         runner = ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4, pack_linear=pack))
         packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-        assert bool(packed) == pack and (getattr(runner.model, "_lm_head_packed", None) is not None) == pack
+        assert bool(packed) == pack and (getattr(runner.model, "_lm_head_cpu", None) is not None) == pack
         prompts = _prompts(runner.config.vocab_size)
         rows = [_reserve(runner, len(p)) for p in prompts]
         runs[pack] = runner.forward(ForwardBatch.extend(runner.req_to_token_pool.req_to_token, rows,

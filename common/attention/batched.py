@@ -9,8 +9,9 @@ there too; decode (Q_max = 1) and equal-length extends are plain views.
 
 Cost model per layer: one index_select of B * S_max KV rows each for k and v (on CPU into a scratch
 buffer reused by all layers and forwards, grown to the largest box seen), one SDPA over [B, heads,
-Q_max, S_max]. On CPU the GQA heads are shared through `enable_gqa`; elsewhere (and on torch < 2.5)
-K/V are repeat_interleave'd, since on CUDA `enable_gqa` with a mask falls back to the math kernel.
+Q_max, S_max] (no mask in a decode without padding, else an additive mask built once per forward).
+On CPU the GQA heads are shared through `enable_gqa`; elsewhere (and on torch < 2.5) K/V are
+repeat_interleave'd, since on CUDA `enable_gqa` with a mask falls back to the math kernel.
 Work and memory grow with the padded box B * Q_max * S_max, so very ragged batches waste compute
 on padding, but there is no Python loop over requests per layer.
 """
@@ -38,7 +39,8 @@ _HAS_ENABLE_GQA = _probe_enable_gqa()
 
 
 def sdpa(q, k, v, mask, scale):
-    """q [B, heads, Q, d], k/v [B, kv_heads, S, d], mask [B, 1, Q, S] bool -> [B, heads, Q, d]."""
+    """q [B, heads, Q, d], k/v [B, kv_heads, S, d], mask [B, 1, Q, S] (bool or additive) or None
+    -> [B, heads, Q, d]."""
     group = q.shape[1] // k.shape[1]
     if group > 1 and _HAS_ENABLE_GQA and q.device.type == "cpu":   # CPU flash kernel shares heads itself
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -73,6 +75,11 @@ class BatchedBackend(AttentionBackend):
             cols = (prefix_t[:, None, None] + torch.arange(tree.shape[2], device=device)).expand(-1, q_max, -1)
             block.scatter_(2, cols, tree)
             self._mask = ((k_pos[None, None, :] < prefix_t[:, None, None]) | block).unsqueeze(1)
+        if forward_batch.tree_mask is None and q_max == 1 and min(seq) == s_max:
+            self._mask = None   # decode with no padding (batch 1 always): every key is visible
+        else:  # SDPA would turn a bool mask into an additive one in every layer: do it once here
+            self._mask = torch.zeros(self._mask.shape, dtype=self.kv_pool.dtype, device=device).masked_fill_(
+                ~self._mask, float("-inf"))
         self._batch, self._q_max = batch, q_max
         k0 = self.kv_pool.k[0]   # on CPU, faulting in fresh pages each layer costs more than the gather
         if k0.device.type == "cpu" and (self._scratch is None or self._scratch.shape[1] < batch * s_max):

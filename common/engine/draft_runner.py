@@ -83,7 +83,7 @@ class DraftRunner:
                 raise ValueError("--speculative-token-map is for EAGLE heads (EAGLE3 has its own draft vocabulary)")
             self.vocab_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
             weight = target.model.lm_head_weight[self.vocab_ids].contiguous()
-            self.vocab_lm_head = (packed_linear.pack_weight(weight) if packed_linear.available(target.device, target.dtype)
+            self.vocab_lm_head = (packed_linear.LinearWeight(weight) if packed_linear.available(target.device, target.dtype)
                                   else weight)
         elif self.config.algorithm == "EAGLE3":
             self.vocab_ids = self.head.d2t + torch.arange(self.head.d2t.numel(), device=target.device)
@@ -109,8 +109,8 @@ class DraftRunner:
             return self.head.lm_head(self.head.norm(hidden)).float()
         if self.vocab_lm_head is None:
             return self.target.model.compute_logits(hidden)
-        if self.vocab_lm_head.is_mkldnn:
-            return packed_linear.packed_linear(hidden, self.vocab_lm_head, None).float()
+        if isinstance(self.vocab_lm_head, packed_linear.LinearWeight):
+            return self.vocab_lm_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.vocab_lm_head).float()
 
     def to_target_vocab(self, columns: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:   # no casts: each op costs a few microseconds on CPU
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x); a oneDNN-packed linear adds in its epilogue (bit-identical, one op fewer)."""
+    add = getattr(linear, "forward_add", None)
+    return add(x, residual) if add is not None else residual + linear(x)
 
 
 class Attention(nn.Module):
@@ -49,17 +55,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+    def forward(self, x, cos, sin, forward_batch: ForwardBatch, backend, residual=None) -> torch.Tensor:
+        """o_proj(attention(x)), plus `residual` when given."""
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
+        v = qkv[:, qk_size:].view(t, kv_heads, d)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(q, k, v, self.layer, forward_batch, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+            q, k = qkv[:, :self.qkv_sizes[0]].view(t, heads, d), qkv[:, self.qkv_sizes[0]:qk_size].view(t, kv_heads, d)
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+        else:  # q and k heads side by side: one rotary for both
+            qk = apply_rotary(qkv[:, :qk_size].view(t, heads + kv_heads, d), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        out = backend.forward(q, k, v, self.layer, forward_batch, self.scale).reshape(t, heads * d)
+        return self.o_proj(out) if residual is None else linear_add(self.o_proj, out, residual)
 
 
 class MLP(nn.Module):
@@ -68,9 +77,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """down(silu(gate) * up), plus `residual` when given."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        h = F.silu(gate) * up
+        return self.down_proj(h) if residual is None else linear_add(self.down_proj, h, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -82,8 +93,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, forward_batch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, forward_batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, forward_batch, backend, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class Backbone(nn.Module):
@@ -129,19 +140,17 @@ class DecoderLM(nn.Module):
         return split_fused(self, self.config)
 
     def pack_for_cpu(self) -> None:
-        """After loading: oneDNN-packed weights for every linear and the lm_head (CPU fp32 only)."""
-        from common.models.packed_linear import pack_linears, pack_weight
+        """After loading: every linear and the lm_head in the CPU fp32 layouts (common/models/packed_linear.py)."""
+        from common.models.packed_linear import LinearWeight, pack_linears
 
-        self._lm_head_packed = pack_weight(self.lm_head_weight)  # lm_head itself stays plain (tied: the embedding)
+        self._lm_head_cpu = LinearWeight(self.lm_head_weight)  # lm_head itself stays plain (tied: the embedding)
         pack_linears(self.model)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given rows of hidden states."""
-        packed = getattr(self, "_lm_head_packed", None)
-        if packed is not None:
-            from common.models.packed_linear import packed_linear
-
-            return packed_linear(hidden, packed, None).float()
+        cpu = getattr(self, "_lm_head_cpu", None)
+        if cpu is not None:
+            return cpu(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
 

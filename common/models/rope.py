@@ -40,17 +40,21 @@ class RotaryEmbedding:
         self._inv_freq = {torch.device("cpu"): inv_frequencies(rope, head_dim)}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads)."""
+        """positions [T] -> cos, signed sin [T, 1, head_dim] (broadcast over heads). The sin's first half
+        is negated here, once per forward, so `apply_rotary` needs no negation per layer."""
         device = positions.device
         if device not in self._inv_freq:
             self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
         freqs = positions[:, None].float() * self._inv_freq[device][None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        sin = emb.sin()
+        sin[:, : freqs.shape[1]].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by the half-split convention (rotate_half)."""
+    """x [T, heads, head_dim] rotated by the half-split convention: HF's x * cos + rotate_half(x) * sin
+    with rotate_half(x) = [-x2, x1], here [x2, x1] * the signed sin from `cos_sin` (bit-identical:
+    negation is exact)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
