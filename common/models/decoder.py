@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 
 
 def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x); a oneDNN-packed linear adds in its epilogue (bit-identical, one op fewer)."""
+    """residual + linear(x); a PackedLinear adds it itself (for GEMMs in the oneDNN epilogue: one op fewer)."""
     add = getattr(linear, "forward_add", None)
     return add(x, residual) if add is not None else residual + linear(x)
 

@@ -1,6 +1,6 @@
 """Fit an EAGLE / EAGLE3 draft head to a target on the target's own greedy answers.
 
-    python -m common.tools.fit_eagle --target DIR --algorithm EAGLE|EAGLE3 --out DIR [--minutes 10]
+    python -m common.tools.fit_eagle --target DIR --algorithm EAGLE|EAGLE3 --out DIR [--minutes 10 | --total-minutes 15]
         [--prompts 256] [--answer-tokens 96] [--seed 0] [--unroll 3] [--lr 1e-3] [--data FILE]
         [--eval-prompts 20] [--eval-only --topk K --num-draft-tokens M]
 
@@ -134,10 +134,13 @@ def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unr
 
 def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: int = 256, answer_tokens: int = 96,
         seed: int = 0, max_batch_tokens: int = 2048, noise: float = 0.2, lr: float = 1e-3,
-        max_steps: int | None = None, unroll: int = 3, data: str | None = None) -> str:
+        max_steps: int | None = None, unroll: int = 3, data: str | None = None,
+        total_minutes: float | None = None) -> str:
     """Fit and write a head; stops at the time budget or after `max_steps` optimizer steps (tests use
     a step cap so the result does not depend on the machine's speed). `data`: a file that keeps the
-    generated answers and features, reused by a later fit with the same target, prompts and seed."""
+    generated answers and features, reused by a later fit with the same target, prompts and seed.
+    `total_minutes`: a budget for the whole call instead (the fit gets what the data left of it)."""
+    called = time.monotonic()
     torch.manual_seed(seed)
     runner = ModelRunner(RunnerArgs(target, max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64))
     cfg = runner.config
@@ -174,6 +177,9 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     vocab_head = runner.model.lm_head_weight.detach().float()[draft_vocab]
     rotary = RotaryEmbedding(head.config.layer.rope, head.config.layer.head_dim)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    if total_minutes is not None:   # keep ~10 s to write the head
+        minutes = max(0.0, total_minutes - (time.monotonic() - called + 10) / 60)
+        print(f"[fit] {minutes:.1f} minutes left for the fit", file=sys.stderr, flush=True)
     gen, budget, start, step, shown = torch.Generator().manual_seed(seed), 60 * minutes, time.monotonic(), 0, 0.0
     while (elapsed := time.monotonic() - start) < budget and (max_steps is None or step < max_steps):
         for batch in _batches(seqs, feats, max_batch_tokens, gen):
@@ -234,10 +240,13 @@ def main(argv=None) -> None:
     p.add_argument("--algorithm", required=True, choices=["EAGLE", "EAGLE3"])
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=10.0, help="time budget of the fit (data generation not included)")
+    p.add_argument("--total-minutes", type=float, default=None,
+                   help="time budget of data generation and fit together (replaces --minutes)")
     p.add_argument("--prompts", type=int, default=256, help="generated instructions answered by the target")
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unroll", type=int, default=3, help="draft steps trained on the head's own outputs")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="positions per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (cosine to 0 over the budget)")
     p.add_argument("--data", default=None, help="keep the generated data in this file and reuse it when it matches")
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for the accept length (0: skip)")
@@ -247,7 +256,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if not args.eval_only:
         fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed,
-            unroll=args.unroll, lr=args.lr, data=args.data)
+            max_batch_tokens=args.batch_tokens, unroll=args.unroll, lr=args.lr, data=args.data,
+            total_minutes=args.total_minutes)
     if args.eval_prompts:
         from common.tools.tokenizer import load_tokenizer
         tok = load_tokenizer(args.target)
