@@ -1,7 +1,7 @@
 """Fit an EAGLE / EAGLE3 draft head to a target on the target's own greedy answers.
 
     python -m common.tools.fit_eagle --target DIR --algorithm EAGLE|EAGLE3 --out DIR [--minutes 10 | --total-minutes 15]
-        [--prompts 256] [--answer-tokens 96] [--seed 0] [--unroll 3] [--lr 1e-3] [--data FILE]
+        [--prompts 256] [--answer-tokens 96] [--seed 0] [--unroll 3] [--lr 1e-3] [--batch-tokens 1024] [--data FILE]
         [--eval-prompts 20] [--eval-only --topk K --num-draft-tokens M]
 
 1. data (eagle_data.py): generated instructions, chat-formatted, answered greedily by the target,
@@ -133,7 +133,7 @@ def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unr
 
 
 def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: int = 256, answer_tokens: int = 96,
-        seed: int = 0, max_batch_tokens: int = 2048, noise: float = 0.2, lr: float = 1e-3,
+        seed: int = 0, max_batch_tokens: int = 1024, noise: float = 0.2, lr: float = 1e-3,
         max_steps: int | None = None, unroll: int = 3, data: str | None = None,
         total_minutes: float | None = None) -> str:
     """Fit and write a head; stops at the time budget or after `max_steps` optimizer steps (tests use
@@ -246,7 +246,7 @@ def main(argv=None) -> None:
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unroll", type=int, default=3, help="draft steps trained on the head's own outputs")
-    p.add_argument("--batch-tokens", type=int, default=2048, help="positions per optimizer step")
+    p.add_argument("--batch-tokens", type=int, default=1024, help="positions per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (cosine to 0 over the budget)")
     p.add_argument("--data", default=None, help="keep the generated data in this file and reuse it when it matches")
     p.add_argument("--eval-prompts", type=int, default=20, help="held-out prompts for the accept length (0: skip)")
