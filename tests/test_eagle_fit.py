@@ -71,3 +71,14 @@ def test_answers_keep_the_features_one_extend_over_the_whole_sequence_gives(chec
             assert got.shape == (len(seq) - 1, ref.shape[-1]), capture
             assert torch.allclose(got, ref[:-1].float(), atol=1e-4), capture
         assert runner.kv_allocator.num_free == runner.kv_allocator.size
+
+
+def test_a_total_budget_covers_data_and_fit(checkpoint, tmp_path, capsys):
+    """--total-minutes: the fit gets only what the data generation left; with no time left it writes
+    the (unfitted) head at once instead of overrunning."""
+    import os
+
+    target = checkpoint("llama")
+    head = fit(target, "EAGLE", str(tmp_path / "head"), prompts=4, answer_tokens=4, total_minutes=0.0)
+    assert os.path.exists(os.path.join(head, "model.safetensors"))
+    assert "after 0 steps" in capsys.readouterr().err
