@@ -64,22 +64,12 @@ class BatchedBackend(AttentionBackend):
         k_pos = torch.arange(s_max, device=device)
         in_seq = k_pos[None, :] < seq_t[:, None]                                      # [B, S]
         self._slots = torch.where(in_seq, table[rows, :s_max], 0).to(torch.int64).view(-1)  # [B*S]
-        # Query i of request b sits at position prefix_b + i; padded query rows (i >= extend_b) keep
-        # key 0 visible so no softmax row is empty (their output is never read).
-        q_pos = prefix_t[:, None] + torch.arange(q_max, device=device)[None, :]      # [B, Q]
-        if forward_batch.tree_mask is None:
-            self._mask = (in_seq[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])).unsqueeze(1)
-        else:  # the prefix for every query, then the tree block through tree_mask
-            tree = forward_batch.tree_mask
-            block = torch.zeros(batch, q_max, s_max, dtype=torch.bool, device=device)
-            cols = (prefix_t[:, None, None] + torch.arange(tree.shape[2], device=device)).expand(-1, q_max, -1)
-            block.scatter_(2, cols, tree)
-            self._mask = ((k_pos[None, None, :] < prefix_t[:, None, None]) | block).unsqueeze(1)
         if forward_batch.tree_mask is None and q_max == 1 and min(seq) == s_max:
             self._mask = None   # decode with no padding (batch 1 always): every key is visible
-        else:  # SDPA would turn a bool mask into an additive one in every layer: do it once here
-            self._mask = torch.zeros(self._mask.shape, dtype=self.kv_pool.dtype, device=device).masked_fill_(
-                ~self._mask, float("-inf"))
+        else:  # additive, built once here (SDPA would convert a bool mask in every layer)
+            allowed = self._allowed(forward_batch, prefix_t, in_seq, k_pos, q_max)
+            self._mask = torch.zeros(allowed.shape, dtype=self.kv_pool.dtype, device=device).masked_fill_(
+                ~allowed, float("-inf"))
         self._batch, self._q_max = batch, q_max
         k0 = self.kv_pool.k[0]   # on CPU, faulting in fresh pages each layer costs more than the gather
         if k0.device.type == "cpu" and (self._scratch is None or self._scratch.shape[1] < batch * s_max):
@@ -90,6 +80,20 @@ class BatchedBackend(AttentionBackend):
             first = torch.cumsum(lens, 0) - lens                                     # packed start of each req
             shift = (torch.arange(batch) * q_max - first).repeat_interleave(lens)    # packed -> padded row
             self._flat = to_device(torch.arange(int(lens.sum())) + shift, device)  # [T]
+
+    @staticmethod
+    def _allowed(forward_batch, prefix_t, in_seq, k_pos, q_max) -> torch.Tensor:
+        """[B, 1, Q_max, S_max] bool: which keys each query may see."""
+        # Query i of request b sits at position prefix_b + i; padded query rows (i >= extend_b) keep
+        # key 0 visible so no softmax row is empty (their output is never read).
+        if forward_batch.tree_mask is None:
+            q_pos = prefix_t[:, None] + torch.arange(q_max, device=k_pos.device)[None, :]    # [B, Q]
+            return (in_seq[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])).unsqueeze(1)
+        tree = forward_batch.tree_mask  # the prefix for every query, then the tree block through tree_mask
+        block = torch.zeros(len(prefix_t), q_max, len(k_pos), dtype=torch.bool, device=k_pos.device)
+        cols = (prefix_t[:, None, None] + torch.arange(tree.shape[2], device=k_pos.device)).expand(-1, q_max, -1)
+        block.scatter_(2, cols, tree)
+        return ((k_pos[None, None, :] < prefix_t[:, None, None]) | block).unsqueeze(1)
 
     def forward(self, q, k, v, layer, forward_batch, scale):
         self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)

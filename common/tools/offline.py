@@ -11,10 +11,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-
-from common.engine.model_runner import ModelRunner
 from typing import Callable
 
+from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 
 
