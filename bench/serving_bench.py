@@ -21,6 +21,7 @@ table and the ratios (pair / HF, pair / in-process).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -29,6 +30,8 @@ import threading
 import time
 
 import torch
+
+from common.engine import intra_op
 
 PROMPT = "What is the capital of France? Answer in one sentence, then explain why it became the capital."
 
@@ -187,7 +190,8 @@ def main(argv=None) -> None:
             if "pair" not in skip:
                 bench_pair(address, prompt, b, 4)  # warm-up at this batch size
             for _ in range(args.repeats):  # the three interleaved, so drifts of the machine hit all alike
-                for name, fn in (("hf", lambda: bench_hf(args.model_path, prompt, b, args.new_tokens)),
+                hf = functools.partial(bench_hf, args.model_path, prompt, b, args.new_tokens)
+                for name, fn in (("hf", lambda: intra_op.on_own_thread(hf)),  # no OpenMP pool left on main
                                  ("inprocess", lambda: bench_inprocess(args.model_path, prompt, b, args.new_tokens)),
                                  ("pair", lambda: bench_pair(address, prompt, b, args.new_tokens))):
                     if name in skip:

@@ -56,7 +56,7 @@ def eagle_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu:
         fb = ForwardBatch.decode(table, indices, [n + k - 1 for n in seq_lens_cpu], drafts[-1],
                                  req_pool_indices_cpu=rows)
         hidden = draft.forward(fb, hidden)
-        drafts.append(sample_lanes(draft.topk(hidden, 1)[1][:, 0], hidden, k))
+        drafts.append(sample_lanes(draft.greedy(hidden), hidden, k))
     proposed = torch.stack(drafts, dim=1)                           # [B, S]
     if hooks is not None and hooks.propose is not None:              # tests: plant drafts
         proposed = hooks.propose(lanes, seq_lens_cpu, proposed)
@@ -80,5 +80,5 @@ def eagle_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu:
     out = draft.forward(extend, features).view(batch, num_steps + 1, -1)  # 5.
     seed_hidden = out[lanes, accepted]
     fm.stash_tokens(indices, target[lanes, accepted])
-    fm.stash_draft(indices, draft.topk(seed_hidden, 1)[1][:, 0], seed_hidden)
+    fm.stash_draft(indices, draft.greedy(seed_hidden), seed_hidden)
     return target, accepted

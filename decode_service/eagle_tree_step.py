@@ -124,7 +124,7 @@ def eagle_tree_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens
     out = draft.forward(extend, feats.flatten(0, 1)).view(batch, steps + 1, -1)           # 7.
     seed_hidden = out[lanes_t, accepted]
     fm.stash_tokens(indices, tokens[lanes_t, accepted])
-    fm.stash_draft(indices, draft.topk(seed_hidden, 1)[1][:, 0], seed_hidden)
+    fm.stash_draft(indices, draft.greedy(seed_hidden), seed_hidden)
     return tokens, accepted
 
 

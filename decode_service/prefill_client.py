@@ -21,6 +21,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.engine import intra_op
 from common.wire.grpc_server import channel_options
 from common.engine.handoff import Handoff, HandoffRequest
 from common.wire.kv_chunks import KvAssembler, decode_seed
@@ -66,7 +67,8 @@ class PrefillClient:
         self.wait_ready_s = wait_ready_s
         self.max_chunk_bytes = max_chunk_bytes
         self.call_timeout_s = call_timeout_s  # a wedged replica cannot hold a reservation forever
-        self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call")
+        self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call",
+                                                initializer=intra_op.pin_single)  # intra_op.py
         self.progress_timeout_s = progress_timeout_s
         self._calls: dict[str, list] = {}  # rid -> [call, peer, time of its last message or None]
         self._stalled: set[str] = set()    # rids whose call the watchdog cancelled

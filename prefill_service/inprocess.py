@@ -2,7 +2,10 @@
 
 The decode scheduler calls it with a HandoffRequest after reserving the request's slots; it batches
 whatever is queued, prefills, and delivers each Handoff (or a failure) through the callbacks. The
-gRPC client replaces it between processes; tests and benchmarks use it in one process.
+gRPC client replaces it between processes; tests and benchmarks use it in one process. It stands in
+for another process beside a decode stream that computes here, so its thread has one intra-op thread
+by default (a second OpenMP pool would slow every parallel region of the decode forward:
+common/engine/intra_op.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import queue
 import threading
 from typing import Callable
 
+from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
 from prefill_service.batching import take_batch
 from prefill_service.engine import PrefillEngine
@@ -18,10 +22,11 @@ from prefill_service.engine import PrefillEngine
 
 class InProcessPrefill:
     def __init__(self, engine: PrefillEngine, deliver: Callable[[Handoff], None],
-                 fail: Callable[[str, str], None], max_batch: int = 16):
+                 fail: Callable[[str, str], None], max_batch: int = 16, threads: int = 1):
         self.engine = engine
         self.deliver, self.fail = deliver, fail
         self.max_batch = max_batch
+        self.threads = threads
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="prefill", daemon=True)
         self._thread.start()
@@ -34,6 +39,7 @@ class InProcessPrefill:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
+        intra_op.pin(self.threads)
         while (batch := take_batch(self._queue, self.max_batch)) is not None:
             try:
                 handoffs = self.engine.prefill(batch)

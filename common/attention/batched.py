@@ -22,14 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from common.attention.base import AttentionBackend
+from common.engine import intra_op
 from common.engine.forward_batch import ForwardBatch
 from common.engine.host_copy import to_device
 
 
 def _probe_enable_gqa() -> bool:
     try:
-        F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
-                                       enable_gqa=True)
+        with intra_op.single_threaded():  # at import: start no OpenMP pool on the importing thread
+            F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
+                                           enable_gqa=True)
         return True
     except (TypeError, RuntimeError):
         return False

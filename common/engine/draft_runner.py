@@ -125,6 +125,11 @@ class DraftRunner:
         return full.index_copy_(1, self.vocab_ids, draft_probs)
 
     @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's most likely next token [T] (a target id): the argmax of its logits (no softmax)."""
+        return self.to_target_vocab(self.logits(hidden).argmax(dim=-1))
+
+    @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's k most likely next tokens [T, k] (probabilities over its draft vocabulary, target
         ids)."""

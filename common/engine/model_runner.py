@@ -13,6 +13,7 @@ import torch
 from common.attention import create_backend
 from common.models.config import ModelConfig, load_model_config
 from common.engine.draft_runner import DraftRunner, SpecArgs
+from common.engine import intra_op
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
 from common.models import packed_linear
@@ -47,6 +48,10 @@ class RunnerArgs:
 
 class ModelRunner:
     def __init__(self, args: RunnerArgs, config: ModelConfig | None = None):
+        with intra_op.single_threaded():  # loading starts no OpenMP pool on this thread (intra_op.py)
+            self._build(args, config)
+
+    def _build(self, args: RunnerArgs, config: ModelConfig | None) -> None:
         self.args = args
         self.config = config or load_model_config(args.model_path)
         self.device = torch.device(args.device)
@@ -98,6 +103,10 @@ class ModelRunner:
     def warmup(self, prompt_len: int = 16) -> None:
         """One extend and one decode forward on scratch slots (freed after), so the first real request
         does not pay one-time kernel and allocator set-up. Run before a service reports SERVING."""
+        with intra_op.single_threaded():
+            self._warmup(prompt_len)
+
+    def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))
         row, slots = self.req_to_token_pool.alloc(), self.kv_allocator.alloc(n + 1)
         try:

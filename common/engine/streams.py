@@ -5,7 +5,8 @@ One interface, two implementations:
   that stream's context, so its kernels queue on the stream and the host returns while they run.
   `DeviceEvent` wraps torch.cuda.Event.
 - CPU: `WorkerStream` is one forward worker thread that runs submitted work strictly in submission
-  order; `HostEvent` is a thread-safe flag. So overlap is real on CPU, and the scheduler code is the
+  order, with the creator's intra-op thread count (the process's computing thread, intra_op.py);
+  `HostEvent` is a thread-safe flag. So overlap is real on CPU, and the scheduler code is the
   same on both.
 
 The event contract, the same on both (DESIGN section 6, invariant 3):
@@ -29,6 +30,8 @@ from collections import deque
 from typing import Callable
 
 import torch
+
+from common.engine import intra_op
 
 POLL_S = 0.05  # how often a waiter re-checks a stream for failure (the event itself wakes it at once)
 
@@ -63,13 +66,16 @@ class HostEvent:
 class WorkerStream:
     """A CPU 'stream': one daemon thread running submitted callables in order."""
 
-    def __init__(self, name: str = "forward"):
+    def __init__(self, name: str = "forward", threads: int | None = None):
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        # the process's computing thread: the creator's intra-op thread count (common/engine/intra_op.py)
+        self._threads = threads or torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-stream", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        intra_op.pin(self._threads)
         while True:
             item = self._queue.get()
             if item is None:

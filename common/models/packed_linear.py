@@ -8,7 +8,9 @@ beat it, each on its own range of rows (all figures measured on this project's 2
 - Row blocks (`weight.view(parts, rows / parts, in)` and one `torch.bmm`): a single row is a GEMV,
   bound by memory bandwidth, and sgemm and oneDNN stream the weight at ~10 GB/s where the machine
   reads ~20; bmm runs the blocks on all threads at ~17-18 GB/s (the 30 layers of SmolLM2-135M at one
-  row: 25 ms against 35 packed and 39 with F.linear). From 8 rows on the packed GEMM wins.
+  row: 25 ms against 35 packed and 39 with F.linear). From 2 rows on the packed GEMM is used: on
+  2026-11-25's machine it matched or beat bmm at 2-4 rows (10.7-11.7 ms against 11.6-13.1 for the
+  30 layers), and bmm's [blocks, out, rows] result needs a transposing copy there (~1 ms a verify).
 `pack_linears(model)` swaps every nn.Linear for a `PackedLinear`; `LinearWeight` (used for lm_heads)
 holds both layouts of one weight. The row blocks are views of the plain weight, which stays alive:
 the price is a second copy of every packed weight in memory. The model must be loaded first (the
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 BATCH_HINT = 64     # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
-GEMV_MAX_ROWS = 4   # up to this many rows the row blocks (bmm) win; measured even at 2, ahead at 4
+GEMV_MAX_ROWS = 1   # the row blocks (bmm) for a single row only; see above
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

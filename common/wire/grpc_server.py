@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.engine import intra_op
+
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -43,7 +45,8 @@ class Server:
     """A grpc.Server with health (NOT_SERVING until `set_serving`) and reflection for `service_names`."""
 
     def __init__(self, host: str, port: int, service_names: list[str], max_workers: int = 64):
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc",
+                                                     initializer=intra_op.pin_single),
                                   options=channel_options() + SERVER_OPTIONS)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

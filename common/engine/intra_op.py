@@ -1,0 +1,70 @@
+"""Torch intra-op threads on CPU: one thread per process computes with several, the rest with one.
+
+torch's CPU ops run their parallel regions (and MKL's) on OpenMP. GNU libgomp keeps a pool of worker
+threads for every thread that ever ran a region with more than one thread, until that thread exits.
+Once the pools' workers outnumber the cores, libgomp stops spin-waiting between regions (a worker
+sleeps after ~100 spins instead of ~300k) and every region pays a futex wake-up. A decode forward has
+~150 regions: on the 2-core dev machine a SmolLM2-135M batch-1 decode forward took 16 ms with one
+pool alive and 24-25 ms with two (a 4-token verify 23 ms and 31-35 ms).
+
+So each process has one computing thread with the configured count (the decode forward stream's
+worker, the prefill engine's thread; the calling thread for offline tools that compute in place),
+and everything else that may touch a large tensor runs single-threaded: model loading and warm-up
+(`single_threaded`), gRPC handler and call threads (`pin_single` as their initializer), and an
+in-process prefill stand-in beside a decode stream. Only speed depends on this, never results.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def pin(threads: int) -> None:
+    """Give the calling thread `threads` intra-op threads, fixed: torch initialises a thread's count
+    lazily from the process-wide default on its first parallel op, so the read here settles it now
+    and a later `torch.set_num_threads` on another thread cannot reach this one."""
+    torch.set_num_threads(threads)
+    torch.get_num_threads()
+
+
+def pin_single() -> None:
+    """A thread pool's initializer: its threads never start an OpenMP pool."""
+    pin(1)
+
+
+@contextmanager
+def single_threaded():
+    """Run a block (model loading, warm-up) on one intra-op thread, so the calling thread starts no
+    OpenMP pool there; its count is restored after."""
+    threads = torch.get_num_threads()
+    pin(1)
+    try:
+        yield
+    finally:
+        pin(threads)
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """fn() on a new thread with the caller's intra-op thread count, and its result (or exception):
+    the OpenMP pool it starts ends with it, so computing on the main thread of a process that also
+    runs a forward stream (a benchmark's HF baseline) leaves no second pool behind."""
+    threads, out = torch.get_num_threads(), {}
+
+    def run():
+        pin(threads)
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            out["error"] = e
+    worker = threading.Thread(target=run, name="own-pool")
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

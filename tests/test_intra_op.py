@@ -1,0 +1,47 @@
+"""One OpenMP pool per process (common/engine/intra_op.py): loading, warm-up and importing the project
+start no pool on the main thread; the forward stream's worker computes with the creator's thread count
+and is the only thread that starts one. Run in a fresh interpreter (pytest's own threads and earlier
+tests' pools would blur the count); native threads = OS threads the threading module does not know."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, os, sys, threading
+import torch
+torch.set_num_threads(2)
+def native():
+    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+base = native()
+from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.streams import WorkerStream
+runner = ModelRunner(RunnerArgs(sys.argv[1], max_total_tokens=64, max_running_requests=2))
+runner.warmup()
+after_load = native()
+stream = WorkerStream()
+seen = {}
+def work():
+    row, slots = runner.req_to_token_pool.alloc(), runner.kv_allocator.alloc(16)
+    runner.req_to_token_pool.write(row, 0, slots)
+    runner.forward(ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [row], [0], [list(range(3, 15))]))
+    seen["stream_threads"] = torch.get_num_threads()
+stream.submit(work)
+stream.synchronize(timeout=60)
+print(json.dumps(dict(base=base, after_load=after_load, after_forward=native(), main_threads=torch.get_num_threads(),
+                      **seen)))
+"""
+
+
+def test_only_the_forward_stream_starts_an_openmp_pool(checkpoint):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint("llama")], capture_output=True, text=True,
+                         timeout=120, env=env, check=True).stdout
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["main_threads"] == 2 and seen["stream_threads"] == 2, seen  # counts kept and inherited
+    assert seen["after_load"] == seen["base"], seen          # importing, loading, warm-up: no pool on main
+    assert seen["after_forward"] == seen["base"] + 1, seen   # the stream's pool: one worker beside it
