@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 import os
 
+from common import omp_spin
+
+omp_spin.set_default()  # before anything below imports torch (and so loads libgomp)
+
 from common.wire.grpc_server import wait_for_shutdown_signal
 from prefill_service.config import parse_args
 from prefill_service.server import PrefillService

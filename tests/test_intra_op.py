@@ -45,3 +45,30 @@ def test_only_the_forward_stream_starts_an_openmp_pool(checkpoint):
     assert seen["main_threads"] == 2 and seen["stream_threads"] == 2, seen  # counts kept and inherited
     assert seen["after_load"] == seen["base"], seen          # importing, loading, warm-up: no pool on main
     assert seen["after_forward"] == seen["base"] + 1, seen   # the stream's pool: one worker beside it
+
+
+CHECK_SPIN = r"""
+import os, sys
+import common.omp_spin as omp_spin
+set_default = omp_spin.set_default
+def checked():
+    assert "torch" not in sys.modules, "torch (libgomp) loaded before GOMP_SPINCOUNT was set"
+    set_default()
+omp_spin.set_default = checked
+import importlib
+importlib.import_module(sys.argv[1] + ".__main__")
+print(os.environ["GOMP_SPINCOUNT"])
+"""
+
+
+def test_services_set_a_short_openmp_spin_before_torch_loads():
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env["PYTHONPATH"] = os.getcwd()
+    for service in ("decode_service", "prefill_service"):
+        out = subprocess.run([sys.executable, "-c", CHECK_SPIN, service], capture_output=True, text=True,
+                             timeout=120, env=env, check=True).stdout
+        assert out.strip().splitlines()[-1] == "10000", (service, out)
+    env["GOMP_SPINCOUNT"] = "123"  # an operator's own setting wins
+    out = subprocess.run([sys.executable, "-c", CHECK_SPIN, "decode_service"], capture_output=True, text=True,
+                         timeout=120, env=env, check=True).stdout
+    assert out.strip().splitlines()[-1] == "123"
