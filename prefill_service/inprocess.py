@@ -4,7 +4,7 @@ The decode scheduler calls it with a HandoffRequest after reserving the request'
 whatever is queued, prefills, and delivers each Handoff (or a failure) through the callbacks. The
 gRPC client replaces it between processes; tests and benchmarks use it in one process. It stands in
 for another process beside a decode stream that computes here, so its thread has one intra-op thread
-by default (a second OpenMP pool would slow every parallel region of the decode forward:
+(a second OpenMP pool would slow every parallel region of the decode forward:
 common/engine/intra_op.py).
 """
 
@@ -22,13 +22,13 @@ from prefill_service.engine import PrefillEngine
 
 class InProcessPrefill:
     def __init__(self, engine: PrefillEngine, deliver: Callable[[Handoff], None],
-                 fail: Callable[[str, str], None], max_batch: int = 16, threads: int = 1):
+                 fail: Callable[[str, str], None], max_batch: int = 16):
         self.engine = engine
         self.deliver, self.fail = deliver, fail
         self.max_batch = max_batch
-        self.threads = threads
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="prefill", daemon=True)
+        self._thread = threading.Thread(target=intra_op.thread_target(self._loop, threads=1), name="prefill",
+                                        daemon=True)
         self._thread.start()
 
     def __call__(self, request: HandoffRequest) -> None:
@@ -39,7 +39,6 @@ class InProcessPrefill:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        intra_op.pin(self.threads)
         while (batch := take_batch(self._queue, self.max_batch)) is not None:
             try:
                 handoffs = self.engine.prefill(batch)

@@ -25,7 +25,6 @@ import threading
 import time
 
 import grpc
-import torch
 
 from common.engine import intra_op
 from common.wire import kv_chunks
@@ -65,8 +64,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.metrics = PrefillMetrics(running=lambda: self.num_running, queued=self.num_queued,
                                       kv_usage=lambda: kv.num_used / kv.size)
         self.metrics_port: int | None = None
-        self._threads = torch.get_num_threads()  # the engine thread computes (common/engine/intra_op.py)
-        self._thread = threading.Thread(target=self._engine_loop, name="prefill-engine", daemon=True)
+        self._thread = threading.Thread(target=intra_op.thread_target(self._engine_loop),  # it computes
+                                        name="prefill-engine", daemon=True)
         self.server = Server(config.host, config.port, [SERVICE_NAME])
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
 
@@ -105,7 +104,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         waiting: collections.deque[_Call] = collections.deque()
         active: dict[int, _Call] = {}  # id(request) -> its call, admitted to the engine
         stopping = False
-        intra_op.pin(self._threads)
         while not stopping:
             if not waiting and not active:  # nothing to do: block for the next call
                 first = self.prefill_queue.get()

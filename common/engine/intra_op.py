@@ -50,19 +50,29 @@ def single_threaded():
         pin(threads)
 
 
+def thread_target(fn: Callable[[], T], threads: int | None = None) -> Callable[[], T]:
+    """A thread's target that pins `threads` intra-op threads (default: the count of the thread
+    building it, i.e. the configured one) and then runs fn: the process's computing thread."""
+    threads = threads or torch.get_num_threads()
+
+    def run() -> T:
+        pin(threads)
+        return fn()
+    return run
+
+
 def on_own_thread(fn: Callable[[], T]) -> T:
     """fn() on a new thread with the caller's intra-op thread count, and its result (or exception):
     the OpenMP pool it starts ends with it, so computing on the main thread of a process that also
     runs a forward stream (a benchmark's HF baseline) leaves no second pool behind."""
-    threads, out = torch.get_num_threads(), {}
+    out = {}
 
     def run():
-        pin(threads)
         try:
             out["value"] = fn()
         except BaseException as e:  # re-raised on the caller's thread
             out["error"] = e
-    worker = threading.Thread(target=run, name="own-pool")
+    worker = threading.Thread(target=thread_target(run), name="own-pool")
     worker.start()
     worker.join()
     if "error" in out:

@@ -66,16 +66,15 @@ class HostEvent:
 class WorkerStream:
     """A CPU 'stream': one daemon thread running submitted callables in order."""
 
-    def __init__(self, name: str = "forward", threads: int | None = None):
+    def __init__(self, name: str = "forward"):
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        # the process's computing thread: the creator's intra-op thread count (common/engine/intra_op.py)
-        self._threads = threads or torch.get_num_threads()
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-stream", daemon=True)
+        # the process's computing thread, with the creator's intra-op thread count (intra_op.py)
+        self._thread = threading.Thread(target=intra_op.thread_target(self._loop), name=f"{name}-stream",
+                                        daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        intra_op.pin(self._threads)
         while True:
             item = self._queue.get()
             if item is None:
