@@ -11,18 +11,25 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import json, os, sys, threading
+import json, os, sys, threading, time
 import torch
 torch.set_num_threads(2)
-def native():
-    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+def native(expect=None):
+    # threads that are exiting (torch resizes its own helper pool when a thread count changes) may
+    # still be listed for a moment: wait up to 5 s for the expected count; a pool worker never leaves
+    deadline = time.monotonic() + 5
+    while True:
+        n = len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+        if expect is None or n == expect or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
 base = native()
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.streams import WorkerStream
 runner = ModelRunner(RunnerArgs(sys.argv[1], max_total_tokens=64, max_running_requests=2))
 runner.warmup()
-after_load = native()
+after_load = native(expect=base)
 stream = WorkerStream()
 seen = {}
 def work():
@@ -32,7 +39,7 @@ def work():
     seen["stream_threads"] = torch.get_num_threads()
 stream.submit(work)
 stream.synchronize(timeout=60)
-print(json.dumps(dict(base=base, after_load=after_load, after_forward=native(), main_threads=torch.get_num_threads(),
+print(json.dumps(dict(base=base, after_load=after_load, after_forward=native(expect=base + 1), main_threads=torch.get_num_threads(),
                       **seen)))
 """
 
