@@ -119,6 +119,9 @@ def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(chec
 
 
 def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
+    """A cancel the server has seen before the call is admitted prevents its prefill, and the call's
+    handler returns. (The cancel travels to the server asynchronously: a cancel still in flight when
+    the engine admits the call cannot prevent it, so the test waits until the server has seen it.)"""
     import threading
 
     from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
@@ -135,23 +138,37 @@ def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
                 type(self).finished += 1
 
     service = Counting(PrefillConfig(checkpoint("qwen2"), port=0)).start()
-    latch, step = threading.Event(), service.engine.step
-    service.engine.step = lambda: (latch.wait(10), step())[1]
+    in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
+
+    def held_step():
+        in_step.set()
+        assert latch.wait(10), "the test never released the engine"
+        return step()
+
+    service.engine.step = held_step
+    calls, put = [], service.prefill_queue.put
+    service.prefill_queue.put = lambda c: (calls.append(c), put(c))[1]
+
+    def wait_for(what, cond, timeout=5.0):
+        deadline = time.time() + timeout
+        while not cond():
+            assert time.time() < deadline, what
+            time.sleep(0.01)
+
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         busy = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]))
-        time.sleep(0.2)                            # "a" holds the engine
+        assert in_step.wait(5), "call a never reached the engine"  # "a" holds the engine
         queued = stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", input_ids=[8, 9]))
-        time.sleep(0.2)
+        wait_for("call b never reached the prefill queue", lambda: len(calls) == 2)
         queued.cancel()
+        wait_for("the server never saw b's cancel", calls[1].cancelled.is_set)
         latch.set()
         assert [m.WhichOneof("payload") for m in busy][-1] == "record"
-        deadline = time.time() + 5
-        while Counting.finished < 2:
-            assert time.time() < deadline, "the cancelled call's handler never returned"
-            time.sleep(0.02)
+        wait_for("the cancelled call's handler never returned", lambda: Counting.finished >= 2)
         assert service.num_prefilled == 1
     finally:
+        latch.set()
         service.stop()
 
 
