@@ -59,10 +59,10 @@ def ttft(path: str, prefill_addr: str, prompt: list[int], device: str) -> dict:
     decode = DecodeService(DecodeConfig(path, prefill_addr=prefill_addr, port=0, device=device,
                                         max_total_tokens=4096)).start()
     marks: dict[str, float] = {}
-    deliver = decode.scheduler.deliver_handoff
-    decode.scheduler.deliver_handoff = lambda h: (marks.setdefault("handoff_done", time.perf_counter()), deliver(h))
-    first_token = decode.scheduler.deliver_first_token
-    decode.scheduler.deliver_first_token = lambda *a: (marks.setdefault("first_at_decode", time.perf_counter()),
+    deliver = decode.scheduler.inbox.deliver_handoff
+    decode.scheduler.inbox.deliver_handoff = lambda h: (marks.setdefault("handoff_done", time.perf_counter()), deliver(h))
+    first_token = decode.scheduler.inbox.deliver_first_token
+    decode.scheduler.inbox.deliver_first_token = lambda *a: (marks.setdefault("first_at_decode", time.perf_counter()),
                                                        first_token(*a))
     try:
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))

@@ -31,13 +31,13 @@ def measure(path: str, device: str, batch: int, steps: int, overlap: bool, promp
         sched.submit(str(i), [(7 * i + j) % 300 + 5 for j in range(prompt_len)], params)
     sched.step()                               # admission
     for h in prefill.prefill(pending):
-        sched.deliver_handoff(h)
+        sched.inbox.deliver_handoff(h)
     sched.step()                               # prebuilt batch + first decode launch
     first = sched.step_count
     start = time.perf_counter()
     while not sched.idle:
         sched.step()
-    sched.stream.synchronize()
+    sched.worker.synchronize()
     elapsed = time.perf_counter() - start
     sched.check_integrity()
     sched.stop()

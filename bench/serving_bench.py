@@ -95,7 +95,7 @@ def bench_inprocess(path: str, prompt: list, batch: int, new_tokens: int, spec=N
     from common.engine.draft_runner import SpecArgs
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
-    from common.tools import offline
+    from bench import offline
 
     spec = spec or SpecArgs()
     prompts = prompt if isinstance(prompt[0], list) else [prompt]

@@ -6,7 +6,7 @@
 
 Our decode scheduler with in-process prefill (bench.serving_bench.bench_inprocess), greedy (or
 seeded sampling at --temperature, speculative sampling with EAGLE).
-Prompts: `held-out` (default) are the fitting tool's held-out instructions (common.tools.fit_eagle
+Prompts: `held-out` (default) are the fitting tool's held-out instructions (bench.fit_eagle
 evaluates on the same ones: generated, never trained on), answered until EOS or --new-tokens;
 `chat` is the serving bench's one chat prompt for every request, EOS ignored (past its answer the
 model rambles and a head fitted on answers drafts poorly). At batch B the prompts run B at a time;
@@ -29,7 +29,7 @@ from common.engine.draft_runner import SpecArgs
 
 def held_out_prompts(model_path: str, n: int, seed: int = 0) -> list[list[int]]:
     from common.tools import eagle_data
-    from common.tools.fit_eagle import HELD_OUT_SEED
+    from bench.fit_eagle import HELD_OUT_SEED
     from common.tools.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_path)
@@ -57,7 +57,7 @@ def run(path: str, prompts: list[list[int]], batch: int, new_tokens: int, spec: 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", required=True, help="draft head folder (python -m common.tools.fit_eagle)")
+    p.add_argument("--head", required=True, help="draft head folder (python -m bench.fit_eagle)")
     p.add_argument("--algorithm", default="EAGLE", choices=["EAGLE", "EAGLE3"])
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--num-steps", type=int, default=3)

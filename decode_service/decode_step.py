@@ -7,14 +7,15 @@ from __future__ import annotations
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from decode_service.worker_batch import WorkerBatch
 
 
-def decode_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu: list[int], seq_lens: torch.Tensor,
-                sampling, positions: list[int]) -> torch.Tensor:
+def decode_step(runner, fm, batch: WorkerBatch) -> torch.Tensor:
+    indices = batch.req_pool_indices
     input_ids = fm.gather_tokens(indices)
-    fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, seq_lens_cpu, input_ids, seq_lens,
-                             req_pool_indices_cpu=rows)
+    fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, batch.seq_lens_cpu, input_ids,
+                             batch.seq_lens, req_pool_indices_cpu=batch.req_pool_indices_cpu)
     logits, _ = runner.forward(fb)
-    tokens = sampling.sample(logits, positions)
+    tokens = batch.sampling.sample(logits, batch.positions)
     fm.stash_tokens(indices, tokens)
     return tokens

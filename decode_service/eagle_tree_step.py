@@ -17,16 +17,20 @@ yet) and the head's seed hidden, with K = topk, S = num_steps, M = num_draft_tok
      stays contiguous in req_to_token;
   7. draft extend over positions n..n+S with the path's tokens and target features (as the chain
      does); the head's output at n+A is the next seed; stash the bonus and the seed at the rows.
+`draft_tree` is steps 1-2, `verify_tree_step` steps 3-7 (the worker may look at the tree between).
 Static shapes throughout (every request drafts and verifies the same tree size); tokens [B, S+1] and
 A [B] go to the host behind the results-ready fence, as for a chain.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.host_copy import to_device
+from decode_service.worker_batch import WorkerBatch
 
 
 def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, topk: int):
@@ -89,39 +93,55 @@ def _build_tree(tokens, scores, parents, bonus, num_nodes: int, topk: int):
     return node_tokens, parent, depth, anc
 
 
-def eagle_tree_step(runner, fm, indices: torch.Tensor, rows: list[int], seq_lens_cpu: list[int], spec, fence,
-                    hooks=None, lanes: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits tokens[i, :A+1]."""
-    draft, table, batch = runner.draft, runner.req_to_token_pool.req_to_token, len(rows)
-    steps, k, m = spec.num_steps, spec.eagle_topk, spec.num_draft_tokens
-    device = indices.device
+@dataclass
+class TreeDraft:
+    """Steps 1-2's output, the verify's input: each request's tree of M nodes (node 0 is the bonus)."""
+
+    node_tokens: torch.Tensor  # [B, M]
+    parent: torch.Tensor  # [B, M] parent node (the root's is 0)
+    depth: torch.Tensor  # [B, M]
+    ancestors: torch.Tensor  # [B, M, M] ancestor-or-self mask
+
+
+def draft_tree(runner, fm, batch: WorkerBatch, spec) -> TreeDraft:
+    """Steps 1-2: expand the head's candidates and keep the best M - 1 as a tree under the bonus."""
+    table, rows, indices = runner.req_to_token_pool.req_to_token, batch.req_pool_indices_cpu, batch.req_pool_indices
     bonus = fm.gather_tokens(indices)
     _, hidden = fm.gather_draft(indices)
-    cand = _expand(draft, table, indices, rows, seq_lens_cpu, hidden, steps, k)           # 1.
-    node_tokens, parent, depth, anc = _build_tree(*cand, bonus, m, k)                    # 2.
-    if hooks is not None and hooks.propose_tree is not None:                               # tests: plant a path
-        node_tokens = hooks.propose_tree(lanes, seq_lens_cpu, node_tokens, parent, depth)
+    cand = _expand(runner.draft, table, indices, rows, batch.seq_lens_cpu, hidden, spec.num_steps, spec.eagle_topk)
+    return TreeDraft(*_build_tree(*cand, bonus, spec.num_draft_tokens, spec.eagle_topk))
+
+
+def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 3-7. Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits
+    tokens[i, :A+1]."""
+    draft, table = runner.draft, runner.req_to_token_pool.req_to_token
+    indices, rows, seq_lens_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.seq_lens_cpu
+    node_tokens, parent, depth, anc = tree.node_tokens, tree.parent, tree.depth, tree.ancestors
+    size, m, steps = len(batch), node_tokens.shape[1], runner.draft.spec.num_steps
+    device = indices.device
     fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
-    logits, features = runner.forward_features(fb)                                         # 3.
-    target = logits.argmax(-1).view(batch, m)
-    lanes_t = torch.arange(batch, device=device)
-    reach = torch.zeros(batch, m, dtype=torch.bool, device=device)                         # 4.
+    logits, features = runner.forward_features(fb)  # 3.
+    target = logits.argmax(-1).view(size, m)
+    lanes_t = torch.arange(size, device=device)
+    reach = torch.zeros(size, m, dtype=torch.bool, device=device)  # 4.
     reach[:, 0] = True
     for i in range(1, m):
         reach[:, i] = reach[lanes_t, parent[:, i]] & (node_tokens[:, i] == target[lanes_t, parent[:, i]])
     last = (reach * (depth + 1)).argmax(dim=1)
     accepted = depth[lanes_t, last]
     committed = to_device(seq_lens_cpu, device, torch.int64)
-    fm.publish_seq_lens(indices, committed + accepted + 1, fence)                         # 5.
-    on_path = anc[lanes_t, last]                                                           # [B, M]
+    fm.publish_seq_lens(indices, committed + accepted + 1, batch.fence)  # 5.
+    on_path = anc[lanes_t, last]  # [B, M]
     levels = torch.arange(steps + 1, device=device)
-    path = ((depth[:, None, :] == levels[None, :, None]) & on_path[:, None, :]).to(torch.int64).argmax(-1)  # [B, S+1]
+    on_level = (depth[:, None, :] == levels[None, :, None]) & on_path[:, None, :]
+    path = on_level.to(torch.int64).argmax(-1)  # [B, S+1]
     tokens = torch.cat([node_tokens.gather(1, path[:, 1:]), node_tokens[:, :1]], dim=1)
     tokens[lanes_t, accepted] = target[lanes_t, last]
-    _move_path_kv(runner.kv_pool, table, indices, committed, path, accepted)              # 6.
-    feats = features.view(batch, m, -1).gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+    _move_path_kv(runner.kv_pool, table, indices, committed, path, accepted)  # 6.
+    feats = features.view(size, m, -1).gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
     extend = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, tokens.flatten(), steps + 1)
-    out = draft.forward(extend, feats.flatten(0, 1)).view(batch, steps + 1, -1)           # 7.
+    out = draft.forward(extend, feats.flatten(0, 1)).view(size, steps + 1, -1)  # 7.
     seed_hidden = out[lanes_t, accepted]
     fm.stash_tokens(indices, tokens[lanes_t, accepted])
     fm.stash_draft(indices, draft.greedy(seed_hidden), seed_hidden)

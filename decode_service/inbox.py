@@ -1,13 +1,17 @@
-"""The decode scheduler's inbox messages: what other threads post, and the loop applies between steps.
+"""The decode scheduler's inbox: what other threads post, and the loop applies between steps.
 
-Posted by the front door (Submit, Abort), the prefill peer (FirstTokenArrived, KvChunkArrived,
-HandoffArrived, HandoffFailed). Each is applied by `DecodeScheduler._recv` on the scheduler thread,
-in the order posted, so an Abort can never overtake the Submit it names.
+Posted by the front door (Submit, Abort) and the prefill side (FirstTokenArrived, KvChunkArrived,
+HandoffArrived, HandoffFailed: `Inbox` is the sink a PrefillClient or an in-process prefill delivers
+to). The scheduler drains it at the top of each step and dispatches each message by its type, in the
+order posted, so an Abort can never overtake the Submit it names.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -28,6 +32,7 @@ class Abort:
 @dataclass
 class FirstTokenArrived:
     """A token sampled by prefill (output index `position`), streamed before the handoff completes."""
+
     rid: str
     token: int
     position: int
@@ -36,12 +41,13 @@ class FirstTokenArrived:
 @dataclass
 class KvChunkArrived:
     """K/V of tokens token_start.. for layers layer_start..; written into reserved slots."""
+
     rid: str
     token_start: int
     layer_start: int
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    draft: bool = False     # the EAGLE head's KV (its one layer) instead of the target's
+    draft: bool = False  # the EAGLE head's KV (its one layer) instead of the target's
 
 
 @dataclass
@@ -56,3 +62,39 @@ class HandoffFailed:
 
 
 InboxMessage = Submit | Abort | FirstTokenArrived | KvChunkArrived | HandoffArrived | HandoffFailed
+
+
+class Inbox:
+    """A thread-safe queue of InboxMessages and the event that wakes an idle scheduler."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self.wake = threading.Event()
+
+    def post(self, msg: InboxMessage) -> None:
+        self._queue.put(msg)
+        self.wake.set()
+
+    def drain(self) -> Iterator[InboxMessage]:
+        """Every message posted so far, oldest first (also those posted while draining)."""
+        while True:
+            try:
+                yield self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    # ---- the prefill side's sink -----------------------------------------------------------------
+    def deliver_first_token(self, rid: str, token: int, position: int = 0) -> None:
+        self.post(FirstTokenArrived(rid, token, position))
+
+    def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list, draft: bool = False) -> None:
+        self.post(KvChunkArrived(rid, token_start, layer_start, k, v, draft))
+
+    def deliver_handoff(self, handoff: Handoff) -> None:
+        self.post(HandoffArrived(handoff))
+
+    def fail_handoff(self, rid: str, error: str) -> None:
+        self.post(HandoffFailed(rid, error))

@@ -55,15 +55,17 @@ class _Peer:
 
 
 class PrefillClient:
-    def __init__(self, addresses: list[str], model_config, scheduler=None, wait_ready_s: float = 30.0,
+    def __init__(self, addresses: list[str], model_config, sink, wait_ready_s: float = 30.0,
                  max_chunk_bytes: int = 0, max_concurrent: int = 64,  # 0: the server's bound
-                 call_timeout_s: float = 600.0, draft_config=None, progress_timeout_s: float = 5.0):
+                 call_timeout_s: float = 600.0, draft_config=None, progress_timeout_s: float = 5.0, metrics=None):
+        """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
+        deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None."""
         if not addresses:
             raise ValueError("at least one prefill address is needed")
         self.peers = [_Peer(a) for a in addresses]
         self.config = model_config
         self.draft_config = draft_config  # EAGLE: the head's layer config (its KV chunks' shape)
-        self.scheduler = scheduler
+        self.sink = sink
         self.wait_ready_s = wait_ready_s
         self.max_chunk_bytes = max_chunk_bytes
         self.call_timeout_s = call_timeout_s  # a wedged replica cannot hold a reservation forever
@@ -79,7 +81,7 @@ class PrefillClient:
         self._closed = threading.Event()
         threading.Thread(target=self._watchdog, name="prefill-watchdog", daemon=True).start()
         self.retries = 0  # calls retried on another replica since start
-        self.metrics = None  # DecodeMetrics, set by the service
+        self.metrics = metrics
 
     def __call__(self, request: HandoffRequest) -> None:
         with self._lock:
@@ -151,13 +153,13 @@ class PrefillClient:
             time.sleep(0.2)
 
     def _run(self, request: HandoffRequest) -> None:
-        sched, tried, sent, errors = self.scheduler, set(), [], []
+        sink, tried, sent, errors = self.sink, set(), [], []
         try:
             while True:
                 peer = self._pick(tried)
                 if peer is None:
                     reason = "; ".join(errors) if errors else f"none serving within {self.wait_ready_s:.0f}s"
-                    sched.fail_handoff(request.rid, f"no prefill replica left: {reason}")
+                    sink.fail_handoff(request.rid, f"no prefill replica left: {reason}")
                     return
                 tried.add(peer.address)
                 attempt = HandoffRequest(request.rid, request.prompt_ids + sent, request.params, request.seed,
@@ -173,7 +175,7 @@ class PrefillClient:
                             detail = f"no progress for {self.progress_timeout_s:g}s"
                     errors.append(f"{peer.address}: {detail}")
                     if cancelled:  # aborted by the front door; a no-op if the scheduler already freed it
-                        sched.fail_handoff(request.rid, "cancelled")
+                        sink.fail_handoff(request.rid, "cancelled")
                         return
                     logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", request.rid, peer.address,
                                    detail)
@@ -185,11 +187,11 @@ class PrefillClient:
                     with self._lock:
                         peer.in_flight -= 1
                         self._calls.pop(request.rid, None)
-                sched.deliver_handoff(handoff)
+                sink.deliver_handoff(handoff)
                 return
         except Exception as e:  # never leave a reservation without an answer
             logger.exception("prefill client failed for %s", request.rid)
-            sched.fail_handoff(request.rid, f"prefill client error: {e!r}")
+            sink.fail_handoff(request.rid, f"prefill client error: {e!r}")
         finally:
             with self._lock:
                 self._cancelled.discard(request.rid)
@@ -223,12 +225,12 @@ class PrefillClient:
                 first = chunk.first_token.token_id
                 if len(sent) == request.first_position:
                     sent.append(first)
-                self.scheduler.deliver_first_token(request.rid, first, request.first_position)
+                self.sink.deliver_first_token(request.rid, first, request.first_position)
             elif kind == "kv":
                 if chunk.kv.draft and draft_assembler is None:
                     raise ValueError("draft KV from a prefill replica, but speculative decoding is off here")
                 k, v = (draft_assembler if chunk.kv.draft else assembler).add(chunk.kv)
-                self.scheduler.deliver_kv(request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v,
+                self.sink.deliver_kv(request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v,
                                           draft=chunk.kv.draft)
             elif kind == "record":
                 rec = chunk.record

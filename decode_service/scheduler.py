@@ -1,121 +1,106 @@
-"""DecodeScheduler: admission, prebuilt batches and the overlap decode loop.
+"""DecodeScheduler: admission, prebuilt batches and the overlap decode loop, with no model in it.
+
+The scheduler decides; a worker (worker.py, or a fake one in tests) runs forwards and owns the
+device. One step, as in SGLang: `process_input_requests` (drain the inbox) -> `pop_preallocated`
+(admission) -> `get_new_prebuilt_batch` -> `run_batch` (hand a WorkerBatch to the worker) ->
+`process_batch_result` (of this step, or with overlap the previous one).
 
 Life of a request (queues named as in the code):
   1. submit(): validated (prompt + max_new_tokens within the context, else ValueError before
-     anything is queued), then put on `inbox`; the loop moves it to `waiting` (admission queue).
+     anything is queued), then posted to the `inbox`; the loop moves it to `waiting` (admission).
   2. admission: in order, reserve a request slot and KV slots for prompt + max_new_tokens; a request
      that does not fit waits, and so does everyone behind it; nothing is half-admitted. Reserved
      requests go to `awaiting_handoff` and `prefill_fn(HandoffRequest)` is called.
-  3. deliver_handoff(): the handoff lands on `inbox`; the loop checks it and queues it on `prebuilt`.
+  3. the prefill side delivers to the inbox (first token, KV chunks written into the reserved slots
+     as they arrive, then the handoff); the loop checks the handoff and queues it on `prebuilt`.
      A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
   4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
      maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token (and
-     with EAGLE the draft seed and seq_lens; handoff_writes.py); the
-     first token is streamed; seq_lens = prompt length; the batch merges into the running batch.
-  5. overlap loop: build step N+1 (drop finished requests, merge prebuilt), launch its forward on the
-     forward stream (decode_step.py; with EAGLE eagle_step.py, chain or tree), bump seq_lens, and
+     with EAGLE the draft seed and seq_lens; `worker.write_prebuilt`); the first token is streamed;
+     seq_lens = prompt length; the batch merges into the running batch.
+  5. overlap loop: build step N+1 (drop finished requests, merge prebuilt), hand it to the worker
+     as a frozen WorkerBatch (a plain step, or with EAGLE a chain or tree step), bump seq_lens, and
      only then process step N's results: append tokens, stream, finish (EOS unless ignore_eos,
      stop_token_ids, max_new_tokens) and release. A request finished at N still rides in N+1; its
      result is skipped, never released twice. With EAGLE a step commits accept_len tokens per request
-     and seq_lens are not bumped: the next build resolves them from the step's publish (FutureMap).
-  6. release: free KV slots and the request slot exactly once. Every schedule-side device write
-     (KV, req_to_token, FutureMap) is stream work, so slot reuse is ordered after in-flight reads.
+     and seq_lens are not bumped: the next build resolves them from the step's publish
+     (`worker.resolve_seq_lens_cpu`, FutureMap invariant 3).
+  6. release: free KV slots and the request slot exactly once. Every device write the scheduler
+     asks for (KV, req_to_token, FutureMap) is worker stream work, so slot reuse is ordered after
+     in-flight reads (invariant 7).
   7. abort(): in `waiting`, `awaiting_handoff`, `prebuilt` or running; finish_reason "abort".
-`disable_overlap` runs the same steps, processing each step's results right after its launch.
+`overlap=False` runs the same steps, processing each step's results right after its launch.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from typing import Callable
 
-import torch
-
 from common.engine.handoff import Handoff, HandoffRequest
-from common.engine.host_copy import to_device, to_host
-from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
-from common.engine.streams import make_event, make_stream, wait_event
 from common.engine.spec_sampling import SpecDraws
 from common.request_rules import InvalidRequest, finish_reason, validate_prompt
-from decode_service.decode_step import decode_step
-from decode_service.eagle_step import speculative_step
 from decode_service.finish_notes import FinishNotes
-from decode_service.future_map import FutureMap
-from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
-from decode_service.inbox import (Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, InboxMessage,
+from decode_service.inbox import (Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox,
                                   KvChunkArrived, Submit)
 from decode_service.req import DecodeReq, OutputCallback, ReqState
 from decode_service.schedule_batch import ScheduleBatch
-from decode_service.step import InvariantError, SchedulerHooks, StepResult
+from decode_service.step import InvariantError, LaunchedStep, SpecStats
+from decode_service.worker_batch import Lane, WorkerBatch
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeScheduler:
-    def __init__(self, runner: ModelRunner, prefill_fn: Callable[[HandoffRequest], None],
-                 disable_overlap: bool = False, debug: bool = False, hooks: SchedulerHooks | None = None):
-        self.runner = runner
+    def __init__(self, worker, prefill_fn: Callable[[HandoffRequest], None], inbox: Inbox | None = None,
+                 overlap: bool = True, debug: bool = False, metrics=None):
+        """`worker`: a DecodeWorker (or a fake with its methods); `prefill_fn` starts a request's
+        prefill once its slots are reserved; `inbox` is where the prefill side delivers (made here if
+        not given); `metrics`: DecodeMetrics, or None in-process."""
+        self.worker = worker
         self.prefill_fn = prefill_fn
-        self.overlap = not disable_overlap
+        self.inbox = inbox if inbox is not None else Inbox()
+        self.overlap = overlap
         self.debug = debug
-        self.hooks = hooks or SchedulerHooks()
-        self.device = runner.device
-        self.eos_ids = runner.config.eos_token_ids
-        self.stream = make_stream(self.device)
-        self.spec = runner.draft.spec if runner.draft is not None else None
-        self.future_map = FutureMap(runner.req_to_token_pool.size, self.device, lambda: make_event(self.device), debug,
-                                    draft_hidden_size=runner.config.hidden_size if self.spec else 0,
-                                    draft_dtype=runner.dtype)
-        self.spec_stats = [0, 0]  # EAGLE: drafts accepted, drafts proposed (all requests since start)
-        self.inbox: queue.Queue = queue.Queue()
+        self.metrics = metrics
+        self.info = worker.info
+        self.spec = worker.info.spec
+        self.spec_stats = SpecStats()
         self.waiting: deque[DecodeReq] = deque()
         self.awaiting_handoff: dict[str, DecodeReq] = {}
         self.prebuilt: list[DecodeReq] = []
-        self.running = ScheduleBatch.empty(self.device)
-        self.last_result: StepResult | None = None
+        self.running = ScheduleBatch.empty(self.info.device)
+        self.last_launched: LaunchedStep | None = None
         self.reqs: dict[str, DecodeReq] = {}
         self.step_count = 0
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.fatal_error: Exception | None = None
         self.notes = FinishNotes()  # errors and EAGLE stats of finished requests, for the front door
-        self.metrics = None  # DecodeMetrics, set by the service
+        self._handlers = {
+            Submit: self._on_submit,
+            Abort: self._on_abort,
+            FirstTokenArrived: self._on_first_token,
+            KvChunkArrived: self._on_kv_chunk,
+            HandoffArrived: self._on_handoff,
+            HandoffFailed: self._on_handoff_failed,
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._step_lock = threading.RLock()  # other threads observe state only between steps
 
     # ---- API (any thread) -----------------------------------------------------------------------
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                on_output: OutputCallback | None = None) -> None:
-        validate_prompt(prompt_ids, params, self.runner.config.vocab_size, self.runner.context_length)
+        validate_prompt(prompt_ids, params, self.info.vocab_size, self.info.context_length)
         if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
             raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
-        self._post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
-
-    def deliver_handoff(self, handoff: Handoff) -> None:
-        self._post(HandoffArrived(handoff))
-
-    def deliver_first_token(self, rid: str, token: int, position: int = 0) -> None:
-        """A token sampled by prefill (output index `position`), streamed before the handoff completes."""
-        self._post(FirstTokenArrived(rid, token, position))
-
-    def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list, draft: bool = False) -> None:
-        """One KV chunk (target, or the EAGLE head's): written into the reserved slots as it arrives."""
-        self._post(KvChunkArrived(rid, token_start, layer_start, k, v, draft))
-
-    def fail_handoff(self, rid: str, error: str) -> None:
-        self._post(HandoffFailed(rid, error))
+        self.inbox.post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
 
     def abort(self, rid: str) -> None:
-        self._post(Abort(rid))
-
-    def _post(self, item: InboxMessage) -> None:
-        self.inbox.put(item)
-        self._wake.set()
+        self.inbox.post(Abort(rid))
 
     # ---- the loop -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -123,18 +108,18 @@ class DecodeScheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the loop; requests still alive finish with "abort" and are freed; close the stream."""
+        """Stop the loop; requests still alive finish with "abort" and are freed; close the worker."""
         self._stop.set()
-        self._wake.set()
+        self.inbox.wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         loop_gone = self._thread is None or not self._thread.is_alive()
         if self.fatal_error is None and loop_gone:
             with self._step_lock:
-                self._recv()
+                self.process_input_requests()
                 for req in [r for r in self.reqs.values() if not r.finished]:
-                    self._on_abort(req.rid)
-        self.stream.close()
+                    self._abort(req)
+        self.worker.close()
 
     def _loop(self) -> None:
         try:
@@ -144,12 +129,13 @@ class DecodeScheduler:
                 if not busy:
                     if self.debug and self.idle:
                         self.check_integrity()  # debug mode: the books must balance whenever idle
-                    self._wake.wait(timeout=0.05)
-                    self._wake.clear()
+                    self.inbox.wake.wait(timeout=0.05)
+                    self.inbox.wake.clear()
         except Exception as e:  # a broken forward or invariant: fail every live request loudly
             self.fatal_error = e
             for req in list(self.reqs.values()):
-                req.finish_reason, req.error = "error", f"scheduler failed: {e!r}"
+                req.finish_reason = "error"
+                req.error = f"scheduler failed: {e!r}"
                 self._emit(req, [], "error")
 
     @property
@@ -159,119 +145,72 @@ class DecodeScheduler:
     @property
     def idle(self) -> bool:
         with self._step_lock:
-            return (self.inbox.empty() and not self.waiting and not self.awaiting_handoff and not self.prebuilt
-                and not len(self.running) and self.last_result is None)
+            queued = self.waiting or self.awaiting_handoff or self.prebuilt
+            return self.inbox.empty() and not queued and not len(self.running) and self.last_launched is None
 
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to do."""
-        self._recv()
-        self._admit()
+        self.process_input_requests()
+        self.pop_preallocated()
         if self.spec and len(self.running):  # EAGLE: lengths come from the last step's publish (invariant 3)
-            self.running.set_seq_lens(self.future_map.resolve_seq_lens_cpu(self.running.req_pool_indices))
-        batch = self.running.filter_unfinished().merge(self._prebuilt_batch())
-        result = self._launch(batch) if len(batch) else None
-        if result is not None:
-            if not self.spec:
-                batch.bump()
-            if self.hooks.after_launch:
-                self.hooks.after_launch(result.step)
+            self.running.set_seq_lens(self.worker.resolve_seq_lens_cpu(self.running.req_pool_indices))
+        batch = self.running.filter_unfinished().merge(self.get_new_prebuilt_batch())
+        launched = self.run_batch(batch) if len(batch) else None
+        if launched is not None and not self.spec:
+            batch.bump()
         self.running = batch
-        done = result if not self.overlap else self.last_result
-        if self.overlap:
-            self.last_result = result
+        done = launched
+        if self.overlap:  # results lag one step: process the previous launch's
+            done = self.last_launched
+            self.last_launched = launched
         if done is not None:
-            self._process(done)
-        return result is not None or done is not None
+            self.process_batch_result(done)
+        return launched is not None or done is not None
 
     # ---- stages -----------------------------------------------------------------------------------
-    def _recv(self) -> None:
-        while True:
-            try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(msg, Submit):
-                if msg.req.rid in self.reqs:
-                    self._emit(msg.req, [], "abort")  # duplicate id: refuse without touching the first
-                    continue
-                self.reqs[msg.req.rid] = msg.req
-                self.waiting.append(msg.req)
-            elif isinstance(msg, HandoffArrived):
-                self._on_handoff(msg.handoff)
-            elif isinstance(msg, HandoffFailed):
-                req = self.awaiting_handoff.pop(msg.rid, None)
-                if req is not None:
-                    self._finish(req, "error", msg.error)
-            elif isinstance(msg, Abort):
-                self._on_abort(msg.rid)
-            elif isinstance(msg, FirstTokenArrived):
-                self._on_first_token(msg)
-            elif isinstance(msg, KvChunkArrived):
-                req = self.awaiting_handoff.get(msg.rid)
-                if req is not None:
-                    pool = self.runner.draft.kv_pool if msg.draft and self.spec else self.runner.kv_pool
-                    submit_kv_chunk(self.stream, pool, req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v)
-            else:
+    def process_input_requests(self) -> None:
+        """Apply every inbox message, in the order posted."""
+        for msg in self.inbox.drain():
+            handler = self._handlers.get(type(msg))
+            if handler is None:
                 raise InvariantError(f"unknown inbox message {msg!r}")
+            handler(msg)
 
-    def _on_first_token(self, msg: FirstTokenArrived) -> None:
-        req = self.awaiting_handoff.get(msg.rid)
-        if req is None or msg.position != len(req.output_ids):
-            return  # gone, or a retry's resend of a token already streamed
-        if req.output_ids and finish_reason(req.params, req.output_ids, self.eos_ids) is not None:
-            return  # never stream a token past a finish
-        req.output_ids.append(msg.token)
-        self._emit(req, [msg.token], None)
-
-    def _admit(self) -> None:
-        pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
+    def pop_preallocated(self) -> None:
+        """Admission, in order: reserve a request slot and KV for each waiting request that fits,
+        then start its prefill; the first that does not fit waits, and everyone behind it."""
+        pool = self.worker.req_to_token_pool
+        kv = self.worker.kv_allocator
+        extra = self.spec.extra_slots if self.spec else 0  # draft positions past the reservation
         while self.waiting:
             req = self.waiting[0]
-            need = req.reserve_len + (self.spec.extra_slots if self.spec else 0)  # + draft positions
+            need = req.reserve_len + extra
             if pool.allocator.num_free == 0 or not kv.can_alloc(need):
-                return  # wait in order
+                return
             self.waiting.popleft()
-            req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(need)
+            req.req_pool_idx = pool.alloc()
+            req.kv_slots = kv.alloc(need)
             if self.metrics is not None:
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
             req.state = ReqState.AWAITING_HANDOFF
             self.awaiting_handoff[req.rid] = req
             self.prefill_fn(HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed))
 
-    def _on_handoff(self, handoff: Handoff) -> None:
-        req = self.awaiting_handoff.pop(handoff.rid, None)
-        if req is None:
-            return  # aborted or failed meanwhile: its reservation is already freed
-        try:
-            if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
-                handoff.check(self.runner.config.num_layers)
-            if self.spec:
-                handoff.check_draft(self.runner.config.hidden_size)
-            sent = req.output_ids[:handoff.first_position]
-            if handoff.prompt_ids != req.prompt_ids + sent or len(sent) != handoff.first_position:
-                raise ValueError(f"handoff {handoff.rid}: prefilled ids differ from prompt + tokens sent")
-            if len(req.output_ids) > handoff.first_position + 1 or \
-                    req.output_ids[handoff.first_position:] not in ([], [handoff.first_token]):
-                raise ValueError(f"handoff {handoff.rid}: first token differs from the one streamed")
-        except ValueError as e:
-            self._finish(req, "error", str(e))
-            return
-        req.handoff, req.state = handoff, ReqState.PREBUILT
-        self.prebuilt.append(req)
-
-    def _prebuilt_batch(self) -> ScheduleBatch:
+    def get_new_prebuilt_batch(self) -> ScheduleBatch:
         """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
-        reqs, self.prebuilt = self.prebuilt, []
+        reqs = self.prebuilt
+        self.prebuilt = []
         live, kv_lens = [], []
         for req in reqs:
-            handoff, req.handoff = req.handoff, None
-            submit_prebuilt(self.stream, self.runner, self.future_map, req.req_pool_idx, req.kv_slots, handoff)
+            handoff = req.handoff
+            req.handoff = None
+            self.worker.write_prebuilt(req.req_pool_idx, req.kv_slots, handoff)
             new = []  # tokens streamed early (or resent on a retry) may already finish the request
             if len(req.output_ids) == handoff.first_position and \
-                    (not req.output_ids or finish_reason(req.params, req.output_ids, self.eos_ids) is None):
+                    (not req.output_ids or self._finish_reason(req) is None):
                 new = [handoff.first_token]
                 req.output_ids.append(handoff.first_token)
-            reason = finish_reason(req.params, req.output_ids, self.eos_ids)
+            reason = self._finish_reason(req)
             self._emit(req, new, reason)
             if reason is None:
                 req.state = ReqState.RUNNING
@@ -279,60 +218,53 @@ class DecodeScheduler:
                 kv_lens.append(handoff.prompt_len)
             else:
                 self._finish(req, reason, emit=False)
-        return ScheduleBatch.prebuilt(live, kv_lens, self.device)
+        return ScheduleBatch.prebuilt(live, kv_lens, self.info.device)
 
-    def _launch(self, batch: ScheduleBatch) -> StepResult:
+    def run_batch(self, batch: ScheduleBatch) -> LaunchedStep:
+        """Freeze the step's inputs into a WorkerBatch and hand it to the worker (returns at once)."""
         self.step_count += 1
-        step = self.step_count
-        result = StepResult(step, list(batch.reqs), make_event(self.device), batch.seq_lens, batch.seq_lens._version)
-        indices, seq_lens, seq_lens_cpu = batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu.tolist()
-        rows = batch.req_pool_indices_cpu.tolist()
+        seq_lens_cpu = batch.seq_lens_cpu.tolist()
         sampling = batch.sampling
-        positions = [] if sampling.all_greedy else [  # output index sampled (only random draws need it)
-            s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]
-        runner, fm, hooks = self.runner, self.future_map, self.hooks
+        positions = []  # the output index each lane samples (only random draws need it)
+        if not sampling.all_greedy:
+            positions = [s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]
+        draws = None
+        if self.spec and not sampling.all_greedy:  # the lanes with temperature > 0 and their uniforms
+            outputs_so_far = [s - r.prompt_len for s, r in zip(seq_lens_cpu, batch.reqs)]
+            draws = SpecDraws.build(sampling.params, sampling.seeds, outputs_so_far, self.spec.num_steps,
+                                    self.info.vocab_size)
+        worker_batch = WorkerBatch(
+            step=self.step_count,
+            req_pool_indices=batch.req_pool_indices,
+            req_pool_indices_cpu=batch.req_pool_indices_cpu.tolist(),
+            seq_lens=batch.seq_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            sampling=sampling,
+            positions=positions,
+            lanes=tuple(Lane(r.rid, r.prompt_len) for r in batch.reqs),
+            draws=draws,
+        )
+        result = self.worker.run_batch(worker_batch)
+        return LaunchedStep(list(batch.reqs), result, batch.seq_lens, batch.seq_lens._version)
 
-        spec = self.spec
-        fence = fm.arm_publish(self.stream) if spec else None  # armed at submit (invariant 3)
-        lanes = [(r.rid, r.prompt_len) for r in batch.reqs] if spec else None  # for the propose hook
-        draws = None if not spec or sampling.all_greedy else SpecDraws.build(  # lanes with temperature > 0
-            sampling.params, sampling.seeds, [s - r.prompt_len for s, r in zip(seq_lens_cpu, batch.reqs)],
-            spec.num_steps, runner.config.vocab_size)
-
-        def forward():
-            if hooks.before_forward:
-                hooks.before_forward(step)
-            if spec:
-                tokens, accepted = speculative_step(runner, fm, indices, rows, seq_lens_cpu, spec, fence, hooks, lanes,
-                                                    draws)
-                result.accepted_cpu = to_host(accepted)
-            else:
-                tokens = decode_step(runner, fm, indices, rows, seq_lens_cpu, seq_lens, sampling, positions)
-            result.tokens_cpu = to_host(tokens)
-            result.results_ready.set_here()
-        self.stream.submit(forward)
-        return result
-
-    def _process(self, result: StepResult) -> None:
-        """Step N's results: wait on its results-ready fence, then append/stream/finish."""
-        wait_event(result.results_ready, self.stream)  # raises if the forward failed (its fence never comes)
-        if result.seq_lens._version != result.seq_lens_version:
+    def process_batch_result(self, launched: LaunchedStep) -> None:
+        """Step N's results: wait until they are ready, then append/stream/finish."""
+        result = launched.result
+        self.worker.wait(result)  # raises if the forward failed (its fence never comes)
+        if launched.seq_lens._version != launched.seq_lens_version:
             raise InvariantError(f"step {result.step}: seq_lens was modified in place while its forward could read it")
         tokens = result.tokens_cpu.tolist()
         accepted = result.accepted_cpu.tolist() if result.accepted_cpu is not None else [0] * len(tokens)
-        for req, row, n in zip(result.reqs, tokens, accepted):
+        for req, row, n in zip(launched.reqs, tokens, accepted):
             if req.finished:
                 continue  # finished at an earlier step (or aborted); this lane was wasted work
             if self.spec:
-                req.spec_accepted += n
-                req.spec_drafted += self.spec.num_steps
-                self.spec_stats[0] += n
-                self.spec_stats[1] += self.spec.num_steps
+                self._count_drafts(req, n)
             new, reason = [], None
             for token in (row[:n + 1] if self.spec else [row]):  # EAGLE commits accept_len = A + 1 tokens
                 req.output_ids.append(token)
                 new.append(token)
-                reason = finish_reason(req.params, req.output_ids, self.eos_ids)
+                reason = self._finish_reason(req)
                 if reason is not None:
                     break  # tokens past a finish are dropped
             if reason is not None and self.spec:  # read by the front door with the finish
@@ -341,19 +273,85 @@ class DecodeScheduler:
             if reason is not None:
                 self._finish(req, reason, emit=False)
 
-    # ---- finishing ----------------------------------------------------------------------------------
-    def _on_abort(self, rid: str) -> None:
-        req = self.reqs.get(rid)
-        if req is None or req.finished:
+    def _count_drafts(self, req: DecodeReq, accepted: int) -> None:
+        req.spec_accepted += accepted
+        req.spec_drafted += self.spec.num_steps
+        self.spec_stats.accepted += accepted
+        self.spec_stats.drafted += self.spec.num_steps
+
+    # ---- inbox handlers -----------------------------------------------------------------------------
+    def _on_submit(self, msg: Submit) -> None:
+        if msg.req.rid in self.reqs:
+            self._emit(msg.req, [], "abort")  # duplicate id: refuse without touching the first
             return
+        self.reqs[msg.req.rid] = msg.req
+        self.waiting.append(msg.req)
+
+    def _on_abort(self, msg: Abort) -> None:
+        req = self.reqs.get(msg.rid)
+        if req is not None and not req.finished:
+            self._abort(req)
+
+    def _on_first_token(self, msg: FirstTokenArrived) -> None:
+        req = self.awaiting_handoff.get(msg.rid)
+        if req is None or msg.position != len(req.output_ids):
+            return  # gone, or a retry's resend of a token already streamed
+        if req.output_ids and self._finish_reason(req) is not None:
+            return  # never stream a token past a finish
+        req.output_ids.append(msg.token)
+        self._emit(req, [msg.token], None)
+
+    def _on_kv_chunk(self, msg: KvChunkArrived) -> None:
+        req = self.awaiting_handoff.get(msg.rid)
+        if req is not None:
+            self.worker.write_kv_chunk(req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v,
+                                       draft=msg.draft and self.spec is not None)
+
+    def _on_handoff(self, msg: HandoffArrived) -> None:
+        handoff = msg.handoff
+        req = self.awaiting_handoff.pop(handoff.rid, None)
+        if req is None:
+            return  # aborted or failed meanwhile: its reservation is already freed
+        try:
+            self._check_handoff(req, handoff)
+        except ValueError as e:
+            self._finish(req, "error", str(e))
+            return
+        req.handoff = handoff
+        req.state = ReqState.PREBUILT
+        self.prebuilt.append(req)
+
+    def _on_handoff_failed(self, msg: HandoffFailed) -> None:
+        req = self.awaiting_handoff.pop(msg.rid, None)
+        if req is not None:
+            self._finish(req, "error", msg.error)
+
+    def _check_handoff(self, req: DecodeReq, handoff: Handoff) -> None:
+        """ValueError if the record does not continue exactly what this request streamed."""
+        if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
+            handoff.check(self.info.num_layers)
+        if self.spec:
+            handoff.check_draft(self.info.hidden_size)
+        first = handoff.first_position
+        sent = req.output_ids[:first]
+        if handoff.prompt_ids != req.prompt_ids + sent or len(sent) != first:
+            raise ValueError(f"handoff {handoff.rid}: prefilled ids differ from prompt + tokens sent")
+        if len(req.output_ids) > first + 1 or req.output_ids[first:] not in ([], [handoff.first_token]):
+            raise ValueError(f"handoff {handoff.rid}: first token differs from the one streamed")
+
+    # ---- finishing ----------------------------------------------------------------------------------
+    def _abort(self, req: DecodeReq) -> None:
         if req.state == ReqState.WAITING:
             self.waiting.remove(req)
         elif req.state == ReqState.AWAITING_HANDOFF:
-            self.awaiting_handoff.pop(rid, None)
+            self.awaiting_handoff.pop(req.rid, None)
         elif req.state == ReqState.PREBUILT:
             self.prebuilt.remove(req)
             req.handoff = None
         self._finish(req, "abort")
+
+    def _finish_reason(self, req: DecodeReq) -> str | None:
+        return finish_reason(req.params, req.output_ids, self.info.eos_token_ids)
 
     def _finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
         req.finish_reason = reason
@@ -368,11 +366,11 @@ class DecodeScheduler:
         if req.state == ReqState.FINISHED:
             raise InvariantError(f"request {req.rid} released twice")
         if req.kv_slots is not None:
-            self.runner.kv_allocator.free(req.kv_slots)
-            self.runner.req_to_token_pool.free(req.req_pool_idx)
-            row = to_device([req.req_pool_idx], self.future_map.device, torch.int64)
-            self.stream.submit(lambda: self.future_map.reset_rows(row))
-            req.kv_slots, req.req_pool_idx = None, 0
+            self.worker.kv_allocator.free(req.kv_slots)
+            self.worker.req_to_token_pool.free(req.req_pool_idx)
+            self.worker.release_row(req.req_pool_idx)
+            req.kv_slots = None
+            req.req_pool_idx = 0
         req.state = ReqState.FINISHED
         self.reqs.pop(req.rid, None)
 
@@ -391,10 +389,6 @@ class DecodeScheduler:
     def check_integrity(self) -> None:
         """Pools balance and every used slot is held by exactly one live request (between steps)."""
         with self._step_lock:
-            self._check_integrity()
-
-    def _check_integrity(self) -> None:
-        live = [r for r in self.reqs.values() if r.kv_slots is not None]
-        self.runner.kv_allocator.check_integrity(holders=[r.kv_slots for r in live])
-        self.runner.req_to_token_pool.allocator.check_integrity(holders=[[r.req_pool_idx] for r in live])
-
+            live = [r for r in self.reqs.values() if r.kv_slots is not None]
+            self.worker.kv_allocator.check_integrity(holders=[r.kv_slots for r in live])
+            self.worker.req_to_token_pool.allocator.check_integrity(holders=[[r.req_pool_idx] for r in live])

@@ -38,10 +38,12 @@ from common.engine.model_runner import ModelRunner
 from common.metrics import DecodeMetrics
 from common.wire.aio_server import AioServer, answer_unimplemented
 from decode_service.config import DecodeConfig
+from decode_service.inbox import Inbox
 from decode_service.info_rpcs import InfoRpcs
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
 from decode_service.scheduler import DecodeScheduler
+from decode_service.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["SglangScheduler"]
@@ -59,17 +61,18 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.runner = ModelRunner.for_service(config)
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
-        self.prefill = PrefillClient(config.prefill_addrs, self.model_config, wait_ready_s=config.prefill_wait_s,
-                                     call_timeout_s=config.prefill_timeout_s,
-                                     progress_timeout_s=config.prefill_progress_timeout_s,
-                                     draft_config=self.runner.draft.config.layer if self.runner.draft else None)
-        self.scheduler = DecodeScheduler(self.runner, self.prefill, disable_overlap=config.disable_overlap_schedule,
-                                         debug=config.debug_checks)
-        self.prefill.scheduler = self.scheduler
         kv = self.runner.kv_allocator
         self.metrics = DecodeMetrics(running=lambda: self.load_counts()[0], queued=lambda: self.load_counts()[1],
                                      kv_usage=lambda: kv.num_used / kv.size, open_streams=lambda: self._open)
-        self.scheduler.metrics = self.prefill.metrics = self.metrics
+        inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
+        self.prefill = PrefillClient(config.prefill_addrs, self.model_config, inbox, wait_ready_s=config.prefill_wait_s,
+                                     call_timeout_s=config.prefill_timeout_s,
+                                     progress_timeout_s=config.prefill_progress_timeout_s,
+                                     draft_config=self.runner.draft.config.layer if self.runner.draft else None,
+                                     metrics=self.metrics)
+        self.scheduler = DecodeScheduler(DecodeWorker(self.runner, debug=config.debug_checks), self.prefill, inbox,
+                                         overlap=not config.disable_overlap_schedule, debug=config.debug_checks,
+                                         metrics=self.metrics)
         self.metrics_port: int | None = None
         self._ids = itertools.count()
         self._live: dict[str, str] = {}  # client request_id -> internal id (only requests that name one)

@@ -1,13 +1,13 @@
-"""One launched decode step as the scheduler tracks it, the scheduler's test hooks, and its error."""
+"""One launched decode step as the scheduler tracks it, EAGLE's running totals, and the scheduler's error."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from decode_service.req import DecodeReq
+from decode_service.worker_batch import BatchResult
 
 
 class InvariantError(AssertionError):
@@ -15,22 +15,21 @@ class InvariantError(AssertionError):
 
 
 @dataclass
-class StepResult:
-    """One launched decode step: who was in it and where its sampled tokens land."""
-    step: int
+class LaunchedStep:
+    """A step whose forward was submitted: who rode in it and where its results land."""
+
     reqs: list[DecodeReq]
-    results_ready: object
-    seq_lens: torch.Tensor           # the mirror tensor the forward reads
+    result: BatchResult
+    seq_lens: torch.Tensor  # the mirror tensor the forward reads: nobody may change it in place
     seq_lens_version: int
-    tokens_cpu: torch.Tensor | None = None      # [B], or EAGLE's [B, S+1]
-    accepted_cpu: torch.Tensor | None = None    # EAGLE: accepted drafts per request [B]
 
 
 @dataclass
-class SchedulerHooks:
-    """Test hooks: called on the scheduler thread (after_launch) or the stream (before_forward)."""
-    after_launch: Callable[[int], None] | None = None
-    before_forward: Callable[[int], None] | None = None
-    propose: Callable | None = None  # EAGLE: ([(rid, prompt_len)], seq_lens_cpu, drafts [B, S]) -> drafts to verify
-    # EAGLE tree: ([(rid, prompt_len)], seq_lens_cpu, node tokens, parent, depth [B, M]) -> node tokens to verify
-    propose_tree: Callable | None = None
+class SpecStats:
+    """EAGLE since start, over every request: drafts accepted and drafts proposed."""
+
+    accepted: int = 0
+    drafted: int = 0
+
+    def __iter__(self):
+        return iter((self.accepted, self.drafted))

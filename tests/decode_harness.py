@@ -7,13 +7,58 @@ so a test can act at an exact stage of a request's life.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from common.engine.draft_runner import SpecArgs
 from common.engine.model_runner import ModelRunner, RunnerArgs
-from decode_service.scheduler import DecodeScheduler, SchedulerHooks
+from decode_service.inbox import Inbox
+from decode_service.scheduler import DecodeScheduler
+from decode_service.worker import DecodeWorker
 from prefill_service.engine import PrefillEngine
 from prefill_service.inprocess import InProcessPrefill
+
+
+@dataclass
+class Hooks:
+    """Test hooks of a HookedWorker (None: not called)."""
+
+    before_forward: Callable[[int], object] | None = None  # on the stream, before step N's forward
+    after_launch: Callable[[int], object] | None = None  # on the scheduler thread, once step N is submitted
+    propose: Callable | None = None  # EAGLE chain: (lanes, seq_lens_cpu, drafts [B, S]) -> drafts to verify
+    propose_tree: Callable | None = None  # EAGLE tree: (lanes, seq_lens_cpu, tokens, parent, depth) -> tokens
+
+
+class HookedWorker(DecodeWorker):
+    """The real worker with test hooks at its seams (the mechanism itself knows no hooks)."""
+
+    def __init__(self, runner: ModelRunner, hooks: Hooks | None = None):
+        super().__init__(runner, debug=True)
+        self.hooks = hooks or Hooks()
+
+    def run_batch(self, batch):
+        result = super().run_batch(batch)
+        if self.hooks.after_launch:
+            self.hooks.after_launch(batch.step)
+        return result
+
+    def forward(self, batch):
+        if self.hooks.before_forward:
+            self.hooks.before_forward(batch.step)
+        return super().forward(batch)
+
+    def propose(self, batch, chain):
+        if self.hooks.propose is None:
+            return chain
+        return dataclasses.replace(chain, proposed=self.hooks.propose(batch.lanes, batch.seq_lens_cpu, chain.proposed))
+
+    def propose_tree(self, batch, tree):
+        if self.hooks.propose_tree is None:
+            return tree
+        planted = self.hooks.propose_tree(batch.lanes, batch.seq_lens_cpu, tree.node_tokens, tree.parent, tree.depth)
+        return dataclasses.replace(tree, node_tokens=planted)
 
 
 class Outputs:
@@ -38,14 +83,15 @@ def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16, spec: S
 
 
 class Pair:
-    def __init__(self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: SchedulerHooks | None = None,
+    def __init__(self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: Hooks | None = None,
                  **sizes):  # sizes: decode_tokens, decode_reqs, spec, device, dtype
         prefill, decode = runners(path, **sizes)
         self.out = Outputs()
-        self.link = InProcessPrefill(PrefillEngine(prefill, chunk_size),
-                                     lambda h: self.scheduler.deliver_handoff(h),
-                                     lambda rid, e: self.scheduler.fail_handoff(rid, e))
-        self.scheduler = DecodeScheduler(decode, self.link, disable_overlap=not overlap, debug=True, hooks=hooks)
+        self.inbox = Inbox()
+        self.link = InProcessPrefill(PrefillEngine(prefill, chunk_size), self.inbox.deliver_handoff,
+                                     self.inbox.fail_handoff)
+        self.worker = HookedWorker(decode, hooks)
+        self.scheduler = DecodeScheduler(self.worker, self.link, self.inbox, overlap=overlap, debug=True)
         self.scheduler.start()
 
     def submit(self, rid, prompt, params):
@@ -55,7 +101,7 @@ class Pair:
         deadline = time.time() + timeout
         while not all(r in self.out.reasons for r in rids):
             assert time.time() < deadline, f"timed out; finished: {sorted(self.out.reasons)}"
-            self.scheduler.stream.raise_if_failed()
+            self.worker.raise_if_failed()
             time.sleep(0.005)
 
     def wait_tokens(self, rid: str, n: int, timeout: float = 60.0) -> None:
@@ -72,8 +118,8 @@ class Pair:
             time.sleep(0.005)
         time.sleep(0.05)
         self.scheduler.check_integrity()
-        assert self.scheduler.runner.kv_allocator.num_used == 0
-        assert self.scheduler.runner.req_to_token_pool.allocator.num_used == 0
+        assert self.worker.kv_allocator.num_used == 0
+        assert self.worker.req_to_token_pool.allocator.num_used == 0
         self.scheduler.stop()
         self.link.close()
 
@@ -81,13 +127,13 @@ class Pair:
 class ManualPair:
     """Scheduler stepped by the test; prefill requests held in `pending` until `prefill()`."""
 
-    def __init__(self, path: str, overlap: bool = True, hooks: SchedulerHooks | None = None, **sizes):
+    def __init__(self, path: str, overlap: bool = True, hooks: Hooks | None = None, **sizes):
         prefill, decode = runners(path, **sizes)
         self.engine = PrefillEngine(prefill, chunk_size=16)
         self.pending = []
         self.out = Outputs()
-        self.scheduler = DecodeScheduler(decode, self.pending.append, disable_overlap=not overlap, debug=True,
-                                         hooks=hooks)
+        self.worker = HookedWorker(decode, hooks)
+        self.scheduler = DecodeScheduler(self.worker, self.pending.append, overlap=overlap, debug=True)
 
     def submit(self, rid, prompt, params):
         self.scheduler.submit(rid, prompt, params, self.out)
@@ -98,7 +144,7 @@ class ManualPair:
         for r in take:
             self.pending.remove(r)
         for h in self.engine.prefill(take):
-            self.scheduler.deliver_handoff(h)
+            self.scheduler.inbox.deliver_handoff(h)
 
     def run_until_idle(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
@@ -109,7 +155,7 @@ class ManualPair:
 
     def close(self) -> None:
         self.run_until_idle()
-        self.scheduler.stream.synchronize(timeout=10)
+        self.worker.synchronize(timeout=10)
         self.scheduler.check_integrity()
-        assert self.scheduler.runner.kv_allocator.num_used == 0
+        assert self.worker.kv_allocator.num_used == 0
         self.scheduler.stop()

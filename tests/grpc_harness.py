@@ -61,7 +61,7 @@ class GrpcPair:
             time.sleep(0.01)
         time.sleep(0.05)
         sched.check_integrity()
-        assert sched.runner.kv_allocator.num_used == 0 and sched.runner.req_to_token_pool.allocator.num_used == 0
+        assert sched.worker.kv_allocator.num_used == 0 and sched.worker.req_to_token_pool.allocator.num_used == 0
 
     def close(self) -> None:
         try:

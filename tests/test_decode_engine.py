@@ -169,12 +169,12 @@ def test_broken_handoff_frees_the_reservation_once(checkpoint):
     pair.submit("broken", p, SamplingParams(max_new_tokens=8))
     pair.submit("malformed", p, SamplingParams(max_new_tokens=8))
     pair.scheduler.step()
-    pair.scheduler.fail_handoff("broken", "peer went away")
+    pair.scheduler.inbox.fail_handoff("broken", "peer went away")
     [bad] = pair.engine.prefill([r for r in pair.pending if r.rid == "malformed"])
     pair.pending.clear()
     bad.k = bad.k[:-1]
-    pair.scheduler.deliver_handoff(bad)
-    pair.scheduler.fail_handoff("broken", "second report")  # must not free twice
+    pair.scheduler.inbox.deliver_handoff(bad)
+    pair.scheduler.inbox.fail_handoff("broken", "second report")  # must not free twice
     pair.close()
     assert pair.out.reasons == {"broken": "error", "malformed": "error"}
 
@@ -217,7 +217,7 @@ def test_failing_consumer_is_aborted_and_stop_frees_live_requests(checkpoint):
     sched.stop()  # "alive" is mid-decode: it finishes as aborted, its slots freed
     assert pair.out.reasons["alive"] == "abort"
     sched.check_integrity()
-    assert sched.runner.kv_allocator.num_used == 0
+    assert sched.worker.runner.kv_allocator.num_used == 0
 
 
 def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
@@ -232,10 +232,10 @@ def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
     [req] = pair.pending
     pair.pending.clear()
     [h0] = pair.engine.prefill([req])
-    sched.deliver_first_token("r", h0.first_token, 0)          # attempt 1 streams its token, then breaks
+    sched.inbox.deliver_first_token("r", h0.first_token, 0)          # attempt 1 streams its token, then breaks
     retry = HandoffRequest("r", p + [h0.first_token], req.params, req.seed, first_position=1)
     [h1] = pair.engine.prefill([retry])
-    sched.deliver_first_token("r", h1.first_token, 1)          # attempt 2 would stream the next one
-    sched.deliver_handoff(h1)
+    sched.inbox.deliver_first_token("r", h1.first_token, 1)          # attempt 2 would stream the next one
+    sched.inbox.deliver_handoff(h1)
     pair.close()
     assert pair.out.tokens["r"] == [h0.first_token] and pair.out.reasons["r"] == "length"

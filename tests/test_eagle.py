@@ -15,7 +15,7 @@ from common.engine.sampling import SamplingParams
 from common.models.config import CheckpointError
 from common.tools.eagle_checkpoint import build as build_head
 from decode_service.future_map import ConsumeOnceError
-from decode_service.scheduler import SchedulerHooks
+from tests.decode_harness import Hooks
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
 
@@ -82,7 +82,7 @@ def _planted(path: str, wrong_after: int | None = None):
 def test_planted_drafts_commit_several_tokens_per_step_exactly(checkpoint, heads, wrong_after, overlap):
     path = checkpoint("llama")
     propose, seen = _planted(path, wrong_after)
-    pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=SchedulerHooks(propose=propose))
+    pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=Hooks(propose=propose))
     lengths = [23, 24, 25, 7]  # finishes land inside accepted runs
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
     out = _run(pair, PROMPTS, params)
@@ -108,7 +108,7 @@ def test_stop_token_inside_an_accepted_run_drops_what_follows(checkpoint, heads)
     propose, _ = _planted(path)
     ref = hf_greedy(path, PROMPTS[0], 40)
     stop = next(t for t in ref[5:] if t not in ref[:5])
-    pair = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=SchedulerHooks(propose=propose))
+    pair = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=Hooks(propose=propose))
     out = _run(pair, PROMPTS[:1], SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=(stop,)))
     assert out["0"] == ref[:ref.index(stop) + 1] and pair.out.reasons["0"] == "stop"
     pair.close()
@@ -190,7 +190,7 @@ def test_token_map_drafts_only_hot_tokens_and_stays_exact(checkpoint, heads, tmp
     def spy(lanes, seq_lens, drafts):
         proposed.extend(drafts.flatten().tolist())
         return drafts
-    pair = Pair(path, spec=spec, hooks=SchedulerHooks(propose=spy))
+    pair = Pair(path, spec=spec, hooks=Hooks(propose=spy))
     out = _run(pair, PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert out["0"] == hf_greedy(path, PROMPTS[0], 12) and out["1"] == hf_greedy(path, PROMPTS[1], 12)
     assert proposed and set(proposed) <= set(hot)
@@ -217,7 +217,7 @@ def test_broken_draft_handoff_and_aborts_free_everything_once(checkpoint, heads)
     pair.pending.clear()
     handoffs["broken"] = dataclasses.replace(handoffs["broken"], draft_hidden=None)
     for h in handoffs.values():
-        pair.scheduler.deliver_handoff(h)
+        pair.scheduler.inbox.deliver_handoff(h)
     for _ in range(3):
         pair.scheduler.step()
     pair.scheduler.abort("aborted")

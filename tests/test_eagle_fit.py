@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from common.tools import eagle_data
 from common.tools.eagle_checkpoint import build as build_head
-from common.tools.fit_eagle import fit, measure_acceptance
+from bench.fit_eagle import fit, measure_acceptance
 from common.tools.tokenizer import load_tokenizer
 
 
@@ -27,7 +27,7 @@ def test_unrolled_attention_sees_the_true_prefix_and_its_own_chain():
     import torch
     from torch.nn import functional as F
 
-    from common.tools.fit_eagle import UnrolledBlocks
+    from bench.fit_eagle import UnrolledBlocks
 
     torch.manual_seed(0)
     seqs, length, heads, kv_heads, dim = 3, 5, 4, 2, 8

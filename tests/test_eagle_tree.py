@@ -12,7 +12,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.request_rules import InvalidRequest
-from decode_service.scheduler import SchedulerHooks
+from tests.decode_harness import Hooks
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
 from tests.test_eagle import PROMPTS, _run, heads  # noqa: F401 (fixture)
@@ -98,7 +98,7 @@ def test_planted_tree_paths_commit_several_tokens_exactly(checkpoint, heads, wro
     path = checkpoint("llama")
     spec = _tree_spec(heads(path, "EAGLE"), "EAGLE", 3, 3, 9)
     propose, planted = _planted_tree(path, wrong_after)
-    pair = Pair(path, overlap=overlap, spec=spec, hooks=SchedulerHooks(propose_tree=propose))
+    pair = Pair(path, overlap=overlap, spec=spec, hooks=Hooks(propose_tree=propose))
     out = _run(pair, PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True))
     for i, p in enumerate(PROMPTS):
         assert out[str(i)] == hf_greedy(path, p, 40), f"prompt {i}"

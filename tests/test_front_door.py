@@ -184,7 +184,7 @@ def test_shutdown_ends_open_streams_with_unavailable_and_frees_everything(checkp
                 list(c)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
         sched = pair.decode.scheduler
-        assert sched.runner.kv_allocator.num_used == 0 and sched.runner.req_to_token_pool.allocator.num_used == 0
+        assert sched.worker.kv_allocator.num_used == 0 and sched.worker.req_to_token_pool.allocator.num_used == 0
     finally:
         pair.channel.close()
         pair.prefill.stop()

@@ -31,7 +31,7 @@ def test_1_rows_are_request_slots(checkpoint):
     fm.stash_tokens(_idx(3, 1), torch.tensor([30, 10]))
     assert fm.gather_tokens(_idx(1, 3)).tolist() == [10, 30]
     pair = ManualPair(checkpoint("qwen2"), decode_reqs=5)
-    assert pair.scheduler.future_map.num_rows == pair.scheduler.runner.req_to_token_pool.req_to_token.shape[0] == 6
+    assert pair.scheduler.worker.future_map.num_rows == pair.scheduler.worker.runner.req_to_token_pool.req_to_token.shape[0] == 6
     pair.close()
 
 
@@ -164,11 +164,11 @@ def test_6_consume_once_guard():
 
 
 def test_6_planted_second_gather_in_the_scheduler_trips(checkpoint):
-    from decode_service.scheduler import SchedulerHooks
+    from tests.decode_harness import Hooks
 
-    pair = Pair(checkpoint("qwen2"), hooks=SchedulerHooks())
+    pair = Pair(checkpoint("qwen2"), hooks=Hooks())
     sched = pair.scheduler
-    sched.hooks.before_forward = lambda step: step == 3 and sched.future_map.gather_tokens(sched.running.req_pool_indices)
+    sched.worker.hooks.before_forward = lambda step: step == 3 and sched.worker.future_map.gather_tokens(sched.running.req_pool_indices)
     pair.submit("r", [5, 6, 7], SamplingParams(max_new_tokens=10, ignore_eos=True))
     deadline = time.time() + 20
     while "r" not in pair.out.reasons and time.time() < deadline:
@@ -180,19 +180,19 @@ def test_6_planted_second_gather_in_the_scheduler_trips(checkpoint):
 
 def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     """B takes A's row and KV while A's wasted last lane is still in flight: B's writes must wait."""
-    from decode_service.scheduler import SchedulerHooks
+    from tests.decode_harness import Hooks
 
     path = checkpoint("llama")
     order, latch = [], threading.Event()
-    hooks = SchedulerHooks()
+    hooks = Hooks()
     pair = ManualPair(path, hooks=hooks, decode_reqs=1, decode_tokens=3 + 6)
     sched = pair.scheduler
-    write = sched.runner.req_to_token_pool.write
+    write = sched.worker.runner.req_to_token_pool.write
 
     def logged_write(idx, start, slots):
         order.append(("row write", idx))
         write(idx, start, slots)
-    sched.runner.req_to_token_pool.write = logged_write
+    sched.worker.runner.req_to_token_pool.write = logged_write
     pair.submit("A", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
     sched.step()
     pair.prefill()
@@ -205,16 +205,16 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     while "A" not in pair.out.reasons:
         sched.step()
     assert sched.step_count == 6 and ("forward", 6) not in order
-    a_slots = sched.runner.req_to_token_pool.req_to_token[1, :9].clone()
+    a_slots = sched.worker.runner.req_to_token_pool.req_to_token[1, :9].clone()
     pair.submit("B", [8, 9, 10], SamplingParams(max_new_tokens=6, ignore_eos=True))
-    sched._recv()
-    sched._admit()
+    sched.process_input_requests()
+    sched.pop_preallocated()
     pair.prefill()
-    sched._recv()
-    sched.running = sched.running.filter_unfinished().merge(sched._prebuilt_batch())
+    sched.process_input_requests()
+    sched.running = sched.running.filter_unfinished().merge(sched.get_new_prebuilt_batch())
     time.sleep(0.2)
     assert ("row write", 1) not in order[1:], "B's row was written while the previous forward was in flight"
-    assert torch.equal(sched.runner.req_to_token_pool.req_to_token[1, :9], a_slots)
+    assert torch.equal(sched.worker.runner.req_to_token_pool.req_to_token[1, :9], a_slots)
     latch.set()
     pair.close()
     assert order.index(("row write", 1), 1) > order.index(("forward", 6))
@@ -228,12 +228,12 @@ def test_8_prebuilt_batch_seeds_future_rows(checkpoint):
     pair.submit("r", [5, 6, 7, 8], SamplingParams(max_new_tokens=5, ignore_eos=True))
     sched.step()
     pair.prefill()
-    sched._recv()
-    batch = sched._prebuilt_batch()
-    sched.stream.synchronize(timeout=5)
+    sched.process_input_requests()
+    batch = sched.get_new_prebuilt_batch()
+    sched.worker.synchronize(timeout=5)
     row = batch.req_pool_indices_cpu[0].item()
-    assert sched.future_map.token_ids[row].item() == pair.out.tokens["r"][0]
-    assert sched.future_map._writes["token_ids"][row].item() == 1
+    assert sched.worker.future_map.token_ids[row].item() == pair.out.tokens["r"][0]
+    assert sched.worker.future_map._writes["token_ids"][row].item() == 1
     assert batch.seq_lens_cpu.tolist() == [4]
     sched.running = sched.running.merge(batch)
     pair.close()

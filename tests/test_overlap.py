@@ -8,7 +8,7 @@ import pytest
 
 from common.engine.sampling import SamplingParams
 from common.engine.streams import HostEvent, WorkerStream
-from decode_service.scheduler import SchedulerHooks
+from tests.decode_harness import Hooks
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
 
@@ -18,7 +18,7 @@ HELD_STEP = 4
 def _run_with_latch(path: str, overlap: bool, wait_s: float) -> tuple[bool, Pair]:
     """Forward HELD_STEP blocks until step HELD_STEP + 1 has been launched (or wait_s passes)."""
     latch, released = threading.Event(), []
-    hooks = SchedulerHooks(
+    hooks = Hooks(
         before_forward=lambda step: step == HELD_STEP and released.append(latch.wait(wait_s)),
         after_launch=lambda step: step == HELD_STEP + 1 and latch.set(),
     )

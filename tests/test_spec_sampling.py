@@ -8,7 +8,7 @@ import torch
 
 from common.engine import spec_sampling
 from common.engine.sampling import SamplingParams
-from decode_service.scheduler import SchedulerHooks
+from tests.decode_harness import Hooks
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
 from tests.test_eagle import PROMPTS, _planted, _run, _spec, heads  # noqa: F401 (fixture)
@@ -83,7 +83,7 @@ def test_draws_depend_only_on_seed_and_position():
 def test_top_k_1_sampling_through_eagle_is_greedy(checkpoint, heads, planted, overlap):
     """top_k = 1 makes both distributions one-hot: the sampled path must give HF greedy exactly."""
     path = checkpoint("llama")
-    hooks = SchedulerHooks(propose=_planted(path, wrong_after=2)[0]) if planted else None
+    hooks = Hooks(propose=_planted(path, wrong_after=2)[0]) if planted else None
     pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=hooks)
     params = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9, top_k=1, seed=i) if i % 2 else
               SamplingParams(max_new_tokens=20, ignore_eos=True) for i in range(len(PROMPTS))]

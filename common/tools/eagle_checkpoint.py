@@ -4,7 +4,7 @@
 
 Deterministic (seeded); the head's shapes follow the target's. EAGLE3 gets a draft vocabulary of
 half the target's ids (a fixed random subset) mapped back by `d2t`. Random heads rarely propose the
-target's token, so they test exactness, not speed; `python -m common.tools.fit_eagle` fits real ones.
+target's token, so they test exactness, not speed; `python -m bench.fit_eagle` fits real ones.
 """
 
 from __future__ import annotations

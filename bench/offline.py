@@ -1,4 +1,4 @@
-"""Offline generation through the serving engine: a list of prompts in, their outputs out.
+"""Offline generation through both services' engines in one process: a list of prompts in, their outputs out.
 
 The decode scheduler (continuous batching, overlap, EAGLE when the runner has a head) with the
 prefill engine on a thread (InProcessPrefill), all requests submitted at once: the scheduler admits
@@ -15,6 +15,11 @@ from typing import Callable
 
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
+from decode_service.inbox import Inbox
+from decode_service.scheduler import DecodeScheduler
+from decode_service.worker import DecodeWorker
+from prefill_service.engine import PrefillEngine
+from prefill_service.inprocess import InProcessPrefill
 
 
 def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: list[list[int]],
@@ -25,14 +30,9 @@ def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: l
     `params` is one for all or one per prompt. With `progress`, prints a line with that label as
     outputs complete (about every 10%); `on_tokens(i, new_ids)` sees prompt i's tokens as they come
     (on the scheduler thread). A request that ends in error or abort raises after the run."""
-    from decode_service.scheduler import DecodeScheduler
-    from prefill_service.engine import PrefillEngine
-    from prefill_service.inprocess import InProcessPrefill
-
     outputs: list[list[int]] = [[] for _ in prompts]
     failed: list[str] = []
     lock, done, finished, start = threading.Lock(), threading.Event(), [0], time.monotonic()
-    peer: list[InProcessPrefill] = []
 
     def on_output(rid, tokens, reason):
         outputs[int(rid)].extend(tokens)
@@ -51,10 +51,11 @@ def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: l
                 done.set()
 
     params = params if isinstance(params, list) else [params] * len(prompts)
-    sched = DecodeScheduler(decode_runner, lambda r: peer[0](r), disable_overlap=not overlap)
+    inbox = Inbox()
     max_batch = decode_runner.req_to_token_pool.allocator.num_free
-    peer.append(InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=chunk_size), sched.deliver_handoff,
-                                 sched.fail_handoff, max_batch=max_batch))
+    peer = InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=chunk_size), inbox.deliver_handoff,
+                            inbox.fail_handoff, max_batch=max_batch)
+    sched = DecodeScheduler(DecodeWorker(decode_runner), peer, inbox, overlap=overlap)
     sched.start()
     try:
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -63,7 +64,7 @@ def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: l
             raise TimeoutError("offline generation did not finish")
     finally:
         sched.stop()
-        peer[0].close()
+        peer.close()
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     return outputs, tuple(sched.spec_stats)

@@ -1,6 +1,6 @@
 """Fit an EAGLE / EAGLE3 draft head to a target on the target's own greedy answers.
 
-    python -m common.tools.fit_eagle --target DIR --algorithm EAGLE|EAGLE3 --out DIR [--minutes 10 | --total-minutes 15]
+    python -m bench.fit_eagle --target DIR --algorithm EAGLE|EAGLE3 --out DIR [--minutes 10 | --total-minutes 15]
         [--prompts 256] [--answer-tokens 96] [--seed 0] [--unroll 3] [--lr 1e-3] [--batch-tokens 1024] [--data FILE]
         [--eval-prompts 20] [--eval-only --topk K --num-draft-tokens M]
 
@@ -226,7 +226,7 @@ def measure_acceptance(target: str, head: str, algorithm: str, prompts: list[lis
     (topk > 1: tree drafting with `num_draft_tokens` nodes)."""
     from common.engine.draft_runner import SpecArgs
     from common.engine.sampling import SamplingParams
-    from common.tools import offline
+    from bench import offline
 
     spec = SpecArgs(algorithm, head, num_steps, topk, num_draft_tokens or num_steps + 1, token_map)
     batch = min(len(prompts), 32)
@@ -238,7 +238,7 @@ def measure_acceptance(target: str, head: str, algorithm: str, prompts: list[lis
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m common.tools.fit_eagle", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.fit_eagle", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="target checkpoint folder")
     p.add_argument("--algorithm", required=True, choices=["EAGLE", "EAGLE3"])
     p.add_argument("--out", required=True)

@@ -1,0 +1,114 @@
+"""DecodeWorker: the device side of the decode service, behind one typed seam.
+
+The scheduler (scheduler.py) decides what runs; the worker runs it. The worker owns the ModelRunner,
+the forward stream and the FutureMap's device buffers; the scheduler owns requests, the ScheduleBatch
+and the slot allocators (which the worker lends it: they hold no model). Everything the scheduler
+asks of the device goes through these methods, so a fake worker (tests/fake_worker.py) drives the
+real scheduler with no model:
+  - `run_batch(WorkerBatch) -> BatchResult`: arm the step's publish fence (EAGLE), submit the
+    forward to the stream, return at once; `wait(result)` blocks until its host copies are ready;
+  - `resolve_seq_lens_cpu(indices)`: EAGLE's published lengths of the last step (invariant 3);
+  - `write_kv_chunk`, `write_prebuilt`, `release_row`: stream work that lands a handoff or clears a
+    released row, ordered after every forward that could still read those slots (invariant 7).
+On the stream, `forward(batch)` runs a plain decode step or an EAGLE step (draft, `propose`, verify);
+`propose` and `propose_tree` return the drafts unchanged here: tests subclass them to plant drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import torch
+
+from common.engine.handoff import Handoff
+from common.engine.host_copy import to_device, to_host
+from common.engine.model_runner import ModelRunner
+from common.engine.streams import make_event, make_stream, wait_event
+from decode_service.decode_step import decode_step
+from decode_service.eagle_step import ChainDraft, draft_chain, verify_chain_step
+from decode_service.eagle_tree_step import TreeDraft, draft_tree, verify_tree_step
+from decode_service.future_map import FutureMap
+from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
+from decode_service.worker_batch import BatchResult, WorkerBatch, WorkerInfo
+
+
+class DecodeWorker:
+    def __init__(self, runner: ModelRunner, debug: bool = False):
+        self.runner = runner
+        cfg = runner.config
+        spec = runner.draft.spec if runner.draft is not None else None
+        self.info = WorkerInfo(runner.device, cfg.vocab_size, runner.context_length, tuple(cfg.eos_token_ids),
+                               cfg.num_layers, cfg.hidden_size, spec)
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.kv_allocator = runner.kv_allocator
+        self.stream = make_stream(runner.device)
+        self.future_map = FutureMap(runner.req_to_token_pool.size, runner.device, lambda: make_event(runner.device),
+                                    debug, draft_hidden_size=cfg.hidden_size if spec else 0, draft_dtype=runner.dtype)
+
+    # ---- schedule side ---------------------------------------------------------------------------
+    def run_batch(self, batch: WorkerBatch) -> BatchResult:
+        """Submit one step's forward; returns at once. With EAGLE the step's publish fence is armed
+        here, before the submit, so a resolve can never wait on an older, already-set one."""
+        if self.info.spec is not None:
+            batch = dataclasses.replace(batch, fence=self.future_map.arm_publish(self.stream))
+        result = BatchResult(batch.step, make_event(self.info.device))
+
+        def work():
+            tokens, accepted = self.forward(batch)
+            result.tokens_cpu = to_host(tokens)
+            if accepted is not None:
+                result.accepted_cpu = to_host(accepted)
+            result.results_ready.set_here()
+
+        self.stream.submit(work)
+        return result
+
+    def wait(self, result: BatchResult) -> None:
+        """Block until `result`'s host copies are ready; raises if the stream failed first."""
+        wait_event(result.results_ready, self.stream)
+
+    def resolve_seq_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.future_map.resolve_seq_lens_cpu(indices)
+
+    def write_kv_chunk(self, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list,
+                       draft: bool = False) -> None:
+        """One handed-over KV chunk into the target's pool (or with `draft` the EAGLE head's)."""
+        pool = self.runner.draft.kv_pool if draft and self.runner.draft is not None else self.runner.kv_pool
+        submit_kv_chunk(self.stream, pool, kv_slots, token_start, layer_start, k, v)
+
+    def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+        """Map the row, write KV carried in the record, seed the FutureMap row (invariant 8)."""
+        submit_prebuilt(self.stream, self.runner, self.future_map, req_pool_idx, kv_slots, handoff)
+
+    def release_row(self, req_pool_idx: int) -> None:
+        """A released row's consume-once guard is cleared after the forwards that may still use it."""
+        row = to_device([req_pool_idx], self.future_map.device, torch.int64)
+        self.stream.submit(lambda: self.future_map.reset_rows(row))
+
+    def raise_if_failed(self) -> None:
+        self.stream.raise_if_failed()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        self.stream.synchronize(timeout)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    # ---- stream side -----------------------------------------------------------------------------
+    def forward(self, batch: WorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tokens, accepted drafts or None) on the device, for one step."""
+        runner, fm, spec = self.runner, self.future_map, self.info.spec
+        if spec is None:
+            return decode_step(runner, fm, batch), None
+        if spec.eagle_topk > 1:
+            tree = self.propose_tree(batch, draft_tree(runner, fm, batch, spec))
+            return verify_tree_step(runner, fm, batch, tree)
+        chain = self.propose(batch, draft_chain(runner, fm, batch, spec.num_steps))
+        return verify_chain_step(runner, fm, batch, chain)
+
+    def propose(self, batch: WorkerBatch, chain: ChainDraft) -> ChainDraft:
+        """The chain drafts to verify (tests override this to plant drafts)."""
+        return chain
+
+    def propose_tree(self, batch: WorkerBatch, tree: TreeDraft) -> TreeDraft:
+        """The tree to verify (tests override this to plant a path)."""
+        return tree
