@@ -152,9 +152,10 @@ class DecodeScheduler:
         """One iteration; returns False when there was nothing to do."""
         self.process_input_requests()
         self.pop_preallocated()
-        if self.spec and len(self.running):  # EAGLE: lengths come from the last step's publish (invariant 3)
-            self.running.set_seq_lens(self.worker.resolve_seq_lens_cpu(self.running.req_pool_indices))
-        batch = self.running.filter_unfinished().merge(self.get_new_prebuilt_batch())
+        running = self.running.filter_unfinished()
+        if self.spec and len(running):  # EAGLE: lengths come from the last step's publish (invariant 3)
+            running.set_seq_lens(self.worker.resolve_seq_lens_cpu(running.req_pool_indices))
+        batch = running.merge(self.get_new_prebuilt_batch())
         launched = self.run_batch(batch) if len(batch) else None
         if launched is not None and not self.spec:
             batch.bump()

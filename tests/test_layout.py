@@ -14,8 +14,10 @@ ENGINE_DIRS = ["common/models", "common/attention", "common/engine"]
 ENGINE_FILES = ["common/request_rules.py", "decode_service/scheduler.py", "decode_service/future_map.py",
                 "decode_service/schedule_batch.py", "decode_service/req.py", "decode_service/step.py",
                 "decode_service/inbox.py", "decode_service/decode_step.py", "decode_service/eagle_step.py",
-                "decode_service/handoff_writes.py", "prefill_service/engine.py", "prefill_service/inprocess.py",
-                "prefill_service/batching.py", "prefill_service/draft_prefill.py"]
+                "decode_service/handoff_writes.py", "decode_service/eagle_tree_step.py", "decode_service/worker.py",
+                "decode_service/worker_batch.py", "prefill_service/engine.py", "prefill_service/inprocess.py",
+                "prefill_service/batching.py", "prefill_service/draft_prefill.py",
+                "prefill_service/scheduler.py"]
 FORBIDDEN = ("common.wire", "common.tools", "grpc", "grpc_health", "grpc_reflection", "google.protobuf",
              "smg_grpc_proto")
 
@@ -79,3 +81,24 @@ def test_readme_layout_table_matches_the_tree():
                if not f.endswith("__init__.py") and "proto_gen" not in f}
     assert named <= modules, f"README names files that do not exist: {sorted(named - modules)}"
     assert modules <= named, f"README's layout table misses: {sorted(modules - named)}"
+
+
+def test_common_imports_no_service():
+    bad = {f: [n for n in _imports(f) if n.split(".")[0] in ("decode_service", "prefill_service", "bench", "tests")]
+           for f in _py_files("common")}
+    assert not {f: n for f, n in bad.items() if n}
+
+
+def test_the_decode_scheduler_imports_nothing_that_runs_a_model():
+    """The scheduler runs with a fake worker: importing it loads no model code, attention or worker."""
+    model_code = ["common.models", "common.attention", "common.engine.model_runner", "common.engine.draft_runner",
+                  "common.engine.forward_batch", "decode_service.worker", "decode_service.decode_step",
+                  "decode_service.eagle_step", "decode_service.eagle_tree_step", "decode_service.future_map",
+                  "transformers"]
+    probe = ("import sys\n"
+             "import decode_service.scheduler\n"
+             f"names = {model_code!r}\n"
+             "print(sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in names)))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"the scheduler pulls in model code: {proc.stdout}"
