@@ -64,7 +64,8 @@ class ScheduleBatch:
             return self
         out = ScheduleBatch.__new__(ScheduleBatch)
         idx = torch.tensor(keep, dtype=torch.int64)
-        out.reqs, out.device = [self.reqs[i] for i in keep], self.device
+        out.reqs = [self.reqs[i] for i in keep]
+        out.device = self.device
         out.req_pool_indices_cpu = self.req_pool_indices_cpu[idx]
         out.req_pool_indices = self.req_pool_indices[to_device(idx, self.device)]
         out.seq_lens_cpu = self.seq_lens_cpu[idx]
@@ -75,7 +76,8 @@ class ScheduleBatch:
         if not len(other):
             return self
         out = ScheduleBatch.__new__(ScheduleBatch)
-        out.reqs, out.device = self.reqs + other.reqs, self.device
+        out.reqs = self.reqs + other.reqs
+        out.device = self.device
         out.req_pool_indices_cpu = torch.cat([self.req_pool_indices_cpu, other.req_pool_indices_cpu])
         out.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
         out.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
