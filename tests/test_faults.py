@@ -47,7 +47,7 @@ def _ids(responses) -> list[int]:
 
 def _balanced(decode: DecodeService, replicas=()) -> None:
     deadline = time.time() + 20
-    while not decode.scheduler.idle or any(r.num_running or r.prefill_queue.qsize() for r in replicas):
+    while not decode.scheduler.idle or any(r.num_running or r.num_queued() for r in replicas):
         assert time.time() < deadline, "services never went idle"
         time.sleep(0.02)
     time.sleep(0.1)

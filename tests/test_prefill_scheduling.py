@@ -14,6 +14,7 @@ from common.engine.sampling import SamplingParams
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
+from prefill_service.scheduler import PrefillCall, PrefillScheduler
 from prefill_service.server import PrefillService
 from tests.oracle import hf_greedy
 
@@ -85,6 +86,7 @@ def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint)
 
 def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
     service = PrefillService(PrefillConfig(checkpoint("llama"), port=0, debug_checks=True)).start()
+    sched = service.scheduler
     real = service.engine._to_handoff
     calls = {"n": 0}
 
@@ -96,8 +98,8 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
     service.engine._to_handoff = second_breaks
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
-        latch, drain = threading.Event(), service._drain
-        service._drain = lambda waiting: (latch.wait(10), drain(waiting))[1]  # both prompts land in one step
+        latch, take = threading.Event(), sched.process_input_requests
+        sched.process_input_requests = lambda: (latch.wait(10), take())[1]  # both prompts land in one step
         results = {}
 
         def run(rid):
@@ -110,13 +112,57 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
         for t in threads:
             t.start()
         deadline = time.time() + 10
-        while service.prefill_queue.qsize() < 1:  # "a" is held by the engine loop, "b" queued behind it
-            assert time.time() < deadline
+        while len(sched.inbox) < 2:  # the loop woke for "a" and is held before taking it; "b" queued too
+            assert time.time() < deadline, "the calls never reached the scheduler"
             time.sleep(0.01)
         latch.set()
         for t in threads:
             t.join(30)
         assert results == {"a": grpc.StatusCode.INTERNAL, "b": grpc.StatusCode.INTERNAL}, results
         assert service.runner.kv_allocator.num_used == 0
+        assert sched.alive, "a failed step fails its calls, not the scheduler"
     finally:
         service.stop()
+
+
+class _AdmissionBreaks:
+    """The engine surface the scheduler touches, with no model: admission bookkeeping that raises."""
+
+    def can_admit(self, request):
+        raise RuntimeError("admission bookkeeping broke")
+
+    def fail_all(self):
+        return []
+
+
+def test_an_exception_escaping_the_loop_answers_every_call_and_reports_the_scheduler_dead():
+    """Regression: an exception outside the step's own try ended the engine thread silently, and every
+    call it held (and every later one) waited forever."""
+    fatal = []
+    sched = PrefillScheduler(_AdmissionBreaks(), max_running_requests=4, on_fatal=fatal.append)
+    answers: dict[str, list] = {}
+    done = threading.Event()
+
+    def call(rid):
+        def on_answer(a):
+            answers.setdefault(rid, []).append(a)
+            if len(answers) == 4:
+                done.set()
+        return PrefillCall(_req(rid, 3), on_answer)
+    for rid in ("a", "b", "c"):  # queued before the loop starts: all three are in `waiting` when it breaks
+        sched.submit(call(rid))
+    sched.start()
+    try:
+        deadline = time.time() + 10
+        while sched.alive:
+            assert time.time() < deadline, "the scheduler never reported itself dead"
+            time.sleep(0.01)
+        sched.submit(call("late"))  # after the crash: answered at once, never queued
+        assert done.wait(10), f"calls left without an answer: {sorted({'a', 'b', 'c', 'late'} - set(answers))}"
+    finally:
+        sched.stop()
+    assert {rid: len(a) for rid, a in answers.items()} == {"a": 1, "b": 1, "c": 1, "late": 1}
+    assert all(isinstance(a[0], RuntimeError) and "admission bookkeeping broke" in str(a[0])
+               for a in answers.values()), answers
+    assert [str(e) for e in fatal] == ["admission bookkeeping broke"]
+    assert not sched.pending and sched.num_queued() == 0 and sched.num_running == 0

@@ -87,7 +87,7 @@ def test_prefill_killed_mid_handoff_fails_the_request_cleanly(checkpoint):
         call = pair.generate(list(range(5, 35)), 8, stream=True, ignore_eos=True)
         first = next(call)                        # the first token arrived; KV chunks still coming
         assert first.chunk.token_ids
-        pair.prefill.server.server.stop(0)        # the prefill peer dies mid-handoff
+        pair.prefill.server.stop(0)               # the prefill peer dies mid-handoff
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in err.value.details()
@@ -118,26 +118,25 @@ def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(chec
         pair.prefill.stop()
 
 
+def _wait_for(what, cond, timeout=10.0):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
 def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
     """A cancel the server has seen before the call is admitted prevents its prefill, and the call's
     handler returns. (The cancel travels to the server asynchronously: a cancel still in flight when
-    the engine admits the call cannot prevent it, so the test waits until the server has seen it.)"""
+    the scheduler admits the call cannot prevent it, so the test waits until the server has seen it.)"""
     import threading
 
     from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
     from prefill_service.config import PrefillConfig
     from prefill_service.server import PrefillService
 
-    class Counting(PrefillService):
-        finished = 0
-
-        def Prefill(self, request, context):
-            try:
-                yield from super().Prefill(request, context)
-            finally:
-                type(self).finished += 1
-
-    service = Counting(PrefillConfig(checkpoint("qwen2"), port=0)).start()
+    service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
+    sched = service.scheduler
     in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
 
     def held_step():
@@ -146,41 +145,35 @@ def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
         return step()
 
     service.engine.step = held_step
-    calls, put = [], service.prefill_queue.put
-    service.prefill_queue.put = lambda c: (calls.append(c), put(c))[1]
-
-    def wait_for(what, cond, timeout=5.0):
-        deadline = time.time() + timeout
-        while not cond():
-            assert time.time() < deadline, what
-            time.sleep(0.01)
-
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         busy = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]))
-        assert in_step.wait(5), "call a never reached the engine"  # "a" holds the engine
+        assert in_step.wait(5), "call a never reached the engine"  # "a" holds the scheduler in its step
         queued = stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", input_ids=[8, 9]))
-        wait_for("call b never reached the prefill queue", lambda: len(calls) == 2)
+        _wait_for("call b never reached the scheduler's inbox", lambda: len(sched.inbox) == 1)
+        [b] = list(sched.inbox)
         queued.cancel()
-        wait_for("the server never saw b's cancel", calls[1].cancelled.is_set)
+        _wait_for("the server never saw b's cancel", b.cancelled.is_set)
         latch.set()
         assert [m.WhichOneof("payload") for m in busy][-1] == "record"
-        wait_for("the cancelled call's handler never returned", lambda: Counting.finished >= 2)
+        _wait_for("the cancelled call's handler never returned", lambda: service.open_calls == 0)
         assert service.num_prefilled == 1
+        assert not sched.pending, "a call was left without an answer"
     finally:
         latch.set()
         service.stop()
 
 
-def test_prefill_call_cancelled_between_the_engine_loops_looks_still_gets_one_answer(checkpoint):
-    """A call whose cancel lands while the engine loop sorts its batch is answered exactly once
-    (regression: it was neither failed nor prefilled, and its handler thread blocked forever)."""
-    import queue
+def test_prefill_call_cancelled_between_the_schedulers_looks_still_gets_one_answer(checkpoint):
+    """A call whose cancel lands while the scheduler sorts its batch is answered exactly once
+    (regression: it was neither failed nor prefilled, and its handler blocked forever)."""
+    import threading
 
     from common.engine.handoff import HandoffRequest
+    from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
-    from prefill_service.config import PrefillConfig
-    from prefill_service.server import PrefillService, _Call
+    from prefill_service.engine import PrefillEngine
+    from prefill_service.scheduler import PrefillCall, PrefillScheduler
 
     class CancelledAfterFirstLook:
         def __init__(self):
@@ -190,16 +183,18 @@ def test_prefill_call_cancelled_between_the_engine_loops_looks_still_gets_one_an
             self.looks += 1
             return self.looks > 1
 
-    service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0))
-    call = _Call(HandoffRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=1), seed=1))
+    engine = PrefillEngine(ModelRunner(RunnerArgs(checkpoint("qwen2"))))
+    sched = PrefillScheduler(engine, max_running_requests=16, debug_checks=True)
+    answers, answered = [], threading.Event()
+    call = PrefillCall(HandoffRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=1), seed=1),
+                       lambda a: (answers.append(a), answered.set()))
     call.cancelled = CancelledAfterFirstLook()
-    service.prefill_queue.put(call)
-    service.prefill_queue.put(None)
-    service._engine_loop()                          # runs the batch, then meets the stop sentinel
+    sched.start()
     try:
-        answer = call.results.get(timeout=1)
-    except queue.Empty:
-        pytest.fail("the call got no answer: its handler would wait forever")
-    assert call.results.empty(), "answered twice"
-    assert getattr(answer, "first_token", None) is not None or isinstance(answer, Exception)
-    service.server.stop(0)
+        sched.submit(call)
+        assert answered.wait(10), "the call got no answer: its handler would wait forever"
+    finally:
+        sched.stop()
+    assert len(answers) == 1, f"answered {len(answers)} times"
+    assert getattr(answers[0], "first_token", None) is not None or isinstance(answers[0], Exception)
+    assert engine.runner.kv_allocator.num_used == 0 and engine.runner.req_to_token_pool.allocator.num_used == 0

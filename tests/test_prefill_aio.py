@@ -1,0 +1,137 @@
+"""The prefill server is grpc.aio: open Prefill calls hold no thread, so health and GetLoad answer at
+once however many calls wait; a dead scheduler answers every call and turns health NOT_SERVING."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from prefill_service.config import PrefillConfig
+from prefill_service.server import PrefillService
+
+HELD = 80       # open calls held at once: more than the 64 handler threads of the old sync server
+CANCELLED = 8   # of them cancelled while queued
+ANSWER_S = 0.2  # health and GetLoad answer within this with every call held
+
+
+def _wait_for(what: str, cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _held_engine(service: PrefillService):
+    """Latch the engine's step shut: (in_step, latch); the first step waits until latch is set."""
+    in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
+
+    def held_step():
+        in_step.set()
+        assert latch.wait(60), "the test never released the engine"
+        return step()
+    service.engine.step = held_step
+    return in_step, latch
+
+
+def _timed(fn):
+    started = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - started
+
+
+def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
+    service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0, debug_checks=True)).start()
+    sched = service.scheduler
+    in_step, latch = _held_engine(service)
+    channel = grpc.insecure_channel(service.address)
+    try:
+        stub = prefill_pb2_grpc.PrefillStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        calls = {f"r{i}": stub.Prefill(prefill_pb2.PrefillRequest(request_id=f"r{i}", input_ids=[5 + i % 50, 6, 7]),
+                                       timeout=120) for i in range(HELD)}
+        _wait_for(f"the server never held all {HELD} calls",
+                  lambda: sched.num_running + sched.num_queued() == HELD and service.open_calls == HELD)
+        running = sched.num_running  # the calls in the latched step (those that arrived before it began)
+        assert in_step.is_set() and 1 <= running <= service.config.max_running_requests
+        assert len(sched.inbox) >= CANCELLED
+
+        for _ in range(3):
+            reply, took = _timed(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert took < ANSWER_S, f"health Check took {took:.3f}s with {HELD} calls open"
+            load, took = _timed(lambda: stub.GetLoad(prefill_pb2.LoadRequest(), timeout=5))
+            assert took < ANSWER_S, f"GetLoad took {took:.3f}s with {HELD} calls open"
+            assert (load.num_running_reqs, load.num_waiting_reqs) == (running, HELD - running)
+
+        queued = [c for c in sched.inbox][:CANCELLED]  # the loop is in its step: the inbox holds still
+        for c in queued:
+            calls[c.request.rid].cancel()
+        _wait_for("the server never saw the cancels", lambda: all(c.cancelled.is_set() for c in queued))
+        latch.set()
+
+        cancelled = {c.request.rid for c in queued}
+        for rid, call in calls.items():
+            if rid in cancelled:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(call)
+                assert err.value.code() == grpc.StatusCode.CANCELLED
+            else:
+                kinds = [m.WhichOneof("payload") for m in call]
+                assert kinds[0] == "first_token" and kinds[-1] == "record" and "kv" in kinds, (rid, kinds)
+        _wait_for("a Prefill handler never returned", lambda: service.open_calls == 0)
+        _wait_for("the scheduler never went idle", lambda: sched.num_running == 0 and sched.num_queued() == 0)
+        assert not sched.pending, "a call was left without an answer"
+        assert service.num_prefilled == HELD - CANCELLED  # a cancel seen while queued prevents the prefill
+        assert service.runner.kv_allocator.num_used == 0
+        assert service.runner.req_to_token_pool.allocator.num_used == 0
+        assert sched.alive
+    finally:
+        latch.set()
+        channel.close()
+        service.stop()
+
+
+def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint):
+    """Regression: an exception escaping the engine loop (here from admission) ended its thread
+    silently; the calls it held waited forever and health stayed SERVING."""
+    service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
+    sched = service.scheduler
+    in_step, latch = _held_engine(service)
+    channel = grpc.insecure_channel(service.address)
+    try:
+        stub = prefill_pb2_grpc.PrefillStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        first = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]), timeout=20)
+        assert in_step.wait(10), "call a never reached the engine"
+        behind = [stub.Prefill(prefill_pb2.PrefillRequest(request_id=f"b{i}", input_ids=[8, 9, i + 10]), timeout=20)
+                  for i in range(4)]
+        _wait_for("the calls behind a never reached the scheduler", lambda: len(sched.inbox) == 4)
+
+        def broken(request):
+            raise RuntimeError("admission bookkeeping broke")
+        service.engine.can_admit = broken  # the next admission, after a's step, raises outside the step's try
+        latch.set()
+
+        assert [m.WhichOneof("payload") for m in first][-1] == "record"  # a's step had finished
+        for call in behind:
+            with pytest.raises(grpc.RpcError) as err:
+                list(call)
+            assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
+            assert "admission bookkeeping broke" in err.value.details()
+        assert not sched.alive and not sched.pending
+        _wait_for("health never turned NOT_SERVING", lambda: health.Check(
+            health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(grpc.RpcError) as err:  # later calls are refused at once, not left hanging
+            list(stub.Prefill(prefill_pb2.PrefillRequest(request_id="late", input_ids=[5, 6]), timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert service.runner.kv_allocator.num_used == 0
+        assert service.runner.req_to_token_pool.allocator.num_used == 0
+    finally:
+        latch.set()
+        channel.close()
+        service.stop()
