@@ -100,10 +100,14 @@ def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(chec
     pair = GrpcPair(checkpoint("qwen2"))
     sched = pair.decode.scheduler
 
-    def explode(step):
-        if step == 3:
+    forward = sched.worker.forward
+
+    def explode(batch):  # a patched worker: its third forward fails
+        if batch.step == 3:
             raise RuntimeError("device lost")
-    sched.hooks.before_forward = explode
+        return forward(batch)
+
+    sched.worker.forward = explode
     try:
         with pytest.raises(grpc.RpcError) as err:
             list(pair.generate([5, 6, 7], 20, stream=True, ignore_eos=True))

@@ -1,7 +1,7 @@
-"""AioServer: a grpc.aio server on its own event-loop thread, for a front door whose open streams
-must not pin threads (a sync grpc.Server gives every open stream a handler thread, so enough open
-streams starve HealthCheck and Abort). Health (NOT_SERVING until `set_serving`) and reflection as
-in `Server`; the owner stays synchronous: `start`, `stop`, `set_serving` and `run` may be called
+"""AioServer: a grpc.aio server on its own event-loop thread, for services whose open streams must
+not pin threads (a sync grpc.Server gives every open stream a handler thread, so enough open
+streams starve health checks, HealthCheck, GetLoad and Abort). Both services use it. Health
+(NOT_SERVING until `set_serving`) and reflection for the named services; the owner stays synchronous: `start`, `stop`, `set_serving` and `run` may be called
 from any thread.
 
 `answer_unimplemented(cls, service)` gives a servicer class an async UNIMPLEMENTED answer for every
