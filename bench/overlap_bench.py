@@ -18,6 +18,7 @@ from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.tools.tiny_checkpoint import build
 from decode_service.scheduler import DecodeScheduler
+from decode_service.worker import DecodeWorker
 from prefill_service.engine import PrefillEngine
 
 
@@ -25,7 +26,7 @@ def measure(path: str, device: str, batch: int, steps: int, overlap: bool, promp
     args = dict(device=device, max_running_requests=batch, max_total_tokens=batch * (prompt_len + steps + 1))
     prefill = PrefillEngine(ModelRunner(RunnerArgs(path, **args)), chunk_size=4096)
     pending = []
-    sched = DecodeScheduler(ModelRunner(RunnerArgs(path, **args)), pending.append, disable_overlap=not overlap)
+    sched = DecodeScheduler(DecodeWorker(ModelRunner(RunnerArgs(path, **args))), pending.append, overlap=overlap)
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         sched.submit(str(i), [(7 * i + j) % 300 + 5 for j in range(prompt_len)], params)

@@ -125,7 +125,7 @@ def test_decode_step_launch_has_no_host_sync(checkpoint):
     """Once every request is decoding, launching a step must not wait for the device."""
     path = checkpoint("llama")
     pair = Pair(path, device="cuda", dtype="float32")
-    stream, errors, checking = pair.scheduler.stream, [], [False]
+    stream, errors, checking = pair.worker.stream, [], [False]
     real_submit = stream.submit
 
     def checked_submit(fn):
