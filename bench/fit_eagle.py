@@ -38,7 +38,6 @@ from common.models.rope import RotaryEmbedding
 from common.tools import eagle_data
 from common.tools.eagle_checkpoint import head_config, save_head
 
-
 TOKEN_MAP = "token_map.json"  # beside an EAGLE head: the hot tokens it drafts from (FR-Spec style)
 # The token map's size. Each draft step multiplies by these rows of the lm_head: on SmolLM2-135M at
 # batch 1 on 2 CPU cores, 4096 rows (9 MB) decoded 1.30x plain against 1.20x with 8192 (19 MB) for the
@@ -97,7 +96,7 @@ def _batches(seqs, feats, max_tokens: int, gen: torch.Generator):
 def _hot_tokens(seqs: list[list[int]], vocab_size: int, limit: int, floor: int = 64) -> torch.Tensor:
     """The ids the answers use, most frequent first (at most `limit`, at least `floor`)."""
     counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=vocab_size)
-    return counts.argsort(descending=True)[:min(vocab_size, limit, max(floor, int((counts > 0).sum())))]
+    return counts.argsort(descending=True)[: min(vocab_size, limit, max(floor, int((counts > 0).sum())))]
 
 
 def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unroll: int, noise: float):
@@ -111,20 +110,20 @@ def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unr
     toks = torch.zeros(len(batch), n + unroll + 2, dtype=torch.int64)
     target = torch.zeros(len(batch), n + unroll + 1, dim)
     for row, i in enumerate(batch):
-        toks[row, :len(seqs[i])] = torch.tensor(seqs[i])
-        target[row, :len(feats[i])] = feats[i]
+        toks[row, : len(seqs[i])] = torch.tensor(seqs[i])
+        target[row, : len(feats[i])] = feats[i]
     attn, loss, acc = UnrolledBlocks(len(batch), n), 0.0, 0.0
     hidden = target[:, :n].reshape(-1, dim)
-    hidden = hidden + noise * hidden.std() * torch.randn_like(hidden) / dim ** 0.5
+    hidden = hidden + noise * hidden.std() * torch.randn_like(hidden) / dim**0.5
     for k in range(1, unroll + 1):
         valid = (torch.arange(n)[None, :] <= (lengths - k)[:, None]).flatten()  # token p+k+1 exists
         cos, sin = rotary.cos_sin((torch.arange(n) + k - 1).repeat(len(batch)), torch.float32)
-        hidden = head(embed[toks[:, k:k + n].flatten()], hidden, cos, sin, None, attn)
-        labels = t2d[toks[:, k + 1:k + 1 + n].flatten()][valid]
+        hidden = head(embed[toks[:, k : k + n].flatten()], hidden, cos, sin, None, attn)
+        labels = t2d[toks[:, k + 1 : k + 1 + n].flatten()][valid]
         pred = hidden[valid]
         if head.config.algorithm == "EAGLE":
             logits = F.linear(pred, vocab_head)
-            truth = target[:, k:k + n].reshape(-1, dim)[valid]
+            truth = target[:, k : k + n].reshape(-1, dim)[valid]
             step = F.smooth_l1_loss(pred, truth) + 0.1 * F.cross_entropy(logits, labels, ignore_index=-100)
         else:
             logits = head.lm_head(head.norm(pred))
@@ -135,10 +134,22 @@ def _unrolled_loss(head, batch, seqs, feats, embed, vocab_head, t2d, rotary, unr
     return loss, acc
 
 
-def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: int = 256, answer_tokens: int = 96,
-        seed: int = 0, max_batch_tokens: int = 1024, noise: float = 0.2, lr: float = 1e-3,
-        max_steps: int | None = None, unroll: int = 3, data: str | None = None,
-        total_minutes: float | None = None) -> str:
+def fit(
+    target: str,
+    algorithm: str,
+    out: str,
+    minutes: float = 10.0,
+    prompts: int = 256,
+    answer_tokens: int = 96,
+    seed: int = 0,
+    max_batch_tokens: int = 1024,
+    noise: float = 0.2,
+    lr: float = 1e-3,
+    max_steps: int | None = None,
+    unroll: int = 3,
+    data: str | None = None,
+    total_minutes: float | None = None,
+) -> str:
     """Fit and write a head; stops at the time budget or after `max_steps` optimizer steps (tests use
     a step cap so the result does not depend on the machine's speed). `data`: a file that keeps the
     generated answers and features, reused by a later fit with the same target, prompts and seed.
@@ -148,13 +159,13 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     runner = ModelRunner(RunnerArgs(target, max_total_tokens=64 * (answer_tokens + 512), max_running_requests=64))
     cfg = runner.config
     from common.tools.tokenizer import load_tokenizer
+
     tok = load_tokenizer(target)
     prompt_ids = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(prompts, seed)]
     tmp = f"{out}.tmp-{os.getpid()}"
     save_head_config(tmp, head_config(cfg, algorithm, None if algorithm == "EAGLE" else cfg.vocab_size))
-    capture = load_draft_config(tmp, algorithm, cfg).aux_layer_ids   # the layers the head reads (EAGLE3)
-    key = dict(target=os.path.abspath(target), prompts=prompts, answer_tokens=answer_tokens, seed=seed,
-               capture=capture)
+    capture = load_draft_config(tmp, algorithm, cfg).aux_layer_ids  # the layers the head reads (EAGLE3)
+    key = dict(target=os.path.abspath(target), prompts=prompts, answer_tokens=answer_tokens, seed=seed, capture=capture)
     if data and os.path.exists(data) and (cached := torch.load(data))["key"] == key:
         seqs, feats = cached["seqs"], cached["feats"]
         print(f"[fit] data from {data}", file=sys.stderr, flush=True)
@@ -180,7 +191,7 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
     vocab_head = runner.model.lm_head_weight.detach().float()[draft_vocab]
     rotary = RotaryEmbedding(head.config.layer.rope, head.config.layer.head_dim)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    if total_minutes is not None:   # keep ~10 s to write the head
+    if total_minutes is not None:  # keep ~10 s to write the head
         minutes = max(0.0, total_minutes - (time.monotonic() - called + 10) / 60)
         print(f"[fit] {minutes:.1f} minutes left for the fit", file=sys.stderr, flush=True)
     gen, budget, start, step, shown = torch.Generator().manual_seed(seed), 60 * minutes, time.monotonic(), 0, 0.0
@@ -200,8 +211,11 @@ def fit(target: str, algorithm: str, out: str, minutes: float = 10.0, prompts: i
             step += 1
             if elapsed - shown >= max(5.0, budget / 40):
                 shown = elapsed
-                print(f"[fit] {elapsed:5.0f}/{budget:.0f}s step {step} loss {loss.item():.4f} top-1 {acc:.2f}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[fit] {elapsed:5.0f}/{budget:.0f}s step {step} loss {loss.item():.4f} top-1 {acc:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     save_head(head.eval(), config, tmp)
     if algorithm == "EAGLE":  # for --speculative-token-map
         with open(os.path.join(tmp, TOKEN_MAP), "w") as f:
@@ -219,19 +233,30 @@ def save_head_config(path: str, config: dict) -> None:
         json.dump(config, f)
 
 
-def measure_acceptance(target: str, head: str, algorithm: str, prompts: list[list[int]], num_steps: int = 3,
-                       max_new_tokens: int = 64, token_map: str | None = None, topk: int = 1,
-                       num_draft_tokens: int | None = None) -> float:
+def measure_acceptance(
+    target: str,
+    head: str,
+    algorithm: str,
+    prompts: list[list[int]],
+    num_steps: int = 3,
+    max_new_tokens: int = 64,
+    token_map: str | None = None,
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
+) -> float:
     """Mean accept length (committed tokens per verify step) of the decode engine on `prompts`
     (topk > 1: tree drafting with `num_draft_tokens` nodes)."""
+    from bench import offline
     from common.engine.draft_runner import SpecArgs
     from common.engine.sampling import SamplingParams
-    from bench import offline
 
     spec = SpecArgs(algorithm, head, num_steps, topk, num_draft_tokens or num_steps + 1, token_map)
     batch = min(len(prompts), 32)
-    size = dict(max_total_tokens=batch * (max(map(len, prompts)) + max_new_tokens + spec.extra_slots), spec=spec,
-                max_running_requests=batch)
+    size = dict(
+        max_total_tokens=batch * (max(map(len, prompts)) + max_new_tokens + spec.extra_slots),
+        spec=spec,
+        max_running_requests=batch,
+    )
     runners = ModelRunner(RunnerArgs(target, **size)), ModelRunner(RunnerArgs(target, **size))
     _, (accepted, proposed) = offline.generate(*runners, prompts, SamplingParams(max_new_tokens=max_new_tokens))
     return 1 + accepted / (proposed / num_steps) if proposed else 1.0
@@ -243,8 +268,12 @@ def main(argv=None) -> None:
     p.add_argument("--algorithm", required=True, choices=["EAGLE", "EAGLE3"])
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=10.0, help="time budget of the fit (data generation not included)")
-    p.add_argument("--total-minutes", type=float, default=None,
-                   help="time budget of data generation and fit together (replaces --minutes)")
+    p.add_argument(
+        "--total-minutes",
+        type=float,
+        default=None,
+        help="time budget of data generation and fit together (replaces --minutes)",
+    )
     p.add_argument("--prompts", type=int, default=256, help="generated instructions answered by the target")
     p.add_argument("--answer-tokens", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
@@ -258,18 +287,32 @@ def main(argv=None) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tree nodes verified (default num_steps + 1)")
     args = p.parse_args(argv)
     if not args.eval_only:
-        fit(args.target, args.algorithm, args.out, args.minutes, args.prompts, args.answer_tokens, args.seed,
-            max_batch_tokens=args.batch_tokens, unroll=args.unroll, lr=args.lr, data=args.data,
-            total_minutes=args.total_minutes)
+        fit(
+            args.target,
+            args.algorithm,
+            args.out,
+            args.minutes,
+            args.prompts,
+            args.answer_tokens,
+            args.seed,
+            max_batch_tokens=args.batch_tokens,
+            unroll=args.unroll,
+            lr=args.lr,
+            data=args.data,
+            total_minutes=args.total_minutes,
+        )
     if args.eval_prompts:
         from common.tools.tokenizer import load_tokenizer
+
         tok = load_tokenizer(args.target)
         texts = eagle_data.instructions(args.eval_prompts, args.seed + HELD_OUT_SEED, evaluation=True)
         held_out = [eagle_data.chat_ids(tok, t) for t in texts]
         tree = dict(topk=args.topk, num_draft_tokens=args.num_draft_tokens)
         length = measure_acceptance(args.target, args.out, args.algorithm, held_out, **tree)
-        print(f"mean accept length at num_steps 3, topk {args.topk} on {len(held_out)} held-out prompts: {length:.2f}",
-              flush=True)
+        print(
+            f"mean accept length at num_steps 3, topk {args.topk} on {len(held_out)} held-out prompts: {length:.2f}",
+            flush=True,
+        )
         token_map = os.path.join(args.out, TOKEN_MAP)
         if os.path.exists(token_map):
             length = measure_acceptance(args.target, args.out, args.algorithm, held_out, token_map=token_map, **tree)

@@ -25,12 +25,33 @@ import time
 import torch
 
 SHAPES = {  # the public configurations' shapes (weights are random)
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=384,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -38,8 +59,9 @@ def build_checkpoint(shape: str, device: str, dtype: torch.dtype, out: str):
     """A random-weight Llama of `shape`, made on `device`, saved to `out`; returns the HF model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=1,
-                         eos_token_id=2)
+    config = LlamaConfig(
+        **SHAPES[shape], max_position_embeddings=4096, rope_theta=500000.0, bos_token_id=1, eos_token_id=2
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
@@ -74,8 +96,14 @@ def hf_step_ms(model, prompt: list[int], batch: int, new_tokens: int, device: st
         _sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+            )
         _sync(device)
         return time.perf_counter() - start
 
@@ -87,8 +115,9 @@ def load_runners(path: str, max_batch: int, tokens_per_request: int, device: str
     """(decode, prefill) ModelRunners sized for the largest batch, loaded once per shape."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
 
-    args = dict(device=device, dtype=dtype, max_running_requests=max_batch,
-                max_total_tokens=max_batch * tokens_per_request + 64)
+    args = dict(
+        device=device, dtype=dtype, max_running_requests=max_batch, max_total_tokens=max_batch * tokens_per_request + 64
+    )
     return ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args))
 
 
@@ -132,10 +161,16 @@ def main(argv=None) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     bw = bandwidth(args.device, 1 << 30 if args.device == "cuda" else 1 << 26)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"# {name}, copy bandwidth {bw / 1e9:.0f} GB/s, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{args.dtype}", flush=True)
-    print("| shape | B | HF ms/step | ours ms/step (overlap) | ours ms/step (no overlap) | floor ms | "
-          "occupancy on / off |\n| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print(
+        f"# {name}, copy bandwidth {bw / 1e9:.0f} GB/s, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+        f"{args.dtype}",
+        flush=True,
+    )
+    print(
+        "| shape | B | HF ms/step | ours ms/step (overlap) | ours ms/step (no overlap) | floor ms | "
+        "occupancy on / off |\n| --- | --- | --- | --- | --- | --- | --- |",
+        flush=True,
+    )
     rows = []
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory() as folder:
@@ -148,14 +183,24 @@ def main(argv=None) -> list[dict]:
                 hf = hf_step_ms(model, prompt, b, args.new_tokens, args.device)
                 on = ours(runners, prompt, b, args.new_tokens, args.device, overlap=True)
                 off = ours(runners, prompt, b, args.new_tokens, args.device, overlap=False)
-                row = dict(shape=shape, batch=b, hf_ms=hf, ours_ms=on["step_ms"], ours_no_overlap_ms=off["step_ms"],
-                           floor_ms=floor_ms(model, b, args.prompt_len + args.new_tokens // 2, bw),
-                           occupancy=on["occupancy"], occupancy_no_overlap=off["occupancy"], device=name)
+                row = dict(
+                    shape=shape,
+                    batch=b,
+                    hf_ms=hf,
+                    ours_ms=on["step_ms"],
+                    ours_no_overlap_ms=off["step_ms"],
+                    floor_ms=floor_ms(model, b, args.prompt_len + args.new_tokens // 2, bw),
+                    occupancy=on["occupancy"],
+                    occupancy_no_overlap=off["occupancy"],
+                    device=name,
+                )
                 rows.append(row)
-                occ = ("-" if on["occupancy"] is None else
-                       f"{on['occupancy']:.0%} / {off['occupancy']:.0%}")
-                print(f"| {shape} | {b} | {hf:.2f} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | {row['floor_ms']:.2f} "
-                      f"| {occ} |", flush=True)
+                occ = "-" if on["occupancy"] is None else f"{on['occupancy']:.0%} / {off['occupancy']:.0%}"
+                print(
+                    f"| {shape} | {b} | {hf:.2f} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | {row['floor_ms']:.2f} "
+                    f"| {occ} |",
+                    flush=True,
+                )
             del model, runners
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -25,8 +25,12 @@ def main(argv=None) -> int:
     args, bench_flags = p.parse_known_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     print("== GPU tests: pytest tests/gpu -m gpu", flush=True)
-    tests = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rA", "-s", "-p", "no:cacheprovider"],
-                           cwd=ROOT, capture_output=True, text=True)
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rA", "-s", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     with open(os.path.join(args.out_dir, "gpu_tests.log"), "w") as f:
         f.write(tests.stdout + tests.stderr)
     tail = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
@@ -40,8 +44,11 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out_dir, "gpu_check.json"), "w") as f:
         json.dump(summary, f, indent=2)
     failed = re.search(r"(\d+) failed", tail)
-    print(f"== summary: tests {'OK' if summary['tests_ok'] else 'FAILED'} ({tail}); {len(rows)} bench rows; "
-          f"logs in {args.out_dir}", flush=True)
+    print(
+        f"== summary: tests {'OK' if summary['tests_ok'] else 'FAILED'} ({tail}); {len(rows)} bench rows; "
+        f"logs in {args.out_dir}",
+        flush=True,
+    )
     return 1 if failed or not summary["tests_ok"] else 0
 
 

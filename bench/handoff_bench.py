@@ -21,12 +21,12 @@ import time
 import grpc
 import torch
 
-from common.wire import kv_chunks
 from common.models.config import load_model_config
 from common.tools.procs import free_port, stop, wait_serving
+from common.tools.tiny_checkpoint import build
+from common.wire import kv_chunks
 from common.wire.grpc_server import channel_options
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
-from common.tools.tiny_checkpoint import build
 
 
 def throughput(address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: int) -> tuple[float, int, int]:
@@ -35,7 +35,9 @@ def throughput(address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: 
     for _ in range(repeats):
         assembler = kv_chunks.KvAssembler(len(prompt), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         first = None
-        for msg in stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", input_ids=prompt, max_chunk_bytes=chunk_bytes)):
+        for msg in stub.Prefill(
+            prefill_pb2.PrefillRequest(request_id="b", input_ids=prompt, max_chunk_bytes=chunk_bytes)
+        ):
             if msg.WhichOneof("payload") == "first_token":
                 first = time.perf_counter()
             elif msg.WhichOneof("payload") == "kv":
@@ -56,14 +58,20 @@ def ttft(path: str, prefill_addr: str, prompt: list[int], device: str) -> dict:
     from decode_service.config import DecodeConfig
     from decode_service.server import DecodeService
 
-    decode = DecodeService(DecodeConfig(path, prefill_addr=prefill_addr, port=0, device=device,
-                                        max_total_tokens=4096)).start()
+    decode = DecodeService(
+        DecodeConfig(path, prefill_addr=prefill_addr, port=0, device=device, max_total_tokens=4096)
+    ).start()
     marks: dict[str, float] = {}
     deliver = decode.scheduler.inbox.deliver_handoff
-    decode.scheduler.inbox.deliver_handoff = lambda h: (marks.setdefault("handoff_done", time.perf_counter()), deliver(h))
+    decode.scheduler.inbox.deliver_handoff = lambda h: (
+        marks.setdefault("handoff_done", time.perf_counter()),
+        deliver(h),
+    )
     first_token = decode.scheduler.inbox.deliver_first_token
-    decode.scheduler.inbox.deliver_first_token = lambda *a: (marks.setdefault("first_at_decode", time.perf_counter()),
-                                                       first_token(*a))
+    decode.scheduler.inbox.deliver_first_token = lambda *a: (
+        marks.setdefault("first_at_decode", time.perf_counter()),
+        first_token(*a),
+    )
     try:
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
         while not stub.HealthCheck(pb.HealthCheckRequest()).healthy:
@@ -72,14 +80,24 @@ def ttft(path: str, prefill_addr: str, prompt: list[int], device: str) -> dict:
         for i in range(4):  # first run warms up
             marks.clear()
             start = time.perf_counter()
-            call = stub.Generate(pb.GenerateRequest(request_id=f"t{i}", tokenized=pb.TokenizedInput(input_ids=prompt),
-                                                    sampling_params=pb.SamplingParams(max_new_tokens=4), stream=True))
+            call = stub.Generate(
+                pb.GenerateRequest(
+                    request_id=f"t{i}",
+                    tokenized=pb.TokenizedInput(input_ids=prompt),
+                    sampling_params=pb.SamplingParams(max_new_tokens=4),
+                    stream=True,
+                )
+            )
             next(call)
             client_first = time.perf_counter()
             list(call)
-            results.append({"client_ttft_ms": 1e3 * (client_first - start),
-                            "handoff_done_ms": 1e3 * (marks["handoff_done"] - start),
-                            "transfer_ms": 1e3 * (marks["handoff_done"] - marks["first_at_decode"])})
+            results.append(
+                {
+                    "client_ttft_ms": 1e3 * (client_first - start),
+                    "handoff_done_ms": 1e3 * (marks["handoff_done"] - start),
+                    "transfer_ms": 1e3 * (marks["handoff_done"] - marks["first_at_decode"]),
+                }
+            )
         return {k: min(r[k] for r in results[1:]) for k in results[1]}
     finally:
         decode.stop()
@@ -87,8 +105,11 @@ def ttft(path: str, prefill_addr: str, prompt: list[int], device: str) -> dict:
 
 def server_split(address: str, prompt: list[int]) -> tuple[float, float]:
     stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=channel_options()))
-    rec = [m.record for m in stub.Prefill(prefill_pb2.PrefillRequest(request_id="s", input_ids=prompt))
-           if m.WhichOneof("payload") == "record"][0]
+    rec = [
+        m.record
+        for m in stub.Prefill(prefill_pb2.PrefillRequest(request_id="s", input_ids=prompt))
+        if m.WhichOneof("payload") == "record"
+    ][0]
     return rec.queue_us / 1e3, rec.compute_us / 1e3
 
 
@@ -105,14 +126,33 @@ def main(argv=None) -> None:
         path = args.model_path or build(tmp, "llama", hidden_size=512, num_layers=16)
         cfg = load_model_config(path)
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "prefill_service", "--model-path", path, "--port", str(port),
-                                 "--device", args.device, "--torch-threads", "1", "--max-total-tokens", "4096"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefill_service",
+                "--model-path",
+                path,
+                "--port",
+                str(port),
+                "--device",
+                args.device,
+                "--torch-threads",
+                "1",
+                "--max-total-tokens",
+                "4096",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         address = f"127.0.0.1:{port}"
         try:
             wait_serving(address, proc)
             prompt = [(13 * i) % (cfg.vocab_size - 10) + 5 for i in range(args.prompt_len)]
-            print(f"model: hidden 512, 16 layers, {cfg.num_kv_heads} kv heads x {cfg.head_dim}; prompt {len(prompt)} tokens")
+            print(
+                f"model: hidden 512, 16 layers, {cfg.num_kv_heads} kv heads x {cfg.head_dim}; "
+                f"prompt {len(prompt)} tokens"
+            )
             print("| chunk bound | chunks | KV bytes | GB/s (receive + decode) |\n| --- | --- | --- | --- |")
             for kib in [int(x) for x in args.chunk_kib.split(",")]:
                 gbps, total, count = throughput(address, prompt, kib << 10, cfg, args.repeats)
@@ -121,8 +161,10 @@ def main(argv=None) -> None:
             t = ttft(path, address, prompt, args.device)
             print("\n| queue (ms) | prefill compute (ms) | transfer (ms) | client TTFT (ms) | handoff done (ms) |")
             print("| --- | --- | --- | --- | --- |")
-            print(f"| {queue_ms:.1f} | {compute_ms:.1f} | {t['transfer_ms']:.1f} | {t['client_ttft_ms']:.1f} | "
-                  f"{t['handoff_done_ms']:.1f} |")
+            print(
+                f"| {queue_ms:.1f} | {compute_ms:.1f} | {t['transfer_ms']:.1f} | {t['client_ttft_ms']:.1f} | "
+                f"{t['handoff_done_ms']:.1f} |"
+            )
         finally:
             stop(proc)
 

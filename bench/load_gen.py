@@ -93,8 +93,12 @@ class GrpcBackend:
 
     def __call__(self, job: Job, rid: str, timeout: float) -> Outcome:
         pb, out = self.pb, Outcome(prompt_tokens=len(job.prompt_ids))
-        req = pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=job.prompt_ids), stream=True,
-                                 sampling_params=pb.SamplingParams(max_new_tokens=job.output_len, ignore_eos=True))
+        req = pb.GenerateRequest(
+            request_id=rid,
+            tokenized=pb.TokenizedInput(input_ids=job.prompt_ids),
+            stream=True,
+            sampling_params=pb.SamplingParams(max_new_tokens=job.output_len, ignore_eos=True),
+        )
         start = last = time.perf_counter()
         try:
             for r in self.stub.Generate(req, timeout=timeout):
@@ -124,10 +128,18 @@ class OpenAIBackend:
 
     def __call__(self, job: Job, rid: str, timeout: float) -> Outcome:
         out = Outcome(prompt_tokens=len(job.prompt_ids or ()))
-        body = {"model": self.model, "prompt": job.prompt_text, "max_tokens": job.output_len, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        req = urllib.request.Request(f"{self.base_url}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        body = {
+            "model": self.model,
+            "prompt": job.prompt_text,
+            "max_tokens": job.output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        req = urllib.request.Request(
+            f"{self.base_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         start = last = time.perf_counter()
         seen_text = False
         try:
@@ -154,8 +166,9 @@ class OpenAIBackend:
 
 
 # ---- the run -----------------------------------------------------------------------------------------
-def run(jobs: list[Job], send, rate: float, max_concurrency: int | None, timeout: float, seed: int,
-        progress: bool = True) -> tuple[list[Outcome], float]:
+def run(
+    jobs: list[Job], send, rate: float, max_concurrency: int | None, timeout: float, seed: int, progress: bool = True
+) -> tuple[list[Outcome], float]:
     from tqdm import tqdm
 
     rng = random.Random(seed)
@@ -194,11 +207,16 @@ def report(outcomes: list[Outcome], duration: float, num_steps: int) -> dict:
     out_tokens = sum(o.output_tokens for o in ok)
     tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
     result = {
-        "completed": len(ok), "failed": len(outcomes) - len(ok), "duration_s": duration,
-        "request_throughput": len(ok) / duration, "input_token_throughput": sum(o.prompt_tokens for o in ok) / duration,
+        "completed": len(ok),
+        "failed": len(outcomes) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "input_token_throughput": sum(o.prompt_tokens for o in ok) / duration,
         "output_token_throughput": out_tokens / duration,
-        "ttft": _stats([o.ttft for o in ok]), "itl": _stats([x for o in ok for x in o.itls]),
-        "tpot": _stats(tpot), "e2e": _stats([o.e2e for o in ok]),
+        "ttft": _stats([o.ttft for o in ok]),
+        "itl": _stats([x for o in ok for x in o.itls]),
+        "tpot": _stats(tpot),
+        "e2e": _stats([o.e2e for o in ok]),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:10],
     }
     drafted = sum(o.spec_drafted for o in ok)
@@ -218,7 +236,9 @@ def print_report(r: dict) -> None:
     print(f"{'(ms)':<28}{'mean':>10}{'median':>10}{'p99':>10}")
     for name in ("ttft", "itl", "tpot", "e2e"):
         s = r[name]
-        cells = "".join(f"{s[k]:>10.1f}" if s[k] is not None else f"{'-':>10}" for k in ("mean_ms", "median_ms", "p99_ms"))
+        cells = "".join(
+            f"{s[k]:>10.1f}" if s[k] is not None else f"{'-':>10}" for k in ("mean_ms", "median_ms", "p99_ms")
+        )
         print(f"{name.upper():<28}{cells}")
     for e in r["errors"]:
         print(f"error: {e}")
@@ -248,6 +268,7 @@ def main(argv=None) -> dict:
     tokenizer = None
     if args.tokenizer:
         from common.tools.tokenizer import load_tokenizer
+
         tokenizer = load_tokenizer(args.tokenizer)
     elif args.backend == "openai" or args.dataset == "file":
         p.error("--tokenizer is needed for the openai backend and for --dataset file")
@@ -260,10 +281,18 @@ def main(argv=None) -> dict:
         special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
         size = len(tokenizer) if tokenizer is not None else send.vocab_size
         vocab = [t for t in range(size) if t not in special]
-        jobs = random_jobs(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                           vocab, tokenizer if args.backend == "openai" else None, args.seed)
-    outcomes, duration = run(jobs, send, args.request_rate, args.max_concurrency, args.timeout, args.seed,
-                             progress=not args.no_progress)
+        jobs = random_jobs(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            vocab,
+            tokenizer if args.backend == "openai" else None,
+            args.seed,
+        )
+    outcomes, duration = run(
+        jobs, send, args.request_rate, args.max_concurrency, args.timeout, args.seed, progress=not args.no_progress
+    )
     result = report(outcomes, duration, send.num_steps)
     result["config"] = {k: v for k, v in vars(args).items() if k != "no_progress"}
     print_report(result)

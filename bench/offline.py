@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
@@ -22,10 +22,16 @@ from prefill_service.engine import PrefillEngine
 from prefill_service.inprocess import InProcessPrefill
 
 
-def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: list[list[int]],
-             params: SamplingParams | list[SamplingParams], progress: str | None = None,
-             on_tokens: Callable[[int, list[int]], None] | None = None, overlap: bool = True,
-             chunk_size: int = 2048) -> tuple[list[list[int]], tuple[int, int]]:
+def generate(
+    decode_runner: ModelRunner,
+    prefill_runner: ModelRunner,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    progress: str | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+    overlap: bool = True,
+    chunk_size: int = 2048,
+) -> tuple[list[list[int]], tuple[int, int]]:
     """(every prompt's output ids, in order; (drafts accepted, drafts proposed) when speculative).
     `params` is one for all or one per prompt. With `progress`, prints a line with that label as
     outputs complete (about every 10%); `on_tokens(i, new_ids)` sees prompt i's tokens as they come
@@ -45,16 +51,23 @@ def generate(decode_runner: ModelRunner, prefill_runner: ModelRunner, prompts: l
                 failed.append(f"{rid}: {reason}")
             finished[0] += 1
             if progress and (finished[0] % max(1, len(prompts) // 10) == 0 or finished[0] == len(prompts)):
-                print(f"[{progress}] {finished[0]}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"[{progress}] {finished[0]}/{len(prompts)} ({time.monotonic() - start:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if finished[0] == len(prompts):
                 done.set()
 
     params = params if isinstance(params, list) else [params] * len(prompts)
     inbox = Inbox()
     max_batch = decode_runner.req_to_token_pool.allocator.num_free
-    peer = InProcessPrefill(PrefillEngine(prefill_runner, chunk_size=chunk_size), inbox.deliver_handoff,
-                            inbox.fail_handoff, max_batch=max_batch)
+    peer = InProcessPrefill(
+        PrefillEngine(prefill_runner, chunk_size=chunk_size),
+        inbox.deliver_handoff,
+        inbox.fail_handoff,
+        max_batch=max_batch,
+    )
     sched = DecodeScheduler(DecodeWorker(decode_runner), peer, inbox, overlap=overlap)
     sched.start()
     try:

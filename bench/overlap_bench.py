@@ -30,10 +30,10 @@ def measure(path: str, device: str, batch: int, steps: int, overlap: bool, promp
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         sched.submit(str(i), [(7 * i + j) % 300 + 5 for j in range(prompt_len)], params)
-    sched.step()                               # admission
+    sched.step()  # admission
     for h in prefill.prefill(pending):
         sched.inbox.deliver_handoff(h)
-    sched.step()                               # prebuilt batch + first decode launch
+    sched.step()  # prebuilt batch + first decode launch
     first = sched.step_count
     start = time.perf_counter()
     while not sched.idle:

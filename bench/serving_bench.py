@@ -42,10 +42,14 @@ def chat_prompt(model_path: str | None) -> tuple[str, list[int]]:
 
     if model_path is None:
         from common.tools.smollm2 import ensure_smollm2
+
         model_path = ensure_smollm2()
     tok = load_tokenizer(model_path)
-    return model_path, list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False))
+    return model_path, list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -59,9 +63,14 @@ def summarize(submitted: list[float], arrivals: list[list[float]]) -> dict:
     decoding = [a for a in arrivals if len(a) > 1 and a[-1] > a[0]]
     rate = sum((len(a) - 1) / (a[-1] - a[0]) for a in decoding)
     gaps = [y - x for a in arrivals for x, y in zip(a, a[1:])]
-    return dict(ttft_ms=1e3 * statistics.median(ttft), tok_s=rate, itl_p50_ms=1e3 * _pct(gaps, 0.5),
-                itl_p99_ms=1e3 * _pct(gaps, 0.99), decode_tokens=sum(len(a) - 1 for a in decoding),
-                decode_s=sum(a[-1] - a[0] for a in decoding))
+    return dict(
+        ttft_ms=1e3 * statistics.median(ttft),
+        tok_s=rate,
+        itl_p50_ms=1e3 * _pct(gaps, 0.5),
+        itl_p99_ms=1e3 * _pct(gaps, 0.99),
+        decode_tokens=sum(len(a) - 1 for a in decoding),
+        decode_s=sum(a[-1] - a[0] for a in decoding),
+    )
 
 
 def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
@@ -74,8 +83,14 @@ def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
     def run(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+            )
         return time.perf_counter() - start
 
     run(2)  # warm-up
@@ -85,48 +100,96 @@ def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
     return dict(ttft_ms=1e3 * t1, tok_s=batch * (new_tokens - 1) / decode, itl_p50_ms=1e3 * itl, itl_p99_ms=1e3 * itl)
 
 
-def bench_inprocess(path: str, prompt: list, batch: int, new_tokens: int, spec=None, stats: list | None = None,
-                    temperature: float = 0.0, device: str = "cpu", dtype: str = "auto", overlap: bool = True,
-                    runners: tuple | None = None, ignore_eos: bool = True) -> dict:
+def bench_inprocess(
+    path: str,
+    prompt: list,
+    batch: int,
+    new_tokens: int,
+    spec=None,
+    stats: list | None = None,
+    temperature: float = 0.0,
+    device: str = "cpu",
+    dtype: str = "auto",
+    overlap: bool = True,
+    runners: tuple | None = None,
+    ignore_eos: bool = True,
+) -> dict:
     """Our decode scheduler + in-process prefill; with `spec` (SpecArgs) EAGLE is on, and `stats`
     receives (drafts accepted, drafts proposed). temperature > 0 samples (request i seeded with i).
     `prompt` is one prompt's ids, or a list of prompts (request i gets prompt[i % len]).
     `runners` (decode, prefill ModelRunners, sized for `batch`) are reused instead of loaded."""
+    from bench import offline
     from common.engine.draft_runner import SpecArgs
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
-    from bench import offline
 
     spec = spec or SpecArgs()
     prompts = prompt if isinstance(prompt[0], list) else [prompt]
     longest = max(map(len, prompts))
-    args = dict(max_running_requests=batch, max_total_tokens=batch * (longest + new_tokens + spec.extra_slots) + 64,
-                spec=spec, device=device, dtype=dtype)
+    args = dict(
+        max_running_requests=batch,
+        max_total_tokens=batch * (longest + new_tokens + spec.extra_slots) + 64,
+        spec=spec,
+        device=device,
+        dtype=dtype,
+    )
     runners = runners or (ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args)))
     arrivals: list[list[float]] = [[] for _ in range(batch)]
-    params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos, temperature=temperature, seed=i)
-              for i in range(batch)]
+    params = [
+        SamplingParams(max_new_tokens=new_tokens, ignore_eos=ignore_eos, temperature=temperature, seed=i)
+        for i in range(batch)
+    ]
     start = time.perf_counter()
-    _, spec_stats = offline.generate(*runners, [prompts[i % len(prompts)] for i in range(batch)], params,
-                                     on_tokens=lambda i, ids: arrivals[i].extend([time.perf_counter()] * len(ids)),
-                                     overlap=overlap, chunk_size=8192)
+    _, spec_stats = offline.generate(
+        *runners,
+        [prompts[i % len(prompts)] for i in range(batch)],
+        params,
+        on_tokens=lambda i, ids: arrivals[i].extend([time.perf_counter()] * len(ids)),
+        overlap=overlap,
+        chunk_size=8192,
+    )
     if stats is not None:
         stats[:] = spec_stats
     return summarize([start] * batch, arrivals)
 
 
-def start_pair(path: str, threads: int, max_batch: int, tokens: int, decode_flags: tuple = (),
-               prefill_flags: tuple = ()) -> tuple[str, list[subprocess.Popen]]:
+def start_pair(
+    path: str, threads: int, max_batch: int, tokens: int, decode_flags: tuple = (), prefill_flags: tuple = ()
+) -> tuple[str, list[subprocess.Popen]]:
     from common.tools.procs import free_port, wait_serving
 
     pp, dp = free_port(), free_port()
-    common = ["--model-path", path, "--torch-threads", str(threads), "--max-running-requests", str(max_batch),
-              "--max-total-tokens", str(tokens)]
+    common = [
+        "--model-path",
+        path,
+        "--torch-threads",
+        str(threads),
+        "--max-running-requests",
+        str(max_batch),
+        "--max-total-tokens",
+        str(tokens),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
-                               env=env, stderr=subprocess.DEVNULL)
-    decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(dp),
-                               "--prefill-addr", f"127.0.0.1:{pp}", *decode_flags], env=env, stderr=subprocess.DEVNULL)
+    prefill = subprocess.Popen(
+        [sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    decode = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "decode_service",
+            *common,
+            "--port",
+            str(dp),
+            "--prefill-addr",
+            f"127.0.0.1:{pp}",
+            *decode_flags,
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     wait_serving(f"127.0.0.1:{pp}", prefill)
     wait_serving(f"127.0.0.1:{dp}", decode)
     return f"127.0.0.1:{dp}", [decode, prefill]
@@ -143,8 +206,12 @@ def bench_pair(address: str, prompt: list[int], batch: int, new_tokens: int) -> 
     barrier = threading.Barrier(batch)
 
     def client(i: int) -> None:
-        req = pb.GenerateRequest(request_id=f"b{i}", tokenized=pb.TokenizedInput(input_ids=prompt), stream=True,
-                                 sampling_params=pb.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        req = pb.GenerateRequest(
+            request_id=f"b{i}",
+            tokenized=pb.TokenizedInput(input_ids=prompt),
+            stream=True,
+            sampling_params=pb.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
+        )
         barrier.wait()
         submitted[i] = time.perf_counter()
         try:
@@ -178,42 +245,56 @@ def main(argv=None) -> None:
     args.model_path, prompt = chat_prompt(args.model_path)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     skip = set(filter(None, args.skip.split(",")))
-    print(f"# {os.path.basename(args.model_path)}, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "
-          f"{args.threads} torch threads, {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
+    print(
+        f"# {os.path.basename(args.model_path)}, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "
+        f"{args.threads} torch threads, {os.cpu_count()} cores, torch {torch.__version__}",
+        flush=True,
+    )
     rows = {}
     address, procs = (None, [])
     if "pair" not in skip:
-        address, procs = start_pair(args.model_path, args.threads, max(batches),
-                                    max(batches) * (len(prompt) + args.new_tokens) + 64)
+        address, procs = start_pair(
+            args.model_path, args.threads, max(batches), max(batches) * (len(prompt) + args.new_tokens) + 64
+        )
     try:
         for b in batches:
             if "pair" not in skip:
                 bench_pair(address, prompt, b, 4)  # warm-up at this batch size
             for _ in range(args.repeats):  # the three interleaved, so drifts of the machine hit all alike
                 hf = functools.partial(bench_hf, args.model_path, prompt, b, args.new_tokens)
-                for name, fn in (("hf", lambda: intra_op.on_own_thread(hf)),  # no OpenMP pool left on main
-                                 ("inprocess", lambda: bench_inprocess(args.model_path, prompt, b, args.new_tokens)),
-                                 ("pair", lambda: bench_pair(address, prompt, b, args.new_tokens))):
+                for name, fn in (
+                    ("hf", functools.partial(intra_op.on_own_thread, hf)),  # no OpenMP pool left on main
+                    ("inprocess", functools.partial(bench_inprocess, args.model_path, prompt, b, args.new_tokens)),
+                    ("pair", functools.partial(bench_pair, address, prompt, b, args.new_tokens)),
+                ):
                     if name in skip:
                         continue
                     r = fn()
-                    print(f"  B={b:>3} {name:>9}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.1f} ms  "
-                          f"p99 {r['itl_p99_ms']:6.1f} ms  TTFT {r['ttft_ms']:7.1f} ms", flush=True)
+                    print(
+                        f"  B={b:>3} {name:>9}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.1f} ms  "
+                        f"p99 {r['itl_p99_ms']:6.1f} ms  TTFT {r['ttft_ms']:7.1f} ms",
+                        flush=True,
+                    )
                     if r["tok_s"] > rows.get((name, b), {"tok_s": -1})["tok_s"]:
                         rows[name, b] = r  # best of --repeats runs
     finally:
         from common.tools.procs import stop
+
         for p in procs:
             stop(p)
-    print("\n| B | HF tok/s | in-process tok/s | pair tok/s | pair ITL p50 / p99 (ms) | pair TTFT (ms) "
-          "| pair / HF | pair / in-process |")
+    print(
+        "\n| B | HF tok/s | in-process tok/s | pair tok/s | pair ITL p50 / p99 (ms) | pair TTFT (ms) "
+        "| pair / HF | pair / in-process |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     nan = dict(tok_s=float("nan"), itl_p50_ms=float("nan"), itl_p99_ms=float("nan"), ttft_ms=float("nan"))
     for b in batches:
         hf, ip, pr = (rows.get((n, b), nan) for n in ("hf", "inprocess", "pair"))
-        print(f"| {b} | {hf['tok_s']:.1f} | {ip['tok_s']:.1f} | {pr['tok_s']:.1f} | {pr['itl_p50_ms']:.1f} / "
-              f"{pr['itl_p99_ms']:.1f} | {pr['ttft_ms']:.0f} | {pr['tok_s'] / hf['tok_s']:.2f}x | "
-              f"{pr['tok_s'] / ip['tok_s']:.2f}x |")
+        print(
+            f"| {b} | {hf['tok_s']:.1f} | {ip['tok_s']:.1f} | {pr['tok_s']:.1f} | {pr['itl_p50_ms']:.1f} / "
+            f"{pr['itl_p99_ms']:.1f} | {pr['ttft_ms']:.0f} | {pr['tok_s'] / hf['tok_s']:.2f}x | "
+            f"{pr['tok_s'] / ip['tok_s']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

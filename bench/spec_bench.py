@@ -28,27 +28,46 @@ from common.engine.draft_runner import SpecArgs
 
 
 def held_out_prompts(model_path: str, n: int, seed: int = 0) -> list[list[int]]:
-    from common.tools import eagle_data
     from bench.fit_eagle import HELD_OUT_SEED
+    from common.tools import eagle_data
     from common.tools.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_path)
     return [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(n, seed + HELD_OUT_SEED, evaluation=True)]
 
 
-def run(path: str, prompts: list[list[int]], batch: int, new_tokens: int, spec: SpecArgs, temperature: float,
-        ignore_eos: bool) -> tuple[float, float]:
+def run(
+    path: str,
+    prompts: list[list[int]],
+    batch: int,
+    new_tokens: int,
+    spec: SpecArgs,
+    temperature: float,
+    ignore_eos: bool,
+) -> tuple[float, float]:
     """(decode tok/s, mean accept length) over every prompt, `batch` at a time, on runners loaded once."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
 
-    size = dict(max_running_requests=batch, spec=spec,
-                max_total_tokens=batch * (max(map(len, prompts)) + new_tokens + spec.extra_slots) + 64)
+    size = dict(
+        max_running_requests=batch,
+        spec=spec,
+        max_total_tokens=batch * (max(map(len, prompts)) + new_tokens + spec.extra_slots) + 64,
+    )
     runners = ModelRunner(RunnerArgs(path, **size)), ModelRunner(RunnerArgs(path, **size))
     tokens = seconds = accepted = proposed = 0
     for i in range(0, len(prompts), batch):
         stats: list = []
-        r = bench_inprocess(path, prompts[i:i + batch], batch, new_tokens, spec=spec, stats=stats,
-                            temperature=temperature, runners=runners, ignore_eos=ignore_eos)
+        r = bench_inprocess(
+            path,
+            prompts[i : i + batch],
+            batch,
+            new_tokens,
+            spec=spec,
+            stats=stats,
+            temperature=temperature,
+            runners=runners,
+            ignore_eos=ignore_eos,
+        )
         tokens, seconds = tokens + r["decode_tokens"], seconds + r["decode_s"] / batch
         accepted, proposed = accepted + stats[0], proposed + stats[1]
     length = 1 + accepted / (proposed / spec.num_steps) if proposed else 1.0
@@ -74,26 +93,36 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.model_path, chat = chat_prompt(args.model_path)
-    spec = SpecArgs(args.algorithm, args.head, args.num_steps, args.topk, args.num_draft_tokens or args.num_steps + 1,
-                    args.token_map)
+    spec = SpecArgs(
+        args.algorithm,
+        args.head,
+        args.num_steps,
+        args.topk,
+        args.num_draft_tokens or args.num_steps + 1,
+        args.token_map,
+    )
     held_out = args.prompts == "held-out"
     prompts = held_out_prompts(args.model_path, args.num_prompts) if held_out else [chat]
-    print(f"# {os.path.basename(args.model_path)}, head {args.head}, {args.algorithm} num_steps {args.num_steps}, "
-          f"topk {spec.eagle_topk}, draft tokens {spec.num_draft_tokens}, token map {args.token_map}, "
-          f"temperature {args.temperature}, prompts {args.prompts} ({len(prompts)}), up to {args.new_tokens} new "
-          f"tokens{'' if held_out else ' (EOS ignored)'}, {args.threads} threads", flush=True)
+    print(
+        f"# {os.path.basename(args.model_path)}, head {args.head}, {args.algorithm} num_steps {args.num_steps}, "
+        f"topk {spec.eagle_topk}, draft tokens {spec.num_draft_tokens}, token map {args.token_map}, "
+        f"temperature {args.temperature}, prompts {args.prompts} ({len(prompts)}), up to {args.new_tokens} new "
+        f"tokens{'' if held_out else ' (EOS ignored)'}, {args.threads} threads",
+        flush=True,
+    )
     print("| B | plain tok/s | EAGLE tok/s | speed-up | mean accept length |\n| --- | --- | --- | --- | --- |")
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         batch_prompts = prompts if held_out else prompts * b
         best, length = {"plain": 0.0, "spec": 0.0}, 0.0
         for _ in range(args.repeats):
-            best["plain"] = max(best["plain"], run(args.model_path, batch_prompts, b, args.new_tokens, SpecArgs(),
-                                                   args.temperature, not held_out)[0])
+            best["plain"] = max(
+                best["plain"],
+                run(args.model_path, batch_prompts, b, args.new_tokens, SpecArgs(), args.temperature, not held_out)[0],
+            )
             rate, length = run(args.model_path, batch_prompts, b, args.new_tokens, spec, args.temperature, not held_out)
             best["spec"] = max(best["spec"], rate)
         ratio = best["spec"] / best["plain"]
-        print(f"| {b} | {best['plain']:.1f} | {best['spec']:.1f} | {ratio:.2f}x | {length:.2f} |",
-              flush=True)
+        print(f"| {b} | {best['plain']:.1f} | {best['spec']:.1f} | {ratio:.2f}x | {length:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ time, the time and bytes it streams, failures and injected faults. Gauges are re
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -30,8 +30,9 @@ class _Null:
 class _Metrics:
     """A registry with the load gauges both services share (read when scraped)."""
 
-    def __init__(self, role: str, running: Callable[[], float], queued: Callable[[], float],
-                 kv_usage: Callable[[], float]):
+    def __init__(
+        self, role: str, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float]
+    ):
         self.registry = CollectorRegistry() if CollectorRegistry is not None else None
         self._http = None
         self._gauge("num_running_reqs", f"requests running ({role})", running)
@@ -67,18 +68,27 @@ class _Metrics:
 
 
 class DecodeMetrics(_Metrics):
-    def __init__(self, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float],
-                 open_streams: Callable[[], float]):
+    def __init__(
+        self,
+        running: Callable[[], float],
+        queued: Callable[[], float],
+        kv_usage: Callable[[], float],
+        open_streams: Callable[[], float],
+    ):
         super().__init__("decode", running, queued, kv_usage)
         h, c = self._histogram, self._counter
         self.ttft = h("time_to_first_token_seconds", "Generate call start to its first token")
-        self.itl = h("inter_token_latency_seconds", "time between output tokens (a step's tokens share it)",
-                     ITL_BUCKETS)
+        self.itl = h(
+            "inter_token_latency_seconds", "time between output tokens (a step's tokens share it)", ITL_BUCKETS
+        )
         self.e2e = h("e2e_request_latency_seconds", "Generate call start to its last token")
         self.queue_time = h("queue_time_seconds", "submission to the reservation of its request slot and KV")
         self.handoff_transfer = h("handoff_transfer_seconds", "a Prefill call's first message to its record")
-        self.spec_accept_length = h("spec_accept_length", "EAGLE: tokens per verify step, per request",
-                                    (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0))
+        self.spec_accept_length = h(
+            "spec_accept_length",
+            "EAGLE: tokens per verify step, per request",
+            (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0),
+        )
         self.requests = c("requests_total", "finished Generate calls by finish reason", ["finish_reason"])
         self.aborts = c("aborted_requests_total", "requests aborted (client cancel, Abort RPC, shutdown)")
         self.failures = c("failed_requests_total", "requests failed (no prefill replica left, scheduler error)")

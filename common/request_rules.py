@@ -14,8 +14,9 @@ class InvalidRequest(ValueError):
     """The request is malformed or does not fit this model (INVALID_ARGUMENT)."""
 
 
-def validate_prompt(prompt: list[int], params: SamplingParams, vocab_size: int, context_length: int,
-                    kv_capacity: int | None = None) -> None:
+def validate_prompt(
+    prompt: list[int], params: SamplingParams, vocab_size: int, context_length: int, kv_capacity: int | None = None
+) -> None:
     """A non-empty prompt of in-vocabulary ids whose prompt + max_new_tokens fits the context (and,
     when given, whose prompt fits a KV pool of `kv_capacity` slots); valid sampling params."""
     if not prompt:
@@ -30,7 +31,8 @@ def validate_prompt(prompt: list[int], params: SamplingParams, vocab_size: int, 
     if len(prompt) + params.max_new_tokens > context_length:
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "
-            f"length {context_length}")
+            f"length {context_length}"
+        )
     if kv_capacity is not None and len(prompt) > kv_capacity:
         raise InvalidRequest(f"prompt of {len(prompt)} tokens exceeds the KV pool ({kv_capacity} slots)")
 

@@ -36,11 +36,13 @@ class ServiceConfig:
     attention_backend: str = flag("batched", "attention backend", choices=sorted(BACKENDS))
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     shutdown_grace_s: float = flag(5.0, "on SIGTERM/SIGINT: how long open calls may finish before they are aborted")
-    metrics_port: int | None = flag(None, "serve Prometheus metrics on this port (0 = any free port; default off)",
-                                    type=int)
+    metrics_port: int | None = flag(
+        None, "serve Prometheus metrics on this port (0 = any free port; default off)", type=int
+    )
     debug_checks: bool = flag(False, "debug invariant checks: FutureMap consume-once guard, pool integrity when idle")
-    speculative_algorithm: str | None = flag(None, "EAGLE speculative decoding (same on both services)", type=str,
-                                             choices=["EAGLE", "EAGLE3"])
+    speculative_algorithm: str | None = flag(
+        None, "EAGLE speculative decoding (same on both services)", type=str, choices=["EAGLE", "EAGLE3"]
+    )
     speculative_draft_model_path: str | None = flag(None, "draft head folder (public EAGLE / EAGLE3 layout)", type=str)
     speculative_num_steps: int = flag(3, "draft tokens proposed per step")
     speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting; > 1: a tree, greedy only)")
@@ -58,8 +60,13 @@ def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
         elif isinstance(f.default, bool):
             p.add_argument(name, action="store_true", help=meta["help"])
         else:
-            p.add_argument(name, default=f.default, type=meta["type"] or type(f.default), choices=meta["choices"],
-                           help=meta["help"] if meta["help"] == argparse.SUPPRESS else f"{meta['help']} (default: %(default)s)")
+            p.add_argument(
+                name,
+                default=f.default,
+                type=meta["type"] or type(f.default),
+                choices=meta["choices"],
+                help=meta["help"] if meta["help"] == argparse.SUPPRESS else f"{meta['help']} (default: %(default)s)",
+            )
     return p
 
 

@@ -18,8 +18,13 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
     config = parse_args(argv)
     service = DecodeService(config).start()
-    logging.info("decode service serving %s as %r on %s (prefill: %s)", config.model_path,
-                 service.served_model_name, service.address, ",".join(config.prefill_addrs))
+    logging.info(
+        "decode service serving %s as %r on %s (prefill: %s)",
+        config.model_path,
+        service.served_model_name,
+        service.address,
+        ",".join(config.prefill_addrs),
+    )
     wait_for_shutdown_signal()
     logging.info("decode service stopping")
     service.shutdown(config.shutdown_grace_s)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.service_config import ServiceConfig, build_parser as _build, flag, parse_config
+from common.service_config import ServiceConfig, flag, parse_config
+from common.service_config import build_parser as _build
 
 PROG = "python -m decode_service"
 DESCRIPTION = "The decode service: the client-facing front door (gRPC SglangScheduler)."
@@ -19,12 +20,14 @@ class DecodeConfig(ServiceConfig):
     default_max_new_tokens: int = flag(128, "used when a request gives none (clamped to the context)")
     served_model_name: str | None = flag(None, "model id reported to clients (default: folder name)", type=str)
     disable_overlap_schedule: bool = flag(False, "process each step's results before launching the next")
-    max_queued_requests: int = flag(256, "Generate calls that may wait beyond max_running_requests "
-                                         "(more: RESOURCE_EXHAUSTED)")
+    max_queued_requests: int = flag(
+        256, "Generate calls that may wait beyond max_running_requests (more: RESOURCE_EXHAUSTED)"
+    )
     prefill_wait_s: float = flag(3.0, "how long a request admitted while a replica went away waits for one")
     prefill_timeout_s: float = flag(600.0, "deadline of one Prefill call")
-    prefill_progress_timeout_s: float = flag(5.0, "after its first token, a Prefill call silent this long is "
-                                                   "cancelled and retried on another replica")
+    prefill_progress_timeout_s: float = flag(
+        5.0, "after its first token, a Prefill call silent this long is cancelled and retried on another replica"
+    )
 
     @property
     def prefill_addrs(self) -> list[str]:

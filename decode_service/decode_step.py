@@ -13,8 +13,14 @@ from decode_service.worker_batch import WorkerBatch
 def decode_step(runner, fm, batch: WorkerBatch) -> torch.Tensor:
     indices = batch.req_pool_indices
     input_ids = fm.gather_tokens(indices)
-    fb = ForwardBatch.decode(runner.req_to_token_pool.req_to_token, indices, batch.seq_lens_cpu, input_ids,
-                             batch.seq_lens, req_pool_indices_cpu=batch.req_pool_indices_cpu)
+    fb = ForwardBatch.decode(
+        runner.req_to_token_pool.req_to_token,
+        indices,
+        batch.seq_lens_cpu,
+        input_ids,
+        batch.seq_lens,
+        req_pool_indices_cpu=batch.req_pool_indices_cpu,
+    )
     logits, _ = runner.forward(fb)
     tokens = batch.sampling.sample(logits, batch.positions)
     fm.stash_tokens(indices, tokens)

@@ -81,8 +81,13 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
     lanes = torch.arange(size, device=indices.device)
     if draws is not None:  # sampled lanes: their drafts, then the bonus at their accept point
         p = draws.probs(logits.view(size, num_steps + 1, -1)[draws.lanes].flatten(0, 1), num_steps + 1)
-        n_ok, extra = verify_chain(p.view(len(draws.lanes), num_steps + 1, -1), torch.stack(chain.q, dim=1),
-                                   proposed[draws.lanes], draws.u_accept, draws.u_bonus)
+        n_ok, extra = verify_chain(
+            p.view(len(draws.lanes), num_steps + 1, -1),
+            torch.stack(chain.q, dim=1),
+            proposed[draws.lanes],
+            draws.u_accept,
+            draws.u_bonus,
+        )
         picked = torch.cat([proposed[draws.lanes], proposed[draws.lanes, :1]], dim=1)
         picked[torch.arange(len(draws.lanes), device=indices.device), n_ok] = extra
         target = target.index_copy(0, draws.lanes, picked)

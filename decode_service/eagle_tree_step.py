@@ -36,22 +36,29 @@ from decode_service.worker_batch import WorkerBatch
 def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, topk: int):
     """Step 1: every candidate (token, score, parent candidate or -1 for the root) in level order."""
     batch, k = len(rows), topk
-    probs, ids = draft.topk(hidden, k)                                   # depth 1: [B, K]
+    probs, ids = draft.topk(hidden, k)  # depth 1: [B, K]
     tokens, scores, parents = [ids], [probs], [torch.full_like(ids, -1)]
-    front_idx = torch.arange(k, device=ids.device).expand(batch, k)      # candidate index of each branch
+    front_idx = torch.arange(k, device=ids.device).expand(batch, k)  # candidate index of each branch
     front_tok, front_score = ids, probs
-    front_hidden = hidden.repeat_interleave(k, dim=0)                    # [B*K, H]
+    front_hidden = hidden.repeat_interleave(k, dim=0)  # [B*K, H]
     width = max(k, (num_steps - 1) * k)
     device = ids.device
     ancestry = torch.zeros(batch, k, width, dtype=torch.bool, device=device)  # scratch entries seen
     branches = torch.arange(k, device=device)
     ancestry[:, branches, branches] = True
-    offset = k                                                           # candidates so far
+    offset = k  # candidates so far
     for depth in range(1, num_steps):
-        fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, front_tok.flatten(),
-                               torch.full((batch, k), depth - 1, dtype=torch.int64, device=device),
-                               [(depth - 1) * k + j for j in range(k)], ancestry[:, :, :depth * k])
-        h = draft.forward(fb, front_hidden)                              # [B*K, H]
+        fb = ForwardBatch.tree(
+            table,
+            indices,
+            rows,
+            seq_lens_cpu,
+            front_tok.flatten(),
+            torch.full((batch, k), depth - 1, dtype=torch.int64, device=device),
+            [(depth - 1) * k + j for j in range(k)],
+            ancestry[:, :, : depth * k],
+        )
+        h = draft.forward(fb, front_hidden)  # [B*K, H]
         p, t = draft.topk(h, k)
         child_scores = (front_score[:, :, None] * p.view(batch, k, k)).view(batch, k * k)
         tokens.append(t.view(batch, k * k))
@@ -59,7 +66,7 @@ def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, t
         parents.append(front_idx.repeat_interleave(k, dim=1))
         if depth == num_steps - 1:
             break
-        front_score, pick = child_scores.topk(k, dim=1)                  # the next frontier
+        front_score, pick = child_scores.topk(k, dim=1)  # the next frontier
         branch = pick // k
         front_idx = offset + pick
         front_tok = t.view(batch, k * k).gather(1, pick)
@@ -73,22 +80,32 @@ def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, t
 def _build_tree(tokens, scores, parents, bonus, num_nodes: int, topk: int):
     """Step 2: node tokens, parent node, depth [B, M] and the ancestor-or-self mask [B, M, M]."""
     batch, device = tokens.shape[0], tokens.device
-    sel = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :num_nodes - 1]
-    sel = torch.sort(sel, dim=1).values                                  # level order: parents first
-    level = torch.cat([torch.zeros(topk, dtype=torch.int64, device=device)] +
-                      [torch.full((topk * topk,), d, dtype=torch.int64, device=device)
-                       for d in range(1, (tokens.shape[1] - topk) // (topk * topk) + 1)])
+    sel = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : num_nodes - 1]
+    sel = torch.sort(sel, dim=1).values  # level order: parents first
+    level = torch.cat(
+        [torch.zeros(topk, dtype=torch.int64, device=device)]
+        + [
+            torch.full((topk * topk,), d, dtype=torch.int64, device=device)
+            for d in range(1, (tokens.shape[1] - topk) // (topk * topk) + 1)
+        ]
+    )
     node_of = torch.zeros_like(scores, dtype=torch.int64).scatter_(
-        1, sel, torch.arange(1, num_nodes, device=device).expand(batch, -1))
+        1, sel, torch.arange(1, num_nodes, device=device).expand(batch, -1)
+    )
     cand_parent = parents.gather(1, sel)
-    parent = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device),
-                        torch.where(cand_parent < 0, 0, node_of.gather(1, cand_parent.clamp(min=0)))], dim=1)
+    parent = torch.cat(
+        [
+            torch.zeros(batch, 1, dtype=torch.int64, device=device),
+            torch.where(cand_parent < 0, 0, node_of.gather(1, cand_parent.clamp(min=0))),
+        ],
+        dim=1,
+    )
     depth = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), level[sel] + 1], dim=1)
     node_tokens = torch.cat([bonus[:, None], tokens.gather(1, sel)], dim=1)
     eye = torch.eye(num_nodes, dtype=torch.bool, device=device)
     anc = eye.expand(batch, -1, -1).clone()
     lanes = torch.arange(batch, device=device)
-    for i in range(1, num_nodes):                                        # parents come first
+    for i in range(1, num_nodes):  # parents come first
         anc[:, i] = anc[lanes, parent[:, i]] | eye[i]
     return node_tokens, parent, depth, anc
 

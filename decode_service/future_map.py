@@ -29,8 +29,15 @@ class ConsumeOnceError(AssertionError):
 
 
 class FutureMap:
-    def __init__(self, req_pool_size: int, device: torch.device | str, make_event, debug: bool = False,
-                 draft_hidden_size: int = 0, draft_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        req_pool_size: int,
+        device: torch.device | str,
+        make_event,
+        debug: bool = False,
+        draft_hidden_size: int = 0,
+        draft_dtype: torch.dtype = torch.float32,
+    ):
         self.num_rows = req_pool_size + 1
         self.device = torch.device(device)
         self.debug = debug
@@ -44,7 +51,7 @@ class FutureMap:
             names += ["draft_token_ids", "draft_hidden"]
         # debug guard: writes since the last gather, per buffer and row
         self._writes = {name: torch.zeros(self.num_rows, dtype=torch.int32, device=self.device) for name in names}
-        self.publish_ready = None      # the event of the latest armed step
+        self.publish_ready = None  # the event of the latest armed step
         self._last_publish_stream = None
 
     # --- forward-stream side -------------------------------------------------------------------
@@ -67,7 +74,7 @@ class FutureMap:
         schedule side knows them from the handoff)."""
         self.new_seq_lens[to_device(indices, self.device)] = to_device(seq_lens, self.device, torch.int64)
 
-    def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, fence: "PublishReady") -> None:
+    def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, fence: PublishReady) -> None:
         """Write new seq_lens, then set `fence` (the publish_ready armed for this step at submit).
         Runs as work on the stream the fence was armed for."""
         self._write("new_seq_lens", indices, seq_lens.to(torch.int64))
@@ -79,7 +86,7 @@ class FutureMap:
             w[indices] = 0
 
     # --- schedule side -------------------------------------------------------------------------
-    def arm_publish(self, stream) -> "PublishReady":
+    def arm_publish(self, stream) -> PublishReady:
         """Arm step N's publish_ready when forward N is submitted: from now on resolve waits for it."""
         self.publish_ready = PublishReady(self._make_event(), self.publish_ready, stream)
         return self.publish_ready
@@ -115,7 +122,8 @@ class FutureMap:
             elif not bool((writes == 1).all()) or not bool(valid):
                 raise ConsumeOnceError(
                     f"{name}: rows {indices.tolist()} gathered with writes {writes.tolist()} "
-                    f"(need exactly 1 since the last gather) and values {values.tolist()}")
+                    f"(need exactly 1 since the last gather) and values {values.tolist()}"
+                )
             self._writes[name][indices] = 0
             buf[indices] = -1  # poison: a second gather without a write reads -1
         return values
@@ -125,7 +133,7 @@ class PublishReady:
     """The publish_ready fence of one step, armed at submit. If the publish runs on another stream
     than the one the previous step's fence was armed for, it first waits on that fence (chain)."""
 
-    def __init__(self, event, previous: "PublishReady | None", stream):
+    def __init__(self, event, previous: PublishReady | None, stream):
         self.event = event
         self.previous = previous
         self.armed_stream = stream

@@ -11,15 +11,15 @@ from common.engine.handoff import Handoff
 from common.engine.host_copy import to_device
 
 
-def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list,
-                    v: list) -> None:
+def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list) -> None:
     """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots."""
-    loc = kv_slots[token_start:token_start + k[0].shape[0]]
+    loc = kv_slots[token_start : token_start + k[0].shape[0]]
 
     def write():
         dev_loc = to_device(loc, pool.device)
         for i, (kt, vt) in enumerate(zip(k, v)):
             pool.write(layer_start + i, dev_loc, to_device(kt, pool.device), to_device(vt, pool.device))
+
     stream.submit(write)
 
 
@@ -31,19 +31,25 @@ def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tenso
 
     def write():
         runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
-        loc = to_device(kv_slots[:handoff.prompt_len], runner.device)
+        loc = to_device(kv_slots[: handoff.prompt_len], runner.device)
         if handoff.k is not None:
             for layer in range(runner.config.num_layers):
-                runner.kv_pool.write(layer, loc, to_device(handoff.k[layer], runner.device),
-                                     to_device(handoff.v[layer], runner.device))
+                runner.kv_pool.write(
+                    layer, loc, to_device(handoff.k[layer], runner.device), to_device(handoff.v[layer], runner.device)
+                )
         dev_row = to_device(row, fm.device)
         fm.reset_rows(dev_row)
         fm.stash_tokens(dev_row, to_device(first, fm.device))
         if runner.draft is not None:
             if handoff.draft_k is not None:
-                runner.draft.kv_pool.write(0, loc, to_device(handoff.draft_k[0], runner.device),
-                                           to_device(handoff.draft_v[0], runner.device))
-            fm.stash_draft(dev_row, to_device(handoff.draft_topk_ids[:1], fm.device),
-                           to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype))
+                runner.draft.kv_pool.write(
+                    0, loc, to_device(handoff.draft_k[0], runner.device), to_device(handoff.draft_v[0], runner.device)
+                )
+            fm.stash_draft(
+                dev_row,
+                to_device(handoff.draft_topk_ids[:1], fm.device),
+                to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype),
+            )
             fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))  # seed_seq_lens moves it
+
     stream.submit(write)

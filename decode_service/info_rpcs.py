@@ -23,29 +23,55 @@ class InfoRpcs:
     async def GetModelInfo(self, request, context):
         cfg = self.model_config
         return pb.GetModelInfoResponse(
-            model_path=cfg.path, tokenizer_path=cfg.path, is_generation=True, served_model_name=self.served_model_name,
-            max_context_length=self.runner.context_length, vocab_size=cfg.vocab_size,
-            eos_token_ids=list(cfg.eos_token_ids), bos_token_id=cfg.bos_token_id or 0,
-            max_req_input_len=self.runner.context_length - 1, architectures=[cfg.architecture],
-            model_type=cfg.architecture)
+            model_path=cfg.path,
+            tokenizer_path=cfg.path,
+            is_generation=True,
+            served_model_name=self.served_model_name,
+            max_context_length=self.runner.context_length,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=list(cfg.eos_token_ids),
+            bos_token_id=cfg.bos_token_id or 0,
+            max_req_input_len=self.runner.context_length - 1,
+            architectures=[cfg.architecture],
+            model_type=cfg.architecture,
+        )
 
     async def GetServerInfo(self, request, context):
         args = struct_pb2.Struct()
-        args.update({"model_path": self.model_config.path, "tokenizer_path": self.model_config.path,
-                     "served_model_name": self.served_model_name, "context_length": self.runner.context_length,
-                     "max_total_tokens": self.runner.kv_allocator.size, "tp_size": 1, "dp_size": 1, "pp_size": 1,
-                     "max_running_requests": self.config.max_running_requests, "disaggregation_mode": "null",
-                     "is_embedding": False, "vocab_size": self.model_config.vocab_size,
-                     "speculative_algorithm": self.config.speculative_algorithm or "",
-                     "speculative_num_steps": self.config.speculative_num_steps})
+        args.update(
+            {
+                "model_path": self.model_config.path,
+                "tokenizer_path": self.model_config.path,
+                "served_model_name": self.served_model_name,
+                "context_length": self.runner.context_length,
+                "max_total_tokens": self.runner.kv_allocator.size,
+                "tp_size": 1,
+                "dp_size": 1,
+                "pp_size": 1,
+                "max_running_requests": self.config.max_running_requests,
+                "disaggregation_mode": "null",
+                "is_embedding": False,
+                "vocab_size": self.model_config.vocab_size,
+                "speculative_algorithm": self.config.speculative_algorithm or "",
+                "speculative_num_steps": self.config.speculative_num_steps,
+            }
+        )
         if self.scheduler.spec:  # mean accept length = 1 + accepted drafts per verify step
             accepted, proposed = self.scheduler.spec_stats
             steps = proposed / self.config.speculative_num_steps
-            args.update({"spec_accept_rate": accepted / proposed if proposed else 0.0,
-                         "spec_mean_accept_length": 1 + accepted / steps if steps else 0.0})
-        return pb.GetServerInfoResponse(server_args=args, active_requests=len(self.scheduler.reqs),
-                                        uptime_seconds=time.time() - self.started_at, sglang_version="disagg-serve",
-                                        max_total_num_tokens=self.runner.kv_allocator.size)
+            args.update(
+                {
+                    "spec_accept_rate": accepted / proposed if proposed else 0.0,
+                    "spec_mean_accept_length": 1 + accepted / steps if steps else 0.0,
+                }
+            )
+        return pb.GetServerInfoResponse(
+            server_args=args,
+            active_requests=len(self.scheduler.reqs),
+            uptime_seconds=time.time() - self.started_at,
+            sglang_version="disagg-serve",
+            max_total_num_tokens=self.runner.kv_allocator.size,
+        )
 
     def load_counts(self) -> tuple[int, int]:
         """(running, waiting): waiting counts the admission queue and requests awaiting their handoff."""
@@ -55,10 +81,16 @@ class InfoRpcs:
     async def GetLoads(self, request, context):
         kv = self.runner.kv_allocator
         running, waiting = self.load_counts()
-        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting,
-                                num_total_reqs=running + waiting, num_used_tokens=kv.num_used,
-                                max_total_num_tokens=kv.size, token_usage=kv.num_used / kv.size,
-                                max_running_requests=self.config.max_running_requests)
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            num_total_reqs=running + waiting,
+            num_used_tokens=kv.num_used,
+            max_total_num_tokens=kv.size,
+            token_usage=kv.num_used / kv.size,
+            max_running_requests=self.config.max_running_requests,
+        )
         return pb.GetLoadsResponse(version="disagg-serve", dp_rank_count=1, loads=[load])
 
     async def GetTokenizer(self, request, context):

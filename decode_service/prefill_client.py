@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.engine import intra_op
-from common.wire.grpc_server import channel_options
 from common.engine.handoff import Handoff, HandoffRequest
+from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 
@@ -55,9 +55,19 @@ class _Peer:
 
 
 class PrefillClient:
-    def __init__(self, addresses: list[str], model_config, sink, wait_ready_s: float = 30.0,
-                 max_chunk_bytes: int = 0, max_concurrent: int = 64,  # 0: the server's bound
-                 call_timeout_s: float = 600.0, draft_config=None, progress_timeout_s: float = 5.0, metrics=None):
+    def __init__(
+        self,
+        addresses: list[str],
+        model_config,
+        sink,
+        wait_ready_s: float = 30.0,
+        max_chunk_bytes: int = 0,
+        max_concurrent: int = 64,  # 0: the server's bound
+        call_timeout_s: float = 600.0,
+        draft_config=None,
+        progress_timeout_s: float = 5.0,
+        metrics=None,
+    ):
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
         deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None."""
         if not addresses:
@@ -69,11 +79,12 @@ class PrefillClient:
         self.wait_ready_s = wait_ready_s
         self.max_chunk_bytes = max_chunk_bytes
         self.call_timeout_s = call_timeout_s  # a wedged replica cannot hold a reservation forever
-        self._pool = futures.ThreadPoolExecutor(max_workers=max_concurrent, thread_name_prefix="prefill-call",
-                                                initializer=intra_op.pin_single)  # intra_op.py
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=max_concurrent, thread_name_prefix="prefill-call", initializer=intra_op.pin_single
+        )  # intra_op.py
         self.progress_timeout_s = progress_timeout_s
         self._calls: dict[str, list] = {}  # rid -> [call, peer, time of its last message or None]
-        self._stalled: set[str] = set()    # rids whose call the watchdog cancelled
+        self._stalled: set[str] = set()  # rids whose call the watchdog cancelled
         self._cancelled: set[str] = set()
         self._early_cancel: dict[str, bool] = {}  # cancelled before __call__ (insertion-ordered)
         self._active: set[str] = set()  # rids between __call__ and the end of _run
@@ -115,10 +126,13 @@ class PrefillClient:
         while not self._closed.wait(min(0.25, self.progress_timeout_s / 4)):
             now = time.monotonic()
             with self._lock:
-                stale = [(rid, c[0]) for rid, c in self._calls.items()
-                         if c[2] is not None and now - c[2] > self.progress_timeout_s]
+                stale = [
+                    (rid, c[0])
+                    for rid, c in self._calls.items()
+                    if c[2] is not None and now - c[2] > self.progress_timeout_s
+                ]
                 self._stalled.update(rid for rid, _ in stale)
-            for rid, call in stale:
+            for _rid, call in stale:
                 call.cancel()
 
     def _progress(self, rid: str) -> None:
@@ -162,8 +176,9 @@ class PrefillClient:
                     sink.fail_handoff(request.rid, f"no prefill replica left: {reason}")
                     return
                 tried.add(peer.address)
-                attempt = HandoffRequest(request.rid, request.prompt_ids + sent, request.params, request.seed,
-                                         first_position=len(sent))
+                attempt = HandoffRequest(
+                    request.rid, request.prompt_ids + sent, request.params, request.seed, first_position=len(sent)
+                )
                 try:
                     handoff = self._stream(peer, attempt, sent)
                 except (grpc.RpcError, ValueError) as e:
@@ -177,8 +192,9 @@ class PrefillClient:
                     if cancelled:  # aborted by the front door; a no-op if the scheduler already freed it
                         sink.fail_handoff(request.rid, "cancelled")
                         return
-                    logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", request.rid, peer.address,
-                                   detail)
+                    logger.warning(
+                        "prefill of %s on %s broke (%s); retrying elsewhere", request.rid, peer.address, detail
+                    )
                     self.retries += 1
                     if self.metrics is not None:
                         self.metrics.retries.inc()
@@ -202,11 +218,19 @@ class PrefillClient:
         """One attempt. Tokens sampled by prefill are appended to `sent` as they are forwarded."""
         p = request.params
         msg = prefill_pb2.PrefillRequest(
-            request_id=request.rid, input_ids=request.prompt_ids, max_chunk_bytes=self.max_chunk_bytes,
+            request_id=request.rid,
+            input_ids=request.prompt_ids,
+            max_chunk_bytes=self.max_chunk_bytes,
             first_output_position=request.first_position,
-            sampling_params=prefill_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                                       min_p=p.min_p, seed=request.seed,
-                                                       max_new_tokens=p.max_new_tokens))
+            sampling_params=prefill_pb2.SamplingParams(
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                seed=request.seed,
+                max_new_tokens=p.max_new_tokens,
+            ),
+        )
         call = peer.stub.Prefill(msg, timeout=self.call_timeout_s)
         with self._lock:
             self._calls[request.rid] = [call, peer, None]
@@ -230,8 +254,9 @@ class PrefillClient:
                 if chunk.kv.draft and draft_assembler is None:
                     raise ValueError("draft KV from a prefill replica, but speculative decoding is off here")
                 k, v = (draft_assembler if chunk.kv.draft else assembler).add(chunk.kv)
-                self.sink.deliver_kv(request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v,
-                                          draft=chunk.kv.draft)
+                self.sink.deliver_kv(
+                    request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v, draft=chunk.kv.draft
+                )
             elif kind == "record":
                 rec = chunk.record
                 assembler.finish()
@@ -240,13 +265,23 @@ class PrefillClient:
                     draft_assembler.finish()
                     chunks += draft_assembler.chunks
                 if rec.prompt_len != n or rec.num_kv_chunks != chunks:
-                    raise ValueError(f"record says {rec.prompt_len} tokens / {rec.num_kv_chunks} chunks, "
-                                     f"got {n} / {chunks}")
+                    raise ValueError(
+                        f"record says {rec.prompt_len} tokens / {rec.num_kv_chunks} chunks, got {n} / {chunks}"
+                    )
                 if first is not None and rec.first_token != first:
                     raise ValueError("record's first token differs from the streamed one")
                 if self.metrics is not None:
                     self.metrics.handoff_transfer.observe(time.perf_counter() - started)
                     self.metrics.handoff_bytes.inc(nbytes)
-                return Handoff(request.rid, request.prompt_ids, request.params, request.seed, rec.first_token,
-                               k=None, v=None, first_position=request.first_position, **decode_seed(rec))
+                return Handoff(
+                    request.rid,
+                    request.prompt_ids,
+                    request.params,
+                    request.seed,
+                    rec.first_token,
+                    k=None,
+                    v=None,
+                    first_position=request.first_position,
+                    **decode_seed(rec),
+                )
         raise ValueError("prefill stream ended without a record")

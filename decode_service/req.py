@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -16,11 +16,11 @@ OutputCallback = Callable[[str, list[int], "str | None"], None]
 
 
 class ReqState(enum.Enum):
-    WAITING = "waiting"                  # admission queue: nothing reserved yet
-    AWAITING_HANDOFF = "awaiting"        # slot + KV reserved, prefill in flight
-    PREBUILT = "prebuilt"                # handoff received, joins the next prebuilt batch
-    RUNNING = "running"                  # in the running batch
-    FINISHED = "finished"                # released (slot and KV freed exactly once)
+    WAITING = "waiting"  # admission queue: nothing reserved yet
+    AWAITING_HANDOFF = "awaiting"  # slot + KV reserved, prefill in flight
+    PREBUILT = "prebuilt"  # handoff received, joins the next prebuilt batch
+    RUNNING = "running"  # in the running batch
+    FINISHED = "finished"  # released (slot and KV freed exactly once)
 
 
 @dataclass
@@ -35,9 +35,9 @@ class DecodeReq:
     kv_slots: torch.Tensor | None = None
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    error: str | None = None             # detail when finish_reason == "error"
-    handoff: object = None               # the Handoff while PREBUILT
-    spec_accepted: int = 0               # EAGLE: drafts accepted / proposed for this request
+    error: str | None = None  # detail when finish_reason == "error"
+    handoff: object = None  # the Handoff while PREBUILT
+    spec_accepted: int = 0  # EAGLE: drafts accepted / proposed for this request
     spec_drafted: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
 

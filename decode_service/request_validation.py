@@ -39,7 +39,9 @@ def _unsupported(req, sp) -> str | None:
     return next((name for bad, name in checks if bad), None)
 
 
-def parse_generate(req, vocab_size: int, context_length: int, default_max_new_tokens_: int) -> tuple[list[int], SamplingParams]:
+def parse_generate(
+    req, vocab_size: int, context_length: int, default_max_new_tokens_: int
+) -> tuple[list[int], SamplingParams]:
     """(prompt ids, SamplingParams) of a GenerateRequest; InvalidRequest naming the field if it is bad."""
     ids = list(req.tokenized.input_ids)
     sp = req.sampling_params
@@ -55,8 +57,13 @@ def parse_generate(req, vocab_size: int, context_length: int, default_max_new_to
     else:
         max_new = default_max_new_tokens(len(ids), default_max_new_tokens_, context_length) if ids else 1
     params = SamplingParams(
-        max_new_tokens=max_new, temperature=sp.temperature, top_k=sp.top_k if sp.top_k != 0 else -1,
-        top_p=sp.top_p if sp.top_p != 0 else 1.0, min_p=sp.min_p,
-        stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
+        max_new_tokens=max_new,
+        temperature=sp.temperature,
+        top_k=sp.top_k if sp.top_k != 0 else -1,
+        top_p=sp.top_p if sp.top_p != 0 else 1.0,
+        min_p=sp.min_p,
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+    )
     validate_prompt(ids, params, vocab_size, context_length)
     return ids, params

@@ -26,11 +26,11 @@ class ScheduleBatch:
         self.seq_lens = to_device(self.seq_lens_cpu, device)
 
     @classmethod
-    def empty(cls, device: torch.device) -> "ScheduleBatch":
+    def empty(cls, device: torch.device) -> ScheduleBatch:
         return cls([], torch.empty(0, dtype=torch.int64), device)
 
     @classmethod
-    def prebuilt(cls, reqs: list[DecodeReq], kv_lens: list[int], device: torch.device) -> "ScheduleBatch":
+    def prebuilt(cls, reqs: list[DecodeReq], kv_lens: list[int], device: torch.device) -> ScheduleBatch:
         """A prebuilt batch: seq_lens = the handed-over KV lengths (prompt, plus tokens resent on a retry)."""
         return cls(reqs, torch.tensor(kv_lens, dtype=torch.int64), device)
 
@@ -58,7 +58,7 @@ class ScheduleBatch:
         self.seq_lens_cpu = self.seq_lens_cpu + 1
         self.seq_lens = self.seq_lens + 1
 
-    def filter_unfinished(self) -> "ScheduleBatch":
+    def filter_unfinished(self) -> ScheduleBatch:
         keep = [i for i, r in enumerate(self.reqs) if not r.finished]
         if len(keep) == len(self.reqs):
             return self
@@ -72,7 +72,7 @@ class ScheduleBatch:
         out.seq_lens = self.seq_lens[to_device(idx, self.device)]
         return out
 
-    def merge(self, other: "ScheduleBatch") -> "ScheduleBatch":
+    def merge(self, other: ScheduleBatch) -> ScheduleBatch:
         if not len(other):
             return self
         out = ScheduleBatch.__new__(ScheduleBatch)

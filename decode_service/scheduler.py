@@ -38,15 +38,14 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
-from common.engine.handoff import Handoff, HandoffRequest
+from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.spec_sampling import SpecDraws
 from common.request_rules import InvalidRequest, finish_reason, validate_prompt
 from decode_service.finish_notes import FinishNotes
-from decode_service.inbox import (Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox,
-                                  KvChunkArrived, Submit)
+from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
 from decode_service.req import DecodeReq, OutputCallback, ReqState
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.step import InvariantError, LaunchedStep, SpecStats
@@ -56,8 +55,15 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeScheduler:
-    def __init__(self, worker, prefill_fn: Callable[[HandoffRequest], None], inbox: Inbox | None = None,
-                 overlap: bool = True, debug: bool = False, metrics=None):
+    def __init__(
+        self,
+        worker,
+        prefill_fn: Callable[[HandoffRequest], None],
+        inbox: Inbox | None = None,
+        overlap: bool = True,
+        debug: bool = False,
+        metrics=None,
+    ):
         """`worker`: a DecodeWorker (or a fake with its methods); `prefill_fn` starts a request's
         prefill once its slots are reserved; `inbox` is where the prefill side delivers (made here if
         not given); `metrics`: DecodeMetrics, or None in-process."""
@@ -92,8 +98,9 @@ class DecodeScheduler:
         self._step_lock = threading.RLock()  # other threads observe state only between steps
 
     # ---- API (any thread) -----------------------------------------------------------------------
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-               on_output: OutputCallback | None = None) -> None:
+    def submit(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback | None = None
+    ) -> None:
         validate_prompt(prompt_ids, params, self.info.vocab_size, self.info.context_length)
         if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
             raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
@@ -207,8 +214,9 @@ class DecodeScheduler:
             req.handoff = None
             self.worker.write_prebuilt(req.req_pool_idx, req.kv_slots, handoff)
             new = []  # tokens streamed early (or resent on a retry) may already finish the request
-            if len(req.output_ids) == handoff.first_position and \
-                    (not req.output_ids or self._finish_reason(req) is None):
+            if len(req.output_ids) == handoff.first_position and (
+                not req.output_ids or self._finish_reason(req) is None
+            ):
                 new = [handoff.first_token]
                 req.output_ids.append(handoff.first_token)
             reason = self._finish_reason(req)
@@ -232,8 +240,9 @@ class DecodeScheduler:
         draws = None
         if self.spec and not sampling.all_greedy:  # the lanes with temperature > 0 and their uniforms
             outputs_so_far = [s - r.prompt_len for s, r in zip(seq_lens_cpu, batch.reqs)]
-            draws = SpecDraws.build(sampling.params, sampling.seeds, outputs_so_far, self.spec.num_steps,
-                                    self.info.vocab_size)
+            draws = SpecDraws.build(
+                sampling.params, sampling.seeds, outputs_so_far, self.spec.num_steps, self.info.vocab_size
+            )
         worker_batch = WorkerBatch(
             step=self.step_count,
             req_pool_indices=batch.req_pool_indices,
@@ -262,7 +271,7 @@ class DecodeScheduler:
             if self.spec:
                 self._count_drafts(req, n)
             new, reason = [], None
-            for token in (row[:n + 1] if self.spec else [row]):  # EAGLE commits accept_len = A + 1 tokens
+            for token in row[: n + 1] if self.spec else [row]:  # EAGLE commits accept_len = A + 1 tokens
                 req.output_ids.append(token)
                 new.append(token)
                 reason = self._finish_reason(req)
@@ -305,8 +314,9 @@ class DecodeScheduler:
     def _on_kv_chunk(self, msg: KvChunkArrived) -> None:
         req = self.awaiting_handoff.get(msg.rid)
         if req is not None:
-            self.worker.write_kv_chunk(req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v,
-                                       draft=msg.draft and self.spec is not None)
+            self.worker.write_kv_chunk(
+                req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v, draft=msg.draft and self.spec is not None
+            )
 
     def _on_handoff(self, msg: HandoffArrived) -> None:
         handoff = msg.handoff
@@ -314,7 +324,11 @@ class DecodeScheduler:
         if req is None:
             return  # aborted or failed meanwhile: its reservation is already freed
         try:
-            self._check_handoff(req, handoff)
+            if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
+                handoff.check(self.info.num_layers)
+            if self.spec:
+                handoff.check_draft(self.info.hidden_size)
+            handoff.check_continues(req.prompt_ids, req.output_ids)
         except ValueError as e:
             self._finish(req, "error", str(e))
             return
@@ -326,19 +340,6 @@ class DecodeScheduler:
         req = self.awaiting_handoff.pop(msg.rid, None)
         if req is not None:
             self._finish(req, "error", msg.error)
-
-    def _check_handoff(self, req: DecodeReq, handoff: Handoff) -> None:
-        """ValueError if the record does not continue exactly what this request streamed."""
-        if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
-            handoff.check(self.info.num_layers)
-        if self.spec:
-            handoff.check_draft(self.info.hidden_size)
-        first = handoff.first_position
-        sent = req.output_ids[:first]
-        if handoff.prompt_ids != req.prompt_ids + sent or len(sent) != first:
-            raise ValueError(f"handoff {handoff.rid}: prefilled ids differ from prompt + tokens sent")
-        if len(req.output_ids) > first + 1 or req.output_ids[first:] not in ([], [handoff.first_token]):
-            raise ValueError(f"handoff {handoff.rid}: first token differs from the one streamed")
 
     # ---- finishing ----------------------------------------------------------------------------------
     def _abort(self, req: DecodeReq) -> None:

@@ -6,8 +6,9 @@ at once. The scheduler thread hands results to a call's queue with `call_soon_th
 
 Lifecycle of one Generate call:
   1. admit (before anything is reserved): UNAVAILABLE when draining, the scheduler is down or no
-     prefill replica is serving (cached health, re-checked live before refusing); INVALID_ARGUMENT for bad input (request_validation), a request_id
-     already in flight; RESOURCE_EXHAUSTED past `max_running_requests + max_queued_requests` open;
+     prefill replica is serving (cached health, re-checked live before refusing); INVALID_ARGUMENT
+     for bad input (request_validation) or a request_id already in flight; RESOURCE_EXHAUSTED past
+     `max_running_requests + max_queued_requests` open calls;
   2. submit to the DecodeScheduler under a unique internal id: it queues for admission, reserves
      the request slot + KV, and calls Prefill through the PrefillClient;
   3. stream: the first token as soon as prefill sends it, KV chunks written into the reserved slots
@@ -62,17 +63,31 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         kv = self.runner.kv_allocator
-        self.metrics = DecodeMetrics(running=lambda: self.load_counts()[0], queued=lambda: self.load_counts()[1],
-                                     kv_usage=lambda: kv.num_used / kv.size, open_streams=lambda: self._open)
+        self.metrics = DecodeMetrics(
+            running=lambda: self.load_counts()[0],
+            queued=lambda: self.load_counts()[1],
+            kv_usage=lambda: kv.num_used / kv.size,
+            open_streams=lambda: self._open,
+        )
         inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
-        self.prefill = PrefillClient(config.prefill_addrs, self.model_config, inbox, wait_ready_s=config.prefill_wait_s,
-                                     call_timeout_s=config.prefill_timeout_s,
-                                     progress_timeout_s=config.prefill_progress_timeout_s,
-                                     draft_config=self.runner.draft.config.layer if self.runner.draft else None,
-                                     metrics=self.metrics)
-        self.scheduler = DecodeScheduler(DecodeWorker(self.runner, debug=config.debug_checks), self.prefill, inbox,
-                                         overlap=not config.disable_overlap_schedule, debug=config.debug_checks,
-                                         metrics=self.metrics)
+        self.prefill = PrefillClient(
+            config.prefill_addrs,
+            self.model_config,
+            inbox,
+            wait_ready_s=config.prefill_wait_s,
+            call_timeout_s=config.prefill_timeout_s,
+            progress_timeout_s=config.prefill_progress_timeout_s,
+            draft_config=self.runner.draft.config.layer if self.runner.draft else None,
+            metrics=self.metrics,
+        )
+        self.scheduler = DecodeScheduler(
+            DecodeWorker(self.runner, debug=config.debug_checks),
+            self.prefill,
+            inbox,
+            overlap=not config.disable_overlap_schedule,
+            debug=config.debug_checks,
+            metrics=self.metrics,
+        )
         self.metrics_port: int | None = None
         self._ids = itertools.count()
         self._live: dict[str, str] = {}  # client request_id -> internal id (only requests that name one)
@@ -87,7 +102,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         pb_grpc.add_SglangSchedulerServicer_to_server(self, self.server.server)
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> "DecodeService":
+    def start(self) -> DecodeService:
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self.scheduler.start()
@@ -159,8 +174,12 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self._live[request.request_id] = rid
         finished = False
         try:
-            self.scheduler.submit(rid, ids, params,
-                                  lambda _rid, toks, reason: loop.call_soon_threadsafe(outputs.put_nowait, (toks, reason)))
+            self.scheduler.submit(
+                rid,
+                ids,
+                params,
+                lambda _rid, toks, reason: loop.call_soon_threadsafe(outputs.put_nowait, (toks, reason)),
+            )
             async for response in self._responses(request, rid, ids, outputs, context):
                 finished = response.HasField("complete")
                 yield response
@@ -183,18 +202,21 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         if not self.scheduler.alive:
             raise _Reject(grpc.StatusCode.UNAVAILABLE, "decode scheduler is not running")
         try:
-            ids, params = parse_generate(request, self.model_config.vocab_size, self.runner.context_length,
-                                         self.config.default_max_new_tokens)
+            ids, params = parse_generate(
+                request, self.model_config.vocab_size, self.runner.context_length, self.config.default_max_new_tokens
+            )
         except InvalidRequest as e:
-            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         if request.request_id in self._live:
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request.request_id!r} is already in flight")
         if not self._prefill_serving:
             raise _Reject(grpc.StatusCode.UNAVAILABLE, "no prefill replica is serving")
         bound = self.config.max_running_requests + self.config.max_queued_requests
         if self._open >= bound:
-            raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self._open} requests open: the admission queue is full (max_queued_requests)")
+            raise _Reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._open} requests open: the admission queue is full (max_queued_requests)",
+            )
         return ids, params
 
     async def _recheck_prefill(self) -> None:
@@ -215,8 +237,9 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 tokens, reason = await asyncio.wait_for(outputs.get(), timeout=1.0)
             except asyncio.TimeoutError:  # never wait forever on a scheduler that died
                 if not self.scheduler.alive:
-                    await context.abort(grpc.StatusCode.INTERNAL,
-                                        f"decode scheduler failed: {self.scheduler.fatal_error!r}")
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL, f"decode scheduler failed: {self.scheduler.fatal_error!r}"
+                    )
                 continue
             if tokens:
                 now = time.perf_counter()
@@ -239,17 +262,26 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             if reason == "abort" and self._draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
             if tokens and request.stream:
-                yield pb.GenerateResponse(request_id=request.request_id, chunk=pb.GenerateStreamChunk(
-                    token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids)))
+                yield pb.GenerateResponse(
+                    request_id=request.request_id,
+                    chunk=pb.GenerateStreamChunk(
+                        token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids)
+                    ),
+                )
             if reason is not None:
                 accepted, drafted = self.scheduler.notes.pop_spec(rid)
                 if drafted:
                     m.spec_accepted.inc(accepted)
                     m.spec_drafted.inc(drafted)
                     m.spec_accept_length.observe(1 + accepted * self.config.speculative_num_steps / drafted)
-                complete = pb.GenerateComplete(output_ids=all_ids, finish_reason=reason, prompt_tokens=len(ids),
-                                               completion_tokens=len(all_ids), spec_accepted_tokens=accepted,
-                                               spec_draft_tokens=drafted)
+                complete = pb.GenerateComplete(
+                    output_ids=all_ids,
+                    finish_reason=reason,
+                    prompt_tokens=len(ids),
+                    completion_tokens=len(all_ids),
+                    spec_accepted_tokens=accepted,
+                    spec_draft_tokens=drafted,
+                )
                 if reason == "stop" and all_ids:
                     complete.matched_token_id = all_ids[-1]
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
@@ -280,8 +312,9 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         rid = self._live.get(request.request_id)
         if rid is not None:
             self._abort_internal(rid)
-        return pb.AbortResponse(success=rid is not None,
-                                message="aborted" if rid is not None else "unknown or finished request")
+        return pb.AbortResponse(
+            success=rid is not None, message="aborted" if rid is not None else "unknown or finished request"
+        )
 
     async def HealthCheck(self, request, context):
         healthy = self.healthy()

@@ -10,11 +10,21 @@ import hashlib
 import io
 import os
 import zipfile
-from typing import Iterator
+from collections.abc import Iterator
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "config.json",
+    "generation_config.json",
+)
 
 
 def tokenizer_zip(folder: str) -> bytes:
@@ -33,4 +43,4 @@ def chunks(data: bytes, chunk_bytes: int = 1 << 20) -> Iterator[tuple[bytes, str
     digest = hashlib.sha256(data).hexdigest()
     for start in range(0, max(len(data), 1), chunk_bytes):
         last = start + chunk_bytes >= len(data)
-        yield data[start:start + chunk_bytes], digest if last else ""
+        yield data[start : start + chunk_bytes], digest if last else ""

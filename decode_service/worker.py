@@ -17,6 +17,7 @@ On the stream, `forward(batch)` runs a plain decode step or an EAGLE step (draft
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 from common.engine.handoff import Handoff
@@ -36,13 +37,26 @@ class DecodeWorker:
         self.runner = runner
         cfg = runner.config
         spec = runner.draft.spec if runner.draft is not None else None
-        self.info = WorkerInfo(runner.device, cfg.vocab_size, runner.context_length, tuple(cfg.eos_token_ids),
-                               cfg.num_layers, cfg.hidden_size, spec)
+        self.info = WorkerInfo(
+            runner.device,
+            cfg.vocab_size,
+            runner.context_length,
+            tuple(cfg.eos_token_ids),
+            cfg.num_layers,
+            cfg.hidden_size,
+            spec,
+        )
         self.req_to_token_pool = runner.req_to_token_pool
         self.kv_allocator = runner.kv_allocator
         self.stream = make_stream(runner.device)
-        self.future_map = FutureMap(runner.req_to_token_pool.size, runner.device, lambda: make_event(runner.device),
-                                    debug, draft_hidden_size=cfg.hidden_size if spec else 0, draft_dtype=runner.dtype)
+        self.future_map = FutureMap(
+            runner.req_to_token_pool.size,
+            runner.device,
+            lambda: make_event(runner.device),
+            debug,
+            draft_hidden_size=cfg.hidden_size if spec else 0,
+            draft_dtype=runner.dtype,
+        )
 
     # ---- schedule side ---------------------------------------------------------------------------
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
@@ -69,8 +83,9 @@ class DecodeWorker:
     def resolve_seq_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
         return self.future_map.resolve_seq_lens_cpu(indices)
 
-    def write_kv_chunk(self, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list,
-                       draft: bool = False) -> None:
+    def write_kv_chunk(
+        self, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list, draft: bool = False
+    ) -> None:
         """One handed-over KV chunk into the target's pool (or with `draft` the EAGLE head's)."""
         pool = self.runner.draft.kv_pool if draft and self.runner.draft is not None else self.runner.kv_pool
         submit_kv_chunk(self.stream, pool, kv_slots, token_start, layer_start, k, v)

@@ -68,4 +68,4 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     num_layers: int  # the target's (a handoff's KV must cover them)
     hidden_size: int  # the target's (an EAGLE draft seed's hidden is this wide)
-    spec: "SpecArgs | None"  # EAGLE settings, None without a draft head
+    spec: SpecArgs | None  # EAGLE settings, None without a draft head

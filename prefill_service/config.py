@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.service_config import ServiceConfig, build_parser as _build, flag, parse_config
+from common.service_config import ServiceConfig, flag, parse_config
+from common.service_config import build_parser as _build
 from common.wire.grpc_server import DEFAULT_MAX_CHUNK_BYTES
 
 PROG, DESCRIPTION = "python -m prefill_service", "The prefill service (gRPC disagg.v1.Prefill)."
@@ -17,8 +18,11 @@ class PrefillConfig(ServiceConfig):
     max_running_requests: int = flag(16, "prompts prefilled together at most")
     chunked_prefill_size: int = flag(512, "token budget of one extend forward")
     max_chunk_bytes: int = flag(DEFAULT_MAX_CHUNK_BYTES, "bound on one KV chunk on the wire")
-    inject_faults: str | None = flag(None, "tests and drills: break or stall a fraction of handoffs, "
-                                           "e.g. fail=0.05,stall=0.02[,seed=1] (default off)", type=str)
+    inject_faults: str | None = flag(
+        None,
+        "tests and drills: break or stall a fraction of handoffs, e.g. fail=0.05,stall=0.02[,seed=1] (default off)",
+        type=str,
+    )
     test_step_delay_s: float = flag(0.0, "test-only: sleep after each engine step", hidden=True)
     test_kv_chunk_delay_s: float = flag(0.0, "test-only: sleep before each KV chunk", hidden=True)
 

@@ -14,16 +14,17 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 
 
-def draft_extend(runner, row: int, prompt: list[int], first_token: int, features: torch.Tensor,
-                 chunk_size: int, topk: int) -> dict:
+def draft_extend(
+    runner, row: int, prompt: list[int], first_token: int, features: torch.Tensor, chunk_size: int, topk: int
+) -> dict:
     """Draft KV and seed for one prefilled prompt; `features` [len(prompt), F] from the target."""
     draft, table = runner.draft, runner.req_to_token_pool.req_to_token
     shifted = prompt[1:] + [first_token]
     hidden = None
     for start in range(0, len(prompt), chunk_size):
-        ids = shifted[start:start + chunk_size]
+        ids = shifted[start : start + chunk_size]
         batch = ForwardBatch.extend(table, [row], [start], [ids], all_logits=True)
-        hidden = draft.forward(batch, features[start:start + len(ids)])
+        hidden = draft.forward(batch, features[start : start + len(ids)])
     last = hidden[-1:]
     topk_p, topk_ids = draft.topk(last, topk)
     return dict(draft_topk_ids=topk_ids[0].cpu(), draft_topk_p=topk_p[0].cpu(), draft_hidden=last[0].cpu())

@@ -51,12 +51,18 @@ class PrefillEngine:
     # ---- admission ---------------------------------------------------------------------------------
     def validate(self, request: HandoffRequest) -> None:
         kv = self.runner.kv_allocator
-        validate_prompt(request.prompt_ids, request.params, self.runner.config.vocab_size,
-                        self.runner.context_length, kv_capacity=kv.size)
+        validate_prompt(
+            request.prompt_ids,
+            request.params,
+            self.runner.config.vocab_size,
+            self.runner.context_length,
+            kv_capacity=kv.size,
+        )
 
     def can_admit(self, request: HandoffRequest) -> bool:
-        return (self.runner.req_to_token_pool.allocator.num_free > 0
-                and self.runner.kv_allocator.can_alloc(len(request.prompt_ids)))
+        return self.runner.req_to_token_pool.allocator.num_free > 0 and self.runner.kv_allocator.can_alloc(
+            len(request.prompt_ids)
+        )
 
     def admit(self, request: HandoffRequest) -> None:
         self.validate(request)
@@ -90,8 +96,9 @@ class PrefillEngine:
     def step(self) -> list[tuple[HandoffRequest, Handoff]]:
         """One extend forward; (request, Handoff) of each prompt it completed (its slots already freed)."""
         spec = self.runner.draft is not None
-        finished, logits = prefill_step(self.runner, self.running, self.chunk_size,
-                                        self._keep_features if spec else None)
+        finished, logits = prefill_step(
+            self.runner, self.running, self.chunk_size, self._keep_features if spec else None
+        )
         if not finished:
             return []
         self._sample_first(finished, logits)
@@ -127,8 +134,12 @@ class PrefillEngine:
         self.runner.req_to_token_pool.free(w.req_pool_idx)
 
     def _sample_first(self, done: list[_Running], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [w.request.params for w in done], [w.request.seed for w in done],
-                        [w.request.first_position for w in done])
+        tokens = sample(
+            logits,
+            [w.request.params for w in done],
+            [w.request.seed for w in done],
+            [w.request.first_position for w in done],
+        )
         for w, t in zip(done, tokens.tolist()):
             w.first_token = t
 
@@ -136,7 +147,7 @@ class PrefillEngine:
     def _keep_features(chunk: list, features: torch.Tensor) -> None:
         start = 0
         for w, _, ids in chunk:
-            w.features.append(features[start:start + len(ids)])
+            w.features.append(features[start : start + len(ids)])
             start += len(ids)
 
     def _to_handoff(self, w: _Running) -> Handoff:
@@ -145,11 +156,26 @@ class PrefillEngine:
         r = w.request
         extra = {}
         if self.runner.draft is not None:
-            extra = draft_extend(self.runner, w.req_pool_idx, w.prompt, w.first_token, torch.cat(w.features),
-                                 self.chunk_size, self.runner.draft.spec.eagle_topk)
+            extra = draft_extend(
+                self.runner,
+                w.req_pool_idx,
+                w.prompt,
+                w.first_token,
+                torch.cat(w.features),
+                self.chunk_size,
+                self.runner.draft.spec.eagle_topk,
+            )
             w.features = []
             dpool = self.runner.draft.kv_pool
             extra.update(draft_k=[dpool.k[0][loc].cpu()], draft_v=[dpool.v[0][loc].cpu()])
-        return Handoff(rid=r.rid, prompt_ids=list(r.prompt_ids), params=r.params, seed=r.seed,
-                       first_token=w.first_token, k=[k[loc].cpu() for k in pool.k], v=[v[loc].cpu() for v in pool.v],
-                       first_position=r.first_position, **extra)
+        return Handoff(
+            rid=r.rid,
+            prompt_ids=list(r.prompt_ids),
+            params=r.params,
+            seed=r.seed,
+            first_token=w.first_token,
+            k=[k[loc].cpu() for k in pool.k],
+            v=[v[loc].cpu() for v in pool.v],
+            first_position=r.first_position,
+            **extra,
+        )

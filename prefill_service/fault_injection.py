@@ -23,8 +23,8 @@ class FaultPlan:
     seed: int | None = None
 
     @classmethod
-    def parse(cls, spec: str | None) -> "FaultPlan":
-        """"fail=0.05,stall=0.02[,seed=1]" -> FaultPlan; ValueError naming a bad key or value."""
+    def parse(cls, spec: str | None) -> FaultPlan:
+        """ "fail=0.05,stall=0.02[,seed=1]" -> FaultPlan; ValueError naming a bad key or value."""
         if not spec:
             return cls()
         values: dict = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
@@ -21,14 +21,20 @@ from prefill_service.engine import PrefillEngine
 
 
 class InProcessPrefill:
-    def __init__(self, engine: PrefillEngine, deliver: Callable[[Handoff], None],
-                 fail: Callable[[str, str], None], max_batch: int = 16):
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        deliver: Callable[[Handoff], None],
+        fail: Callable[[str, str], None],
+        max_batch: int = 16,
+    ):
         self.engine = engine
         self.deliver, self.fail = deliver, fail
         self.max_batch = max_batch
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=intra_op.thread_target(self._loop, threads=1), name="prefill",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=intra_op.thread_target(self._loop, threads=1), name="prefill", daemon=True
+        )
         self._thread.start()
 
     def __call__(self, request: HandoffRequest) -> None:

@@ -32,8 +32,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
@@ -62,27 +62,34 @@ class PrefillCall:
 @dataclass
 class PrefillBatchResult:
     """What one engine step gave: (request, Handoff) of each completed prompt, or the step's error."""
+
     done: list[tuple[HandoffRequest, Handoff]] = field(default_factory=list)
     error: Exception | None = None
 
 
 class PrefillScheduler:
-    def __init__(self, engine: PrefillEngine, max_running_requests: int, debug_checks: bool = False,
-                 test_step_delay_s: float = 0.0, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        max_running_requests: int,
+        debug_checks: bool = False,
+        test_step_delay_s: float = 0.0,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
         self.engine = engine
         self.max_running_requests = max_running_requests
         self.debug_checks = debug_checks
         self.test_step_delay_s = test_step_delay_s
         self.on_fatal = on_fatal
-        self.inbox: deque[PrefillCall] = deque()            # submitted, not seen by the loop yet
-        self.waiting: deque[PrefillCall] = deque()          # seen, waiting for slots (loop thread only)
-        self.running: dict[int, PrefillCall] = {}           # id(request) -> call admitted to the engine
-        self.pending: dict[int, PrefillCall] = {}           # id(call) -> every call not answered yet
-        self.num_prefilled = 0                              # calls answered with a Handoff since start
+        self.inbox: deque[PrefillCall] = deque()  # submitted, not seen by the loop yet
+        self.waiting: deque[PrefillCall] = deque()  # seen, waiting for slots (loop thread only)
+        self.running: dict[int, PrefillCall] = {}  # id(request) -> call admitted to the engine
+        self.pending: dict[int, PrefillCall] = {}  # id(call) -> every call not answered yet
+        self.num_prefilled = 0  # calls answered with a Handoff since start
         self.fatal_error: BaseException | None = None
-        self._cv = threading.Condition()                    # guards inbox, pending, _stopping, _closed
+        self._cv = threading.Condition()  # guards inbox, pending, _stopping, _closed
         self._stopping = False
-        self._closed: Exception | None = None               # the loop has ended: the answer to later calls
+        self._closed: Exception | None = None  # the loop has ended: the answer to later calls
         self._thread: threading.Thread | None = None
 
     # ---- API (any thread) -----------------------------------------------------------------------
@@ -96,10 +103,9 @@ class PrefillScheduler:
         if closed is not None:
             self._deliver(call, closed)
 
-    def start(self) -> "PrefillScheduler":
+    def start(self) -> PrefillScheduler:
         # the process's computing thread: the configured intra-op count (common/engine/intra_op.py)
-        self._thread = threading.Thread(target=intra_op.thread_target(self._run), name="prefill-scheduler",
-                                        daemon=True)
+        self._thread = threading.Thread(target=intra_op.thread_target(self._run), name="prefill-scheduler", daemon=True)
         self._thread.start()
         return self
 
@@ -182,8 +188,11 @@ class PrefillScheduler:
 
     def get_new_batch(self) -> None:
         """Admit from the head of `waiting` while the limit and the free slots allow."""
-        while (self.waiting and len(self.running) < self.max_running_requests
-               and self.engine.can_admit(self.waiting[0].request)):
+        while (
+            self.waiting
+            and len(self.running) < self.max_running_requests
+            and self.engine.can_admit(self.waiting[0].request)
+        ):
             call = self.waiting.popleft()
             try:
                 self.engine.admit(call.request)

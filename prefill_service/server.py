@@ -57,23 +57,30 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.config = config
         self.runner = ModelRunner.for_service(config)
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
-        self.scheduler = PrefillScheduler(self.engine, config.max_running_requests,
-                                          debug_checks=config.debug_checks,
-                                          test_step_delay_s=config.test_step_delay_s,
-                                          on_fatal=self._scheduler_failed)
+        self.scheduler = PrefillScheduler(
+            self.engine,
+            config.max_running_requests,
+            debug_checks=config.debug_checks,
+            test_step_delay_s=config.test_step_delay_s,
+            on_fatal=self._scheduler_failed,
+        )
         self.faults = FaultInjector(FaultPlan.parse(config.inject_faults))
         kv = self.runner.kv_allocator
-        self.metrics = PrefillMetrics(running=lambda: self.scheduler.num_running, queued=self.scheduler.num_queued,
-                                      kv_usage=lambda: kv.num_used / kv.size)
+        self.metrics = PrefillMetrics(
+            running=lambda: self.scheduler.num_running,
+            queued=self.scheduler.num_queued,
+            kv_usage=lambda: kv.num_used / kv.size,
+        )
         self.metrics_port: int | None = None
         self.open_calls = 0  # Prefill calls open (changed on the event loop only)
-        self._chunk_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-chunks",
-                                              initializer=intra_op.pin_single)
+        self._chunk_pool = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="kv-chunks", initializer=intra_op.pin_single
+        )
         self.server = AioServer(config.host, config.port, [SERVICE_NAME])
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> "PrefillService":
+    def start(self) -> PrefillService:
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self.scheduler.start()
@@ -139,11 +146,22 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         """The request as a HandoffRequest; ValueError naming what is wrong."""
         sp = request.sampling_params
         # prefill samples one token: validate against that, whatever the request's decode budget is
-        params = SamplingParams(max_new_tokens=1, temperature=sp.temperature, top_k=sp.top_k,
-                                top_p=sp.top_p or 1.0, min_p=sp.min_p, seed=sp.seed)
+        params = SamplingParams(
+            max_new_tokens=1,
+            temperature=sp.temperature,
+            top_k=sp.top_k,
+            top_p=sp.top_p or 1.0,
+            min_p=sp.min_p,
+            seed=sp.seed,
+        )
         prompt = list(request.input_ids)
-        validate_prompt(prompt, params, self.runner.config.vocab_size, self.runner.context_length,
-                        kv_capacity=self.runner.kv_allocator.size)
+        validate_prompt(
+            prompt,
+            params,
+            self.runner.config.vocab_size,
+            self.runner.context_length,
+            kv_capacity=self.runner.kv_allocator.size,
+        )
         if request.first_output_position >= len(prompt):
             raise ValueError("first_output_position must be < len(input_ids)")
         return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
@@ -190,23 +208,32 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 await asyncio.sleep(STALL_MAX_S)
                 return
         draft_seed = await loop.run_in_executor(self._chunk_pool, kv_chunks.encode_seed, result)
-        yield prefill_pb2.PrefillChunk(record=prefill_pb2.PrebuiltRecord(
-            prompt_len=len(result.prompt_ids), first_token=result.first_token, num_kv_chunks=count,
-            draft_seed=draft_seed,
-            queue_us=int(1e6 * (call.started_at - call.queued_at)),
-            compute_us=int(1e6 * (call.finished_at - call.started_at))))
+        yield prefill_pb2.PrefillChunk(
+            record=prefill_pb2.PrebuiltRecord(
+                prompt_len=len(result.prompt_ids),
+                first_token=result.first_token,
+                num_kv_chunks=count,
+                draft_seed=draft_seed,
+                queue_us=int(1e6 * (call.started_at - call.queued_at)),
+                compute_us=int(1e6 * (call.finished_at - call.started_at)),
+            )
+        )
         m.handoff_transfer.observe(time.perf_counter() - sent_first)
         m.requests.inc()
 
     async def GetLoad(self, request, context):
         kv = self.runner.kv_allocator
-        return prefill_pb2.LoadResponse(num_running_reqs=self.scheduler.num_running,
-                                        num_waiting_reqs=self.scheduler.num_queued(),
-                                        num_used_tokens=kv.num_used, max_total_tokens=kv.size)
+        return prefill_pb2.LoadResponse(
+            num_running_reqs=self.scheduler.num_running,
+            num_waiting_reqs=self.scheduler.num_queued(),
+            num_used_tokens=kv.num_used,
+            max_total_tokens=kv.size,
+        )
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, answer: asyncio.Future):
     """A call's `on_answer`: from any thread, resolve `answer` on `loop` (unless it was cancelled)."""
+
     def resolve(result: Answer) -> None:
         if not answer.done():
             answer.set_result(result)
@@ -216,5 +243,5 @@ def _resolver(loop: asyncio.AbstractEventLoop, answer: asyncio.Future):
             loop.call_soon_threadsafe(resolve, result)
         except RuntimeError:  # the server's loop is closed: nobody waits for this answer any more
             pass
-    return on_answer
 
+    return on_answer

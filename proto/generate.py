@@ -21,8 +21,13 @@ def generate(out_dir: str) -> dict[str, str]:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{os.path.join(ROOT, 'proto')}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}"] + PROTOS
+        args = [
+            "protoc",
+            f"-I{os.path.join(ROOT, 'proto')}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+        ] + PROTOS
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         files = {}
@@ -38,8 +43,11 @@ def generate(out_dir: str) -> dict[str, str]:
 def main() -> None:
     files = generate(OUT)
     if "--check" in sys.argv:
-        stale = [n for n, t in files.items() if not os.path.exists(os.path.join(OUT, n))
-                 or open(os.path.join(OUT, n)).read() != t]
+        stale = [
+            n
+            for n, t in files.items()
+            if not os.path.exists(os.path.join(OUT, n)) or open(os.path.join(OUT, n)).read() != t
+        ]
         if stale:
             print(f"stale generated stubs: {stale}; run python proto/generate.py")
             raise SystemExit(1)

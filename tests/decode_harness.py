@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from common.engine.draft_runner import SpecArgs
 from common.engine.model_runner import ModelRunner, RunnerArgs
@@ -73,8 +73,14 @@ class Outputs:
             self.reasons[rid] = reason
 
 
-def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16, spec: SpecArgs | None = None,
-            device: str = "cpu", dtype: str = "auto"):
+def runners(
+    path: str,
+    decode_tokens: int = 2048,
+    decode_reqs: int = 16,
+    spec: SpecArgs | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
+):
     spec = spec or SpecArgs()
     kw = dict(spec=spec, device=device, dtype=dtype)
     prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
@@ -83,13 +89,15 @@ def runners(path: str, decode_tokens: int = 2048, decode_reqs: int = 16, spec: S
 
 
 class Pair:
-    def __init__(self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: Hooks | None = None,
-                 **sizes):  # sizes: decode_tokens, decode_reqs, spec, device, dtype
+    def __init__(
+        self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: Hooks | None = None, **sizes
+    ):  # sizes: decode_tokens, decode_reqs, spec, device, dtype
         prefill, decode = runners(path, **sizes)
         self.out = Outputs()
         self.inbox = Inbox()
-        self.link = InProcessPrefill(PrefillEngine(prefill, chunk_size), self.inbox.deliver_handoff,
-                                     self.inbox.fail_handoff)
+        self.link = InProcessPrefill(
+            PrefillEngine(prefill, chunk_size), self.inbox.deliver_handoff, self.inbox.fail_handoff
+        )
         self.worker = HookedWorker(decode, hooks)
         self.scheduler = DecodeScheduler(self.worker, self.link, self.inbox, overlap=overlap, debug=True)
         self.scheduler.start()

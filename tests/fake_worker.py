@@ -15,7 +15,7 @@ that order), so ordering questions (invariant 7) are answered by reading it.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -35,10 +35,24 @@ def token_of(rid: str, index: int) -> int:
 
 
 class FakeWorker:
-    def __init__(self, req_slots: int = 4, kv_slots: int = 256, context: int = 128, spec=None,
-                 accept: Callable[[str, int], int] | None = None, overrides: dict | None = None):
-        self.info = WorkerInfo(torch.device("cpu"), vocab_size=100, context_length=context, eos_token_ids=(EOS,),
-                               num_layers=2, hidden_size=HIDDEN, spec=spec)
+    def __init__(
+        self,
+        req_slots: int = 4,
+        kv_slots: int = 256,
+        context: int = 128,
+        spec=None,
+        accept: Callable[[str, int], int] | None = None,
+        overrides: dict | None = None,
+    ):
+        self.info = WorkerInfo(
+            torch.device("cpu"),
+            vocab_size=100,
+            context_length=context,
+            eos_token_ids=(EOS,),
+            num_layers=2,
+            hidden_size=HIDDEN,
+            spec=spec,
+        )
         extra = spec.extra_slots if spec else 0
         self.req_to_token_pool = ReqToTokenPool(req_slots, context + extra, "cpu")
         self.kv_allocator = SlotAllocator(kv_slots, name="KV slots")
@@ -58,11 +72,21 @@ class FakeWorker:
         """What a prefill peer would deliver for `request` (the KV came as chunks: none in the record)."""
         draft = {}
         if self.info.spec:
-            draft = dict(draft_topk_ids=torch.tensor([3]), draft_topk_p=torch.tensor([1.0]),
-                         draft_hidden=torch.zeros(HIDDEN))
+            draft = dict(
+                draft_topk_ids=torch.tensor([3]), draft_topk_p=torch.tensor([1.0]), draft_hidden=torch.zeros(HIDDEN)
+            )
         first = self.token(request.rid, request.first_position)
-        return Handoff(request.rid, request.prompt_ids, request.params, request.seed, first, k=None, v=None,
-                       first_position=request.first_position, **draft)
+        return Handoff(
+            request.rid,
+            request.prompt_ids,
+            request.params,
+            request.seed,
+            first,
+            k=None,
+            v=None,
+            first_position=request.first_position,
+            **draft,
+        )
 
     # ---- the worker interface ----------------------------------------------------------------------
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
@@ -87,8 +111,12 @@ class FakeWorker:
             self._published[row] = n + a + 1
             self._committed[row] = n + a + 1
         self.log.append(("forward", batch.step, tuple(rows)))
-        result = BatchResult(batch.step, HostEvent(), torch.tensor(tokens, dtype=torch.int64),
-                             torch.tensor(accepted, dtype=torch.int64) if spec else None)
+        result = BatchResult(
+            batch.step,
+            HostEvent(),
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(accepted, dtype=torch.int64) if spec else None,
+        )
         result.results_ready.set_here()
         return result
 

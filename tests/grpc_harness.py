@@ -17,8 +17,16 @@ from prefill_service.server import PrefillService
 class GrpcPair:
     def __init__(self, path: str, overlap: bool = True, prefill_kw: dict | None = None, decode_kw: dict | None = None):
         self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, **(prefill_kw or {}))).start()
-        self.decode = DecodeService(DecodeConfig(path, prefill_addr=self.prefill.address, port=0, debug_checks=True,
-                                                 disable_overlap_schedule=not overlap, **(decode_kw or {}))).start()
+        self.decode = DecodeService(
+            DecodeConfig(
+                path,
+                prefill_addr=self.prefill.address,
+                port=0,
+                debug_checks=True,
+                disable_overlap_schedule=not overlap,
+                **(decode_kw or {}),
+            )
+        ).start()
         self.channel = grpc.insecure_channel(self.decode.address)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         deadline = time.time() + 20
@@ -30,8 +38,11 @@ class GrpcPair:
         sp = pb.SamplingParams(**sampling)
         if max_new_tokens is not None:
             sp.max_new_tokens = max_new_tokens
-        return self.stub.Generate(pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt),
-                                                     sampling_params=sp, stream=stream))
+        return self.stub.Generate(
+            pb.GenerateRequest(
+                request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), sampling_params=sp, stream=stream
+            )
+        )
 
     def collect(self, responses) -> tuple[list[int], pb.GenerateComplete]:
         """Streamed ids (or the Complete's ids when not streaming) and the Complete."""

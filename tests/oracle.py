@@ -17,9 +17,10 @@ def hf_model(path: str):
 @torch.inference_mode()
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF generate(do_sample=False, eos_token_id=None): exactly max_new_tokens new ids."""
-    out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
-    new = out[0, len(prompt):].tolist()
+    out = hf_model(path).generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    new = out[0, len(prompt) :].tolist()
     assert len(new) == max_new_tokens, "oracle did not produce a fixed-length reference"
     return new
 

@@ -23,24 +23,32 @@ NUM_SLOTS = 2048
 CASES = {  # name -> (prefix_lens, extend_lens); request rows are assigned out of order
     "extend_from_empty": ([0, 0, 0, 0], [1, 17, 300, 64]),
     "extend_over_prefix": ([7, 0, 250, 33, 1], [5, 9, 50, 1, 1]),
-    "extend_equal_lens_over_prefix": ([10, 0, 123], [8, 8, 8]),     # the no-scatter path with a prefix
+    "extend_equal_lens_over_prefix": ([10, 0, 123], [8, 8, 8]),  # the no-scatter path with a prefix
     "decode_mixed_lengths": ([0, 1, 99, 299, 12, 63], [1, 1, 1, 1, 1, 1]),
 }
 
 
-def _backend_outputs(backend_cls, heads, kv_heads, prefix_lens, extend_lens, decode=False, dtype=torch.float32,
-                     after_init=lambda backend: None):
+def _backend_outputs(
+    backend_cls,
+    heads,
+    kv_heads,
+    prefix_lens,
+    extend_lens,
+    decode=False,
+    dtype=torch.float32,
+    after_init=lambda backend: None,
+):
     """Same pool contents, rows and q/k/v for every backend class (seeded); returns (out, pool)."""
     g = torch.Generator().manual_seed(0)
     pool = KVPool(NUM_SLOTS, 2, kv_heads, HEAD_DIM, dtype)
     for buf in pool.k + pool.v:
-        buf.normal_(generator=g)                     # cached prefix KV (and noise everywhere else)
+        buf.normal_(generator=g)  # cached prefix KV (and noise everywhere else)
     r2t = ReqToTokenPool(8, 512)
-    rows = [7, 2, 5, 1, 8, 3][:len(prefix_lens)]
-    slots = torch.randperm(NUM_SLOTS, generator=g) + 1   # scattered slots, never the padding slot 0
+    rows = [7, 2, 5, 1, 8, 3][: len(prefix_lens)]
+    slots = torch.randperm(NUM_SLOTS, generator=g) + 1  # scattered slots, never the padding slot 0
     used = 0
     for row, p, n in zip(rows, prefix_lens, extend_lens):
-        r2t.write(row, 0, slots[used:used + p + n])
+        r2t.write(row, 0, slots[used : used + p + n])
         used += p + n
     if decode:
         batch = ForwardBatch.decode(r2t.req_to_token, torch.tensor(rows), prefix_lens, torch.zeros(len(rows)))
@@ -55,7 +63,7 @@ def _backend_outputs(backend_cls, heads, kv_heads, prefix_lens, extend_lens, dec
         q = torch.randn(tokens, heads, HEAD_DIM, generator=g).to(dtype)
         k = torch.randn(tokens, kv_heads, HEAD_DIM, generator=g).to(dtype)
         v = torch.randn(tokens, kv_heads, HEAD_DIM, generator=g).to(dtype)
-        outs.append(backend.forward(q, k, v, layer, batch, HEAD_DIM ** -0.5))
+        outs.append(backend.forward(q, k, v, layer, batch, HEAD_DIM**-0.5))
     return torch.stack(outs), pool
 
 
@@ -68,7 +76,7 @@ def test_backend_matches_reference(case, heads, kv_heads):
     out, pool = _backend_outputs(BatchedBackend, heads, kv_heads, prefix_lens, extend_lens, decode)
     assert out.shape == ref.shape == (2, sum(extend_lens), heads, HEAD_DIM)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    for a, b in zip(pool.k + pool.v, ref_pool.k + ref_pool.v):   # this forward's k/v were written
+    for a, b in zip(pool.k + pool.v, ref_pool.k + ref_pool.v):  # this forward's k/v were written
         assert torch.equal(a, b)
 
 
@@ -77,8 +85,9 @@ def test_backend_cuda_paths_match_reference(monkeypatch):
     monkeypatch.setattr(batched, "_HAS_ENABLE_GQA", False)
     prefix_lens, extend_lens = CASES["extend_over_prefix"]
     ref, _ = _backend_outputs(TorchReferenceBackend, 4, 2, prefix_lens, extend_lens)
-    out, _ = _backend_outputs(BatchedBackend, 4, 2, prefix_lens, extend_lens,
-                              after_init=lambda backend: setattr(backend, "_scratch", None))
+    out, _ = _backend_outputs(
+        BatchedBackend, 4, 2, prefix_lens, extend_lens, after_init=lambda backend: setattr(backend, "_scratch", None)
+    )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -106,13 +115,17 @@ def _model_logits(path: str, backend: str, prompts: list[list[int]], decode_step
         rows.append(runner.req_to_token_pool.alloc())
         runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(len(p) + decode_steps))
     cut = [min(len(p), max(1, len(p) // 2)) for p in prompts]
-    logits = [runner.forward(ForwardBatch.extend(table, rows, [0] * len(prompts),
-                                                 [p[:c] for p, c in zip(prompts, cut)], all_logits=True))[0]]
+    logits = [
+        runner.forward(
+            ForwardBatch.extend(table, rows, [0] * len(prompts), [p[:c] for p, c in zip(prompts, cut)], all_logits=True)
+        )[0]
+    ]
     rest = [i for i, (p, c) in enumerate(zip(prompts, cut)) if c < len(p)]
-    batch = ForwardBatch.extend(table, [rows[i] for i in rest], [cut[i] for i in rest],
-                                [prompts[i][cut[i]:] for i in rest], all_logits=True)
+    batch = ForwardBatch.extend(
+        table, [rows[i] for i in rest], [cut[i] for i in rest], [prompts[i][cut[i] :] for i in rest], all_logits=True
+    )
     logits.append(runner.forward(batch)[0])
-    last = {i: logits[0][sum(cut[:i + 1]) - 1] for i in range(len(prompts)) if i not in rest}
+    last = {i: logits[0][sum(cut[: i + 1]) - 1] for i in range(len(prompts)) if i not in rest}
     ends = torch.cumsum(torch.tensor([len(prompts[i]) - cut[i] for i in rest]), 0) - 1
     last.update({i: logits[1][int(e)] for i, e in zip(rest, ends)})
     next_ids = torch.stack([last[i].argmax() for i in range(len(prompts))])
@@ -133,4 +146,4 @@ def test_model_logits_match_reference_backend(checkpoint, variant):
     out = _model_logits(path, "batched", prompts)
     assert [t.shape for t in out] == [t.shape for t in ref]
     for step, (a, b) in enumerate(zip(out, ref)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"forward {step}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"forward {step}: {m}")

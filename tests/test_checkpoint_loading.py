@@ -53,19 +53,33 @@ def test_switches_per_architecture(checkpoint):
 
 def test_old_style_top_level_rope_fields_are_mapped(checkpoint, tmp_path):
     path = _copy(checkpoint, "llama", tmp_path)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     _edit_config(path, rope_parameters=None, rope_theta=500000.0, rope_scaling=scaling)
     cfg = load_model_config(path)
     assert cfg.rope["rope_theta"] == 500000.0 and cfg.rope["factor"] == 8.0
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 10000.0},
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-     "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    ],
+)
 def test_rope_frequencies_match_transformers(rope):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -73,20 +87,24 @@ def test_rope_frequencies_match_transformers(rope):
     hf = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_parameters=dict(rope), max_position_embeddings=4096)
     if rope["rope_type"] == "default":
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         ref = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)[0]
     else:
         ref = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")[0]
     assert torch.equal(inv_frequencies(rope, 64), ref)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(architectures=["MistralForCausalLM"]), "architectures"),
-    (dict(intermediate_size=0), "intermediate_size"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(hidden_size=None), r"lm_head\.weight' has shape \(384, 64\), expected \(384, 4096\)"),  # HF default
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(architectures=["MistralForCausalLM"]), "architectures"),
+        (dict(intermediate_size=0), "intermediate_size"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(hidden_size=None), r"lm_head\.weight' has shape \(384, 64\), expected \(384, 4096\)"),  # HF default
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_type"),
+    ],
+)
 def test_bad_config_fields_are_named(checkpoint, tmp_path, change, message):
     path = _copy(checkpoint, "llama", tmp_path)
     _edit_config(path, **change)
@@ -94,13 +112,24 @@ def test_bad_config_fields_are_named(checkpoint, tmp_path, change, message):
         load_model(path)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), r"missing tensor.*layers\.1\.self_attn\.k_proj\.weight"),
-    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}),
-     r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(3, 3\), expected \(128, 64\)"),
-    (lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}), r"unexpected tensor 'model\.layers\.0\.extra\.weight'"),
-    (lambda t: t.pop("lm_head.weight"), r"missing tensor.*lm_head\.weight"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"),
+            r"missing tensor.*layers\.1\.self_attn\.k_proj\.weight",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}),
+            r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(3, 3\), expected \(128, 64\)",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(2)}),
+            r"unexpected tensor 'model\.layers\.0\.extra\.weight'",
+        ),
+        (lambda t: t.pop("lm_head.weight"), r"missing tensor.*lm_head\.weight"),
+    ],
+)
 def test_bad_tensors_are_named(checkpoint, tmp_path, edit, message):
     path = _copy(checkpoint, "llama", tmp_path)
     _edit_tensors(path, edit)

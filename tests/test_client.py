@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.tools import client as client_cli
 from common.models.config import load_model_config
+from common.tools import client as client_cli
 from common.tools.client import Client
 from common.tools.tokenizer import load_tokenizer
 from tests.grpc_harness import GrpcPair
@@ -29,7 +29,7 @@ def test_text_and_ids_through_the_client(checkpoint, capsys):
         printed = [int(x) for x in out.split("[")[0].split()]
         ref = hf_greedy(path, [5, 6, 7], 6)
         eos = [i for i, t in enumerate(ref) if t in load_model_config(path).eos_token_ids]
-        assert printed == (ref[:eos[0] + 1] if eos else ref)
+        assert printed == (ref[: eos[0] + 1] if eos else ref)
         assert client_cli.main(["--addr", pair.decode.address, "--ids", ""]) == 1  # INVALID_ARGUMENT reported
     finally:
         pair.close()

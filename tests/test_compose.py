@@ -76,8 +76,13 @@ def test_health_probe_script(checkpoint):
         assert health_probe.main([pair.prefill.address]) == 0
         assert health_probe.main([pair.decode.address, "sglang.grpc.scheduler.SglangScheduler"]) == 0
         assert health_probe.main(["127.0.0.1:1", "--timeout", "0.5"]) == 1
-        proc = subprocess.run([sys.executable, "-m", "common.tools.health_probe", pair.decode.address], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "common.tools.health_probe", pair.decode.address],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0 and "SERVING" in proc.stdout
     finally:
         pair.close()

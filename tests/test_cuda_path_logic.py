@@ -24,11 +24,12 @@ def test_to_device_on_cpu_is_the_host_tensor_with_the_dtype():
 def test_decode_batch_positions_do_not_alias_the_callers_seq_lens():
     table = torch.arange(40, dtype=torch.int32).view(2, 20)
     seq_lens = torch.tensor([3, 7])
-    fb = ForwardBatch.decode(table, torch.tensor([0, 1]), [3, 7], torch.tensor([5, 6]), seq_lens,
-                             req_pool_indices_cpu=[0, 1])
+    fb = ForwardBatch.decode(
+        table, torch.tensor([0, 1]), [3, 7], torch.tensor([5, 6]), seq_lens, req_pool_indices_cpu=[0, 1]
+    )
     assert fb.positions.data_ptr() != seq_lens.data_ptr()
-    fb.positions.add_(100)                     # whatever a forward does to its positions...
-    assert seq_lens.tolist() == [3, 7]         # ...never reaches the scheduler's mirror
+    fb.positions.add_(100)  # whatever a forward does to its positions...
+    assert seq_lens.tolist() == [3, 7]  # ...never reaches the scheduler's mirror
     assert fb.out_cache_loc.tolist() == [3, 27] and fb.seq_lens.tolist() == [4, 8]
 
 
@@ -36,7 +37,7 @@ def test_poll_until_backs_off_and_honours_the_timeout():
     calls = []
     with pytest.raises(TimeoutError):
         poll_until(lambda: calls.append(1) is not None, timeout=0.1)  # never true
-    assert 5 < len(calls) < 80, len(calls)   # 0.5 ms polling would have made ~200 calls
+    assert 5 < len(calls) < 80, len(calls)  # 0.5 ms polling would have made ~200 calls
     flag = threading.Event()
     threading.Timer(0.02, flag.set).start()
     started = time.monotonic()
@@ -50,8 +51,24 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
 
     from bench import gpu_check
 
-    code = gpu_check.main(["--out-dir", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--shapes", "tiny",
-                           "--batch-sizes", "1,2", "--new-tokens", "6", "--prompt-len", "12"])
+    code = gpu_check.main(
+        [
+            "--out-dir",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--shapes",
+            "tiny",
+            "--batch-sizes",
+            "1,2",
+            "--new-tokens",
+            "6",
+            "--prompt-len",
+            "12",
+        ]
+    )
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0 and summary["tests_ok"], summary["tests"]
     assert [r["batch"] for r in summary["bench"]] == [1, 2]

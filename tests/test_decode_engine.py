@@ -34,8 +34,9 @@ def test_staggered_arrivals_match_hf_with_and_without_overlap(checkpoint, arch):
             for i, p in enumerate(prompts):
                 if i in (3, 6, 8):  # later ones arrive while earlier ones decode
                     pair.wait_tokens(str(i - 1), 3)
-                    decoding_at_arrival += sum(1 for r, t in list(pair.out.tokens.items())
-                                               if t and r not in pair.out.reasons)
+                    decoding_at_arrival += sum(
+                        1 for r, t in list(pair.out.tokens.items()) if t and r not in pair.out.reasons
+                    )
                 pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW - (i % 3), ignore_eos=True))
             pair.wait([str(i) for i in range(len(prompts))])
             assert decoding_at_arrival > 0
@@ -64,7 +65,7 @@ def test_max_new_tokens_one_and_stop_token_ids(checkpoint):
     finally:
         pair.close()
     assert pair.out.tokens["one"] == ref[:1] and pair.out.reasons["one"] == "length"
-    assert pair.out.tokens["stop"] == ref[:k + 1] and pair.out.reasons["stop"] == "stop"
+    assert pair.out.tokens["stop"] == ref[: k + 1] and pair.out.reasons["stop"] == "stop"
     assert pair.out.tokens["first"] == ref[:1] and pair.out.reasons["first"] == "stop"
 
 
@@ -95,7 +96,7 @@ def test_eos_first_token_and_mid_generation(checkpoint, tmp_path, overlap):
         pair.close()
         assert pair.out.tokens["ignore"] == ref and pair.out.reasons["ignore"] == "length"
     assert first.out.tokens["eos"] == ref[:1] and first.out.reasons["eos"] == "stop"
-    assert mid.out.tokens["eos"] == ref[:k + 1] and mid.out.reasons["eos"] == "stop"
+    assert mid.out.tokens["eos"] == ref[: k + 1] and mid.out.reasons["eos"] == "stop"
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -112,10 +113,10 @@ def test_aborts_in_every_stage(checkpoint, overlap):
     sched.step()
     assert [r.rid for r in sched.waiting] == ["queued"] and set(sched.awaiting_handoff) == {"running", "awaiting"}
     sched.abort("queued")
-    sched.abort("awaiting")     # its prefill is still in flight
+    sched.abort("awaiting")  # its prefill is still in flight
     sched.step()
     assert pair.out.reasons == {"queued": "abort", "awaiting": "abort"}
-    pair.prefill()              # a late handoff for "awaiting" is dropped
+    pair.prefill()  # a late handoff for "awaiting" is dropped
     for _ in range(5):
         sched.step()
     assert len(pair.out.tokens["running"]) >= 3
@@ -186,8 +187,9 @@ def test_seeded_sampling_continues_across_the_handoff(checkpoint):
 
     path = checkpoint("llama")
     prompts = _prompts(4, seed=11)
-    params = [SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
-              for i in range(4)]
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(4)
+    ]
     colocated = ColocatedEngine(ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4)), 16)
     reference = [r.output for r in colocated.generate(prompts, params)]
     pair = Pair(path)
@@ -207,6 +209,7 @@ def test_failing_consumer_is_aborted_and_stop_frees_live_requests(checkpoint):
 
     def broken(rid, tokens, reason):
         raise OSError("client went away")
+
     sched.submit("broken", [5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True), broken)
     pair.submit("alive", [8, 9], SamplingParams(max_new_tokens=30, ignore_eos=True))
     sched.step()
@@ -232,10 +235,10 @@ def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
     [req] = pair.pending
     pair.pending.clear()
     [h0] = pair.engine.prefill([req])
-    sched.inbox.deliver_first_token("r", h0.first_token, 0)          # attempt 1 streams its token, then breaks
+    sched.inbox.deliver_first_token("r", h0.first_token, 0)  # attempt 1 streams its token, then breaks
     retry = HandoffRequest("r", p + [h0.first_token], req.params, req.seed, first_position=1)
     [h1] = pair.engine.prefill([retry])
-    sched.inbox.deliver_first_token("r", h1.first_token, 1)          # attempt 2 would stream the next one
+    sched.inbox.deliver_first_token("r", h1.first_token, 1)  # attempt 2 would stream the next one
     sched.inbox.deliver_handoff(h1)
     pair.close()
     assert pair.out.tokens["r"] == [h0.first_token] and pair.out.reasons["r"] == "length"

@@ -15,8 +15,7 @@ from common.engine.sampling import SamplingParams
 from common.models.config import CheckpointError
 from common.tools.eagle_checkpoint import build as build_head
 from decode_service.future_map import ConsumeOnceError
-from tests.decode_harness import Hooks
-from tests.decode_harness import Pair
+from tests.decode_harness import Hooks, Pair
 from tests.oracle import hf_greedy
 
 STEPS = 3
@@ -32,6 +31,7 @@ def heads(tmp_path_factory):
         if (target, algorithm) not in built:
             built[target, algorithm] = build_head(target, algorithm, str(tmp_path_factory.mktemp(algorithm)))
         return built[target, algorithm]
+
     return get
 
 
@@ -74,6 +74,7 @@ def _planted(path: str, wrong_after: int | None = None):
                 token = ref[pos + 1 + k] if pos + 1 + k < len(ref) else 0
                 out[lane, k] = token if wrong_after is None or k < wrong_after else (token + 1) % 300
         return out
+
     return propose, seen
 
 
@@ -110,7 +111,7 @@ def test_stop_token_inside_an_accepted_run_drops_what_follows(checkpoint, heads)
     stop = next(t for t in ref[5:] if t not in ref[:5])
     pair = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=Hooks(propose=propose))
     out = _run(pair, PROMPTS[:1], SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=(stop,)))
-    assert out["0"] == ref[:ref.index(stop) + 1] and pair.out.reasons["0"] == "stop"
+    assert out["0"] == ref[: ref.index(stop) + 1] and pair.out.reasons["0"] == "stop"
     pair.close()
 
 
@@ -123,6 +124,7 @@ def test_head_layout_is_checked_against_the_algorithm(checkpoint, heads, tmp_pat
     broken = tmp_path / "broken"
     broken.mkdir()
     from safetensors.torch import load_file, save_file
+
     src = heads(path, "EAGLE")
     tensors = load_file(f"{src}/model.safetensors")
     del tensors["fc.weight"]
@@ -147,8 +149,9 @@ def test_draft_seed_gathers_are_consume_once():
         fm.gather_draft(rows)  # a planted second gather without a stash
 
 
-@pytest.mark.parametrize("arch,algorithm,overlap", [("llama", "EAGLE", True), ("llama", "EAGLE", False),
-                                                    ("qwen3", "EAGLE3", True)])
+@pytest.mark.parametrize(
+    "arch,algorithm,overlap", [("llama", "EAGLE", True), ("llama", "EAGLE", False), ("qwen3", "EAGLE3", True)]
+)
 def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, arch, algorithm, overlap):
     """Draft KV chunks and the draft seed cross the wire; output exact; stats reported; no leak."""
     from concurrent.futures import ThreadPoolExecutor
@@ -158,13 +161,23 @@ def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, arch, algori
     from tests.grpc_harness import GrpcPair
 
     path = checkpoint(arch)
-    flags = dict(speculative_algorithm=algorithm, speculative_draft_model_path=heads(path, algorithm),
-                 speculative_num_steps=STEPS, speculative_num_draft_tokens=STEPS + 1)
+    flags = dict(
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=heads(path, algorithm),
+        speculative_num_steps=STEPS,
+        speculative_num_draft_tokens=STEPS + 1,
+    )
     pair = GrpcPair(path, overlap=overlap, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=flags)
     try:
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda i: pair.collect(pair.generate(PROMPTS[i], 16, stream=i % 2 == 0,
-                                                                         rid=f"r{i}", ignore_eos=True)), range(4)))
+            results = list(
+                pool.map(
+                    lambda i: pair.collect(
+                        pair.generate(PROMPTS[i], 16, stream=i % 2 == 0, rid=f"r{i}", ignore_eos=True)
+                    ),
+                    range(4),
+                )
+            )
         for p, (ids, complete) in zip(PROMPTS, results):
             assert ids == hf_greedy(path, p, 16)
             assert complete.spec_draft_tokens > 0 and 0 <= complete.spec_accepted_tokens <= complete.spec_draft_tokens
@@ -190,6 +203,7 @@ def test_token_map_drafts_only_hot_tokens_and_stays_exact(checkpoint, heads, tmp
     def spy(lanes, seq_lens, drafts):
         proposed.extend(drafts.flatten().tolist())
         return drafts
+
     pair = Pair(path, spec=spec, hooks=Hooks(propose=spy))
     out = _run(pair, PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert out["0"] == hf_greedy(path, PROMPTS[0], 12) and out["1"] == hf_greedy(path, PROMPTS[1], 12)
@@ -197,8 +211,13 @@ def test_token_map_drafts_only_hot_tokens_and_stays_exact(checkpoint, heads, tmp
     pair.close()
     (tmp_path / "bad.json").write_text(json.dumps([1, 1, 2]))
     with pytest.raises(ValueError, match="distinct token ids"):
-        ModelRunner(RunnerArgs(path, max_total_tokens=64, spec=SpecArgs("EAGLE", heads(path, "EAGLE"), STEPS, 1,
-                                                                        STEPS + 1, str(tmp_path / "bad.json"))))
+        ModelRunner(
+            RunnerArgs(
+                path,
+                max_total_tokens=64,
+                spec=SpecArgs("EAGLE", heads(path, "EAGLE"), STEPS, 1, STEPS + 1, str(tmp_path / "bad.json")),
+            )
+        )
 
 
 def test_broken_draft_handoff_and_aborts_free_everything_once(checkpoint, heads):
@@ -212,7 +231,7 @@ def test_broken_draft_handoff_and_aborts_free_everything_once(checkpoint, heads)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     for rid, prompt in (("broken", PROMPTS[0]), ("aborted", PROMPTS[1]), ("ok", PROMPTS[3])):
         pair.submit(rid, prompt, params)
-    pair.scheduler.step()                              # admission: three reservations (incl. draft tail)
+    pair.scheduler.step()  # admission: three reservations (incl. draft tail)
     handoffs = {h.rid: h for h in pair.engine.prefill(pair.pending)}
     pair.pending.clear()
     handoffs["broken"] = dataclasses.replace(handoffs["broken"], draft_hidden=None)
@@ -221,7 +240,7 @@ def test_broken_draft_handoff_and_aborts_free_everything_once(checkpoint, heads)
     for _ in range(3):
         pair.scheduler.step()
     pair.scheduler.abort("aborted")
-    pair.close()                                        # idle, integrity, nothing used
+    pair.close()  # idle, integrity, nothing used
     assert pair.out.reasons == {"broken": "error", "aborted": "abort", "ok": "length"}
     assert pair.out.tokens["ok"] == hf_greedy(path, PROMPTS[3], 30)
     assert "draft seed" in pair.scheduler.notes.pop_error("broken")

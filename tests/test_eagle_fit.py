@@ -4,9 +4,9 @@ length to ~1.0, which a random head gets."""
 
 from __future__ import annotations
 
+from bench.fit_eagle import fit, measure_acceptance
 from common.tools import eagle_data
 from common.tools.eagle_checkpoint import build as build_head
-from bench.fit_eagle import fit, measure_acceptance
 from common.tools.tokenizer import load_tokenizer
 
 
@@ -16,8 +16,9 @@ def test_a_fitted_head_beats_a_random_one(checkpoint, tmp_path):
     tok = load_tokenizer(target)
     held_out = [eagle_data.chat_ids(tok, t) for t in eagle_data.instructions(8, seed=999, evaluation=True)]
     fitted = measure_acceptance(target, head, "EAGLE", held_out, max_new_tokens=32)
-    random = measure_acceptance(target, build_head(target, "EAGLE", str(tmp_path / "random")), "EAGLE", held_out,
-                                max_new_tokens=32)
+    random = measure_acceptance(
+        target, build_head(target, "EAGLE", str(tmp_path / "random")), "EAGLE", held_out, max_new_tokens=32
+    )
     assert random < 1.05 and fitted >= 1.10, (fitted, random)  # measured here: fitted 1.16, random 1.00
 
 
@@ -38,12 +39,16 @@ def test_unrolled_attention_sees_the_true_prefix_and_its_own_chain():
     keys: list = []
     for step in range(3):
         q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
-        out = attn.forward(q, k, v, None, None, dim ** -0.5)
+        out = attn.forward(q, k, v, None, None, dim**-0.5)
         keys.append((k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)))
         mask = torch.cat([causal] + [torch.eye(t, dtype=torch.bool)] * step, dim=1)
-        ref = F.scaled_dot_product_attention(q.transpose(0, 1), torch.cat([k for k, _ in keys]).transpose(0, 1),
-                                             torch.cat([v for _, v in keys]).transpose(0, 1), attn_mask=mask,
-                                             scale=dim ** -0.5).transpose(0, 1)
+        ref = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            torch.cat([k for k, _ in keys]).transpose(0, 1),
+            torch.cat([v for _, v in keys]).transpose(0, 1),
+            attn_mask=mask,
+            scale=dim**-0.5,
+        ).transpose(0, 1)
         assert out.shape == q.shape and torch.allclose(out, ref, atol=1e-5), step
 
 
@@ -60,7 +65,7 @@ def test_answers_keep_the_features_one_extend_over_the_whole_sequence_gives(chec
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
     for capture in ((), (0, 1)):
         seqs, feats = eagle_data.answers(runner, prompts, 6, capture, batch=2)
-        assert [s[:len(p)] for s, p in zip(seqs, prompts)] == prompts
+        assert [s[: len(p)] for s, p in zip(seqs, prompts)] == prompts
         for seq, got in zip(seqs, feats):
             pool, kv = runner.req_to_token_pool, runner.kv_allocator
             row, slots = pool.alloc(), kv.alloc(len(seq))

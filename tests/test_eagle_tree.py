@@ -12,8 +12,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.request_rules import InvalidRequest
-from tests.decode_harness import Hooks
-from tests.decode_harness import Pair
+from tests.decode_harness import Hooks, Pair
 from tests.oracle import hf_greedy
 from tests.test_eagle import PROMPTS, _run, heads  # noqa: F401 (fixture)
 
@@ -89,6 +88,7 @@ def _planted_tree(path: str, wrong_after: int | None):
                     chain.append(node)
             planted.append(chain)
         return out
+
     return propose, planted
 
 
@@ -114,8 +114,13 @@ def test_tree_over_grpc_matches_hf_greedy(checkpoint, heads):
     from tests.grpc_harness import GrpcPair
 
     path = checkpoint("llama")
-    flags = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=heads(path, "EAGLE3"),
-                 speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    flags = dict(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=heads(path, "EAGLE3"),
+        speculative_num_steps=3,
+        speculative_eagle_topk=4,
+        speculative_num_draft_tokens=8,
+    )
     pair = GrpcPair(path, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=flags)
     try:
         pair.check_against_oracle(path, PROMPTS, 16, rid="t")

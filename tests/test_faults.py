@@ -31,8 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _request(prompt, n, rid, stream=True):
-    return pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=stream,
-                              sampling_params=pb.SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return pb.GenerateRequest(
+        request_id=rid,
+        tokenized=pb.TokenizedInput(input_ids=prompt),
+        stream=stream,
+        sampling_params=pb.SamplingParams(max_new_tokens=n, ignore_eos=True),
+    )
 
 
 def _ids(responses) -> list[int]:
@@ -67,10 +71,23 @@ def test_fault_plan_parsing():
 
 def test_300_requests_with_injected_faults_and_cancels(checkpoint):
     path = checkpoint("llama")
-    replicas = [PrefillService(PrefillConfig(path, port=0, debug_checks=True, max_chunk_bytes=1024,
-                                             inject_faults=f"fail=0.05,stall=0.02,seed={i}")).start() for i in range(2)]
-    decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(r.address for r in replicas), port=0,
-                                        debug_checks=True, prefill_progress_timeout_s=1.0)).start()
+    replicas = [
+        PrefillService(
+            PrefillConfig(
+                path, port=0, debug_checks=True, max_chunk_bytes=1024, inject_faults=f"fail=0.05,stall=0.02,seed={i}"
+            )
+        ).start()
+        for i in range(2)
+    ]
+    decode = DecodeService(
+        DecodeConfig(
+            path,
+            prefill_addr=",".join(r.address for r in replicas),
+            port=0,
+            debug_checks=True,
+            prefill_progress_timeout_s=1.0,
+        )
+    ).start()
     rng = random.Random(0)
     prompts = [[5 + (7 * i + j) % 200 for j in range(3 + 5 * i)] for i in range(12)]
     refs = {i: hf_greedy(path, p, 24) for i, p in enumerate(prompts)}
@@ -106,9 +123,23 @@ def test_300_requests_with_injected_faults_and_cancels(checkpoint):
 
 
 def _prefill_proc(path: str, port: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "prefill_service", "--model-path", path, "--port", str(port),
-                             "--torch-threads", "1", *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefill_service",
+            "--model-path",
+            path,
+            "--port",
+            str(port),
+            "--torch-threads",
+            "1",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint):
@@ -119,8 +150,9 @@ def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint):
     try:
         for port, proc in procs.items():
             wait_serving(f"127.0.0.1:{port}", proc)
-        decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports),
-                                            port=0)).start()
+        decode = DecodeService(
+            DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0)
+        ).start()
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
         prompt = list(range(5, 45))
         call = stub.Generate(_request(prompt, 8, "wedge"), timeout=60)
@@ -146,10 +178,26 @@ def _smg(decode_addr: str) -> tuple[subprocess.Popen, str]:
     from tests.test_smg_gateway import _smg_binary
 
     port = free_port()
-    proc = subprocess.Popen([_smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
-                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                             "--worker-urls", f"grpc://{decode_addr}", "--worker-startup-check-interval", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            _smg_binary(),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--worker-urls",
+            f"grpc://{decode_addr}",
+            "--worker-startup-check-interval",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base, deadline = f"http://127.0.0.1:{port}", time.time() + 60
     while True:
         try:
@@ -165,10 +213,27 @@ def test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period(checkpo
     path = checkpoint("llama")
     pport, dport = free_port(), free_port()
     prefill = _prefill_proc(path, pport, "--max-chunk-bytes", "256", "--test-kv-chunk-delay-s", "0.5")
-    decode = subprocess.Popen([sys.executable, "-m", "decode_service", "--model-path", path, "--port", str(dport),
-                               "--prefill-addr", f"127.0.0.1:{pport}", "--torch-threads", "1",
-                               "--shutdown-grace-s", "1"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    decode = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "decode_service",
+            "--model-path",
+            path,
+            "--port",
+            str(dport),
+            "--prefill-addr",
+            f"127.0.0.1:{pport}",
+            "--torch-threads",
+            "1",
+            "--shutdown-grace-s",
+            "1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     smg = None
     try:
         wait_serving(f"127.0.0.1:{pport}", prefill)
@@ -177,10 +242,16 @@ def test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period(checkpo
         ended = {}
 
         def http_stream():  # a streaming completion through the gateway, held open by the slow handoff
-            body = {"model": os.path.basename(path), "prompt": "hello there", "max_tokens": 200, "stream": True,
-                    "ignore_eos": True}
-            req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+            body = {
+                "model": os.path.basename(path),
+                "prompt": "hello there",
+                "max_tokens": 200,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            req = urllib.request.Request(
+                f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(req, timeout=30) as resp:
                     for _ in resp:
@@ -228,8 +299,9 @@ def test_killing_a_prefill_process_under_load_then_restarting_it(checkpoint):
     try:
         for port, proc in procs.items():
             wait_serving(f"127.0.0.1:{port}", proc)
-        decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0,
-                                            debug_checks=True)).start()
+        decode = DecodeService(
+            DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0, debug_checks=True)
+        ).start()
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
         prompts = [[5 + 3 * i + j for j in range(6 + 4 * i)] for i in range(8)]
         refs = [hf_greedy(path, p, 12) for p in prompts]

@@ -23,8 +23,11 @@ OK_PROMPT = [5, 6, 7, 8]
 
 
 def _req(**over) -> pb.GenerateRequest:
-    r = pb.GenerateRequest(request_id="bad", tokenized=pb.TokenizedInput(input_ids=OK_PROMPT),
-                           sampling_params=pb.SamplingParams(max_new_tokens=4))
+    r = pb.GenerateRequest(
+        request_id="bad",
+        tokenized=pb.TokenizedInput(input_ids=OK_PROMPT),
+        sampling_params=pb.SamplingParams(max_new_tokens=4),
+    )
     for path, value in over.items():
         target, name = (r.sampling_params, path[3:]) if path.startswith("sp_") else (r, path)
         if name == "input_ids":
@@ -42,21 +45,40 @@ def _req(**over) -> pb.GenerateRequest:
 
 
 BAD = [  # (field set, value, words the message must contain)
-    ("sp_temperature", float("nan"), "temperature"), ("sp_temperature", math.inf, "temperature"),
-    ("sp_temperature", -0.5, "temperature"), ("sp_top_p", 1.5, "top_p"), ("sp_top_p", -0.1, "top_p"),
-    ("sp_top_k", -2, "top_k"), ("sp_min_p", 1.5, "min_p"), ("sp_min_p", -0.1, "min_p"),
-    ("sp_max_new_tokens", 0, "max_new_tokens"), ("sp_max_new_tokens", 10**6, "context length"),
-    ("input_ids", [], "empty prompt"), ("input_ids", [5, 10**7], "vocabulary"), ("sp_n", 2, "n > 1"),
-    ("sp_stop", ["end"], "stop"), ("sp_stop_token_ids", [10**7], "stop_token_ids"),
-    ("sp_regex", "a+", "regex"), ("sp_json_schema", "{}", "json_schema"), ("sp_ebnf_grammar", "x", "ebnf_grammar"),
-    ("sp_frequency_penalty", 0.5, "frequency_penalty"), ("sp_presence_penalty", 0.5, "presence_penalty"),
-    ("sp_repetition_penalty", 1.2, "repetition_penalty"), ("sp_min_new_tokens", 2, "min_new_tokens"),
-    ("sp_logit_bias", 1.0, "logit_bias"), ("sp_custom_params", None, "custom_params"),
-    ("sp_stream_interval", 4, "stream_interval"), ("return_logprob", True, "return_logprob"),
-    ("top_logprobs_num", 3, "return_logprob"), ("token_ids_logprob", [5], "return_logprob"),
-    ("return_hidden_states", True, "return_hidden_states"), ("mm_inputs", None, "mm_inputs"),
-    ("lora_id", "adapter", "lora_id"), ("custom_logit_processor", "proc", "custom_logit_processor"),
-    ("input_embeds", [0.5, 0.5], "input_embeds"), ("disaggregated_params", None, "disaggregated_params"),
+    ("sp_temperature", float("nan"), "temperature"),
+    ("sp_temperature", math.inf, "temperature"),
+    ("sp_temperature", -0.5, "temperature"),
+    ("sp_top_p", 1.5, "top_p"),
+    ("sp_top_p", -0.1, "top_p"),
+    ("sp_top_k", -2, "top_k"),
+    ("sp_min_p", 1.5, "min_p"),
+    ("sp_min_p", -0.1, "min_p"),
+    ("sp_max_new_tokens", 0, "max_new_tokens"),
+    ("sp_max_new_tokens", 10**6, "context length"),
+    ("input_ids", [], "empty prompt"),
+    ("input_ids", [5, 10**7], "vocabulary"),
+    ("sp_n", 2, "n > 1"),
+    ("sp_stop", ["end"], "stop"),
+    ("sp_stop_token_ids", [10**7], "stop_token_ids"),
+    ("sp_regex", "a+", "regex"),
+    ("sp_json_schema", "{}", "json_schema"),
+    ("sp_ebnf_grammar", "x", "ebnf_grammar"),
+    ("sp_frequency_penalty", 0.5, "frequency_penalty"),
+    ("sp_presence_penalty", 0.5, "presence_penalty"),
+    ("sp_repetition_penalty", 1.2, "repetition_penalty"),
+    ("sp_min_new_tokens", 2, "min_new_tokens"),
+    ("sp_logit_bias", 1.0, "logit_bias"),
+    ("sp_custom_params", None, "custom_params"),
+    ("sp_stream_interval", 4, "stream_interval"),
+    ("return_logprob", True, "return_logprob"),
+    ("top_logprobs_num", 3, "return_logprob"),
+    ("token_ids_logprob", [5], "return_logprob"),
+    ("return_hidden_states", True, "return_hidden_states"),
+    ("mm_inputs", None, "mm_inputs"),
+    ("lora_id", "adapter", "lora_id"),
+    ("custom_logit_processor", "proc", "custom_logit_processor"),
+    ("input_embeds", [0.5, 0.5], "input_embeds"),
+    ("disaggregated_params", None, "disaggregated_params"),
     ("data_parallel_rank", 7, "data_parallel_rank"),
 ]
 
@@ -112,12 +134,14 @@ def test_unimplemented_rpcs_answer_cleanly(pair, caplog):
 
 def test_control_rpcs_answer_with_200_streams_open(checkpoint):
     # prefill is slowed so 200 calls stay open (8 awaiting handoffs, the rest queued)
-    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(test_kv_chunk_delay_s=0.5, max_chunk_bytes=512),
-                    decode_kw=dict(max_running_requests=8, max_queued_requests=192))
+    pair = GrpcPair(
+        checkpoint("llama"),
+        prefill_kw=dict(test_kv_chunk_delay_s=0.5, max_chunk_bytes=512),
+        decode_kw=dict(max_running_requests=8, max_queued_requests=192),
+    )
     calls = []
     try:
-        calls = [pair.generate([5 + i % 50, 6, 7], 8, stream=True, rid=f"open{i}", ignore_eos=True)
-                 for i in range(200)]
+        calls = [pair.generate([5 + i % 50, 6, 7], 8, stream=True, rid=f"open{i}", ignore_eos=True) for i in range(200)]
         deadline = time.time() + 20
         while pair.decode._open < 200:
             assert time.time() < deadline, f"only {pair.decode._open} calls open"
@@ -126,16 +150,19 @@ def test_control_rpcs_answer_with_200_streams_open(checkpoint):
             list(pair.generate([5, 6], 2, rid="one-too-many"))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         health = health_pb2_grpc.HealthStub(pair.channel)
-        rpcs = {"HealthCheck": lambda: pair.stub.HealthCheck(pb.HealthCheckRequest()).healthy,
-                "health.Check": lambda: health.Check(health_pb2.HealthCheckRequest()).status == 1,
-                "GetLoads": lambda: pair.stub.GetLoads(pb.GetLoadsRequest()).loads[0].num_waiting_reqs > 100,
-                "Abort": lambda: pair.stub.Abort(pb.AbortRequest(request_id="open199")).success}
+        rpcs = {
+            "HealthCheck": lambda: pair.stub.HealthCheck(pb.HealthCheckRequest()).healthy,
+            "health.Check": lambda: health.Check(health_pb2.HealthCheckRequest()).status == 1,
+            "GetLoads": lambda: pair.stub.GetLoads(pb.GetLoadsRequest()).loads[0].num_waiting_reqs > 100,
+            "Abort": lambda: pair.stub.Abort(pb.AbortRequest(request_id="open199")).success,
+        }
         for name, rpc in rpcs.items():
             started = time.perf_counter()
             assert rpc(), name
             assert time.perf_counter() - started < 0.2, f"{name} took {time.perf_counter() - started:.3f}s"
-        probe = subprocess.run([sys.executable, "-m", "common.tools.health_probe", pair.decode.address],
-                               capture_output=True, timeout=30)
+        probe = subprocess.run(
+            [sys.executable, "-m", "common.tools.health_probe", pair.decode.address], capture_output=True, timeout=30
+        )
         assert probe.returncode == 0, probe.stderr
     finally:
         for c in calls:

@@ -31,7 +31,11 @@ def test_1_rows_are_request_slots(checkpoint):
     fm.stash_tokens(_idx(3, 1), torch.tensor([30, 10]))
     assert fm.gather_tokens(_idx(1, 3)).tolist() == [10, 30]
     pair = ManualPair(checkpoint("qwen2"), decode_reqs=5)
-    assert pair.scheduler.worker.future_map.num_rows == pair.scheduler.worker.runner.req_to_token_pool.req_to_token.shape[0] == 6
+    assert (
+        pair.scheduler.worker.future_map.num_rows
+        == pair.scheduler.worker.runner.req_to_token_pool.req_to_token.shape[0]
+        == 6
+    )
     pair.close()
 
 
@@ -39,7 +43,7 @@ def test_2_stash_has_no_fence_and_publish_sets_the_armed_event():
     fm, stream = _fm(), WorkerStream()
     fence = fm.arm_publish(stream)
     fm.stash_tokens(_idx(2), torch.tensor([5]))
-    assert not fence.query()                      # a stash never touches publish_ready
+    assert not fence.query()  # a stash never touches publish_ready
     stream.submit(lambda: fm.publish_seq_lens(_idx(2), torch.tensor([17]), fence))
     fence.synchronize(timeout=5)
     assert fm.resolve_seq_lens_cpu(_idx(2)).tolist() == [17]
@@ -50,11 +54,11 @@ def test_2_publish_from_another_stream_chains_the_previous_fence():
     fm, a, b = _fm(), WorkerStream("a"), WorkerStream("b")
     latch = threading.Event()
     fence_a = fm.arm_publish(a)
-    a.submit(lambda: latch.wait(10))              # step N's publish on stream a is slow
+    a.submit(lambda: latch.wait(10))  # step N's publish on stream a is slow
     a.submit(lambda: fm.publish_seq_lens(_idx(1), torch.tensor([7]), fence_a))
     fence = fm.arm_publish(b)
     b.submit(lambda: fm.publish_seq_lens(_idx(2), torch.tensor([9]), fence))
-    with pytest.raises(TimeoutError):             # b's fence waits for a's (chained)
+    with pytest.raises(TimeoutError):  # b's fence waits for a's (chained)
         fence.synchronize(timeout=0.3)
     latch.set()
     assert fm.resolve_seq_lens_cpu(_idx(1, 2), timeout=5).tolist() == [7, 9]
@@ -67,10 +71,10 @@ def test_3_resolve_waits_for_the_armed_step_not_an_older_event():
     stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([10]), first))
     assert fm.resolve_seq_lens_cpu(_idx(4), timeout=5).tolist() == [10]
     latch = threading.Event()
-    second = fm.arm_publish(stream)               # step N+1 armed at submit, before its forward runs
+    second = fm.arm_publish(stream)  # step N+1 armed at submit, before its forward runs
     stream.submit(lambda: latch.wait(10))
     stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([11]), second))
-    with pytest.raises(TimeoutError):             # must not return step N's (stale) 10
+    with pytest.raises(TimeoutError):  # must not return step N's (stale) 10
         fm.resolve_seq_lens_cpu(_idx(4), timeout=0.3)
     latch.set()
     assert fm.resolve_seq_lens_cpu(_idx(4), timeout=5).tolist() == [11]
@@ -83,15 +87,17 @@ def test_3_resolve_fails_instead_of_hanging_when_the_stream_failed_before_publis
 
     def broken_forward():
         raise RuntimeError("forward blew up before its publish")
+
     stream.submit(broken_forward)
     stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([10]), fence))  # never runs
     outcome = []
 
     def resolve():
         try:
-            outcome.append(fm.resolve_seq_lens_cpu(_idx(4)))   # no timeout: must still return
+            outcome.append(fm.resolve_seq_lens_cpu(_idx(4)))  # no timeout: must still return
         except Exception as e:
             outcome.append(e)
+
     waiter = threading.Thread(target=resolve, daemon=True)
     waiter.start()
     waiter.join(timeout=5)
@@ -107,7 +113,7 @@ def test_4_bumps_make_new_tensors_and_keep_the_mirror():
     b.bump()
     assert b.seq_lens is not old and old.tolist() == [3, 5] and old._version == version
     b.check_mirror()
-    b.seq_lens = b.seq_lens + 1                   # a diverged mirror is caught
+    b.seq_lens = b.seq_lens + 1  # a diverged mirror is caught
     with pytest.raises(AssertionError, match="mirror"):
         b.check_mirror()
 
@@ -115,7 +121,8 @@ def test_4_bumps_make_new_tensors_and_keep_the_mirror():
 def test_4_in_place_seq_lens_bump_is_caught(checkpoint, monkeypatch):
     def in_place_bump(self):
         self.seq_lens_cpu = self.seq_lens_cpu + 1
-        self.seq_lens.add_(1)                     # the forward of this step may still read it
+        self.seq_lens.add_(1)  # the forward of this step may still read it
+
     monkeypatch.setattr(ScheduleBatch, "bump", in_place_bump)
     pair = ManualPair(checkpoint("qwen2"))
     pair.submit("r", [5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -147,16 +154,16 @@ def test_6_consume_once_guard():
     fm = _fm()
     fm.stash_tokens(_idx(1, 2), torch.tensor([4, 5]))
     assert fm.gather_tokens(_idx(1, 2)).tolist() == [4, 5]
-    assert fm.token_ids[1].item() == -1           # poisoned after the gather
-    with pytest.raises(ConsumeOnceError):         # a second gather without a stash
+    assert fm.token_ids[1].item() == -1  # poisoned after the gather
+    with pytest.raises(ConsumeOnceError):  # a second gather without a stash
         fm.gather_tokens(_idx(1))
     fm.stash_tokens(_idx(3), torch.tensor([1]))
     fm.stash_tokens(_idx(3), torch.tensor([2]))
-    with pytest.raises(ConsumeOnceError):         # two stashes before one gather
+    with pytest.raises(ConsumeOnceError):  # two stashes before one gather
         fm.gather_tokens(_idx(3))
-    fm.stash_tokens(_idx(5), torch.tensor([8]))   # a row released with an ungathered stash...
+    fm.stash_tokens(_idx(5), torch.tensor([8]))  # a row released with an ungathered stash...
     fm.reset_rows(_idx(5))
-    fm.stash_tokens(_idx(5), torch.tensor([9]))   # ...is seeded afresh for its next owner
+    fm.stash_tokens(_idx(5), torch.tensor([9]))  # ...is seeded afresh for its next owner
     assert fm.gather_tokens(_idx(5)).tolist() == [9]
     off = _fm(debug=False)
     off.stash_tokens(_idx(1), torch.tensor([4]))
@@ -168,7 +175,9 @@ def test_6_planted_second_gather_in_the_scheduler_trips(checkpoint):
 
     pair = Pair(checkpoint("qwen2"), hooks=Hooks())
     sched = pair.scheduler
-    sched.worker.hooks.before_forward = lambda step: step == 3 and sched.worker.future_map.gather_tokens(sched.running.req_pool_indices)
+    sched.worker.hooks.before_forward = lambda step: (
+        step == 3 and sched.worker.future_map.gather_tokens(sched.running.req_pool_indices)
+    )
     pair.submit("r", [5, 6, 7], SamplingParams(max_new_tokens=10, ignore_eos=True))
     deadline = time.time() + 20
     while "r" not in pair.out.reasons and time.time() < deadline:
@@ -192,15 +201,17 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     def logged_write(idx, start, slots):
         order.append(("row write", idx))
         write(idx, start, slots)
+
     sched.worker.runner.req_to_token_pool.write = logged_write
     pair.submit("A", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
     sched.step()
     pair.prefill()
 
-    def before_forward(step):                     # step 6 is A's wasted lane, launched as A finishes
+    def before_forward(step):  # step 6 is A's wasted lane, launched as A finishes
         if step == 6:
             latch.wait(10)
         order.append(("forward", step))
+
     hooks.before_forward = before_forward
     while "A" not in pair.out.reasons:
         sched.step()

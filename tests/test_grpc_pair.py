@@ -17,8 +17,7 @@ from tests.oracle import hf_greedy
 
 def _prompts(n: int, seed: int = 21) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 384, (int(k),), generator=g).tolist()
-            for k in torch.randint(1, 60, (n,), generator=g)]
+    return [torch.randint(5, 384, (int(k),), generator=g).tolist() for k in torch.randint(1, 60, (n,), generator=g)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -28,9 +27,11 @@ def test_sixteen_concurrent_requests_match_hf(checkpoint, arch, overlap):
     prompts = _prompts(16)
     pair = GrpcPair(path, overlap=overlap, prefill_kw=dict(max_chunk_bytes=8192))
     try:
+
         def run(i):
             stream = i % 2 == 0
             return pair.collect(pair.generate(prompts[i], 12 + i % 5, stream=stream, rid=f"r{i}", ignore_eos=True))
+
         with futures.ThreadPoolExecutor(16) as pool:
             results = list(pool.map(run, range(16)))
     finally:
@@ -43,10 +44,17 @@ def test_sixteen_concurrent_requests_match_hf(checkpoint, arch, overlap):
 
 def test_bad_requests_get_invalid_argument_before_any_data(checkpoint):
     pair = GrpcPair(checkpoint("qwen2"), decode_kw=dict(context_length=256))
-    cases = [([], {}, "empty prompt"), ([5, 10_000], {}, "vocabulary"), ([5] * 300, {}, "context"),
-             ([5] * 200, dict(max_new_tokens=100), "exceeds the context"), ([5], dict(n=2), "n > 1"),
-             ([5], dict(stop=["x"]), "stop"), ([5], dict(regex="a+"), "regex"),
-             ([5], dict(frequency_penalty=0.5), "frequency_penalty"), ([5], dict(temperature=-1.0), "temperature")]
+    cases = [
+        ([], {}, "empty prompt"),
+        ([5, 10_000], {}, "vocabulary"),
+        ([5] * 300, {}, "context"),
+        ([5] * 200, dict(max_new_tokens=100), "exceeds the context"),
+        ([5], dict(n=2), "n > 1"),
+        ([5], dict(stop=["x"]), "stop"),
+        ([5], dict(regex="a+"), "regex"),
+        ([5], dict(frequency_penalty=0.5), "frequency_penalty"),
+        ([5], dict(temperature=-1.0), "temperature"),
+    ]
     try:
         for prompt, sampling, message in cases:
             received = []
@@ -75,11 +83,13 @@ def test_cancelled_and_aborted_requests_free_their_slots(checkpoint):
     pair = GrpcPair(checkpoint("qwen3"), prefill_kw=dict(test_kv_chunk_delay_s=0.01, max_chunk_bytes=512))
     sched, reasons = pair.decode.scheduler, {}
     finish = sched._finish
-    sched._finish = lambda req, reason, *a, **k: (reasons.__setitem__(req.rid.split("#")[0], reason),
-                                                   finish(req, reason, *a, **k))
+    sched._finish = lambda req, reason, *a, **k: (
+        reasons.__setitem__(req.rid.split("#")[0], reason),
+        finish(req, reason, *a, **k),
+    )
     try:
         call = pair.generate([5, 6, 7, 8], 200, stream=True, rid="cancel-me", ignore_eos=True)
-        next(call)          # at least one token streamed
+        next(call)  # at least one token streamed
         call.cancel()
         aborted = pair.generate([9, 10, 11], 200, stream=True, rid="abort-me", ignore_eos=True)
         next(aborted)
@@ -117,14 +127,18 @@ def test_large_handoff_is_chunked_within_the_bound(tmp_path):
     from common.tools.tiny_checkpoint import build
 
     path = build(str(tmp_path / "wide"), "llama", hidden_size=512, num_layers=8)
-    prompt = [(7 * i) % 370 + 5 for i in range(300)]     # 300 tokens x 16 KiB of KV (8 layers, fp32)
+    prompt = [(7 * i) % 370 + 5 for i in range(300)]  # 300 tokens x 16 KiB of KV (8 layers, fp32)
     bound = 1 << 20
-    pair = GrpcPair(path, prefill_kw=dict(max_chunk_bytes=bound, max_total_tokens=1024),
-                    decode_kw=dict(max_total_tokens=1024))
+    pair = GrpcPair(
+        path, prefill_kw=dict(max_chunk_bytes=bound, max_total_tokens=1024), decode_kw=dict(max_total_tokens=1024)
+    )
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(pair.prefill.address))
-        chunks = [c.kv for c in stub.Prefill(prefill_pb2.PrefillRequest(request_id="x", input_ids=prompt))
-                  if c.WhichOneof("payload") == "kv"]
+        chunks = [
+            c.kv
+            for c in stub.Prefill(prefill_pb2.PrefillRequest(request_id="x", input_ids=prompt))
+            if c.WhichOneof("payload") == "kv"
+        ]
         sizes = [sum(len(t.data) for t in list(c.k) + list(c.v)) for c in chunks]
         assert sum(sizes) > 4 << 20 and len(chunks) >= 5 and max(sizes) <= bound
         ids, _ = pair.collect(pair.generate(prompt, 6, ignore_eos=True))

@@ -39,19 +39,26 @@ def work():
     seen["stream_threads"] = torch.get_num_threads()
 stream.submit(work)
 stream.synchronize(timeout=60)
-print(json.dumps(dict(base=base, after_load=after_load, after_forward=native(expect=base + 1), main_threads=torch.get_num_threads(),
-                      **seen)))
+after_forward = native(expect=base + 1)
+print(json.dumps(dict(base=base, after_load=after_load, after_forward=after_forward,
+                      main_threads=torch.get_num_threads(), **seen)))
 """
 
 
 def test_only_the_forward_stream_starts_an_openmp_pool(checkpoint):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    out = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint("llama")], capture_output=True, text=True,
-                         timeout=120, env=env, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, checkpoint("llama")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    ).stdout
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["main_threads"] == 2 and seen["stream_threads"] == 2, seen  # counts kept and inherited
-    assert seen["after_load"] == seen["base"], seen          # importing, loading, warm-up: no pool on main
-    assert seen["after_forward"] == seen["base"] + 1, seen   # the stream's pool: one worker beside it
+    assert seen["after_load"] == seen["base"], seen  # importing, loading, warm-up: no pool on main
+    assert seen["after_forward"] == seen["base"] + 1, seen  # the stream's pool: one worker beside it
 
 
 CHECK_SPIN = r"""
@@ -72,10 +79,22 @@ def test_services_set_a_short_openmp_spin_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
     env["PYTHONPATH"] = os.getcwd()
     for service in ("decode_service", "prefill_service"):
-        out = subprocess.run([sys.executable, "-c", CHECK_SPIN, service], capture_output=True, text=True,
-                             timeout=120, env=env, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", CHECK_SPIN, service],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=True,
+        ).stdout
         assert out.strip().splitlines()[-1] == "10000", (service, out)
     env["GOMP_SPINCOUNT"] = "123"  # an operator's own setting wins
-    out = subprocess.run([sys.executable, "-c", CHECK_SPIN, "decode_service"], capture_output=True, text=True,
-                         timeout=120, env=env, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK_SPIN, "decode_service"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    ).stdout
     assert out.strip().splitlines()[-1] == "123"

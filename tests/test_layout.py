@@ -11,15 +11,35 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_DIRS = ["common/models", "common/attention", "common/engine"]
-ENGINE_FILES = ["common/request_rules.py", "decode_service/scheduler.py", "decode_service/future_map.py",
-                "decode_service/schedule_batch.py", "decode_service/req.py", "decode_service/step.py",
-                "decode_service/inbox.py", "decode_service/decode_step.py", "decode_service/eagle_step.py",
-                "decode_service/handoff_writes.py", "decode_service/eagle_tree_step.py", "decode_service/worker.py",
-                "decode_service/worker_batch.py", "prefill_service/engine.py", "prefill_service/inprocess.py",
-                "prefill_service/batching.py", "prefill_service/draft_prefill.py",
-                "prefill_service/scheduler.py"]
-FORBIDDEN = ("common.wire", "common.tools", "grpc", "grpc_health", "grpc_reflection", "google.protobuf",
-             "smg_grpc_proto")
+ENGINE_FILES = [
+    "common/request_rules.py",
+    "decode_service/scheduler.py",
+    "decode_service/future_map.py",
+    "decode_service/schedule_batch.py",
+    "decode_service/req.py",
+    "decode_service/step.py",
+    "decode_service/inbox.py",
+    "decode_service/decode_step.py",
+    "decode_service/eagle_step.py",
+    "decode_service/handoff_writes.py",
+    "decode_service/eagle_tree_step.py",
+    "decode_service/worker.py",
+    "decode_service/worker_batch.py",
+    "prefill_service/engine.py",
+    "prefill_service/inprocess.py",
+    "prefill_service/batching.py",
+    "prefill_service/draft_prefill.py",
+    "prefill_service/scheduler.py",
+]
+FORBIDDEN = (
+    "common.wire",
+    "common.tools",
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "google.protobuf",
+    "smg_grpc_proto",
+)
 
 
 def _py_files(*dirs: str) -> list[str]:
@@ -52,53 +72,74 @@ def test_engine_imports_nothing_from_the_wire_tools_or_grpc():
 
 def test_engine_modules_import_with_grpc_and_protobuf_absent():
     modules = [f[:-3].replace("/", ".").removesuffix(".__init__") for f in _engine_files()]
-    blocker = ("import sys\n"
-               "class Block:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               f"        if name.split('.')[0] in {sorted({m.split('.')[0] for m in FORBIDDEN[2:]})!r}:\n"
-               "            raise ImportError('blocked: ' + name)\n"
-               "sys.meta_path.insert(0, Block())\n"
-               f"for m in {modules!r}:\n"
-               "    __import__(m)\n"
-               "print('ok', len(sys.modules))\n")
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {sorted({m.split('.')[0] for m in FORBIDDEN[2:]})!r}:\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        f"for m in {modules!r}:\n"
+        "    __import__(m)\n"
+        "print('ok', len(sys.modules))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-2000:]
 
 
 def test_no_file_over_400_lines():
-    files = [f for f in _py_files("common", "decode_service", "prefill_service", "tests", "bench", "proto")
-             if "proto_gen" not in f]
+    files = [
+        f
+        for f in _py_files("common", "decode_service", "prefill_service", "tests", "bench", "proto")
+        if "proto_gen" not in f
+    ]
     long = {f: n for f in files if (n := sum(1 for _ in open(os.path.join(ROOT, f)))) > 400}
     assert not long
 
 
 def test_readme_layout_table_matches_the_tree():
     readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("## Layout"):]
-    section = section[:section.index("\n## ", 4)] if "\n## " in section[4:] else section
+    section = readme[readme.index("## Layout") :]
+    section = section[: section.index("\n## ", 4)] if "\n## " in section[4:] else section
     named = set(re.findall(r"`((?:common|decode_service|prefill_service)/[\w/]+\.py)`", section))
-    modules = {f for f in _py_files("common", "decode_service", "prefill_service")
-               if not f.endswith("__init__.py") and "proto_gen" not in f}
+    modules = {
+        f
+        for f in _py_files("common", "decode_service", "prefill_service")
+        if not f.endswith("__init__.py") and "proto_gen" not in f
+    }
     assert named <= modules, f"README names files that do not exist: {sorted(named - modules)}"
     assert modules <= named, f"README's layout table misses: {sorted(modules - named)}"
 
 
 def test_common_imports_no_service():
-    bad = {f: [n for n in _imports(f) if n.split(".")[0] in ("decode_service", "prefill_service", "bench", "tests")]
-           for f in _py_files("common")}
+    bad = {
+        f: [n for n in _imports(f) if n.split(".")[0] in ("decode_service", "prefill_service", "bench", "tests")]
+        for f in _py_files("common")
+    }
     assert not {f: n for f, n in bad.items() if n}
 
 
 def test_the_decode_scheduler_imports_nothing_that_runs_a_model():
     """The scheduler runs with a fake worker: importing it loads no model code, attention or worker."""
-    model_code = ["common.models", "common.attention", "common.engine.model_runner", "common.engine.draft_runner",
-                  "common.engine.forward_batch", "decode_service.worker", "decode_service.decode_step",
-                  "decode_service.eagle_step", "decode_service.eagle_tree_step", "decode_service.future_map",
-                  "transformers"]
-    probe = ("import sys\n"
-             "import decode_service.scheduler\n"
-             f"names = {model_code!r}\n"
-             "print(sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in names)))\n")
+    model_code = [
+        "common.models",
+        "common.attention",
+        "common.engine.model_runner",
+        "common.engine.draft_runner",
+        "common.engine.forward_batch",
+        "decode_service.worker",
+        "decode_service.decode_step",
+        "decode_service.eagle_step",
+        "decode_service.eagle_tree_step",
+        "decode_service.future_map",
+        "transformers",
+    ]
+    probe = (
+        "import sys\n"
+        "import decode_service.scheduler\n"
+        f"names = {model_code!r}\n"
+        "print(sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in names)))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", f"the scheduler pulls in model code: {proc.stdout}"

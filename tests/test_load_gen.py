@@ -11,9 +11,19 @@ from tests.grpc_harness import GrpcPair
 
 
 def test_report_arithmetic():
-    outcomes = [load_gen.Outcome(ok=True, ttft=0.1, e2e=1.1, itls=[0.1] * 10, prompt_tokens=5, output_tokens=11,
-                                 spec_accepted=6, spec_drafted=12),
-                load_gen.Outcome(ok=False, error="UNAVAILABLE: x")]
+    outcomes = [
+        load_gen.Outcome(
+            ok=True,
+            ttft=0.1,
+            e2e=1.1,
+            itls=[0.1] * 10,
+            prompt_tokens=5,
+            output_tokens=11,
+            spec_accepted=6,
+            spec_drafted=12,
+        ),
+        load_gen.Outcome(ok=False, error="UNAVAILABLE: x"),
+    ]
     r = load_gen.report(outcomes, 2.0, num_steps=3)
     assert (r["completed"], r["failed"]) == (1, 1) and r["errors"] == ["UNAVAILABLE: x"]
     assert r["output_token_throughput"] == pytest.approx(5.5) and r["tpot"]["mean_ms"] == pytest.approx(100.0)
@@ -24,9 +34,25 @@ def test_grpc_run_with_poisson_arrivals(checkpoint, tmp_path):
     pair = GrpcPair(checkpoint("llama"))
     try:
         out = tmp_path / "report.json"
-        result = load_gen.main(["--addr", pair.decode.address, "--num-prompts", "24", "--request-rate", "40",
-                                "--max-concurrency", "8", "--random-input-len", "24", "--random-output-len", "8",
-                                "--output-json", str(out), "--no-progress"])
+        result = load_gen.main(
+            [
+                "--addr",
+                pair.decode.address,
+                "--num-prompts",
+                "24",
+                "--request-rate",
+                "40",
+                "--max-concurrency",
+                "8",
+                "--random-input-len",
+                "24",
+                "--random-output-len",
+                "8",
+                "--output-json",
+                str(out),
+                "--no-progress",
+            ]
+        )
         assert result["completed"] == 24 and result["failed"] == 0
         saved = json.loads(out.read_text())
         assert saved["completed"] == 24 and saved["config"]["max_concurrency"] == 8

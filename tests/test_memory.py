@@ -61,10 +61,10 @@ def test_integrity_catches_leaks_and_shared_slots():
     alloc = SlotAllocator(10)
     a, b = alloc.alloc(3), alloc.alloc(2)
     with pytest.raises(IntegrityError, match="leak"):
-        alloc.check_integrity(holders=[a])          # b's slots are used but nobody holds them
+        alloc.check_integrity(holders=[a])  # b's slots are used but nobody holds them
     with pytest.raises(IntegrityError, match="two holders"):
         alloc.check_integrity(holders=[a, b, a[:1]])
-    alloc._free = torch.cat([alloc._free, a[:1]])   # corrupt the books: a slot both free and used
+    alloc._free = torch.cat([alloc._free, a[:1]])  # corrupt the books: a slot both free and used
     with pytest.raises(IntegrityError, match="both free and used"):
         alloc.check_integrity()
 

@@ -54,10 +54,12 @@ def test_services_run_without_prometheus_client_and_say_why_metrics_cannot():
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "from common.metrics import DecodeMetrics\n"
-            "m = DecodeMetrics(lambda: 0, lambda: 0, lambda: 0, lambda: 0)\n"
-            "m.ttft.observe(0.1); m.requests.labels(finish_reason='stop').inc()\n"
-            "try:\n    m.serve('127.0.0.1', 0)\nexcept RuntimeError as e:\n    print(e)\n")
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from common.metrics import DecodeMetrics\n"
+        "m = DecodeMetrics(lambda: 0, lambda: 0, lambda: 0, lambda: 0)\n"
+        "m.ttft.observe(0.1); m.requests.labels(finish_reason='stop').inc()\n"
+        "try:\n    m.serve('127.0.0.1', 0)\nexcept RuntimeError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "needs the prometheus-client package" in out.stdout, out.stderr

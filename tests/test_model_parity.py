@@ -38,8 +38,9 @@ def test_extend_logits_match_hf(checkpoint, variant):
     runner = _runner(path)
     prompts = _prompts(runner.config.vocab_size)
     rows = [_reserve(runner, len(p)) for p in prompts]
-    batch = ForwardBatch.extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), prompts,
-                                all_logits=True)
+    batch = ForwardBatch.extend(
+        runner.req_to_token_pool.req_to_token, rows, [0] * len(prompts), prompts, all_logits=True
+    )
     logits, _ = runner.forward(batch)
     ref = torch.cat([hf_logits(path, p) for p in prompts])
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
@@ -89,6 +90,7 @@ def test_packed_cpu_linears_equal_plain_ones(checkpoint, variant):
         assert bool(packed) == pack and (getattr(runner.model, "_lm_head_cpu", None) is not None) == pack
         prompts = _prompts(runner.config.vocab_size)
         rows = [_reserve(runner, len(p)) for p in prompts]
-        runs[pack] = runner.forward(ForwardBatch.extend(runner.req_to_token_pool.req_to_token, rows,
-                                                        [0] * len(rows), prompts, all_logits=True))[0]
+        runs[pack] = runner.forward(
+            ForwardBatch.extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(rows), prompts, all_logits=True)
+        )[0]
     assert torch.allclose(runs[True], runs[False], atol=1e-4, rtol=1e-4), (runs[True] - runs[False]).abs().max()

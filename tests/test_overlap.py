@@ -8,8 +8,7 @@ import pytest
 
 from common.engine.sampling import SamplingParams
 from common.engine.streams import HostEvent, WorkerStream
-from tests.decode_harness import Hooks
-from tests.decode_harness import Pair
+from tests.decode_harness import Hooks, Pair
 from tests.oracle import hf_greedy
 
 HELD_STEP = 4
@@ -56,9 +55,10 @@ def test_worker_stream_runs_in_order_and_surfaces_errors():
 
     def boom():
         raise ValueError("bad kernel")
+
     stream.submit(boom)
     after = HostEvent()
-    after.record(stream)          # events still fire after a failure, so nobody hangs
+    after.record(stream)  # events still fire after a failure, so nobody hangs
     after.synchronize(timeout=5)
     with pytest.raises(RuntimeError, match="bad kernel"):
         stream.raise_if_failed()
@@ -76,11 +76,11 @@ def test_worker_stream_survives_failing_work_without_a_name():
         raise ValueError(msg)
 
     stream, latch = WorkerStream(), threading.Event()
-    stream.submit(lambda: latch.wait(5))           # hold the worker so both items queue behind it
+    stream.submit(lambda: latch.wait(5))  # hold the worker so both items queue behind it
     stream.submit(functools.partial(fail, "bad kernel"))
     stream.submit(functools.partial(print, "skipped after the failure"))
     latch.set()
     with pytest.raises(RuntimeError, match="bad kernel"):
-        stream.synchronize(timeout=5)              # not TimeoutError: the worker is alive
+        stream.synchronize(timeout=5)  # not TimeoutError: the worker is alive
     assert stream._thread.is_alive()
     stream.close()

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 from common.models import packed_linear
 from common.models.packed_linear import GEMV_MAX_ROWS, LinearWeight
 
-pytestmark = pytest.mark.skipif(not packed_linear.available(torch.device("cpu"), torch.float32),
-                                reason="needs oneDNN on CPU")
+pytestmark = pytest.mark.skipif(
+    not packed_linear.available(torch.device("cpu"), torch.float32), reason="needs oneDNN on CPU"
+)
 
 
-@pytest.mark.parametrize("out_features", [96, 100, 37])       # 8, 4 and 1 row blocks
+@pytest.mark.parametrize("out_features", [96, 100, 37])  # 8, 4 and 1 row blocks
 @pytest.mark.parametrize("bias", [False, True])
 def test_both_layouts_equal_f_linear(out_features, bias):
     gen = torch.Generator().manual_seed(out_features)

@@ -14,8 +14,8 @@ from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.server import PrefillService
 
-HELD = 80       # open calls held at once: more than the 64 handler threads of the old sync server
-CANCELLED = 8   # of them cancelled while queued
+HELD = 80  # open calls held at once: more than the 64 handler threads of the old sync server
+CANCELLED = 8  # of them cancelled while queued
 ANSWER_S = 0.2  # health and GetLoad answer within this with every call held
 
 
@@ -34,6 +34,7 @@ def _held_engine(service: PrefillService):
         in_step.set()
         assert latch.wait(60), "the test never released the engine"
         return step()
+
     service.engine.step = held_step
     return in_step, latch
 
@@ -52,10 +53,16 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
     try:
         stub = prefill_pb2_grpc.PrefillStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
-        calls = {f"r{i}": stub.Prefill(prefill_pb2.PrefillRequest(request_id=f"r{i}", input_ids=[5 + i % 50, 6, 7]),
-                                       timeout=120) for i in range(HELD)}
-        _wait_for(f"the server never held all {HELD} calls",
-                  lambda: sched.num_running + sched.num_queued() == HELD and service.open_calls == HELD)
+        calls = {
+            f"r{i}": stub.Prefill(
+                prefill_pb2.PrefillRequest(request_id=f"r{i}", input_ids=[5 + i % 50, 6, 7]), timeout=120
+            )
+            for i in range(HELD)
+        }
+        _wait_for(
+            f"the server never held all {HELD} calls",
+            lambda: sched.num_running + sched.num_queued() == HELD and service.open_calls == HELD,
+        )
         running = sched.num_running  # the calls in the latched step (those that arrived before it began)
         assert in_step.is_set() and 1 <= running <= service.config.max_running_requests
         assert len(sched.inbox) >= CANCELLED
@@ -108,12 +115,15 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
         health = health_pb2_grpc.HealthStub(channel)
         first = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]), timeout=20)
         assert in_step.wait(10), "call a never reached the engine"
-        behind = [stub.Prefill(prefill_pb2.PrefillRequest(request_id=f"b{i}", input_ids=[8, 9, i + 10]), timeout=20)
-                  for i in range(4)]
+        behind = [
+            stub.Prefill(prefill_pb2.PrefillRequest(request_id=f"b{i}", input_ids=[8, 9, i + 10]), timeout=20)
+            for i in range(4)
+        ]
         _wait_for("the calls behind a never reached the scheduler", lambda: len(sched.inbox) == 4)
 
         def broken(request):
             raise RuntimeError("admission bookkeeping broke")
+
         service.engine.can_admit = broken  # the next admission, after a's step, raises outside the step's try
         latch.set()
 
@@ -124,8 +134,13 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
             assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
             assert "admission bookkeeping broke" in err.value.details()
         assert not sched.alive and not sched.pending
-        _wait_for("health never turned NOT_SERVING", lambda: health.Check(
-            health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING)
+        _wait_for(
+            "health never turned NOT_SERVING",
+            lambda: (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            ),
+        )
         with pytest.raises(grpc.RpcError) as err:  # later calls are refused at once, not left hanging
             list(stub.Prefill(prefill_pb2.PrefillRequest(request_id="late", input_ids=[5, 6]), timeout=5))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -25,8 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _generate(stub, prompt, n, rid, stream=True):
-    return stub.Generate(pb.GenerateRequest(request_id=rid, tokenized=pb.TokenizedInput(input_ids=prompt), stream=stream,
-                                            sampling_params=pb.SamplingParams(max_new_tokens=n, ignore_eos=True)))
+    return stub.Generate(
+        pb.GenerateRequest(
+            request_id=rid,
+            tokenized=pb.TokenizedInput(input_ids=prompt),
+            stream=stream,
+            sampling_params=pb.SamplingParams(max_new_tokens=n, ignore_eos=True),
+        )
+    )
 
 
 def _tokens(responses) -> tuple[list[int], str]:
@@ -50,8 +56,10 @@ def _wait_idle(decode: DecodeService) -> None:
 
 def test_two_replicas_both_get_work(checkpoint):
     path = checkpoint("qwen2")
-    replicas = [PrefillService(PrefillConfig(path, port=0, test_kv_chunk_delay_s=0.01, max_chunk_bytes=2048)).start()
-                for _ in range(2)]
+    replicas = [
+        PrefillService(PrefillConfig(path, port=0, test_kv_chunk_delay_s=0.01, max_chunk_bytes=2048)).start()
+        for _ in range(2)
+    ]
     decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(r.address for r in replicas), port=0)).start()
     try:
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
@@ -70,9 +78,26 @@ def test_two_replicas_both_get_work(checkpoint):
 
 
 def _start_prefill(path: str, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "prefill_service", "--model-path", path, "--port", str(port),
-                             "--torch-threads", "1", "--max-chunk-bytes", "512", "--test-kv-chunk-delay-s", "0.02"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefill_service",
+            "--model-path",
+            path,
+            "--port",
+            str(port),
+            "--torch-threads",
+            "1",
+            "--max-chunk-bytes",
+            "512",
+            "--test-kv-chunk-delay-s",
+            "0.02",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return proc
 
 
@@ -80,8 +105,9 @@ def test_killing_prefill_processes_mid_handoff(checkpoint):
     path = checkpoint("llama")
     ports = [free_port(), free_port()]
     procs = {port: _start_prefill(path, port) for port in ports}
-    decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0,
-                                        prefill_wait_s=1.0)).start()
+    decode = DecodeService(
+        DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0, prefill_wait_s=1.0)
+    ).start()
     try:
         for port, proc in procs.items():
             wait_serving(f"127.0.0.1:{port}", proc)

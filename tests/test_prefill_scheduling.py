@@ -55,8 +55,9 @@ def test_engine_results_match_the_oracle_when_requests_interleave(checkpoint):
 
 
 def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint):
-    service = PrefillService(PrefillConfig(checkpoint("llama"), port=0, chunked_prefill_size=32,
-                                           test_step_delay_s=0.05, debug_checks=True)).start()
+    service = PrefillService(
+        PrefillConfig(checkpoint("llama"), port=0, chunked_prefill_size=32, test_step_delay_s=0.05, debug_checks=True)
+    ).start()
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         first_at: dict[str, float] = {}
@@ -95,6 +96,7 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
         if calls["n"] == 2:
             raise RuntimeError("copy-out failed")
         return real(w)
+
     service.engine._to_handoff = second_breaks
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
@@ -104,10 +106,13 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
 
         def run(rid):
             try:
-                results[rid] = [m.WhichOneof("payload") for m in stub.Prefill(
-                    prefill_pb2.PrefillRequest(request_id=rid, input_ids=[5, 6, 7]), timeout=20)]
+                results[rid] = [
+                    m.WhichOneof("payload")
+                    for m in stub.Prefill(prefill_pb2.PrefillRequest(request_id=rid, input_ids=[5, 6, 7]), timeout=20)
+                ]
             except grpc.RpcError as e:
                 results[rid] = e.code()
+
         threads = [threading.Thread(target=run, args=(r,)) for r in ("a", "b")]
         for t in threads:
             t.start()
@@ -148,7 +153,9 @@ def test_an_exception_escaping_the_loop_answers_every_call_and_reports_the_sched
             answers.setdefault(rid, []).append(a)
             if len(answers) == 4:
                 done.set()
+
         return PrefillCall(_req(rid, 3), on_answer)
+
     for rid in ("a", "b", "c"):  # queued before the loop starts: all three are in `waiting` when it breaks
         sched.submit(call(rid))
     sched.start()
@@ -162,7 +169,8 @@ def test_an_exception_escaping_the_loop_answers_every_call_and_reports_the_sched
     finally:
         sched.stop()
     assert {rid: len(a) for rid, a in answers.items()} == {"a": 1, "b": 1, "c": 1, "late": 1}
-    assert all(isinstance(a[0], RuntimeError) and "admission bookkeeping broke" in str(a[0])
-               for a in answers.values()), answers
+    assert all(
+        isinstance(a[0], RuntimeError) and "admission bookkeeping broke" in str(a[0]) for a in answers.values()
+    ), answers
     assert [str(e) for e in fatal] == ["admission bookkeeping broke"]
     assert not sched.pending and sched.num_queued() == 0 and sched.num_running == 0

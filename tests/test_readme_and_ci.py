@@ -21,6 +21,7 @@ def test_readme_has_exactly_two_one_line_commands():
     assert len(lines) == 2
     main_job, tests = lines
     assert "common.tools.demo" in main_job and "pytest" in tests
+    assert "-m ruff format --check ." in tests and "-m ruff check ." in tests  # format and lint gate the tests
     for line in lines:
         assert line.startswith("bash .ci/setup && .venv/bin/python -m ")
 

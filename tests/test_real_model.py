@@ -21,8 +21,12 @@ from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.tools.smollm2 import ensure_smollm2
 from tests.grpc_harness import GrpcPair
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "List three prime numbers.", "Explain in one sentence what a CPU does."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain in one sentence what a CPU does.",
+]
 NEW_TOKENS = 32
 NEAR_TIE = 1e-3
 
@@ -48,8 +52,7 @@ def tokenizer(folder):
 def prompts(tokenizer) -> list[list[int]]:
     out = []
     for q in QUESTIONS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if isinstance(ids, Mapping) else ids))
     return out
 
@@ -61,9 +64,10 @@ def references(hf, prompts) -> list[list[int]]:
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])  # an explicit mask: else generate() masks every pad id (2 = <|im_end|>) in it
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=2)
-            refs.append(out[0, len(p):].tolist())
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2
+            )
+            refs.append(out[0, len(p) :].tolist())
             assert len(refs[-1]) == NEW_TOKENS, "the oracle stopped early"
     return refs
 
@@ -74,8 +78,14 @@ def served(folder, prompts):
     pair = GrpcPair(folder, prefill_kw=dict(dtype="float32"), decode_kw=dict(dtype="float32"))
     try:
         with futures.ThreadPoolExecutor(len(prompts)) as pool:
-            return list(pool.map(lambda i: pair.collect(pair.generate(
-                prompts[i], NEW_TOKENS, stream=i % 2 == 0, rid=f"r{i}", ignore_eos=True)), range(len(prompts))))
+            return list(
+                pool.map(
+                    lambda i: pair.collect(
+                        pair.generate(prompts[i], NEW_TOKENS, stream=i % 2 == 0, rid=f"r{i}", ignore_eos=True)
+                    ),
+                    range(len(prompts)),
+                )
+            )
     finally:
         pair.close()
 
@@ -92,14 +102,22 @@ def test_converted_folder_loads_in_hf_and_our_runner(folder, hf, tokenizer, prom
 
     runner = ModelRunner(RunnerArgs(folder, dtype="float32", max_total_tokens=256, max_running_requests=2))
     cfg = runner.config
-    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.vocab_size) == ("LlamaForCausalLM", 30, 576, 9, 3, 64, 49152)
+    assert (
+        cfg.architecture,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+    ) == ("LlamaForCausalLM", 30, 576, 9, 3, 64, 49152)
     assert cfg.tie_word_embeddings and cfg.rope["rope_theta"] == 1e5 and 2 in cfg.eos_token_ids
     prompt = prompts[0]
     row = runner.req_to_token_pool.alloc()
     runner.req_to_token_pool.write(row, 0, runner.kv_allocator.alloc(len(prompt)))
-    logits, _ = runner.forward(ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [row], [0], [prompt],
-                                                   all_logits=True))
+    logits, _ = runner.forward(
+        ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [row], [0], [prompt], all_logits=True)
+    )
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(logits, ref, atol=1e-3, rtol=1e-4)
@@ -115,11 +133,13 @@ def test_grpc_pair_matches_hf_greedy_on_chat_prompts(hf, prompts, references, se
             logits = hf(torch.tensor([prompt + ref[:step]])).logits[0, -1].float()
         top2 = logits.topk(2)
         gap = float(top2.values[0] - top2.values[1])
-        detail = (f"prompt {i}: first difference at step {step}: served {ids[step]} "
-                  f"(logit {float(logits[ids[step]]):.6f}), HF {ref[step]}; HF top-2 {top2.indices.tolist()} "
-                  f"{top2.values.tolist()}, gap {gap:.2e}")
+        detail = (
+            f"prompt {i}: first difference at step {step}: served {ids[step]} "
+            f"(logit {float(logits[ids[step]]):.6f}), HF {ref[step]}; HF top-2 {top2.indices.tolist()} "
+            f"{top2.values.tolist()}, gap {gap:.2e}"
+        )
         assert gap < NEAR_TIE, f"not a near-tie: {detail}"
-        warnings.warn(f"accepted near-tie divergence: {detail}")
+        warnings.warn(f"accepted near-tie divergence: {detail}", stacklevel=2)
 
 
 def test_france_question_answers_paris(tokenizer, references, served):

@@ -30,11 +30,15 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     batched = sample(logits, params, seeds, positions)
     assert torch.equal(batched, sample(logits, params, seeds, positions))
     for i in range(6):  # alone, and in a batch in another order with greedy neighbours
-        alone = sample(logits[i:i + 1], [params[i]], [seeds[i]], [positions[i]])
+        alone = sample(logits[i : i + 1], [params[i]], [seeds[i]], [positions[i]])
         assert alone.item() == batched[i].item()
     order = [4, 0, 5, 2, 1, 3]
-    mixed = sample(torch.cat([logits[order], _logits(2, 1)]), [params[i] for i in order] + [SamplingParams()] * 2,
-                   [seeds[i] for i in order] + [0, 0], [positions[i] for i in order] + [0, 0])
+    mixed = sample(
+        torch.cat([logits[order], _logits(2, 1)]),
+        [params[i] for i in order] + [SamplingParams()] * 2,
+        [seeds[i] for i in order] + [0, 0],
+        [positions[i] for i in order] + [0, 0],
+    )
     assert mixed[:6].tolist() == batched[order].tolist()
 
 
@@ -66,7 +70,10 @@ def test_filters_keep_only_allowed_tokens(kind):
         n = int((cum < 0.5).sum()) + 1
         params, allowed = SamplingParams(temperature=1.0, top_p=0.5), set(order[:n].tolist())
     else:
-        params, allowed = SamplingParams(temperature=1.0, min_p=0.2), set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+        params, allowed = (
+            SamplingParams(temperature=1.0, min_p=0.2),
+            set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist()),
+        )
     seen = {sample(logits, [params], [s], [0]).item() for s in range(300)}
     assert seen <= allowed and len(seen) == len(allowed)
 
@@ -91,10 +98,15 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch(checkpoint):
     prompt = [11, 42, 7, 99, 100]
     [alone] = engine.generate([prompt], target)
     others = [[5] * 30, [8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
-    batch = engine.generate(others[:2] + [prompt] + others[2:],
-                            [SamplingParams(max_new_tokens=25, temperature=1.0, seed=9, ignore_eos=True),
-                             SamplingParams(max_new_tokens=5, ignore_eos=True), target,
-                             SamplingParams(max_new_tokens=12, temperature=0.5, ignore_eos=True)])
+    batch = engine.generate(
+        others[:2] + [prompt] + others[2:],
+        [
+            SamplingParams(max_new_tokens=25, temperature=1.0, seed=9, ignore_eos=True),
+            SamplingParams(max_new_tokens=5, ignore_eos=True),
+            target,
+            SamplingParams(max_new_tokens=12, temperature=0.5, ignore_eos=True),
+        ],
+    )
     assert batch[2].output == alone.output
     different_seed = SamplingParams(**{**target.__dict__, "seed": 4321})
     assert engine.generate([prompt], different_seed)[0].output != alone.output
@@ -118,14 +130,18 @@ def test_sampling_inputs_live_on_the_batch_not_rebuilt_per_step():
     from decode_service.req import DecodeReq
     from decode_service.schedule_batch import ScheduleBatch
 
-    reqs = [DecodeReq(str(i), [5, 6], SamplingParams(temperature=0.5 * i), seed=i, req_pool_idx=i + 1) for i in range(3)]
+    reqs = [
+        DecodeReq(str(i), [5, 6], SamplingParams(temperature=0.5 * i), seed=i, req_pool_idx=i + 1) for i in range(3)
+    ]
     batch = ScheduleBatch.prebuilt(reqs, [2, 2, 2], torch.device("cpu"))
     first = batch.sampling
     assert first.plain == [1, 2] and not first.all_greedy
     batch.bump()
-    assert batch.sampling is first                       # a step changes lengths, not membership
+    assert batch.sampling is first  # a step changes lengths, not membership
     reqs[0].finish_reason = "stop"
     smaller = batch.filter_unfinished()
     assert smaller.sampling is not first and smaller.sampling.plain == [0, 1]
     logits = _logits(2)
-    assert torch.equal(smaller.sampling.sample(logits, [4, 4]), sample(logits, [r.params for r in reqs[1:]], [1, 2], [4, 4]))
+    assert torch.equal(
+        smaller.sampling.sample(logits, [4, 4]), sample(logits, [r.params for r in reqs[1:]], [1, 2], [4, 4])
+    )

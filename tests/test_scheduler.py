@@ -201,7 +201,9 @@ def test_7_a_reused_row_is_written_only_after_the_forward_that_still_reads_it():
     d.submit("B", max_new=3)
     d.run()
     log = d.worker.log
-    a_last = max(i for i, op in enumerate(log) if op[0] == "forward" and op[2] == (1,) and i < log.index(("release", 1)))
+    a_last = max(
+        i for i, op in enumerate(log) if op[0] == "forward" and op[2] == (1,) and i < log.index(("release", 1))
+    )
     b_seed = [i for i, op in enumerate(log) if op == ("prebuilt", 1)][1]
     assert a_last < log.index(("release", 1)) < b_seed  # A's wasted lane, A's release, then B's seed
     assert d.tokens["B"] == d.expected("B", 3)

@@ -44,7 +44,10 @@ def test_health_reflection_and_model_info(checkpoint):
         assert "disagg.v1.Prefill" in _services(pair.prefill.address)
         assert "sglang.grpc.scheduler.SglangScheduler" in _services(pair.decode.address)
         assert _health(pair.prefill.address) == health_pb2.HealthCheckResponse.SERVING
-        assert _health(pair.decode.address, "sglang.grpc.scheduler.SglangScheduler") == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            _health(pair.decode.address, "sglang.grpc.scheduler.SglangScheduler")
+            == health_pb2.HealthCheckResponse.SERVING
+        )
         info = pair.stub.GetModelInfo(pb.GetModelInfoRequest())
         cfg = load_model_config(path)
         assert info.served_model_name == "tiny-qwen3" and info.is_generation
@@ -68,8 +71,15 @@ def test_decode_is_unhealthy_without_a_prefill_peer_and_says_unavailable(checkpo
         reply = stub.HealthCheck(pb.HealthCheckRequest())
         assert not reply.healthy and "prefill" in reply.message and time.time() - start < 1
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(pb.GenerateRequest(request_id="x", tokenized=pb.TokenizedInput(input_ids=[5, 6]),
-                                                  sampling_params=pb.SamplingParams(max_new_tokens=4))))
+            list(
+                stub.Generate(
+                    pb.GenerateRequest(
+                        request_id="x",
+                        tokenized=pb.TokenizedInput(input_ids=[5, 6]),
+                        sampling_params=pb.SamplingParams(max_new_tokens=4),
+                    )
+                )
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill replica" in err.value.details()
         deadline = time.time() + 10
         while not decode.scheduler.idle:  # the failure is reported before the scheduler thread moves on
@@ -85,9 +95,9 @@ def test_prefill_killed_mid_handoff_fails_the_request_cleanly(checkpoint):
     pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(test_kv_chunk_delay_s=0.05, max_chunk_bytes=512))
     try:
         call = pair.generate(list(range(5, 35)), 8, stream=True, ignore_eos=True)
-        first = next(call)                        # the first token arrived; KV chunks still coming
+        first = next(call)  # the first token arrived; KV chunks still coming
         assert first.chunk.token_ids
-        pair.prefill.server.stop(0)               # the prefill peer dies mid-handoff
+        pair.prefill.server.stop(0)  # the prefill peer dies mid-handoff
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in err.value.details()
@@ -190,8 +200,10 @@ def test_prefill_call_cancelled_between_the_schedulers_looks_still_gets_one_answ
     engine = PrefillEngine(ModelRunner(RunnerArgs(checkpoint("qwen2"))))
     sched = PrefillScheduler(engine, max_running_requests=16, debug_checks=True)
     answers, answered = [], threading.Event()
-    call = PrefillCall(HandoffRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=1), seed=1),
-                       lambda a: (answers.append(a), answered.set()))
+    call = PrefillCall(
+        HandoffRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=1), seed=1),
+        lambda a: (answers.append(a), answered.set()),
+    )
     call.cancelled = CancelledAfterFirstLook()
     sched.start()
     try:

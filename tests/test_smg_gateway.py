@@ -45,10 +45,28 @@ def gateway(checkpoint):
     sched._finish = lambda req, reason, *a, **k: (reasons.__setitem__(req.rid, reason), finish(req, reason, *a, **k))
     port = _free_port()
     log = open(os.path.join(os.path.dirname(path), "smg.log"), "w")
-    proc = subprocess.Popen([_smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
-                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
-                             "--worker-urls", f"grpc://{pair.decode.address}", "--worker-startup-check-interval", "1",
-                             "--health-check-interval-secs", "5"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            _smg_binary(),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(_free_port()),
+            "--worker-urls",
+            f"grpc://{pair.decode.address}",
+            "--worker-startup-check-interval",
+            "1",
+            "--health-check-interval-secs",
+            "5",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while True:
@@ -66,8 +84,9 @@ def gateway(checkpoint):
 
 
 def _post(base: str, route: str, body: dict, stream: bool = False):
-    req = urllib.request.Request(f"{base}{route}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     resp = urllib.request.urlopen(req, timeout=60)
     if not stream:
         return json.loads(resp.read())
@@ -88,7 +107,7 @@ def _oracle(path: str, ids: list[int], max_tokens: int) -> tuple[str, int, str]:
     ref = hf_greedy(path, ids, max_tokens)
     eos = load_model_config(path).eos_token_ids
     cut = next((i for i, t in enumerate(ref) if t in eos), None)
-    ref = ref if cut is None else ref[:cut + 1]
+    ref = ref if cut is None else ref[: cut + 1]
     text = load_tokenizer(path).decode(ref, skip_special_tokens=True)
     return text.rstrip("\ufffd"), len(ref), "length" if cut is None else "stop"
 
@@ -132,8 +151,19 @@ def test_models_lists_the_served_name(gateway):
 
 def test_closing_a_stream_aborts_on_the_decode_service(gateway):
     base, _, pair, reasons = gateway
-    resp = _post(base, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400,
-                                           "temperature": 0, "stream": True, "ignore_eos": True}, stream=True)
+    resp = _post(
+        base,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "Once upon a time",
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        },
+        stream=True,
+    )
     for _ in range(3):
         resp.readline()
     before = set(reasons)
@@ -149,9 +179,25 @@ def test_load_generator_through_the_openai_endpoint(gateway):
     from bench import load_gen
 
     base, path, pair, _ = gateway
-    result = load_gen.main(["--backend", "openai", "--base-url", base, "--tokenizer", path, "--num-prompts", "8",
-                            "--max-concurrency", "4", "--random-input-len", "16", "--random-output-len", "6",
-                            "--no-progress"])
+    result = load_gen.main(
+        [
+            "--backend",
+            "openai",
+            "--base-url",
+            base,
+            "--tokenizer",
+            path,
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "4",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "6",
+            "--no-progress",
+        ]
+    )
     assert result["completed"] == 8 and result["failed"] == 0, result["errors"]
     assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0
     pair.wait_idle()

@@ -8,8 +8,7 @@ import torch
 
 from common.engine import spec_sampling
 from common.engine.sampling import SamplingParams
-from tests.decode_harness import Hooks
-from tests.decode_harness import Pair
+from tests.decode_harness import Hooks, Pair
 from tests.oracle import hf_greedy
 from tests.test_eagle import PROMPTS, _planted, _run, _spec, heads  # noqa: F401 (fixture)
 
@@ -24,8 +23,14 @@ def _dists(seed: int, top_p: float = 1.0):
     one = torch.ones(1, 1)
 
     def probs(logits):
-        return spec_sampling.filtered_probs(logits, one.expand(len(logits), 1), torch.full((len(logits), 1), V),
-                                            torch.full((len(logits), 1), top_p), 0 * one.expand(len(logits), 1))
+        return spec_sampling.filtered_probs(
+            logits,
+            one.expand(len(logits), 1),
+            torch.full((len(logits), 1), V),
+            torch.full((len(logits), 1), top_p),
+            0 * one.expand(len(logits), 1),
+        )
+
     return probs(p_logits), probs(q_logits)
 
 
@@ -33,8 +38,13 @@ def _simulate(p, q, seed: int = 0):
     """N independent verify steps with context-free distributions: (first token, second token or -1)."""
     g = torch.Generator().manual_seed(seed)
     drafts = torch.stack([torch.multinomial(q[k], N, replacement=True, generator=g) for k in range(S)], dim=1)
-    accepted, bonus = spec_sampling.verify_chain(p.expand(N, S + 1, V), q.expand(N, S, V), drafts,
-                                                 torch.rand(N, S, generator=g), torch.rand(N, S + 1, generator=g))
+    accepted, bonus = spec_sampling.verify_chain(
+        p.expand(N, S + 1, V),
+        q.expand(N, S, V),
+        drafts,
+        torch.rand(N, S, generator=g),
+        torch.rand(N, S + 1, generator=g),
+    )
     emitted = torch.cat([drafts, bonus[:, None]], dim=1)
     emitted[torch.arange(N), accepted] = bonus
     first = emitted[:, 0]
@@ -65,6 +75,7 @@ def test_a_broken_rule_is_caught(monkeypatch):
         accepted, _ = real(p_, q_, drafts, u_accept, u_bonus)
         lanes = torch.arange(len(drafts))
         return accepted, spec_sampling.draw(p_[lanes, accepted], u_bonus[lanes, accepted])
+
     monkeypatch.setattr(spec_sampling, "verify_chain", bonus_from_p)
     first, _ = _simulate(p, q)
     assert _tv(first, p[0]) > 2 * TV_BOUND  # the check above fails on the broken rule
@@ -85,8 +96,12 @@ def test_top_k_1_sampling_through_eagle_is_greedy(checkpoint, heads, planted, ov
     path = checkpoint("llama")
     hooks = Hooks(propose=_planted(path, wrong_after=2)[0]) if planted else None
     pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=hooks)
-    params = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9, top_k=1, seed=i) if i % 2 else
-              SamplingParams(max_new_tokens=20, ignore_eos=True) for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9, top_k=1, seed=i)
+        if i % 2
+        else SamplingParams(max_new_tokens=20, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     out = _run(pair, PROMPTS, params)
     for i, p in enumerate(PROMPTS):
         assert out[str(i)] == hf_greedy(path, p, 20), f"prompt {i}"
@@ -98,8 +113,10 @@ def test_top_k_1_sampling_through_eagle_is_greedy(checkpoint, heads, planted, ov
 
 def test_seeded_sampling_with_eagle_is_reproducible(checkpoint, heads):
     path = checkpoint("llama")
-    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7 + i)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7 + i)
+        for i in range(len(PROMPTS))
+    ]
     runs = []
     for overlap in (True, False):
         pair = Pair(path, overlap=overlap, spec=_spec(heads(path, "EAGLE3"), "EAGLE3"))

@@ -39,8 +39,12 @@ def test_tokenizer_round_trips_and_has_chat_template(checkpoint):
 
 def test_runnable_as_a_module(tmp_path):
     out = tmp_path / "cli"
-    proc = subprocess.run([sys.executable, "-m", "common.tools.tiny_checkpoint", "--arch", "qwen2", "--tied", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.tools.tiny_checkpoint", "--arch", "qwen2", "--tied", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "built tiny qwen2 checkpoint" in proc.stdout
     assert load_model_config(str(out)).tie_word_embeddings

@@ -20,10 +20,11 @@ class AttentionBackend(ABC):
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
 
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027 (an optional hook)
         """Per-forward preparation shared by all layers (default: nothing)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                forward_batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, forward_batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
         """q [T, heads, d], k/v [T, kv_heads, d] -> attention output [T, heads, d]."""

@@ -30,8 +30,9 @@ from common.engine.host_copy import to_device
 def _probe_enable_gqa() -> bool:
     try:
         with intra_op.single_threaded():  # at import: start no OpenMP pool on the importing thread
-            F.scaled_dot_product_attention(torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4),
-                                           enable_gqa=True)
+            F.scaled_dot_product_attention(
+                torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), enable_gqa=True
+            )
         return True
     except (TypeError, RuntimeError):
         return False
@@ -44,7 +45,7 @@ def sdpa(q, k, v, mask, scale):
     """q [B, heads, Q, d], k/v [B, kv_heads, S, d], mask [B, 1, Q, S] (bool or additive) or None
     -> [B, heads, Q, d]."""
     group = q.shape[1] // k.shape[1]
-    if group > 1 and _HAS_ENABLE_GQA and q.device.type == "cpu":   # CPU flash kernel shares heads itself
+    if group > 1 and _HAS_ENABLE_GQA and q.device.type == "cpu":  # CPU flash kernel shares heads itself
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if group > 1:  # torch < 2.5, or CUDA, where enable_gqa with a mask silently takes the math kernel
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -52,7 +53,7 @@ def sdpa(q, k, v, mask, scale):
 
 
 class BatchedBackend(AttentionBackend):
-    _scratch = None   # CPU: [2, rows, kv_heads, d] gathered K/V, reused by every layer, grown as needed
+    _scratch = None  # CPU: [2, rows, kv_heads, d] gathered K/V, reused by every layer, grown as needed
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         table = self.req_to_token_pool.req_to_token
@@ -64,23 +65,24 @@ class BatchedBackend(AttentionBackend):
         prefix_t = to_device(prefix, device, torch.int64)
         rows = to_device(forward_batch.req_pool_indices_cpu, device, torch.int64)
         k_pos = torch.arange(s_max, device=device)
-        in_seq = k_pos[None, :] < seq_t[:, None]                                      # [B, S]
+        in_seq = k_pos[None, :] < seq_t[:, None]  # [B, S]
         self._slots = torch.where(in_seq, table[rows, :s_max], 0).to(torch.int64).view(-1)  # [B*S]
         if forward_batch.tree_mask is None and q_max == 1 and min(seq) == s_max:
-            self._mask = None   # decode with no padding (batch 1 always): every key is visible
+            self._mask = None  # decode with no padding (batch 1 always): every key is visible
         else:  # additive, built once here (SDPA would convert a bool mask in every layer)
             allowed = self._allowed(forward_batch, prefix_t, in_seq, k_pos, q_max)
             self._mask = torch.zeros(allowed.shape, dtype=self.kv_pool.dtype, device=device).masked_fill_(
-                ~allowed, float("-inf"))
+                ~allowed, float("-inf")
+            )
         self._batch, self._q_max = batch, q_max
-        k0 = self.kv_pool.k[0]   # on CPU, faulting in fresh pages each layer costs more than the gather
+        k0 = self.kv_pool.k[0]  # on CPU, faulting in fresh pages each layer costs more than the gather
         if k0.device.type == "cpu" and (self._scratch is None or self._scratch.shape[1] < batch * s_max):
             self._scratch = k0.new_empty((2, batch * s_max) + k0.shape[1:])
-        self._flat = None                     # None: packed queries are already [B, Q_max] in order
+        self._flat = None  # None: packed queries are already [B, Q_max] in order
         if any(n != q_max for n in extend):
             lens = torch.tensor(extend)
-            first = torch.cumsum(lens, 0) - lens                                     # packed start of each req
-            shift = (torch.arange(batch) * q_max - first).repeat_interleave(lens)    # packed -> padded row
+            first = torch.cumsum(lens, 0) - lens  # packed start of each req
+            shift = (torch.arange(batch) * q_max - first).repeat_interleave(lens)  # packed -> padded row
             self._flat = to_device(torch.arange(int(lens.sum())) + shift, device)  # [T]
 
     @staticmethod
@@ -89,7 +91,7 @@ class BatchedBackend(AttentionBackend):
         # Query i of request b sits at position prefix_b + i; padded query rows (i >= extend_b) keep
         # key 0 visible so no softmax row is empty (their output is never read).
         if forward_batch.tree_mask is None:
-            q_pos = prefix_t[:, None] + torch.arange(q_max, device=k_pos.device)[None, :]    # [B, Q]
+            q_pos = prefix_t[:, None] + torch.arange(q_max, device=k_pos.device)[None, :]  # [B, Q]
             return (in_seq[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])).unsqueeze(1)
         tree = forward_batch.tree_mask  # the prefix for every query, then the tree block through tree_mask
         block = torch.zeros(len(prefix_t), q_max, len(k_pos), dtype=torch.bool, device=k_pos.device)
@@ -103,7 +105,7 @@ class BatchedBackend(AttentionBackend):
         heads, d = q.shape[1], q.shape[2]
         batch, q_max = self._batch, self._q_max
         # index_select on the flat slot list into reused scratch: several times faster than k_buf[slots_2d]
-        kv_shape, n = (batch, -1) + k_buf.shape[1:], self._slots.numel()     # [B, S, kv_heads, d]
+        kv_shape, n = (batch, -1) + k_buf.shape[1:], self._slots.numel()  # [B, S, kv_heads, d]
         if self._scratch is None:
             keys, values = k_buf.index_select(0, self._slots), v_buf.index_select(0, self._slots)
         else:
@@ -116,5 +118,5 @@ class BatchedBackend(AttentionBackend):
         else:
             query = q.new_zeros(batch * q_max, heads, d).index_copy_(0, self._flat, q).view(batch, q_max, heads, d)
         out = sdpa(query.transpose(1, 2), keys, values, self._mask, scale)
-        out = out.transpose(1, 2).reshape(batch * q_max, heads, d)   # [B*Q_max, heads, d]
+        out = out.transpose(1, 2).reshape(batch * q_max, heads, d)  # [B*Q_max, heads, d]
         return out if self._flat is None else out.index_select(0, self._flat)

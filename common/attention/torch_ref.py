@@ -25,11 +25,12 @@ class TorchReferenceBackend(AttentionBackend):
         group = q.shape[1] // k_buf.shape[1]
         out = torch.empty_like(q)
         start, tree = 0, forward_batch.tree_mask
-        for b, (slots, prefix, n) in enumerate(zip(self._kv_slots, forward_batch.prefix_lens_cpu,
-                                                  forward_batch.extend_lens_cpu)):
-            keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)      # [S, heads, d]
+        for b, (slots, prefix, n) in enumerate(
+            zip(self._kv_slots, forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu)
+        ):
+            keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)  # [S, heads, d]
             values = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1)
-            query = q[start:start + n]                                           # [n, heads, d]
+            query = q[start : start + n]  # [n, heads, d]
             scores = torch.einsum("qhd,khd->hqk", query.float(), keys.float()) * scale
             q_pos = torch.arange(prefix, prefix + n, device=q.device)[:, None]
             k_pos = torch.arange(slots.numel(), device=q.device)[None, :]
@@ -39,6 +40,6 @@ class TorchReferenceBackend(AttentionBackend):
                 hidden = (k_pos >= prefix) & ~torch.nn.functional.pad(tree[b], (prefix, 0), value=True)
             scores.masked_fill_(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
+            out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
             start += n
         return out

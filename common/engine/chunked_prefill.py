@@ -16,7 +16,7 @@ last-position logits; with `on_features`, forwards return the draft head's featu
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from common.engine.forward_batch import ForwardBatch
 
@@ -39,15 +39,24 @@ def plan_chunk(reqs: list, chunk_size: int) -> list[tuple[object, int]]:
     return [(r, take[id(r)]) for r in pending if take.get(id(r), 0) > 0]
 
 
-def prefill_step(runner, reqs: list, chunk_size: int, on_features: Callable[[list, object], None] | None = None,
-                 capture: tuple[int, ...] | None = None) -> tuple[list, object]:
+def prefill_step(
+    runner,
+    reqs: list,
+    chunk_size: int,
+    on_features: Callable[[list, object], None] | None = None,
+    capture: tuple[int, ...] | None = None,
+) -> tuple[list, object]:
     """One extend forward under the budget; (requests completed in it, their last-position logits)."""
     plan = plan_chunk(reqs, chunk_size)
     if not plan:
         return [], None
-    chunk = [(r, r.prefilled, r.prompt[r.prefilled:r.prefilled + n]) for r, n in plan]
-    batch = ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [r.req_pool_idx for r, _, _ in chunk],
-                                [start for _, start, _ in chunk], [ids for _, _, ids in chunk])
+    chunk = [(r, r.prefilled, r.prompt[r.prefilled : r.prefilled + n]) for r, n in plan]
+    batch = ForwardBatch.extend(
+        runner.req_to_token_pool.req_to_token,
+        [r.req_pool_idx for r, _, _ in chunk],
+        [start for _, start, _ in chunk],
+        [ids for _, _, ids in chunk],
+    )
     logits, features = runner.forward_features(batch, capture) if on_features else runner.forward(batch)
     if on_features:
         on_features(chunk, features)
@@ -59,9 +68,14 @@ def prefill_step(runner, reqs: list, chunk_size: int, on_features: Callable[[lis
     return [chunk[i][0] for i in done], (logits[done] if done else None)
 
 
-def run_chunked_prefill(runner, reqs: list, chunk_size: int, on_done: Callable[[list, object], None],
-                        on_features: Callable[[list, object], None] | None = None,
-                        capture: tuple[int, ...] | None = None) -> None:
+def run_chunked_prefill(
+    runner,
+    reqs: list,
+    chunk_size: int,
+    on_done: Callable[[list, object], None],
+    on_features: Callable[[list, object], None] | None = None,
+    capture: tuple[int, ...] | None = None,
+) -> None:
     """Prefill every prompt of `reqs`; `on_done(reqs, logits)` after each forward that completed some."""
     while any(r.prefilled < len(r.prompt) for r in reqs):
         done, logits = prefill_step(runner, reqs, chunk_size, on_features, capture)

@@ -37,7 +37,7 @@ class Request:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    features: list[torch.Tensor] = field(default_factory=list)   # with ColocatedEngine(capture=...)
+    features: list[torch.Tensor] = field(default_factory=list)  # with ColocatedEngine(capture=...)
 
     @property
     def committed_len(self) -> int:
@@ -69,8 +69,10 @@ class ColocatedEngine:
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         need = sum(len(r.prompt) + r.params.max_new_tokens for r in reqs)
         if len(reqs) > pool.allocator.num_free or not kv.can_alloc(need):
-            raise RuntimeError(f"batch does not fit: {len(reqs)} requests / {need} KV slots, "
-                               f"{pool.allocator.num_free} request slots / {kv.num_free} KV slots free")
+            raise RuntimeError(
+                f"batch does not fit: {len(reqs)} requests / {need} KV slots, "
+                f"{pool.allocator.num_free} request slots / {kv.num_free} KV slots free"
+            )
         for r in reqs:
             r.req_pool_idx = pool.alloc()
             r.kv_slots = kv.alloc(len(r.prompt) + r.params.max_new_tokens)
@@ -92,21 +94,32 @@ class ColocatedEngine:
             r.finish_reason = finish_reason(r.params, r.output, self.eos_ids)
 
     def _prefill(self, reqs: list[Request]) -> None:
-        run_chunked_prefill(self.runner, reqs, self.chunk_size, self._sample_into,
-                            None if self.capture is None else self._keep_prefill_features, self.capture)
+        run_chunked_prefill(
+            self.runner,
+            reqs,
+            self.chunk_size,
+            self._sample_into,
+            None if self.capture is None else self._keep_prefill_features,
+            self.capture,
+        )
 
     def _keep_prefill_features(self, chunk: list, features: torch.Tensor) -> None:
         start = 0
         for r, _, ids in chunk:
-            r.features.append(features[start:start + len(ids)].float().cpu())
+            r.features.append(features[start : start + len(ids)].float().cpu())
             start += len(ids)
 
     def _decode(self, running: list[Request]) -> None:
         table = self.runner.req_to_token_pool.req_to_token
         while running:
             rows = [r.req_pool_idx for r in running]
-            batch = ForwardBatch.decode(table, torch.tensor(rows), [r.committed_len for r in running],
-                                        torch.tensor([r.output[-1] for r in running]), req_pool_indices_cpu=rows)
+            batch = ForwardBatch.decode(
+                table,
+                torch.tensor(rows),
+                [r.committed_len for r in running],
+                torch.tensor([r.output[-1] for r in running]),
+                req_pool_indices_cpu=rows,
+            )
             if self.capture is None:
                 logits, _ = self.runner.forward(batch)
             else:

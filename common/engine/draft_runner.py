@@ -23,12 +23,12 @@ from common.models.rope import RotaryEmbedding
 
 @dataclass
 class SpecArgs:
-    algorithm: str | None = None        # None (off), "EAGLE" or "EAGLE3"
+    algorithm: str | None = None  # None (off), "EAGLE" or "EAGLE3"
     draft_model_path: str | None = None
-    num_steps: int = 3                  # draft tokens proposed per step (a chain of num_steps)
-    eagle_topk: int = 1                 # 1: chain drafting; > 1: tree drafting (K branches per step)
-    num_draft_tokens: int = 4           # tokens one verify covers: the bonus token + the drafts (tree nodes)
-    token_map: str | None = None        # EAGLE: a JSON list of "hot" token ids the head drafts from
+    num_steps: int = 3  # draft tokens proposed per step (a chain of num_steps)
+    eagle_topk: int = 1  # 1: chain drafting; > 1: tree drafting (K branches per step)
+    num_draft_tokens: int = 4  # tokens one verify covers: the bonus token + the drafts (tree nodes)
+    token_map: str | None = None  # EAGLE: a JSON list of "hot" token ids the head drafts from
 
     def validate(self) -> None:
         if self.algorithm is None:
@@ -40,12 +40,16 @@ class SpecArgs:
         if self.eagle_topk < 1:
             raise ValueError(f"--speculative-eagle-topk must be >= 1, got {self.eagle_topk}")
         if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(f"--speculative-num-draft-tokens must be num_steps + 1 = {self.num_steps + 1} for "
-                             f"chain drafting (--speculative-eagle-topk 1), got {self.num_draft_tokens}")
-        k, most = self.eagle_topk, 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk ** 2
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be num_steps + 1 = {self.num_steps + 1} for "
+                f"chain drafting (--speculative-eagle-topk 1), got {self.num_draft_tokens}"
+            )
+        k, most = self.eagle_topk, 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
         if k > 1 and not 2 <= self.num_draft_tokens <= most:
-            raise ValueError(f"--speculative-num-draft-tokens must be in [2, {most}] for a tree of topk {k} and "
-                             f"{self.num_steps} steps (root + candidates), got {self.num_draft_tokens}")
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be in [2, {most}] for a tree of topk {k} and "
+                f"{self.num_steps} steps (root + candidates), got {self.num_draft_tokens}"
+            )
 
     @property
     def window(self) -> int:
@@ -70,8 +74,9 @@ class DraftRunner:
         self.head: DraftHead = load_draft_head(spec.draft_model_path, self.config, target.device, target.dtype)
         if target.args.pack_linear and packed_linear.available(target.device, target.dtype):
             packed_linear.pack_linears(self.head)  # CPU fp32: oneDNN-packed, as the target's linears
-        self.kv_pool = KVPool(target.kv_pool.num_slots, 1, layer.num_kv_heads, layer.head_dim, target.dtype,
-                              target.device)
+        self.kv_pool = KVPool(
+            target.kv_pool.num_slots, 1, layer.num_kv_heads, layer.head_dim, target.dtype, target.device
+        )
         self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
         # The draft vocabulary: the columns of the head's logits and the target id of each. EAGLE
@@ -83,8 +88,9 @@ class DraftRunner:
                 raise ValueError("--speculative-token-map is for EAGLE heads (EAGLE3 has its own draft vocabulary)")
             self.vocab_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
             weight = target.model.lm_head_weight[self.vocab_ids].contiguous()
-            self.vocab_lm_head = (packed_linear.LinearWeight(weight) if packed_linear.available(target.device, target.dtype)
-                                  else weight)
+            self.vocab_lm_head = (
+                packed_linear.LinearWeight(weight) if packed_linear.available(target.device, target.dtype) else weight
+            )
         elif self.config.algorithm == "EAGLE3":
             self.vocab_ids = self.head.d2t + torch.arange(self.head.d2t.numel(), device=target.device)
 
@@ -143,7 +149,11 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
 
     with open(path) as f:
         ids = json.load(f)
-    if not isinstance(ids, list) or not ids or len(set(ids)) != len(ids) or \
-            not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or len(set(ids)) != len(ids)
+        or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+    ):
         raise ValueError(f"--speculative-token-map {path}: need a JSON list of distinct token ids in [0, {vocab_size})")
     return torch.tensor(ids, dtype=torch.int64)

@@ -30,12 +30,12 @@ class ForwardMode(enum.Enum):
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
-    input_ids: torch.Tensor          # [T] int64
-    positions: torch.Tensor          # [T] int64
-    req_pool_indices: torch.Tensor   # [B] int64
-    seq_lens: torch.Tensor           # [B] int64: KV length after this forward
-    out_cache_loc: torch.Tensor      # [T] int64: KV slots written by this forward
-    logits_indices: torch.Tensor     # rows of the hidden states that get logits (last token of each req)
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64: KV length after this forward
+    out_cache_loc: torch.Tensor  # [T] int64: KV slots written by this forward
+    logits_indices: torch.Tensor  # rows of the hidden states that get logits (last token of each req)
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     req_pool_indices_cpu: list[int]  # host copy, so backends need no device sync
@@ -52,9 +52,17 @@ class ForwardBatch:
         return [p + (block if block is not None else e) for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
 
     @classmethod
-    def tree(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, req_pool_indices_cpu: list[int],
-             prefix_lens: list[int], input_ids: torch.Tensor, depths: torch.Tensor, offsets: list[int],
-             tree_mask: torch.Tensor) -> "ForwardBatch":
+    def tree(
+        cls,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        req_pool_indices_cpu: list[int],
+        prefix_lens: list[int],
+        input_ids: torch.Tensor,
+        depths: torch.Tensor,
+        offsets: list[int],
+        tree_mask: torch.Tensor,
+    ) -> ForwardBatch:
         """Q = len(offsets) tokens per request written at block positions prefix + offsets, each at
         position prefix + depth (`depths` [B, Q], device); query i attends to the prefix and to the
         block positions j where tree_mask[b, i, j] ([B, Q, E]). Every token gets logits."""
@@ -64,18 +72,28 @@ class ForwardBatch:
         rows = to_device(torch.tensor(req_pool_indices_cpu).repeat_interleave(q), device)
         write_pos = to_device((prefix[:, None] + torch.tensor(offsets)[None, :]).flatten(), device)
         return cls(
-            mode=ForwardMode.EXTEND, input_ids=input_ids.to(device, torch.int64),
+            mode=ForwardMode.EXTEND,
+            input_ids=input_ids.to(device, torch.int64),
             positions=(to_device(prefix, device)[:, None] + to_device(depths, device)).flatten(),
             req_pool_indices=req_pool_indices.to(device, torch.int64),
             seq_lens=to_device(prefix + tree_mask.shape[2], device),
             out_cache_loc=req_to_token[rows, write_pos].to(torch.int64),
-            logits_indices=torch.arange(batch * q, device=device), prefix_lens_cpu=list(prefix_lens),
-            extend_lens_cpu=[q] * batch, req_pool_indices_cpu=list(req_pool_indices_cpu),
-            tree_mask=to_device(tree_mask, device))
+            logits_indices=torch.arange(batch * q, device=device),
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=[q] * batch,
+            req_pool_indices_cpu=list(req_pool_indices_cpu),
+            tree_mask=to_device(tree_mask, device),
+        )
 
     @classmethod
-    def extend(cls, req_to_token: torch.Tensor, req_pool_indices: list[int], prefix_lens: list[int],
-               token_ids: list[list[int]], all_logits: bool = False) -> "ForwardBatch":
+    def extend(
+        cls,
+        req_to_token: torch.Tensor,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        token_ids: list[list[int]],
+        all_logits: bool = False,
+    ) -> ForwardBatch:
         """Extend each request's KV from prefix_lens[i] by token_ids[i] (at least one token each)."""
         device = req_to_token.device
         if any(len(t) == 0 for t in token_ids):
@@ -100,8 +118,15 @@ class ForwardBatch:
         )
 
     @classmethod
-    def extend_fixed(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, req_pool_indices_cpu: list[int],
-                     prefix_lens: list[int], input_ids: torch.Tensor, length: int) -> "ForwardBatch":
+    def extend_fixed(
+        cls,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        req_pool_indices_cpu: list[int],
+        prefix_lens: list[int],
+        input_ids: torch.Tensor,
+        length: int,
+    ) -> ForwardBatch:
         """`length` new tokens per request on top of prefix_lens[i] (EAGLE's verify and draft extend):
         `input_ids` [B * length] may be a device tensor made by the forward itself (no host sync);
         every token gets logits."""
@@ -110,18 +135,28 @@ class ForwardBatch:
         rows = to_device(torch.tensor(req_pool_indices_cpu).repeat_interleave(length), device)
         batch = len(prefix_lens)
         return cls(
-            mode=ForwardMode.EXTEND, input_ids=input_ids.to(device, torch.int64), positions=positions,
+            mode=ForwardMode.EXTEND,
+            input_ids=input_ids.to(device, torch.int64),
+            positions=positions,
             req_pool_indices=req_pool_indices.to(device, torch.int64),
             seq_lens=to_device([p + length for p in prefix_lens], device, torch.int64),
             out_cache_loc=req_to_token[rows, positions].to(torch.int64),
             logits_indices=torch.arange(batch * length, device=device),
-            prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=[length] * batch,
-            req_pool_indices_cpu=list(req_pool_indices_cpu))
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=[length] * batch,
+            req_pool_indices_cpu=list(req_pool_indices_cpu),
+        )
 
     @classmethod
-    def decode(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens_cpu: list[int],
-               input_ids: torch.Tensor, seq_lens: torch.Tensor | None = None,
-               req_pool_indices_cpu: list[int] | None = None) -> "ForwardBatch":
+    def decode(
+        cls,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens_cpu: list[int],
+        input_ids: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        req_pool_indices_cpu: list[int] | None = None,
+    ) -> ForwardBatch:
         """One new token per request at position = committed length (`seq_lens_cpu`, and its device
         mirror `seq_lens` if the caller has one; it is only read: `positions` is a copy, so nothing the
         forward does can reach the caller's tensor). `input_ids` may be a device tensor produced by
@@ -142,6 +177,7 @@ class ForwardBatch:
             logits_indices=torch.arange(batch, device=device),
             prefix_lens_cpu=list(seq_lens_cpu),
             extend_lens_cpu=[1] * batch,
-            req_pool_indices_cpu=req_pool_indices_cpu if req_pool_indices_cpu is not None
+            req_pool_indices_cpu=req_pool_indices_cpu
+            if req_pool_indices_cpu is not None
             else req_pool_indices.tolist(),
         )

@@ -18,10 +18,10 @@ from common.engine.sampling import SamplingParams
 @dataclass
 class HandoffRequest:
     rid: str
-    prompt_ids: list[int]             # the ids to prefill: the prompt, plus tokens already sent on a retry
+    prompt_ids: list[int]  # the ids to prefill: the prompt, plus tokens already sent on a retry
     params: SamplingParams
     seed: int
-    first_position: int = 0           # output index of the token this prefill samples (= tokens resent)
+    first_position: int = 0  # output index of the token this prefill samples (= tokens resent)
 
 
 @dataclass
@@ -31,9 +31,9 @@ class Handoff:
     params: SamplingParams
     seed: int
     first_token: int
-    k: list[torch.Tensor] | None        # None: the KV already arrived as chunks (written on arrival)
+    k: list[torch.Tensor] | None  # None: the KV already arrived as chunks (written on arrival)
     v: list[torch.Tensor] | None
-    first_position: int = 0           # output index of first_token; prompt_ids ends with that many outputs
+    first_position: int = 0  # output index of first_token; prompt_ids ends with that many outputs
     # EAGLE: the head's one layer of KV over the prompt, and its seed at the last position (the next
     # draft token(s) with their probabilities, and the head's hidden there)
     draft_k: list[torch.Tensor] | None = None
@@ -59,7 +59,19 @@ class Handoff:
         if self.draft_topk_ids is None or self.draft_hidden is None:
             raise ValueError(f"handoff {self.rid}: no draft seed, but speculative decoding is on here")
         if tuple(self.draft_hidden.shape) != (hidden_size,):
-            raise ValueError(f"handoff {self.rid}: draft hidden of shape {tuple(self.draft_hidden.shape)}, "
-                             f"expected ({hidden_size},)")
+            raise ValueError(
+                f"handoff {self.rid}: draft hidden of shape {tuple(self.draft_hidden.shape)}, expected ({hidden_size},)"
+            )
         if self.draft_k is not None and any(t.shape[0] != self.prompt_len for t in self.draft_k + self.draft_v):
             raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt")
+
+    def check_continues(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Raise ValueError unless the record continues exactly what the receiver has: it prefilled
+        the prompt + the first `first_position` outputs, and its first token is the next output (or
+        the one already streamed)."""
+        first = self.first_position
+        sent = output_ids[:first]
+        if self.prompt_ids != prompt_ids + sent or len(sent) != first:
+            raise ValueError(f"handoff {self.rid}: prefilled ids differ from prompt + tokens sent")
+        if len(output_ids) > first + 1 or output_ids[first:] not in ([], [self.first_token]):
+            raise ValueError(f"handoff {self.rid}: first token differs from the one streamed")

@@ -17,8 +17,9 @@ in-process prefill stand-in beside a decode stream. Only speed depends on this, 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -58,6 +59,7 @@ def thread_target(fn: Callable[[], T], threads: int | None = None) -> Callable[[
     def run() -> T:
         pin(threads)
         return fn()
+
     return run
 
 
@@ -72,6 +74,7 @@ def on_own_thread(fn: Callable[[], T]) -> T:
             out["value"] = fn()
         except BaseException as e:  # re-raised on the caller's thread
             out["error"] = e
+
     worker = threading.Thread(target=thread_target(run), name="own-pool")
     worker.start()
     worker.join()

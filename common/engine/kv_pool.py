@@ -20,8 +20,15 @@ def slots_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head
 
 
 class KVPool:
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.dtype = dtype

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 from common.attention import create_backend
-from common.models.config import ModelConfig, load_model_config
-from common.engine.draft_runner import DraftRunner, SpecArgs
 from common.engine import intra_op
+from common.engine.draft_runner import DraftRunner, SpecArgs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
-from common.models import packed_linear
-from common.models.loader import load_model, resolve_dtype
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
+from common.models import packed_linear
+from common.models.config import ModelConfig, load_model_config
+from common.models.loader import load_model, resolve_dtype
 
 
 @dataclass
@@ -32,18 +32,29 @@ class RunnerArgs:
     max_running_requests: int = 32
     context_length: int | None = None
     attention_backend: str = "batched"
-    pack_linear: bool = True            # CPU fp32: oneDNN-packed linear weights (common/models/packed_linear.py)
+    pack_linear: bool = True  # CPU fp32: oneDNN-packed linear weights (common/models/packed_linear.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
 
     @classmethod
-    def from_service_config(cls, config) -> "RunnerArgs":
+    def from_service_config(cls, config) -> RunnerArgs:
         """The runner part of a prefill/decode service config (same flag names on both)."""
-        return cls(config.model_path, device=config.device, dtype=config.dtype,
-                   max_total_tokens=config.max_total_tokens, max_running_requests=config.max_running_requests,
-                   context_length=config.context_length, attention_backend=config.attention_backend,
-                   spec=SpecArgs(config.speculative_algorithm, config.speculative_draft_model_path,
-                                 config.speculative_num_steps, config.speculative_eagle_topk,
-                                 config.speculative_num_draft_tokens, config.speculative_token_map))
+        return cls(
+            config.model_path,
+            device=config.device,
+            dtype=config.dtype,
+            max_total_tokens=config.max_total_tokens,
+            max_running_requests=config.max_running_requests,
+            context_length=config.context_length,
+            attention_backend=config.attention_backend,
+            spec=SpecArgs(
+                config.speculative_algorithm,
+                config.speculative_draft_model_path,
+                config.speculative_num_steps,
+                config.speculative_eagle_topk,
+                config.speculative_num_draft_tokens,
+                config.speculative_token_map,
+            ),
+        )
 
 
 class ModelRunner:
@@ -62,17 +73,19 @@ class ModelRunner:
         if args.pack_linear and packed_linear.available(self.device, self.dtype):
             self.model.pack_for_cpu()
         num_slots = args.max_total_tokens or slots_for_budget(
-            args.kv_budget_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            args.kv_budget_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
         self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
         # rows also cover the draft positions a speculative request writes past its context
-        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_length + args.spec.extra_slots,
-                                                self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests, self.context_length + args.spec.extra_slots, self.device
+        )
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
 
     @classmethod
-    def for_service(cls, config) -> "ModelRunner":
+    def for_service(cls, config) -> ModelRunner:
         """A service's runner: its torch threads set, its model loaded and warmed up."""
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -87,8 +100,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[forward_batch.logits_indices]), hidden
 
     @torch.inference_mode()
-    def forward_features(self, forward_batch: ForwardBatch,
-                         capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_features(
+        self, forward_batch: ForwardBatch, capture: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like forward, but returns the draft head's input features for every token instead of the
         hidden: the final normed hidden (EAGLE) or the captured layers concatenated (EAGLE3). The
         layers are the draft head's unless `capture` names them (the fitting tool's data)."""
@@ -112,8 +126,15 @@ class ModelRunner:
         try:
             self.req_to_token_pool.write(row, 0, slots)
             self.forward(ForwardBatch.extend(self.req_to_token_pool.req_to_token, [row], [0], [[0] * n]))
-            self.forward(ForwardBatch.decode(self.req_to_token_pool.req_to_token, torch.tensor([row]), [n],
-                                             torch.zeros(1, dtype=torch.int64), req_pool_indices_cpu=[row]))
+            self.forward(
+                ForwardBatch.decode(
+                    self.req_to_token_pool.req_to_token,
+                    torch.tensor([row]),
+                    [n],
+                    torch.zeros(1, dtype=torch.int64),
+                    req_pool_indices_cpu=[row],
+                )
+            )
         finally:
             self.kv_allocator.free(slots)
             self.req_to_token_pool.free(row)

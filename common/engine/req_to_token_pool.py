@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from common.engine.host_copy import to_device
-
 from common.engine.slot_allocator import SlotAllocator
 
 
@@ -30,7 +29,9 @@ class ReqToTokenPool:
         """Map positions start.. of the row to `kv_slots`."""
         end = start + kv_slots.numel()
         if end > self.max_context:
-            raise ValueError(f"request slot {req_pool_idx}: positions up to {end} exceed max_context {self.max_context}")
+            raise ValueError(
+                f"request slot {req_pool_idx}: positions up to {end} exceed max_context {self.max_context}"
+            )
         self.req_to_token[req_pool_idx, start:end] = to_device(kv_slots, self.device, torch.int32)
 
     def slots(self, req_pool_idx: int, start: int, end: int) -> torch.Tensor:

@@ -21,11 +21,11 @@ _MASK64 = (1 << 64) - 1
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 0.0          # 0 = greedy
-    top_k: int = -1                   # <= 0: off
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = -1  # <= 0: off
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int | None = None           # None: a random seed is drawn once per request
+    seed: int | None = None  # None: a random seed is drawn once per request
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
 
@@ -72,12 +72,13 @@ def uniform(seed: int, position: int) -> float:
     return (_splitmix64(_splitmix64(seed) ^ position) >> 11) * (1.0 / (1 << 53))
 
 
-def keep_sorted(sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor) -> torch.Tensor:
+def keep_sorted(
+    sorted_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Which candidates of each row of probabilities sorted descending [N, V] survive top-k, top-p and
     min-p (params [N, 1]); the most likely one always does."""
     rank = torch.arange(sorted_probs.shape[1], device=sorted_probs.device)[None, :]
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs    # mass strictly ahead of each candidate
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly ahead of each candidate
     keep = (rank < top_k) & (before < top_p) & (sorted_probs >= min_p * sorted_probs[:, :1])
     keep[:, 0] = True
     return keep
@@ -117,7 +118,8 @@ class SamplingBatch:
                 to_device([[p.temperature] for p in ps], device),
                 to_device([[p.top_k if p.top_k > 0 else 1 << 62] for p in ps], device),
                 to_device([[p.top_p] for p in ps], device),
-                to_device([[p.min_p] for p in ps], device))
+                to_device([[p.min_p] for p in ps], device),
+            )
         return self._tensors[key]
 
     def _draw(self, logits, tokens, rows, positions, filters: bool) -> None:
@@ -134,7 +136,7 @@ class SamplingBatch:
         keep = keep_sorted(sorted_probs, top_k, top_p, min_p)
         cdf = torch.cumsum(torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)), dim=-1)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last)
-        pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)     # float edge: stay inside the kept set
+        pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)  # float edge: stay inside the kept set
         tokens[idx] = order.gather(1, pick).squeeze(1)
 
 

@@ -7,7 +7,7 @@ and `check_integrity` proves free + used == total with no id owned twice.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -60,7 +60,9 @@ class SlotAllocator:
         if ids.numel() == 0:
             return
         if int(ids.min()) < 1 or int(ids.max()) > self.size:
-            raise DoubleFree(f"{self.name}: free of ids outside 1..{self.size}: {ids[(ids < 1) | (ids > self.size)][:8].tolist()}")
+            raise DoubleFree(
+                f"{self.name}: free of ids outside 1..{self.size}: {ids[(ids < 1) | (ids > self.size)][:8].tolist()}"
+            )
         if torch.unique(ids).numel() != ids.numel():
             raise DoubleFree(f"{self.name}: the same id appears twice in one free: {_repeated(ids)[:8]}")
         not_owned = ids[~self._owned[ids]]
@@ -92,7 +94,9 @@ class SlotAllocator:
         if torch.unique(held).numel() != held.numel():
             raise IntegrityError(f"{self.name}: ids owned by two holders: {_repeated(held)[:8]}")
         if held.numel() != used or (held.numel() and not bool(self._owned[held].all())):
-            raise IntegrityError(f"{self.name}: holders hold {held.numel()} ids but {used} are used (leak or stale holder)")
+            raise IntegrityError(
+                f"{self.name}: holders hold {held.numel()} ids but {used} are used (leak or stale holder)"
+            )
 
 
 def _repeated(ids: torch.Tensor) -> list[int]:

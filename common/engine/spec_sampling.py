@@ -26,8 +26,14 @@ from common.engine.sampling import SamplingParams, keep_sorted, uniform
 DRAFT, ACCEPT, BONUS = 0x5D1A_F7C3_0000_0001, 0x5D1A_F7C3_0000_0002, 0x5D1A_F7C3_0000_0003
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor, filters: bool = True) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    filters: bool = True,
+) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] with temperature, then top-k / top-p / min-p (params [N, 1];
     top_k >= V for off), renormalised; the most likely token always survives. `filters=False`: no
     row filters (temperature only), so no sort."""
@@ -47,8 +53,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(pick, (probs > 0).cumsum(-1).argmax(-1))  # float edge: not past the last kept id
 
 
-def verify_chain(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
-                 u_bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_chain(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The accept/reject rule. p [R, S+1, V] target, q [R, S, V] draft distributions, drafts [R, S]
     (d_k drawn from q_k), u_accept [R, S], u_bonus [R, S+1] (the draw for a bonus at index j).
     Returns (A [R] drafts accepted, bonus [R])."""
@@ -56,12 +63,12 @@ def verify_chain(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accep
     lanes = torch.arange(rows, device=drafts.device)
     p_tok = p[:, :steps].gather(2, drafts[..., None]).squeeze(2)
     q_tok = q.gather(2, drafts[..., None]).squeeze(2)
-    ok = u_accept * q_tok < p_tok                                  # u < p/q without dividing by a tiny q
+    ok = u_accept * q_tok < p_tok  # u < p/q without dividing by a tiny q
     accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
     q_next = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[lanes, accepted]  # q_{A+1}, or 0 if A == S
     p_here = p[lanes, accepted]
     residual = (p_here - q_next).clamp_(min=0)
-    empty = residual.sum(-1, keepdim=True) <= 0                    # p == q: nothing left, draw from p
+    empty = residual.sum(-1, keepdim=True) <= 0  # p == q: nothing left, draw from p
     residual = torch.where(empty, p_here, residual)
     bonus = draw(residual / residual.sum(-1, keepdim=True), u_bonus[lanes, accepted])
     return accepted, bonus
@@ -72,19 +79,21 @@ class SpecDraws:
     """The sampled lanes of one EAGLE step and everything drawn for them, made on the schedule side
     (CPU) and moved to the device inside the step. Lanes are batch positions of requests with
     temperature > 0; their params are [R, 1]; uniforms per draft step, accept test and bonus index."""
+
     lanes: torch.Tensor
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
-    u_draft: torch.Tensor   # [R, S]
+    u_draft: torch.Tensor  # [R, S]
     u_accept: torch.Tensor  # [R, S]
-    u_bonus: torch.Tensor   # [R, S+1]
-    filters: bool = True    # some lane has top-k / top-p / min-p
+    u_bonus: torch.Tensor  # [R, S+1]
+    filters: bool = True  # some lane has top-k / top-p / min-p
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], output_index: list[int],
-              num_steps: int, vocab_size: int) -> "SpecDraws | None":
+    def build(
+        cls, params: list[SamplingParams], seeds: list[int], output_index: list[int], num_steps: int, vocab_size: int
+    ) -> SpecDraws | None:
         """None when every request is greedy. output_index[i]: output index of lane i's pending bonus
         token (the token at its committed length); draft k sits at output_index + k."""
         lanes = [i for i, sp in enumerate(params) if not sp.greedy]
@@ -93,15 +102,24 @@ class SpecDraws:
         ps = [params[i] for i in lanes]
 
         def table(purpose, count, offset):
-            return torch.tensor([[uniform(seeds[i] ^ purpose, output_index[i] + offset + k) for k in range(count)]
-                                 for i in lanes], dtype=torch.float32)
-        return cls(torch.tensor(lanes), torch.tensor([[sp.temperature] for sp in ps]),
-                   torch.tensor([[sp.top_k if sp.top_k > 0 else vocab_size] for sp in ps]),
-                   torch.tensor([[sp.top_p] for sp in ps]), torch.tensor([[sp.min_p] for sp in ps]),
-                   table(DRAFT, num_steps, 1), table(ACCEPT, num_steps, 1), table(BONUS, num_steps + 1, 1),
-                   any(sp.filtered for sp in ps))
+            return torch.tensor(
+                [[uniform(seeds[i] ^ purpose, output_index[i] + offset + k) for k in range(count)] for i in lanes],
+                dtype=torch.float32,
+            )
 
-    def to(self, device) -> "SpecDraws":
+        return cls(
+            torch.tensor(lanes),
+            torch.tensor([[sp.temperature] for sp in ps]),
+            torch.tensor([[sp.top_k if sp.top_k > 0 else vocab_size] for sp in ps]),
+            torch.tensor([[sp.top_p] for sp in ps]),
+            torch.tensor([[sp.min_p] for sp in ps]),
+            table(DRAFT, num_steps, 1),
+            table(ACCEPT, num_steps, 1),
+            table(BONUS, num_steps + 1, 1),
+            any(sp.filtered for sp in ps),
+        )
+
+    def to(self, device) -> SpecDraws:
         moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
         moved.update({f: to_device(t, device) for f, t in moved.items() if isinstance(t, torch.Tensor)})
         return SpecDraws(**moved)
@@ -109,5 +127,6 @@ class SpecDraws:
     def probs(self, logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         """Filtered probabilities of logits [R * repeat, V] (lane-major), each lane's params repeated."""
         expand = (lambda t: t.repeat_interleave(repeat, dim=0)) if repeat > 1 else (lambda t: t)
-        return filtered_probs(logits, expand(self.temperature), expand(self.top_k), expand(self.top_p),
-                              expand(self.min_p), self.filters)
+        return filtered_probs(
+            logits, expand(self.temperature), expand(self.top_k), expand(self.top_p), expand(self.min_p), self.filters
+        )

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,7 +44,7 @@ class HostEvent:
     def __init__(self):
         self._flag = threading.Event()
 
-    def record(self, stream: "WorkerStream") -> None:
+    def record(self, stream: WorkerStream) -> None:
         stream.submit_signal(self._flag.set)
 
     def set_here(self) -> None:
@@ -70,8 +70,7 @@ class WorkerStream:
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         # the process's computing thread, with the creator's intra-op thread count (intra_op.py)
-        self._thread = threading.Thread(target=intra_op.thread_target(self._loop), name=f"{name}-stream",
-                                        daemon=True)
+        self._thread = threading.Thread(target=intra_op.thread_target(self._loop), name=f"{name}-stream", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
@@ -163,8 +162,7 @@ class DeviceStream:
         self.stream.synchronize()
 
 
-def poll_until(query: Callable[[], bool], timeout: float, first_pause: float = 50e-6,
-               max_pause: float = 2e-3) -> None:
+def poll_until(query: Callable[[], bool], timeout: float, first_pause: float = 50e-6, max_pause: float = 2e-3) -> None:
     """Poll `query` until it is true, sleeping 50 us, then twice as long each time up to 2 ms (a
     short wait stays short, a long one costs few wake-ups); TimeoutError after `timeout` seconds."""
     deadline, pause = time.monotonic() + timeout, first_pause

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.models.config import ModelConfig
 from common.engine.forward_batch import ForwardBatch
+from common.models.config import ModelConfig
 from common.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:   # no casts: each op costs a few microseconds on CPU
+        if x.dtype == torch.float32:  # no casts: each op costs a few microseconds on CPU
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         h = x.float()
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.qkv_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -62,7 +62,10 @@ class Attention(nn.Module):
         qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
         v = qkv[:, qk_size:].view(t, kv_heads, d)
         if hasattr(self, "q_norm"):
-            q, k = qkv[:, :self.qkv_sizes[0]].view(t, heads, d), qkv[:, self.qkv_sizes[0]:qk_size].view(t, kv_heads, d)
+            q, k = (
+                qkv[:, : self.qkv_sizes[0]].view(t, heads, d),
+                qkv[:, self.qkv_sizes[0] : qk_size].view(t, kv_heads, d),
+            )
             q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
         else:  # q and k heads side by side: one rotary for both
             qk = apply_rotary(qkv[:, :qk_size].view(t, heads + kv_heads, d), cos, sin)
@@ -157,8 +160,10 @@ class DecoderLM(nn.Module):
 def split_fused(module: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Parameter names of `module` in HF's layout: each fused qkv_proj / gate_up_proj parameter is
     named as its q/k/v (gate/up) parts, each a view of its rows of the fused tensor."""
-    fused_parts = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]),
-                   "gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate_size] * 2)}
+    fused_parts = {
+        "qkv_proj": (("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]),
+        "gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate_size] * 2),
+    }
     out = {}
     for name, param in module.named_parameters():
         fused = next((f for f in fused_parts if f".{f}." in f".{name}"), None)

@@ -36,8 +36,8 @@ ALGORITHMS = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     algorithm: str
-    layer: ModelConfig                  # the head's one layer (shapes from the head's config.json)
-    draft_vocab_size: int               # EAGLE: the target's vocabulary
+    layer: ModelConfig  # the head's one layer (shapes from the head's config.json)
+    draft_vocab_size: int  # EAGLE: the target's vocabulary
     aux_layer_ids: tuple[int, ...] = ()  # EAGLE3: target layers whose outputs feed fc
 
 
@@ -52,28 +52,42 @@ def load_draft_config(path: str, algorithm: str, target: ModelConfig) -> DraftCo
         hf = json.load(f)
     archs = hf.get("architectures") or []
     if archs != [ALGORITHMS[algorithm]]:
-        raise CheckpointError(f"draft head config.json: field 'architectures' is {archs}, but "
-                              f"--speculative-algorithm {algorithm} needs [{ALGORITHMS[algorithm]!r}]")
+        raise CheckpointError(
+            f"draft head config.json: field 'architectures' is {archs}, but "
+            f"--speculative-algorithm {algorithm} needs [{ALGORITHMS[algorithm]!r}]"
+        )
     if hf.get("hidden_size") != target.hidden_size:
-        raise CheckpointError(f"draft head config.json: field 'hidden_size' is {hf.get('hidden_size')}, the target's "
-                              f"is {target.hidden_size}")
+        raise CheckpointError(
+            f"draft head config.json: field 'hidden_size' is {hf.get('hidden_size')}, the target's "
+            f"is {target.hidden_size}"
+        )
     heads = hf.get("num_attention_heads", target.num_heads)
     layer = dataclasses.replace(
-        target, path=os.path.abspath(path), architecture=archs[0], num_layers=1,
-        intermediate_size=hf.get("intermediate_size", target.intermediate_size), num_heads=heads,
+        target,
+        path=os.path.abspath(path),
+        architecture=archs[0],
+        num_layers=1,
+        intermediate_size=hf.get("intermediate_size", target.intermediate_size),
+        num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or target.hidden_size // heads,
         rms_norm_eps=float(hf.get("rms_norm_eps", target.rms_norm_eps)),
-        qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=False, tie_word_embeddings=False)
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=False,
+        tie_word_embeddings=False,
+    )
     if algorithm == "EAGLE":
         return DraftConfig(algorithm, layer, target.vocab_size)
     ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     n = target.num_layers
     ids = tuple(ids) if ids else (1, n // 2 - 1, n - 4)
     if len(ids) != 3 or not all(0 <= i < n for i in ids):
-        raise CheckpointError(f"draft head config.json: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is "
-                              f"{list(ids)}; need 3 layer ids of the {n}-layer target")
+        raise CheckpointError(
+            f"draft head config.json: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is "
+            f"{list(ids)}; need 3 layer ids of the {n}-layer target"
+        )
     return DraftConfig(algorithm, layer, int(hf.get("draft_vocab_size") or target.vocab_size), ids)
 
 
@@ -125,8 +139,9 @@ class DraftHead(nn.Module):
             out[prefix + name] = t
         out.update({f"fc.{k}": v.data for k, v in self.fc.named_parameters()})
         if self.config.algorithm == "EAGLE3":
-            out.update({"norm.weight": self.norm.weight.data, "lm_head.weight": self.lm_head.weight.data,
-                        "d2t": self.d2t})
+            out.update(
+                {"norm.weight": self.norm.weight.data, "lm_head.weight": self.lm_head.weight.data, "d2t": self.d2t}
+            )
         return out
 
 
@@ -145,5 +160,6 @@ def load_draft_head(path: str, cfg: DraftConfig, device, dtype) -> DraftHead:
 
     def rename(name: str) -> str:
         return next((name.replace(a, b, 1) for a, b in aliases.items() if name.startswith(a)), name)
+
     load_tensors(path, head.checkpoint_tensors(), cfg.algorithm, label="draft head ", skip=skip, rename=rename)
     return head.eval().requires_grad_(False)

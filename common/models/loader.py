@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -51,8 +51,14 @@ def copy_checked(tensor: torch.Tensor, dst: torch.Tensor, what: str) -> None:
         dst.copy_(tensor.to(dst.dtype))
 
 
-def load_tensors(path: str, params: dict[str, torch.Tensor], owner: str, label: str = "",
-                 rename: Callable[[str], str] = lambda name: name, skip: Callable[[str], bool] = lambda key: False) -> None:
+def load_tensors(
+    path: str,
+    params: dict[str, torch.Tensor],
+    owner: str,
+    label: str = "",
+    rename: Callable[[str], str] = lambda name: name,
+    skip: Callable[[str], bool] = lambda key: False,
+) -> None:
     """Copy every tensor of the checkpoint folder `path` into `params` (name -> destination, checked
     shape), after `rename`; tensors whose name `skip`s are not read. A tensor missing from its shard,
     one `params` does not expect (named for `owner`), or one of `params` left unfilled is a
@@ -79,8 +85,12 @@ def load_tensors(path: str, params: dict[str, torch.Tensor], owner: str, label: 
 def load_weights(model: DecoderLM, path: str) -> None:
     cfg = model.config
     tied = cfg.tie_word_embeddings  # tied: the embedding serves as lm_head
-    load_tensors(path, model.checkpoint_tensors(), cfg.architecture,  # HF names, fused projections as views
-                 skip=lambda name: tied and name == "lm_head.weight")
+    load_tensors(
+        path,
+        model.checkpoint_tensors(),
+        cfg.architecture,  # HF names, fused projections as views
+        skip=lambda name: tied and name == "lm_head.weight",
+    )
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch.dtype:
@@ -95,8 +105,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
     return value
 
 
-def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto",
-               config: ModelConfig | None = None) -> DecoderLM:
+def load_model(
+    path: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto", config: ModelConfig | None = None
+) -> DecoderLM:
     """Build the model on the meta device, allocate it on `device` in `dtype`, then load weights."""
     cfg = config or load_model_config(path)
     dtype = resolve_dtype(dtype, device)

@@ -24,13 +24,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-BATCH_HINT = 64     # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
-GEMV_MAX_ROWS = 1   # the row blocks (bmm) for a single row only; see above
+BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
+GEMV_MAX_ROWS = 1  # the row blocks (bmm) for a single row only; see above
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 class LinearWeight:
@@ -53,9 +57,12 @@ class LinearWeight:
                 out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
             else:  # the add fused into the GEMM's epilogue (oneDNN binary post-op): bit-identical, one op fewer
                 out = torch.ops.mkldnn._linear_pointwise.binary(
-                    x2, residual.reshape(rows, -1).contiguous(), self.packed, self.bias, "add")
+                    x2, residual.reshape(rows, -1).contiguous(), self.packed, self.bias, "add"
+                )
             return out.view(shape)
-        out = torch.bmm(self.blocks, x2.t().unsqueeze(0).expand(self.blocks.shape[0], -1, -1))  # [parts, out/parts, rows]
+        out = torch.bmm(
+            self.blocks, x2.t().unsqueeze(0).expand(self.blocks.shape[0], -1, -1)
+        )  # [parts, out/parts, rows]
         out = out.view(1, -1) if rows == 1 else out.view(-1, rows).t().contiguous()
         if self.bias is not None:
             out = out + self.bias

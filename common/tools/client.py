@@ -13,7 +13,7 @@ import argparse
 import itertools
 import os
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -46,14 +46,24 @@ class Client:
             self._tokenizer = load_tokenizer(self._tokenizer_path or self.model_info().tokenizer_path)
         return self._tokenizer
 
-    def generate_ids(self, ids: list[int], max_new_tokens: int | None = None, stream: bool = True,
-                     request_id: str | None = None, **sampling) -> Iterator[list[int]]:
+    def generate_ids(
+        self,
+        ids: list[int],
+        max_new_tokens: int | None = None,
+        stream: bool = True,
+        request_id: str | None = None,
+        **sampling,
+    ) -> Iterator[list[int]]:
         """Yield lists of new token ids as they arrive; `last_complete` holds the final Complete."""
         sp = pb.SamplingParams(**sampling)
         if max_new_tokens is not None:
             sp.max_new_tokens = max_new_tokens
-        request = pb.GenerateRequest(request_id=request_id or f"client-{os.getpid()}-{next(_counter)}",
-                                     tokenized=pb.TokenizedInput(input_ids=ids), sampling_params=sp, stream=stream)
+        request = pb.GenerateRequest(
+            request_id=request_id or f"client-{os.getpid()}-{next(_counter)}",
+            tokenized=pb.TokenizedInput(input_ids=ids),
+            sampling_params=sp,
+            stream=stream,
+        )
         self.last_complete = None
         for reply in self.stub.Generate(request):
             if reply.HasField("chunk"):
@@ -67,8 +77,9 @@ class Client:
         """Yield text deltas; an incomplete UTF-8 tail (U+FFFD) is held back until it completes."""
         tok = self.tokenizer
         if chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          tokenize=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         else:
             ids = tok.encode(prompt)
@@ -78,11 +89,11 @@ class Client:
             text = tok.decode(out, skip_special_tokens=True)
             stable = text.rstrip("\ufffd")
             if len(stable) > len(shown) and stable.startswith(shown):
-                yield stable[len(shown):]
+                yield stable[len(shown) :]
                 shown = stable
         text = tok.decode(out, skip_special_tokens=True)
         if text.startswith(shown) and len(text) > len(shown):
-            yield text[len(shown):]
+            yield text[len(shown) :]
 
 
 def main(argv=None) -> int:
@@ -105,8 +116,9 @@ def main(argv=None) -> int:
         else:
             if args.prompt is None:
                 p.error("give a prompt or --ids")
-            for delta in client.generate_text(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                                              temperature=args.temperature):
+            for delta in client.generate_text(
+                args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature
+            ):
                 print(delta, end="", flush=True)
         c = client.last_complete
         print(f"\n[{c.finish_reason}: {c.prompt_tokens} prompt + {c.completion_tokens} completion tokens]")

@@ -26,7 +26,9 @@ from common.tools.procs import free_port, stop, wait_serving
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description="run prefill + decode locally and answer one request")
-    parser.add_argument("--model-path", default=None, help="Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model-path", default=None, help="Hugging Face checkpoint folder (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--tiny", action="store_true", help="use a tiny random-weight llama (fast, gibberish)")
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -51,14 +53,27 @@ def main(argv=None) -> str:
             common += ["--torch-threads", "1"]  # a tiny model gains nothing from more
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         print(f"[demo] starting prefill on 127.0.0.1:{prefill_port} and decode on 127.0.0.1:{decode_port}", flush=True)
-        prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(prefill_port)], env=env)
-        decode = subprocess.Popen([sys.executable, "-m", "decode_service", *common, "--port", str(decode_port),
-                                   "--prefill-addr", f"127.0.0.1:{prefill_port}"], env=env)
+        prefill = subprocess.Popen(
+            [sys.executable, "-m", "prefill_service", *common, "--port", str(prefill_port)], env=env
+        )
+        decode = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "decode_service",
+                *common,
+                "--port",
+                str(decode_port),
+                "--prefill-addr",
+                f"127.0.0.1:{prefill_port}",
+            ],
+            env=env,
+        )
         try:
             wait_serving(f"127.0.0.1:{prefill_port}", prefill)
             wait_serving(f"127.0.0.1:{decode_port}", decode)
             client = Client(f"127.0.0.1:{decode_port}")
-            client.tokenizer  # loaded before the clock starts: TTFT is the service's, not the tokenizer's
+            _ = client.tokenizer  # loaded before the clock starts: TTFT is the service's, not the tokenizer's
             print(f"[demo] prompt: {args.prompt!r}\n[demo] answer: ", end="", flush=True)
             start, arrivals, pieces = time.perf_counter(), [], []
             for piece in client.generate_text(args.prompt, chat=True, max_new_tokens=args.max_new_tokens):
@@ -67,8 +82,11 @@ def main(argv=None) -> str:
                 print(piece, end="", flush=True)
             text, c = "".join(pieces), client.last_complete
             rate = (c.completion_tokens - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else float("nan")
-            print(f"\n[demo] {c.completion_tokens} tokens ({c.finish_reason}) in {time.perf_counter() - start:.2f}s: "
-                  f"TTFT {1e3 * (arrivals[0] - start):.0f} ms, decode {rate:.1f} tokens/s", flush=True)
+            print(
+                f"\n[demo] {c.completion_tokens} tokens ({c.finish_reason}) in {time.perf_counter() - start:.2f}s: "
+                f"TTFT {1e3 * (arrivals[0] - start):.0f} ms, decode {rate:.1f} tokens/s",
+                flush=True,
+            )
             client.close()
         finally:
             codes = (stop(decode), stop(prefill))

@@ -21,12 +21,21 @@ from common.models.eagle import ALGORITHMS, DraftHead, load_draft_config
 
 
 def head_config(target, algorithm: str, draft_vocab_size: int | None = None) -> dict:
-    cfg = {"architectures": [ALGORITHMS[algorithm]], "model_type": "llama", "hidden_size": target.hidden_size,
-           "intermediate_size": target.intermediate_size, "num_attention_heads": target.num_heads,
-           "num_key_value_heads": target.num_kv_heads, "head_dim": target.head_dim,
-           "rms_norm_eps": target.rms_norm_eps, "num_hidden_layers": 1, "vocab_size": target.vocab_size,
-           "max_position_embeddings": target.max_position_embeddings, "rope_theta": target.rope["rope_theta"],
-           "torch_dtype": "float32"}
+    cfg = {
+        "architectures": [ALGORITHMS[algorithm]],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps,
+        "num_hidden_layers": 1,
+        "vocab_size": target.vocab_size,
+        "max_position_embeddings": target.max_position_embeddings,
+        "rope_theta": target.rope["rope_theta"],
+        "torch_dtype": "float32",
+    }
     if algorithm == "EAGLE3":
         n = target.num_layers
         cfg["draft_vocab_size"] = draft_vocab_size or max(2, target.vocab_size // 2)
@@ -59,7 +68,7 @@ def build(target_path: str, algorithm: str, out: str, seed: int = 0, std: float 
                 p.normal_(0.0, std)
         if algorithm == "EAGLE3":
             keep = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(seed))
-            keep = keep[:config["draft_vocab_size"]].sort().values
+            keep = keep[: config["draft_vocab_size"]].sort().values
             head.d2t.copy_(keep - torch.arange(keep.numel()))
     return save_head(head, config, out)
 

@@ -19,28 +19,134 @@ import torch
 from common.engine.colocated import ColocatedEngine
 from common.engine.sampling import SamplingParams
 
-TEMPLATES = ["Explain {} to a child.", "Write a short poem about {}.", "List three facts about {}.",
-             "What is the history of {}?", "Give me a tip about {}.", "Describe {} in one paragraph.",
-             "Why do people like {}?", "Write a short story about {}.", "How does {} work?",
-             "Compare {} and {}.", "What are the pros and cons of {}?", "Summarize what you know about {}.",
-             "What would a beginner get wrong about {}?", "Write a haiku about {}.", "Teach me one thing about {}.",
-             "What is the connection between {} and {}?", "Write an email to a friend about {}.",
-             "Give three questions a student might ask about {}.", "What is surprising about {}?",
-             "Describe a day in the life of someone who loves {}.", "Explain why {} matters today.",
-             "Write a product description for something related to {}."]
-TOPICS = ["the ocean", "volcanoes", "bread", "the moon", "bicycles", "music", "rain", "chess", "bees",
-          "the internet", "mountains", "coffee", "trains", "photosynthesis", "friendship", "gravity", "cats",
-          "Paris", "the Roman empire", "electricity", "gardening", "football", "winter", "robots", "rivers",
-          "libraries", "the sun", "dinosaurs", "cooking pasta", "sleep", "airplanes", "mathematics", "forests",
-          "the piano", "deserts", "recycling", "stars", "honey", "painting", "computers", "tea", "whales",
-          "the printing press", "glaciers", "dogs", "birthdays", "bridges", "earthquakes", "chocolate", "maps",
-          "vaccines", "the guitar", "ancient Egypt", "clouds", "marathons", "soap", "the brain", "tigers",
-          "solar panels", "poetry", "jazz", "rice", "submarines", "the alphabet", "snow", "museums", "ants",
-          "the telephone", "yoga", "islands", "cheese", "satellites", "origami", "the heart", "lighthouses",
-          "owls", "money", "tomatoes", "the Olympics", "clocks", "wind", "newspapers", "penguins", "batteries",
-          "camping", "the violin", "cities", "salt", "butterflies", "space travel", "ice cream", "the Amazon",
-          "bridges in Japan", "video games", "wolves", "the Renaissance", "umbrellas", "democracy", "oak trees",
-          "magnets", "knitting", "sharks"]
+TEMPLATES = [
+    "Explain {} to a child.",
+    "Write a short poem about {}.",
+    "List three facts about {}.",
+    "What is the history of {}?",
+    "Give me a tip about {}.",
+    "Describe {} in one paragraph.",
+    "Why do people like {}?",
+    "Write a short story about {}.",
+    "How does {} work?",
+    "Compare {} and {}.",
+    "What are the pros and cons of {}?",
+    "Summarize what you know about {}.",
+    "What would a beginner get wrong about {}?",
+    "Write a haiku about {}.",
+    "Teach me one thing about {}.",
+    "What is the connection between {} and {}?",
+    "Write an email to a friend about {}.",
+    "Give three questions a student might ask about {}.",
+    "What is surprising about {}?",
+    "Describe a day in the life of someone who loves {}.",
+    "Explain why {} matters today.",
+    "Write a product description for something related to {}.",
+]
+TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "bread",
+    "the moon",
+    "bicycles",
+    "music",
+    "rain",
+    "chess",
+    "bees",
+    "the internet",
+    "mountains",
+    "coffee",
+    "trains",
+    "photosynthesis",
+    "friendship",
+    "gravity",
+    "cats",
+    "Paris",
+    "the Roman empire",
+    "electricity",
+    "gardening",
+    "football",
+    "winter",
+    "robots",
+    "rivers",
+    "libraries",
+    "the sun",
+    "dinosaurs",
+    "cooking pasta",
+    "sleep",
+    "airplanes",
+    "mathematics",
+    "forests",
+    "the piano",
+    "deserts",
+    "recycling",
+    "stars",
+    "honey",
+    "painting",
+    "computers",
+    "tea",
+    "whales",
+    "the printing press",
+    "glaciers",
+    "dogs",
+    "birthdays",
+    "bridges",
+    "earthquakes",
+    "chocolate",
+    "maps",
+    "vaccines",
+    "the guitar",
+    "ancient Egypt",
+    "clouds",
+    "marathons",
+    "soap",
+    "the brain",
+    "tigers",
+    "solar panels",
+    "poetry",
+    "jazz",
+    "rice",
+    "submarines",
+    "the alphabet",
+    "snow",
+    "museums",
+    "ants",
+    "the telephone",
+    "yoga",
+    "islands",
+    "cheese",
+    "satellites",
+    "origami",
+    "the heart",
+    "lighthouses",
+    "owls",
+    "money",
+    "tomatoes",
+    "the Olympics",
+    "clocks",
+    "wind",
+    "newspapers",
+    "penguins",
+    "batteries",
+    "camping",
+    "the violin",
+    "cities",
+    "salt",
+    "butterflies",
+    "space travel",
+    "ice cream",
+    "the Amazon",
+    "bridges in Japan",
+    "video games",
+    "wolves",
+    "the Renaissance",
+    "umbrellas",
+    "democracy",
+    "oak trees",
+    "magnets",
+    "knitting",
+    "sharks",
+]
 
 
 def held_out(text: str) -> bool:
@@ -64,22 +170,23 @@ def instructions(n: int, seed: int, evaluation: bool = False) -> list[str]:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def answers(runner, prompts: list[list[int]], max_new_tokens: int, capture: tuple[int, ...] = (),
-            batch: int = 32) -> tuple[list[list[int]], list[torch.Tensor]]:
+def answers(
+    runner, prompts: list[list[int]], max_new_tokens: int, capture: tuple[int, ...] = (), batch: int = 32
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """(prompt + the target's greedy answer (EOS ends it early), the target's features at every
     position but the last [len - 1, F]) for every prompt: the final normed hidden, or with `capture`
     (EAGLE3) those layers' outputs concatenated, kept while the answer is generated."""
     engine, seqs, feats = ColocatedEngine(runner, chunk_size=2048, capture=capture), [], []
     start = time.monotonic()
     for i in range(0, len(prompts), batch):
-        for r in engine.generate(prompts[i:i + batch], SamplingParams(max_new_tokens=max_new_tokens)):
+        for r in engine.generate(prompts[i : i + batch], SamplingParams(max_new_tokens=max_new_tokens)):
             seqs.append(r.prompt + r.output)
             feats.append(torch.cat(r.features))
-        print(f"[fit] answers {len(seqs)}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr,
-              flush=True)
+        print(
+            f"[fit] answers {len(seqs)}/{len(prompts)} ({time.monotonic() - start:.0f}s)", file=sys.stderr, flush=True
+        )
     return seqs, feats

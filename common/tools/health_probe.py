@@ -1,6 +1,6 @@
 """Exit 0 if a gRPC server reports SERVING (grpc.health.v1), else 1. Used by compose health checks.
 
-    python -m common.tools.health_probe HOST:PORT [SERVICE] [--timeout S]
+python -m common.tools.health_probe HOST:PORT [SERVICE] [--timeout S]
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with grpc.insecure_channel(args.address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
-                                                              timeout=args.timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
         except grpc.RpcError as e:
             print(f"{args.address}: {e.code().name}")
             return 1

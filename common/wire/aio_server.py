@@ -1,8 +1,8 @@
 """AioServer: a grpc.aio server on its own event-loop thread, for services whose open streams must
 not pin threads (a sync grpc.Server gives every open stream a handler thread, so enough open
 streams starve health checks, HealthCheck, GetLoad and Abort). Both services use it. Health
-(NOT_SERVING until `set_serving`) and reflection for the named services; the owner stays synchronous: `start`, `stop`, `set_serving` and `run` may be called
-from any thread.
+(NOT_SERVING until `set_serving`) and reflection for the named services; the owner stays
+synchronous: `start`, `stop`, `set_serving` and `run` may be called from any thread.
 
 `answer_unimplemented(cls, service)` gives a servicer class an async UNIMPLEMENTED answer for every
 method of the service it does not define, so clients (smg calls SubscribeKvEvents on connect) get a
@@ -39,8 +39,9 @@ class AioServer:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
-            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                  reflection.SERVICE_NAME], server)
+            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
         return server, health_servicer, server.add_insecure_port(f"{host}:{port}")
 
     def run(self, coro, timeout: float | None = 30.0):
@@ -55,12 +56,13 @@ class AioServer:
         async def _set():
             for name in ["", *self.service_names]:
                 await self.health.set(name, status)
+
         if threading.current_thread() is self._thread:
             self.loop.create_task(_set())
         elif self.loop.is_running():
             self.run(_set(), timeout=5.0)
 
-    def start(self) -> "AioServer":
+    def start(self) -> AioServer:
         self.run(self.server.start())
         return self
 
@@ -89,6 +91,7 @@ def answer_unimplemented(cls, service) -> type:
 
         async def unimplemented(self, request, context, _name=method.name):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{service.name}.{_name} is not implemented")
+
         unimplemented.__name__ = method.name
         setattr(cls, method.name, unimplemented)
     return cls

@@ -19,19 +19,28 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive: bool 
     progress watchdog covers a peer that is alive but silent); and a short reconnect backoff (at most
     1 s), so a replica that starts or restarts after the channel was made is used within about a
     second, not after gRPC's default backoff of up to 120 s."""
-    options = [("grpc.max_send_message_length", max_message_bytes),
-               ("grpc.max_receive_message_length", max_message_bytes)]
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
     if keepalive:
-        options += [("grpc.keepalive_time_ms", 2_000), ("grpc.keepalive_timeout_ms", 2_000),
-                    ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1_000)]
+        options += [
+            ("grpc.keepalive_time_ms", 2_000),
+            ("grpc.keepalive_timeout_ms", 2_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
+        ]
     return options
 
 
-SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),         # accept our clients' pings
-                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
-                  ("grpc.http2.max_ping_strikes", 0)]
+SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),  # accept our clients' pings
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 def wait_for_shutdown_signal() -> None:

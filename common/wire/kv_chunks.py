@@ -6,7 +6,7 @@ is at most `max_bytes` unless a single (token, layer) pair is larger than that.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -14,7 +14,9 @@ from common.wire import tensor_codec
 from common.wire.proto_gen import prefill_pb2
 
 
-def plan(num_tokens: int, num_layers: int, bytes_per_token_layer: int, max_bytes: int) -> Iterator[tuple[int, int, int, int]]:
+def plan(
+    num_tokens: int, num_layers: int, bytes_per_token_layer: int, max_bytes: int
+) -> Iterator[tuple[int, int, int, int]]:
     """Yield (token_start, num_tokens, layer_start, num_layers) covering the grid within max_bytes."""
     layers = max(1, min(num_layers, max_bytes // bytes_per_token_layer))
     tokens = max(1, max_bytes // (layers * bytes_per_token_layer)) if layers == num_layers else 1
@@ -23,15 +25,21 @@ def plan(num_tokens: int, num_layers: int, bytes_per_token_layer: int, max_bytes
             yield t0, min(tokens, num_tokens - t0), l0, min(layers, num_layers - l0)
 
 
-def split(k: list[torch.Tensor], v: list[torch.Tensor], max_bytes: int, draft: bool = False) -> Iterator[prefill_pb2.KvChunk]:
+def split(
+    k: list[torch.Tensor], v: list[torch.Tensor], max_bytes: int, draft: bool = False
+) -> Iterator[prefill_pb2.KvChunk]:
     """Chunks of the target KV, or with `draft` of the EAGLE head's KV (its one layer)."""
     num_tokens = k[0].shape[0]
     per = 2 * k[0][:1].numel() * k[0].element_size()
     for t0, nt, l0, nl in plan(num_tokens, len(k), per, max_bytes):
         yield prefill_pb2.KvChunk(
-            token_start=t0, num_tokens=nt, layer_start=l0, draft=draft,
-            k=[tensor_codec.encode(k[i][t0:t0 + nt]) for i in range(l0, l0 + nl)],
-            v=[tensor_codec.encode(v[i][t0:t0 + nt]) for i in range(l0, l0 + nl)])
+            token_start=t0,
+            num_tokens=nt,
+            layer_start=l0,
+            draft=draft,
+            k=[tensor_codec.encode(k[i][t0 : t0 + nt]) for i in range(l0, l0 + nl)],
+            v=[tensor_codec.encode(v[i][t0 : t0 + nt]) for i in range(l0, l0 + nl)],
+        )
 
 
 def payload_bytes(chunk: prefill_pb2.KvChunk) -> int:
@@ -52,8 +60,13 @@ class KvAssembler:
     def add(self, chunk: prefill_pb2.KvChunk) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Check and decode one chunk; returns its per-layer (k, v) tensors."""
         t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
-        if len(chunk.k) != len(chunk.v) or not chunk.k or l0 + len(chunk.k) > self.num_layers \
-                or nt == 0 or t0 + nt > self.prompt_len:
+        if (
+            len(chunk.k) != len(chunk.v)
+            or not chunk.k
+            or l0 + len(chunk.k) > self.num_layers
+            or nt == 0
+            or t0 + nt > self.prompt_len
+        ):
             raise ValueError(f"KV chunk out of range: tokens {t0}+{nt}, layers {l0}+{len(chunk.k)}")
         ks, vs = [], []
         for i, (kt, vt) in enumerate(zip(chunk.k, chunk.v)):
@@ -62,14 +75,14 @@ class KvAssembler:
                 raise ValueError(f"KV chunk tensor of shape {tuple(k.shape)}, expected {(nt, *self.shape)}")
             ks.append(k), vs.append(v)
             layer = l0 + i
-            self.covered[layer, t0:t0 + nt] += 1
+            self.covered[layer, t0 : t0 + nt] += 1
             if not self.store:
                 continue
             if self.k[layer] is None:
                 self.k[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
                 self.v[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
-            self.k[layer][t0:t0 + nt] = k
-            self.v[layer][t0:t0 + nt] = v
+            self.k[layer][t0 : t0 + nt] = k
+            self.v[layer][t0 : t0 + nt] = v
         self.chunks += 1
         return ks, vs
 

@@ -8,8 +8,10 @@ import torch
 
 from common.wire.proto_gen import prefill_pb2
 
-_BY_NAME = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32,
-                                                       torch.int64, torch.float64, torch.uint8)}
+_BY_NAME = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.float64, torch.uint8)
+}
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 assert sys.byteorder == "little", "the wire format is little-endian"
 
@@ -35,6 +37,9 @@ def decode(msg: prefill_pb2.Tensor) -> torch.Tensor:
         expected *= n
     if expected != len(msg.data):
         raise ValueError(f"tensor of shape {shape} {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
-    flat = torch.frombuffer(bytearray(msg.data), dtype=_SAME_WIDTH_INT[itemsize]) if expected else \
-        torch.empty(0, dtype=_SAME_WIDTH_INT[itemsize])
+    flat = (
+        torch.frombuffer(bytearray(msg.data), dtype=_SAME_WIDTH_INT[itemsize])
+        if expected
+        else torch.empty(0, dtype=_SAME_WIDTH_INT[itemsize])
+    )
     return flat.view(dtype).reshape(shape)

@@ -22,8 +22,9 @@ GAP = 0.1  # an argmax may flip only where fp32's top-2 logits are closer than t
 
 def teacher_forced(path: str, device: str, dtype: str, ids: list[int]) -> torch.Tensor:
     """Logits [len(ids), V] (float32, CPU) of one teacher-forced pass through our runner."""
-    runner = ModelRunner(RunnerArgs(path, device=device, dtype=dtype, max_total_tokens=len(ids) + 8,
-                                    max_running_requests=1))
+    runner = ModelRunner(
+        RunnerArgs(path, device=device, dtype=dtype, max_total_tokens=len(ids) + 8, max_running_requests=1)
+    )
     row = runner.req_to_token_pool.alloc()
     runner.req_to_token_pool.write(row, 0, runner.kv_allocator.alloc(len(ids)))
     fb = ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [row], [0], [ids], all_logits=True)
@@ -63,8 +64,10 @@ def _run(pair: Pair, params) -> dict:
 @pytest.mark.gpu
 def test_overlap_on_and_off_give_identical_tokens_on_cuda(checkpoint):
     path = checkpoint("llama")
-    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8 if i == 3 else 0.0, seed=i)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8 if i == 3 else 0.0, seed=i)
+        for i in range(len(PROMPTS))
+    ]
     outs = []
     for overlap in (True, False):
         pair = Pair(path, overlap=overlap, device="cuda", dtype="float32")
@@ -115,6 +118,7 @@ def test_future_map_resolve_waits_for_the_publish_on_cuda_streams():
     def forward():  # a long kernel, then the publish: resolve must not read before it
         torch.cuda._sleep(50_000_000)
         fm.publish_seq_lens(rows, torch.tensor([17, 29], device=device), fence)
+
     stream.submit(forward)
     assert fm.resolve_seq_lens_cpu(rows, timeout=30).tolist() == [17, 29]
     stream.close()
@@ -140,7 +144,9 @@ def test_decode_step_launch_has_no_host_sync(checkpoint):
                 raise
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
         real_submit(run)
+
     stream.submit = checked_submit
     for i, p in enumerate(PROMPTS):
         pair.submit(str(i), p, SamplingParams(max_new_tokens=200, ignore_eos=True))
