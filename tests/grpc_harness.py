@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -12,6 +13,27 @@ from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.server import PrefillService
+
+
+def wait_for(what: str, cond, timeout: float = 20.0) -> None:
+    """Poll `cond` until true; fail with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def held_engine(service: PrefillService) -> tuple[threading.Event, threading.Event]:
+    """Latch a prefill service's engine step shut: (in_step, latch); its first step waits for latch."""
+    in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
+
+    def held_step():
+        in_step.set()
+        assert latch.wait(60), "the test never released the engine"
+        return step()
+
+    service.engine.step = held_step
+    return in_step, latch
 
 
 class GrpcPair:

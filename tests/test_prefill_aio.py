@@ -3,7 +3,6 @@ once however many calls wait; a dead scheduler answers every call and turns heal
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -13,30 +12,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.server import PrefillService
+from tests.grpc_harness import held_engine, wait_for
 
 HELD = 80  # open calls held at once: more than the 64 handler threads of the old sync server
 CANCELLED = 8  # of them cancelled while queued
 ANSWER_S = 0.2  # health and GetLoad answer within this with every call held
-
-
-def _wait_for(what: str, cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
-def _held_engine(service: PrefillService):
-    """Latch the engine's step shut: (in_step, latch); the first step waits until latch is set."""
-    in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
-
-    def held_step():
-        in_step.set()
-        assert latch.wait(60), "the test never released the engine"
-        return step()
-
-    service.engine.step = held_step
-    return in_step, latch
 
 
 def _timed(fn):
@@ -48,7 +28,7 @@ def _timed(fn):
 def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0, debug_checks=True)).start()
     sched = service.scheduler
-    in_step, latch = _held_engine(service)
+    in_step, latch = held_engine(service)
     channel = grpc.insecure_channel(service.address)
     try:
         stub = prefill_pb2_grpc.PrefillStub(channel)
@@ -59,7 +39,7 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
             )
             for i in range(HELD)
         }
-        _wait_for(
+        wait_for(
             f"the server never held all {HELD} calls",
             lambda: sched.num_running + sched.num_queued() == HELD and service.open_calls == HELD,
         )
@@ -78,7 +58,7 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
         queued = [c for c in sched.inbox][:CANCELLED]  # the loop is in its step: the inbox holds still
         for c in queued:
             calls[c.request.rid].cancel()
-        _wait_for("the server never saw the cancels", lambda: all(c.cancelled.is_set() for c in queued))
+        wait_for("the server never saw the cancels", lambda: all(c.cancelled.is_set() for c in queued))
         latch.set()
 
         cancelled = {c.request.rid for c in queued}
@@ -90,8 +70,8 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
             else:
                 kinds = [m.WhichOneof("payload") for m in call]
                 assert kinds[0] == "first_token" and kinds[-1] == "record" and "kv" in kinds, (rid, kinds)
-        _wait_for("a Prefill handler never returned", lambda: service.open_calls == 0)
-        _wait_for("the scheduler never went idle", lambda: sched.num_running == 0 and sched.num_queued() == 0)
+        wait_for("a Prefill handler never returned", lambda: service.open_calls == 0)
+        wait_for("the scheduler never went idle", lambda: sched.num_running == 0 and sched.num_queued() == 0)
         assert not sched.pending, "a call was left without an answer"
         assert service.num_prefilled == HELD - CANCELLED  # a cancel seen while queued prevents the prefill
         assert service.runner.kv_allocator.num_used == 0
@@ -108,7 +88,7 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
     silently; the calls it held waited forever and health stayed SERVING."""
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
     sched = service.scheduler
-    in_step, latch = _held_engine(service)
+    in_step, latch = held_engine(service)
     channel = grpc.insecure_channel(service.address)
     try:
         stub = prefill_pb2_grpc.PrefillStub(channel)
@@ -119,7 +99,7 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
             stub.Prefill(prefill_pb2.PrefillRequest(request_id=f"b{i}", input_ids=[8, 9, i + 10]), timeout=20)
             for i in range(4)
         ]
-        _wait_for("the calls behind a never reached the scheduler", lambda: len(sched.inbox) == 4)
+        wait_for("the calls behind a never reached the scheduler", lambda: len(sched.inbox) == 4)
 
         def broken(request):
             raise RuntimeError("admission bookkeeping broke")
@@ -134,7 +114,7 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
             assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
             assert "admission bookkeeping broke" in err.value.details()
         assert not sched.alive and not sched.pending
-        _wait_for(
+        wait_for(
             "health never turned NOT_SERVING",
             lambda: (
                 health.Check(health_pb2.HealthCheckRequest(), timeout=5).status

@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from common.models.config import load_model_config
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
-from tests.grpc_harness import GrpcPair
+from tests.grpc_harness import GrpcPair, held_engine, wait_for
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -132,18 +132,10 @@ def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(chec
         pair.prefill.stop()
 
 
-def _wait_for(what, cond, timeout=10.0):
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, what
-        time.sleep(0.01)
-
-
 def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
     """A cancel the server has seen before the call is admitted prevents its prefill, and the call's
     handler returns. (The cancel travels to the server asynchronously: a cancel still in flight when
     the scheduler admits the call cannot prevent it, so the test waits until the server has seen it.)"""
-    import threading
 
     from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
     from prefill_service.config import PrefillConfig
@@ -151,26 +143,19 @@ def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
 
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
     sched = service.scheduler
-    in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
-
-    def held_step():
-        in_step.set()
-        assert latch.wait(10), "the test never released the engine"
-        return step()
-
-    service.engine.step = held_step
+    in_step, latch = held_engine(service)
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         busy = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]))
         assert in_step.wait(5), "call a never reached the engine"  # "a" holds the scheduler in its step
         queued = stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", input_ids=[8, 9]))
-        _wait_for("call b never reached the scheduler's inbox", lambda: len(sched.inbox) == 1)
+        wait_for("call b never reached the scheduler's inbox", lambda: len(sched.inbox) == 1)
         [b] = list(sched.inbox)
         queued.cancel()
-        _wait_for("the server never saw b's cancel", b.cancelled.is_set)
+        wait_for("the server never saw b's cancel", b.cancelled.is_set)
         latch.set()
         assert [m.WhichOneof("payload") for m in busy][-1] == "record"
-        _wait_for("the cancelled call's handler never returned", lambda: service.open_calls == 0)
+        wait_for("the cancelled call's handler never returned", lambda: service.open_calls == 0)
         assert service.num_prefilled == 1
         assert not sched.pending, "a call was left without an answer"
     finally:
