@@ -17,6 +17,7 @@ except ImportError:  # a machine without it (a bare GPU node) still runs the ser
     CollectorRegistry = Counter = Gauge = Histogram = start_http_server = None
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -93,7 +94,12 @@ class DecodeMetrics(_Metrics):
         self.aborts = c("aborted_requests_total", "requests aborted (client cancel, Abort RPC, shutdown)")
         self.failures = c("failed_requests_total", "requests failed (no prefill replica left, scheduler error)")
         self.retries = c("prefill_retries_total", "Prefill calls retried on another replica")
-        self.handoff_bytes = c("handoff_bytes_total", "KV bytes received from prefill")
+        self.handoff_bytes = c(
+            "handoff_bytes_total", "KV bytes received from prefill (sent, or written into our slots)"
+        )
+        self.kv_transfer_speed = self._histogram(
+            "kv_transfer_speed_gb_s", "KV GB/s of one handoff: its bytes over first message to record", GBPS_BUCKETS
+        )
         self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of finished requests")
         self.generation_tokens = c("generation_tokens_total", "tokens generated")
         self.spec_accepted = c("spec_accepted_tokens_total", "EAGLE: draft tokens accepted")
@@ -102,13 +108,24 @@ class DecodeMetrics(_Metrics):
 
 
 class PrefillMetrics(_Metrics):
-    def __init__(self, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float]):
+    def __init__(
+        self,
+        running: Callable[[], float],
+        queued: Callable[[], float],
+        kv_usage: Callable[[], float],
+        transfers_in_flight: Callable[[], float] = lambda: 0,
+    ):
         super().__init__("prefill", running, queued, kv_usage)
         h, c = self._histogram, self._counter
         self.queue_time = h("prefill_queue_time_seconds", "Prefill call arrival to the start of its batch")
         self.compute = h("prefill_compute_seconds", "prefill compute of the batch the call was in")
         self.handoff_transfer = h("handoff_transfer_seconds", "first token sent to the record sent")
-        self.handoff_bytes = c("handoff_bytes_total", "KV bytes sent to decode")
+        self.handoff_bytes = c("handoff_bytes_total", "KV bytes sent to decode, by data plane", ["backend"])
+        self.kv_transfer_failures = c("kv_transfer_failures_total", "handoffs whose KV transfer failed")
+        self.kv_transfer_speed = self._histogram(
+            "kv_transfer_speed_gb_s", "KV GB/s of one handoff: its bytes over first token sent to record", GBPS_BUCKETS
+        )
         self.requests = c("prefill_requests_total", "Prefill calls answered with a record")
         self.failures = c("prefill_failures_total", "Prefill calls that failed or were cancelled")
         self.injected = c("injected_faults_total", "handoff faults injected (--inject-faults)", ["kind"])
+        self._gauge("kv_transfers_in_flight", "handoffs streaming or writing their KV now", transfers_in_flight)

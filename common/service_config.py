@@ -48,6 +48,14 @@ class ServiceConfig:
     speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting; > 1: a tree, greedy only)")
     speculative_num_draft_tokens: int = flag(4, "tokens one verify covers (num_steps + 1 for a chain; tree nodes)")
     speculative_token_map: str | None = flag(None, "EAGLE: JSON list of hot token ids to draft from", type=str)
+    disaggregation_transfer_backend: str = flag(
+        "grpc",
+        "how KV moves from prefill to decode: grpc (bytes on the Prefill stream) or mooncake (the transfer engine "
+        "writes into decode's reserved slots; gRPC carries notices). A prefill replica without it falls back to grpc",
+        choices=["grpc", "mooncake"],
+    )
+    disaggregation_protocol: str = flag("tcp", "mooncake transport: tcp (any host) or rdma (GPU nodes)")
+    disaggregation_ib_device: str = flag("", "mooncake rdma: the InfiniBand device, e.g. mlx5_0 (empty: auto)")
 
 
 def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
+from common.wire import kv_chunks, mooncake
 from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
@@ -67,9 +68,14 @@ class PrefillClient:
         draft_config=None,
         progress_timeout_s: float = 5.0,
         metrics=None,
+        kv_destination: prefill_pb2.KvDestination | None = None,
+        transfer_quiesce_s: float = 1.0,
     ):
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
-        deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None."""
+        deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. With `kv_destination` (this
+        side's transfer engine session and registered pools) each call names its reserved slots and the
+        replica writes the KV there; a call that ends early is reported only `transfer_quiesce_s` later,
+        so a write still landing cannot reach slots the scheduler has handed to another request."""
         if not addresses:
             raise ValueError("at least one prefill address is needed")
         self.peers = [_Peer(a) for a in addresses]
@@ -93,6 +99,8 @@ class PrefillClient:
         threading.Thread(target=self._watchdog, name="prefill-watchdog", daemon=True).start()
         self.retries = 0  # calls retried on another replica since start
         self.metrics = metrics
+        self.kv_destination = kv_destination
+        self.transfer_quiesce_s = transfer_quiesce_s
 
     def __call__(self, request: HandoffRequest) -> None:
         with self._lock:
@@ -177,7 +185,12 @@ class PrefillClient:
                     return
                 tried.add(peer.address)
                 attempt = HandoffRequest(
-                    request.rid, request.prompt_ids + sent, request.params, request.seed, first_position=len(sent)
+                    request.rid,
+                    request.prompt_ids + sent,
+                    request.params,
+                    request.seed,
+                    first_position=len(sent),
+                    kv_slots=request.kv_slots,
                 )
                 try:
                     handoff = self._stream(peer, attempt, sent)
@@ -189,6 +202,8 @@ class PrefillClient:
                             self._stalled.discard(request.rid)
                             detail = f"no progress for {self.progress_timeout_s:g}s"
                     errors.append(f"{peer.address}: {detail}")
+                    if self.kv_destination is not None:  # a write of this attempt may still be landing
+                        time.sleep(self.transfer_quiesce_s)
                     if cancelled:  # aborted by the front door; a no-op if the scheduler already freed it
                         sink.fail_handoff(request.rid, "cancelled")
                         return
@@ -231,6 +246,9 @@ class PrefillClient:
                 max_new_tokens=p.max_new_tokens,
             ),
         )
+        if self.kv_destination is not None and request.kv_slots is not None:
+            msg.kv_destination.CopyFrom(self.kv_destination)
+            msg.kv_destination.runs.extend(mooncake.slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
         call = peer.stub.Prefill(msg, timeout=self.call_timeout_s)
         with self._lock:
             self._calls[request.rid] = [call, peer, None]
@@ -243,7 +261,6 @@ class PrefillClient:
         for chunk in call:
             self._progress(request.rid)
             started = started or time.perf_counter()
-            nbytes += chunk.ByteSize()
             kind = chunk.WhichOneof("payload")
             if kind == "first_token":
                 first = chunk.first_token.token_id
@@ -254,9 +271,18 @@ class PrefillClient:
                 if chunk.kv.draft and draft_assembler is None:
                     raise ValueError("draft KV from a prefill replica, but speculative decoding is off here")
                 k, v = (draft_assembler if chunk.kv.draft else assembler).add(chunk.kv)
+                nbytes += kv_chunks.payload_bytes(chunk.kv)
                 self.sink.deliver_kv(
                     request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v, draft=chunk.kv.draft
                 )
+            elif kind == "written":  # the replica wrote this KV into our slots: check the coverage
+                w = chunk.written
+                if w.draft and draft_assembler is None:
+                    raise ValueError("draft KV from a prefill replica, but speculative decoding is off here")
+                (draft_assembler if w.draft else assembler).cover(
+                    w.token_start, w.num_tokens, w.layer_start, w.num_layers
+                )
+                nbytes += w.bytes
             elif kind == "record":
                 rec = chunk.record
                 assembler.finish()
@@ -271,8 +297,11 @@ class PrefillClient:
                 if first is not None and rec.first_token != first:
                     raise ValueError("record's first token differs from the streamed one")
                 if self.metrics is not None:
-                    self.metrics.handoff_transfer.observe(time.perf_counter() - started)
+                    elapsed = time.perf_counter() - started
+                    self.metrics.handoff_transfer.observe(elapsed)
                     self.metrics.handoff_bytes.inc(nbytes)
+                    if nbytes and elapsed > 0:
+                        self.metrics.kv_transfer_speed.observe(nbytes / elapsed / 1e9)
                 return Handoff(
                     request.rid,
                     request.prompt_ids,

@@ -13,7 +13,9 @@ import torch
 
 from common.engine.host_copy import to_device
 from common.engine.sampling import SamplingBatch
+from common.engine.spec_sampling import SpecDraws
 from decode_service.req import DecodeReq
+from decode_service.worker_batch import Lane, WorkerBatch
 
 
 class ScheduleBatch:
@@ -43,6 +45,30 @@ class ScheduleBatch:
         if "_sampling" not in self.__dict__:
             self._sampling = SamplingBatch([r.params for r in self.reqs], [r.seed for r in self.reqs])
         return self._sampling
+
+    def get_worker_batch(self, step: int, spec_steps: int, vocab_size: int) -> WorkerBatch:
+        """Step `step`'s frozen input (SGLang's get_model_worker_batch); `spec_steps`: EAGLE's
+        num_steps (0 without EAGLE), for the draws of lanes with temperature > 0."""
+        seq_lens_cpu = self.seq_lens_cpu.tolist()
+        sampling = self.sampling
+        positions = []  # the output index each lane samples (only random draws need it)
+        if not sampling.all_greedy:
+            positions = [s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, self.reqs)]
+        draws = None
+        if spec_steps and not sampling.all_greedy:  # the lanes with temperature > 0 and their uniforms
+            outputs_so_far = [s - r.prompt_len for s, r in zip(seq_lens_cpu, self.reqs)]
+            draws = SpecDraws.build(sampling.params, sampling.seeds, outputs_so_far, spec_steps, vocab_size)
+        return WorkerBatch(
+            step=step,
+            req_pool_indices=self.req_pool_indices,
+            req_pool_indices_cpu=self.req_pool_indices_cpu.tolist(),
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            sampling=sampling,
+            positions=positions,
+            lanes=tuple(Lane(r.rid, r.prompt_len) for r in self.reqs),
+            draws=draws,
+        )
 
     @property
     def seq_lens_sum(self) -> int:

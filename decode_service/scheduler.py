@@ -42,14 +42,12 @@ from collections.abc import Callable
 
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
-from common.engine.spec_sampling import SpecDraws
 from common.request_rules import InvalidRequest, finish_reason, validate_prompt
 from decode_service.finish_notes import FinishNotes
 from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
 from decode_service.req import DecodeReq, OutputCallback, ReqState
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.step import InvariantError, LaunchedStep, SpecStats
-from decode_service.worker_batch import Lane, WorkerBatch
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +61,20 @@ class DecodeScheduler:
         overlap: bool = True,
         debug: bool = False,
         metrics=None,
+        abort_waits_for_prefill: bool = False,
     ):
         """`worker`: a DecodeWorker (or a fake with its methods); `prefill_fn` starts a request's
         prefill once its slots are reserved; `inbox` is where the prefill side delivers (made here if
-        not given); `metrics`: DecodeMetrics, or None in-process."""
+        not given); `metrics`: DecodeMetrics, or None in-process. With `abort_waits_for_prefill` (a
+        transfer engine writes into reserved slots) an aborted request that awaits its handoff keeps
+        its reservation until the prefill side's last word on it (handoff or failure) arrives."""
         self.worker = worker
         self.prefill_fn = prefill_fn
         self.inbox = inbox if inbox is not None else Inbox()
         self.overlap = overlap
         self.debug = debug
         self.metrics = metrics
+        self.abort_waits_for_prefill = abort_waits_for_prefill
         self.info = worker.info
         self.spec = worker.info.spec
         self.spec_stats = SpecStats()
@@ -126,6 +128,8 @@ class DecodeScheduler:
                 self.process_input_requests()
                 for req in [r for r in self.reqs.values() if not r.finished]:
                     self._abort(req)
+                for req in [r for r in self.awaiting_handoff.values() if r.finished]:  # aborted, still held
+                    self._release(req)
         self.worker.close()
 
     def _loop(self) -> None:
@@ -202,7 +206,7 @@ class DecodeScheduler:
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
             req.state = ReqState.AWAITING_HANDOFF
             self.awaiting_handoff[req.rid] = req
-            self.prefill_fn(HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed))
+            self.prefill_fn(HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed, kv_slots=req.kv_slots))
 
     def get_new_prebuilt_batch(self) -> ScheduleBatch:
         """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
@@ -232,28 +236,8 @@ class DecodeScheduler:
     def run_batch(self, batch: ScheduleBatch) -> LaunchedStep:
         """Freeze the step's inputs into a WorkerBatch and hand it to the worker (returns at once)."""
         self.step_count += 1
-        seq_lens_cpu = batch.seq_lens_cpu.tolist()
-        sampling = batch.sampling
-        positions = []  # the output index each lane samples (only random draws need it)
-        if not sampling.all_greedy:
-            positions = [s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, batch.reqs)]
-        draws = None
-        if self.spec and not sampling.all_greedy:  # the lanes with temperature > 0 and their uniforms
-            outputs_so_far = [s - r.prompt_len for s, r in zip(seq_lens_cpu, batch.reqs)]
-            draws = SpecDraws.build(
-                sampling.params, sampling.seeds, outputs_so_far, self.spec.num_steps, self.info.vocab_size
-            )
-        worker_batch = WorkerBatch(
-            step=self.step_count,
-            req_pool_indices=batch.req_pool_indices,
-            req_pool_indices_cpu=batch.req_pool_indices_cpu.tolist(),
-            seq_lens=batch.seq_lens,
-            seq_lens_cpu=seq_lens_cpu,
-            sampling=sampling,
-            positions=positions,
-            lanes=tuple(Lane(r.rid, r.prompt_len) for r in batch.reqs),
-            draws=draws,
-        )
+        spec_steps = self.spec.num_steps if self.spec else 0
+        worker_batch = batch.get_worker_batch(self.step_count, spec_steps, self.info.vocab_size)
         result = self.worker.run_batch(worker_batch)
         return LaunchedStep(list(batch.reqs), result, batch.seq_lens, batch.seq_lens._version)
 
@@ -304,8 +288,8 @@ class DecodeScheduler:
 
     def _on_first_token(self, msg: FirstTokenArrived) -> None:
         req = self.awaiting_handoff.get(msg.rid)
-        if req is None or msg.position != len(req.output_ids):
-            return  # gone, or a retry's resend of a token already streamed
+        if req is None or req.finished or msg.position != len(req.output_ids):
+            return  # gone (or aborted), or a retry's resend of a token already streamed
         if req.output_ids and self._finish_reason(req) is not None:
             return  # never stream a token past a finish
         req.output_ids.append(msg.token)
@@ -323,6 +307,9 @@ class DecodeScheduler:
         req = self.awaiting_handoff.pop(handoff.rid, None)
         if req is None:
             return  # aborted or failed meanwhile: its reservation is already freed
+        if req.finished:  # aborted while its KV was being written: now nothing writes there any more
+            self._release(req)
+            return
         try:
             if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
                 handoff.check(self.info.num_layers)
@@ -338,13 +325,19 @@ class DecodeScheduler:
 
     def _on_handoff_failed(self, msg: HandoffFailed) -> None:
         req = self.awaiting_handoff.pop(msg.rid, None)
-        if req is not None:
+        if req is not None and req.finished:  # aborted earlier; its prefill has ended now
+            self._release(req)
+        elif req is not None:
             self._finish(req, "error", msg.error)
 
     # ---- finishing ----------------------------------------------------------------------------------
     def _abort(self, req: DecodeReq) -> None:
         if req.state == ReqState.WAITING:
             self.waiting.remove(req)
+        elif req.state == ReqState.AWAITING_HANDOFF and self.abort_waits_for_prefill:
+            req.finish_reason = "abort"  # the client hears it now; the slots wait for the prefill's end
+            self._emit(req, [], "abort")
+            return
         elif req.state == ReqState.AWAITING_HANDOFF:
             self.awaiting_handoff.pop(req.rid, None)
         elif req.state == ReqState.PREBUILT:

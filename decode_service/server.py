@@ -41,6 +41,7 @@ from common.wire.aio_server import AioServer, answer_unimplemented
 from decode_service.config import DecodeConfig
 from decode_service.inbox import Inbox
 from decode_service.info_rpcs import InfoRpcs
+from decode_service.kv_receiver import KvReceiver
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
 from decode_service.scheduler import DecodeScheduler
@@ -70,6 +71,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             open_streams=lambda: self._open,
         )
         inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
+        self.kv_receiver = None  # with mooncake: our pools registered, prefill writes KV into them
+        if config.disaggregation_transfer_backend == "mooncake":
+            self.kv_receiver = KvReceiver(
+                self.runner, config.host, config.disaggregation_protocol, config.disaggregation_ib_device
+            )
         self.prefill = PrefillClient(
             config.prefill_addrs,
             self.model_config,
@@ -79,6 +85,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             progress_timeout_s=config.prefill_progress_timeout_s,
             draft_config=self.runner.draft.config.layer if self.runner.draft else None,
             metrics=self.metrics,
+            kv_destination=self.kv_receiver.destination if self.kv_receiver else None,
         )
         self.scheduler = DecodeScheduler(
             DecodeWorker(self.runner, debug=config.debug_checks),
@@ -87,6 +94,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             overlap=not config.disable_overlap_schedule,
             debug=config.debug_checks,
             metrics=self.metrics,
+            abort_waits_for_prefill=self.kv_receiver is not None,
         )
         self.metrics_port: int | None = None
         self._ids = itertools.count()

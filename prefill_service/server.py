@@ -27,7 +27,6 @@ calls not prefilled yet are answered (INTERNAL, decode retries them), calls stil
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +39,13 @@ from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.metrics import PrefillMetrics
 from common.request_rules import validate_prompt
-from common.wire import kv_chunks
+from common.wire import kv_chunks, mooncake
 from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
+from prefill_service.kv_writer import send_handoff, write_handoff
 from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler
 
 logger = logging.getLogger(__name__)
@@ -70,12 +70,20 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             running=lambda: self.scheduler.num_running,
             queued=self.scheduler.num_queued,
             kv_usage=lambda: kv.num_used / kv.size,
+            transfers_in_flight=lambda: self.transfers_in_flight,
         )
         self.metrics_port: int | None = None
         self.open_calls = 0  # Prefill calls open (changed on the event loop only)
+        self.transfers_in_flight = 0  # calls between their first token and their record (event loop only)
+        self.kv_notices = 0  # KvWritten notices sent since start (KV written through the transfer engine)
         self._chunk_pool = ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="kv-chunks", initializer=intra_op.pin_single
         )
+        self.transfer: mooncake.TransferEngine | None = None  # with --disaggregation-transfer-backend mooncake
+        if config.disaggregation_transfer_backend == "mooncake":
+            self.transfer = mooncake.TransferEngine(
+                mooncake.advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device
+            )
         self.server = AioServer(config.host, config.port, [SERVICE_NAME])
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
 
@@ -186,27 +194,47 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         fault = self.faults.draw()
         if fault:
             m.injected.labels(kind=fault).inc()
-        chunks = kv_chunks.split(result.k, result.v, max_bytes)
-        if result.draft_k is not None:  # EAGLE: the head's KV follows the target's
-            chunks = itertools.chain(chunks, kv_chunks.split(result.draft_k, result.draft_v, max_bytes, draft=True))
+        backend = "grpc"
+        if request.HasField("kv_destination") and self.transfer is not None:  # straight into decode's slots
+            backend = "mooncake"
+            messages = write_handoff(self.transfer, request.kv_destination, result, max_bytes, call.cancelled.is_set)
+        else:  # the gRPC path (also the fallback for a decode side that named a destination)
+            messages = send_handoff(result, max_bytes)
         loop = asyncio.get_running_loop()
         count = 0
-        while (chunk := await loop.run_in_executor(self._chunk_pool, next, chunks, None)) is not None:
-            if call.cancelled.is_set():
-                m.failures.inc()
-                return
-            if self.config.test_kv_chunk_delay_s:
-                await asyncio.sleep(self.config.test_kv_chunk_delay_s)
-            count += 1
-            m.handoff_bytes.inc(chunk.ByteSize())
-            yield prefill_pb2.PrefillChunk(kv=chunk)
-            if count == 1 and fault:
-                m.failures.inc()
-                if fault == "fail":
-                    await context.abort(grpc.StatusCode.INTERNAL, "injected handoff failure")
-                # a stall: hold the call open, sending nothing, until the caller cancels (or the server stops)
-                await asyncio.sleep(STALL_MAX_S)
-                return
+        nbytes = 0
+        self.transfers_in_flight += 1
+        try:
+            while True:
+                try:
+                    message = await loop.run_in_executor(self._chunk_pool, next, messages, None)
+                except (ValueError, mooncake.TransferFailed) as e:
+                    m.failures.inc()
+                    m.kv_transfer_failures.inc()
+                    logger.warning("KV transfer of %s failed: %s", request.request_id, e)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}")
+                if message is None:
+                    break
+                if call.cancelled.is_set():
+                    m.failures.inc()
+                    return
+                if self.config.test_kv_chunk_delay_s:
+                    await asyncio.sleep(self.config.test_kv_chunk_delay_s)
+                count += 1
+                size = message.written.bytes if message.HasField("written") else kv_chunks.payload_bytes(message.kv)
+                nbytes += size
+                self.kv_notices += message.HasField("written")
+                m.handoff_bytes.labels(backend=backend).inc(size)
+                yield message
+                if count == 1 and fault:
+                    m.failures.inc()
+                    if fault == "fail":
+                        await context.abort(grpc.StatusCode.INTERNAL, "injected handoff failure")
+                    # a stall: hold the call open, sending nothing, until the caller cancels (or the server stops)
+                    await asyncio.sleep(STALL_MAX_S)
+                    return
+        finally:
+            self.transfers_in_flight -= 1
         draft_seed = await loop.run_in_executor(self._chunk_pool, kv_chunks.encode_seed, result)
         yield prefill_pb2.PrefillChunk(
             record=prefill_pb2.PrebuiltRecord(
@@ -218,7 +246,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 compute_us=int(1e6 * (call.finished_at - call.started_at)),
             )
         )
-        m.handoff_transfer.observe(time.perf_counter() - sent_first)
+        elapsed = time.perf_counter() - sent_first
+        m.handoff_transfer.observe(elapsed)
+        if nbytes and elapsed > 0:
+            m.kv_transfer_speed.observe(nbytes / elapsed / 1e9)
         m.requests.inc()
 
     async def GetLoad(self, request, context):

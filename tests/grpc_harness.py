@@ -6,9 +6,11 @@ import threading
 import time
 
 import grpc
+import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.wire import mooncake
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
@@ -36,9 +38,24 @@ def held_engine(service: PrefillService) -> tuple[threading.Event, threading.Eve
     return in_step, latch
 
 
+MOONCAKE_MISSING = mooncake.available()  # None where the transfer engine loads (set-up installs it)
+needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=f"no transfer engine: {MOONCAKE_MISSING}")
+
+
 class GrpcPair:
-    def __init__(self, path: str, overlap: bool = True, prefill_kw: dict | None = None, decode_kw: dict | None = None):
-        self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, **(prefill_kw or {}))).start()
+    """`transfer`: the KV data plane of both services (--disaggregation-transfer-backend)."""
+
+    def __init__(
+        self,
+        path: str,
+        overlap: bool = True,
+        prefill_kw: dict | None = None,
+        decode_kw: dict | None = None,
+        transfer: str = "grpc",
+    ):
+        prefill_kw = dict(prefill_kw or {}, disaggregation_transfer_backend=transfer)
+        decode_kw = dict(decode_kw or {}, disaggregation_transfer_backend=transfer)
+        self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, **prefill_kw)).start()
         self.decode = DecodeService(
             DecodeConfig(
                 path,
@@ -46,7 +63,7 @@ class GrpcPair:
                 port=0,
                 debug_checks=True,
                 disable_overlap_schedule=not overlap,
-                **(decode_kw or {}),
+                **decode_kw,
             )
         ).start()
         self.channel = grpc.insecure_channel(self.decode.address)

@@ -11,7 +11,7 @@ import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
-from tests.grpc_harness import GrpcPair
+from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy
 
 
@@ -20,12 +20,16 @@ def _prompts(n: int, seed: int = 21) -> list[list[int]]:
     return [torch.randint(5, 384, (int(k),), generator=g).tolist() for k in torch.randint(1, 60, (n,), generator=g)]
 
 
+TRANSFERS = ["grpc", pytest.param("mooncake", marks=needs_mooncake)]
+
+
+@pytest.mark.parametrize("transfer", TRANSFERS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_sixteen_concurrent_requests_match_hf(checkpoint, arch, overlap):
+def test_sixteen_concurrent_requests_match_hf(checkpoint, arch, overlap, transfer):
     path = checkpoint(arch)
     prompts = _prompts(16)
-    pair = GrpcPair(path, overlap=overlap, prefill_kw=dict(max_chunk_bytes=8192))
+    pair = GrpcPair(path, overlap=overlap, prefill_kw=dict(max_chunk_bytes=8192), transfer=transfer)
     try:
 
         def run(i):
@@ -36,6 +40,7 @@ def test_sixteen_concurrent_requests_match_hf(checkpoint, arch, overlap):
             results = list(pool.map(run, range(16)))
     finally:
         pair.close()
+    assert (pair.prefill.kv_notices > 0) == (transfer == "mooncake")  # the KV took the data plane asked for
     for i, (ids, complete) in enumerate(results):
         assert ids == hf_greedy(path, prompts[i], 12 + i % 5), f"request {i}"
         assert complete.finish_reason == "length" and complete.completion_tokens == len(ids)

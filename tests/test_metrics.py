@@ -43,9 +43,10 @@ def test_metrics_move_with_traffic(checkpoint):
         assert d["disagg_requests_total{finish_reason=length}"] == 3 and d["disagg_aborted_requests_total"] == 1
         assert d["disagg_generation_tokens_total"] >= 19 and d["disagg_prompt_tokens_total"] == 12
         assert d["disagg_handoff_bytes_total"] > 0 and d["disagg_open_streams"] == 0
+        assert d["disagg_kv_transfer_speed_gb_s_count"] >= 3 and p["disagg_kv_transfer_speed_gb_s_count"] >= 3
         assert d["disagg_kv_cache_usage_ratio"] == 0 and d["disagg_num_running_reqs"] == 0
         assert p["disagg_prefill_compute_seconds_count"] == 4 and p["disagg_prefill_requests_total"] >= 3
-        assert p["disagg_handoff_bytes_total"] > 0 and p["disagg_handoff_transfer_seconds_count"] >= 3
+        assert p["disagg_handoff_bytes_total{backend=grpc}"] > 0 and p["disagg_handoff_transfer_seconds_count"] >= 3
     finally:
         pair.close()
 

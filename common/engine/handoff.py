@@ -22,6 +22,7 @@ class HandoffRequest:
     params: SamplingParams
     seed: int
     first_position: int = 0  # output index of the token this prefill samples (= tokens resent)
+    kv_slots: torch.Tensor | None = None  # the decode side's reserved slots (a transfer engine writes there)
 
 
 @dataclass

@@ -60,14 +60,9 @@ class KvAssembler:
     def add(self, chunk: prefill_pb2.KvChunk) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Check and decode one chunk; returns its per-layer (k, v) tensors."""
         t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
-        if (
-            len(chunk.k) != len(chunk.v)
-            or not chunk.k
-            or l0 + len(chunk.k) > self.num_layers
-            or nt == 0
-            or t0 + nt > self.prompt_len
-        ):
-            raise ValueError(f"KV chunk out of range: tokens {t0}+{nt}, layers {l0}+{len(chunk.k)}")
+        if len(chunk.k) != len(chunk.v):
+            raise ValueError(f"KV chunk with {len(chunk.k)} K and {len(chunk.v)} V tensors")
+        self.cover(t0, nt, l0, len(chunk.k))
         ks, vs = [], []
         for i, (kt, vt) in enumerate(zip(chunk.k, chunk.v)):
             k, v = tensor_codec.decode(kt), tensor_codec.decode(vt)
@@ -75,7 +70,6 @@ class KvAssembler:
                 raise ValueError(f"KV chunk tensor of shape {tuple(k.shape)}, expected {(nt, *self.shape)}")
             ks.append(k), vs.append(v)
             layer = l0 + i
-            self.covered[layer, t0 : t0 + nt] += 1
             if not self.store:
                 continue
             if self.k[layer] is None:
@@ -83,8 +77,21 @@ class KvAssembler:
                 self.v[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
             self.k[layer][t0 : t0 + nt] = k
             self.v[layer][t0 : t0 + nt] = v
-        self.chunks += 1
         return ks, vs
+
+    def cover(self, token_start: int, num_tokens: int, layer_start: int, num_layers: int) -> None:
+        """Count one chunk (sent, or written into our slots by a transfer engine) covering this range."""
+        if (
+            num_layers == 0
+            or num_tokens == 0
+            or layer_start + num_layers > self.num_layers
+            or token_start + num_tokens > self.prompt_len
+        ):
+            raise ValueError(
+                f"KV chunk out of range: tokens {token_start}+{num_tokens}, layers {layer_start}+{num_layers}"
+            )
+        self.covered[layer_start : layer_start + num_layers, token_start : token_start + num_tokens] += 1
+        self.chunks += 1
 
     def finish(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not bool((self.covered == 1).all()):

@@ -33,18 +33,52 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling_params", "max_chunk_bytes", "first_output_position")
+    __slots__ = ("request_id", "input_ids", "sampling_params", "max_chunk_bytes", "first_output_position", "kv_destination")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_OUTPUT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     max_chunk_bytes: int
     first_output_position: int
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., first_output_position: _Optional[int] = ...) -> None: ...
+    kv_destination: KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., first_output_position: _Optional[int] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
+
+class KvRegion(_message.Message):
+    __slots__ = ("k_ptrs", "v_ptrs", "slot_bytes")
+    K_PTRS_FIELD_NUMBER: _ClassVar[int]
+    V_PTRS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    k_ptrs: _containers.RepeatedScalarFieldContainer[int]
+    v_ptrs: _containers.RepeatedScalarFieldContainer[int]
+    slot_bytes: int
+    def __init__(self, k_ptrs: _Optional[_Iterable[int]] = ..., v_ptrs: _Optional[_Iterable[int]] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class SlotRun(_message.Message):
+    __slots__ = ("token_start", "slot", "length")
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    token_start: int
+    slot: int
+    length: int
+    def __init__(self, token_start: _Optional[int] = ..., slot: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class KvDestination(_message.Message):
+    __slots__ = ("session", "target", "draft", "runs")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    target: KvRegion
+    draft: KvRegion
+    runs: _containers.RepeatedCompositeFieldContainer[SlotRun]
+    def __init__(self, session: _Optional[str] = ..., target: _Optional[_Union[KvRegion, _Mapping]] = ..., draft: _Optional[_Union[KvRegion, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[SlotRun, _Mapping]]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id",)
@@ -67,6 +101,22 @@ class KvChunk(_message.Message):
     v: _containers.RepeatedCompositeFieldContainer[Tensor]
     draft: bool
     def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., k: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., v: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., draft: _Optional[bool] = ...) -> None: ...
+
+class KvWritten(_message.Message):
+    __slots__ = ("token_start", "num_tokens", "layer_start", "num_layers", "draft", "bytes")
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    token_start: int
+    num_tokens: int
+    layer_start: int
+    num_layers: int
+    draft: bool
+    bytes: int
+    def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., draft: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrebuiltRecord(_message.Message):
     __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed", "queue_us", "compute_us")
@@ -92,14 +142,16 @@ class PrebuiltRecord(_message.Message):
     def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
-    __slots__ = ("first_token", "kv", "record")
+    __slots__ = ("first_token", "kv", "record", "written")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     kv: KvChunk
     record: PrebuiltRecord
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ..., record: _Optional[_Union[PrebuiltRecord, _Mapping]] = ...) -> None: ...
+    written: KvWritten
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., kv: _Optional[_Union[KvChunk, _Mapping]] = ..., record: _Optional[_Union[PrebuiltRecord, _Mapping]] = ..., written: _Optional[_Union[KvWritten, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
