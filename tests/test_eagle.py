@@ -16,6 +16,7 @@ from common.models.config import CheckpointError
 from common.tools.eagle_checkpoint import build as build_head
 from decode_service.future_map import ConsumeOnceError
 from tests.decode_harness import Hooks, Pair
+from tests.grpc_harness import needs_mooncake
 from tests.oracle import hf_greedy
 
 STEPS = 3
@@ -150,9 +151,16 @@ def test_draft_seed_gathers_are_consume_once():
 
 
 @pytest.mark.parametrize(
-    "arch,algorithm,overlap", [("llama", "EAGLE", True), ("llama", "EAGLE", False), ("qwen3", "EAGLE3", True)]
+    "arch,algorithm,overlap,transfer",
+    [
+        ("llama", "EAGLE", True, "grpc"),
+        ("llama", "EAGLE", False, "grpc"),
+        ("qwen3", "EAGLE3", True, "grpc"),
+        pytest.param("llama", "EAGLE", True, "mooncake", marks=needs_mooncake),
+        pytest.param("qwen3", "EAGLE3", False, "mooncake", marks=needs_mooncake),
+    ],
 )
-def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, arch, algorithm, overlap):
+def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, arch, algorithm, overlap, transfer):
     """Draft KV chunks and the draft seed cross the wire; output exact; stats reported; no leak."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -167,7 +175,9 @@ def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, arch, algori
         speculative_num_steps=STEPS,
         speculative_num_draft_tokens=STEPS + 1,
     )
-    pair = GrpcPair(path, overlap=overlap, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=flags)
+    pair = GrpcPair(
+        path, overlap=overlap, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=flags, transfer=transfer
+    )
     try:
         with ThreadPoolExecutor(4) as pool:
             results = list(
@@ -178,6 +188,7 @@ def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, arch, algori
                     range(4),
                 )
             )
+        assert (pair.prefill.kv_notices > 0) == (transfer == "mooncake")
         for p, (ids, complete) in zip(PROMPTS, results):
             assert ids == hf_greedy(path, p, 16)
             assert complete.spec_draft_tokens > 0 and 0 <= complete.spec_accepted_tokens <= complete.spec_draft_tokens

@@ -13,6 +13,7 @@ from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.request_rules import InvalidRequest
 from tests.decode_harness import Hooks, Pair
+from tests.grpc_harness import needs_mooncake
 from tests.oracle import hf_greedy
 from tests.test_eagle import PROMPTS, _run, heads  # noqa: F401 (fixture)
 
@@ -110,7 +111,8 @@ def test_planted_tree_paths_commit_several_tokens_exactly(checkpoint, heads, wro
     pair.close()
 
 
-def test_tree_over_grpc_matches_hf_greedy(checkpoint, heads):
+@pytest.mark.parametrize("transfer", ["grpc", pytest.param("mooncake", marks=needs_mooncake)])
+def test_tree_over_grpc_matches_hf_greedy(checkpoint, heads, transfer):
     from tests.grpc_harness import GrpcPair
 
     path = checkpoint("llama")
@@ -121,9 +123,10 @@ def test_tree_over_grpc_matches_hf_greedy(checkpoint, heads):
         speculative_eagle_topk=4,
         speculative_num_draft_tokens=8,
     )
-    pair = GrpcPair(path, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=flags)
+    pair = GrpcPair(path, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=flags, transfer=transfer)
     try:
         pair.check_against_oracle(path, PROMPTS, 16, rid="t")
+        assert (pair.prefill.kv_notices > 0) == (transfer == "mooncake")
     finally:
         pair.close()
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.tools.smollm2 import ensure_smollm2
-from tests.grpc_harness import GrpcPair
+from tests.grpc_harness import GrpcPair, needs_mooncake
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -72,10 +72,9 @@ def references(hf, prompts) -> list[list[int]]:
     return refs
 
 
-@pytest.fixture(scope="module")
-def served(folder, prompts):
+def _serve(folder, prompts, transfer: str = "grpc"):
     """(ids, Complete) per prompt from the gRPC pair, all four requests in flight together."""
-    pair = GrpcPair(folder, prefill_kw=dict(dtype="float32"), decode_kw=dict(dtype="float32"))
+    pair = GrpcPair(folder, prefill_kw=dict(dtype="float32"), decode_kw=dict(dtype="float32"), transfer=transfer)
     try:
         with futures.ThreadPoolExecutor(len(prompts)) as pool:
             return list(
@@ -88,6 +87,11 @@ def served(folder, prompts):
             )
     finally:
         pair.close()
+
+
+@pytest.fixture(scope="module")
+def served(folder, prompts):
+    return _serve(folder, prompts)
 
 
 def test_converted_folder_loads_in_hf_and_our_runner(folder, hf, tokenizer, prompts):
@@ -140,6 +144,12 @@ def test_grpc_pair_matches_hf_greedy_on_chat_prompts(hf, prompts, references, se
         )
         assert gap < NEAR_TIE, f"not a near-tie: {detail}"
         warnings.warn(f"accepted near-tie divergence: {detail}", stacklevel=2)
+
+
+@needs_mooncake
+def test_the_mooncake_data_plane_serves_the_same_tokens(folder, prompts, served):
+    """The KV written by the transfer engine is the KV the gRPC path sends: same tokens, bit for bit."""
+    assert [ids for ids, _ in _serve(folder, prompts, transfer="mooncake")] == [ids for ids, _ in served]
 
 
 def test_france_question_answers_paris(tokenizer, references, served):
