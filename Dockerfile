@@ -9,7 +9,10 @@ COPY common ./common
 COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service
 COPY proto ./proto
-RUN pip install . "smg>=1.13"
+# libibverbs1 and the CUDA build of the Mooncake transfer engine: --disaggregation-transfer-backend mooncake
+# (RDMA with --disaggregation-protocol rdma --disaggregation-ib-device mlx5_0 where the node has InfiniBand)
+RUN apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*
+RUN pip install . "smg>=1.13" "mooncake-transfer-engine==0.3.13.post1"
 
 # Models are mounted at /models (see compose.yaml); nothing is downloaded at run time.
 CMD ["python", "-m", "decode_service", "--help"]

@@ -37,6 +37,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.engine.model_runner import ModelRunner
 from common.metrics import DecodeMetrics
+from common.wire import mooncake
 from common.wire.aio_server import AioServer, answer_unimplemented
 from decode_service.config import DecodeConfig
 from decode_service.inbox import Inbox
@@ -59,6 +60,8 @@ class _Reject(Exception):
 
 class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
     def __init__(self, config: DecodeConfig):
+        if config.disaggregation_transfer_backend == "mooncake":
+            mooncake.require()  # before the model loads: say at once what to install
         self.config = config
         self.runner = ModelRunner.for_service(config)
         self.model_config = self.runner.config

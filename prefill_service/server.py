@@ -54,6 +54,8 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, config: PrefillConfig):
+        if config.disaggregation_transfer_backend == "mooncake":
+            mooncake.require()  # before the model loads: say at once what to install
         self.config = config
         self.runner = ModelRunner.for_service(config)
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)

@@ -53,8 +53,8 @@ class GrpcPair:
         decode_kw: dict | None = None,
         transfer: str = "grpc",
     ):
-        prefill_kw = dict(prefill_kw or {}, disaggregation_transfer_backend=transfer)
-        decode_kw = dict(decode_kw or {}, disaggregation_transfer_backend=transfer)
+        prefill_kw = {"disaggregation_transfer_backend": transfer, **(prefill_kw or {})}  # explicit flags win
+        decode_kw = {"disaggregation_transfer_backend": transfer, **(decode_kw or {})}
         self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, **prefill_kw)).start()
         self.decode = DecodeService(
             DecodeConfig(

@@ -23,7 +23,7 @@ def _compose() -> dict:
 
 
 def _expand(arg: str) -> str:
-    return arg.replace("${MODEL_NAME:-model}", "model")
+    return arg.replace("${MODEL_NAME:-model}", "model").replace("${TRANSFER_BACKEND:-grpc}", "grpc")
 
 
 def test_compose_structure():
@@ -48,6 +48,9 @@ def test_service_commands_parse_with_the_real_clis():
     p = prefill_parser().parse_args(prefill[3:])
     d = decode_parser().parse_args(decode[3:])
     assert p.host == d.host == "0.0.0.0" and p.device == d.device == "cuda" and p.dtype == d.dtype == "auto"
+    assert p.disaggregation_transfer_backend == d.disaggregation_transfer_backend == "grpc"  # one data plane
+    for name in ("prefill", "decode"):  # both follow one TRANSFER_BACKEND setting
+        assert "${TRANSFER_BACKEND:-grpc}" in services[name]["command"]
     assert d.prefill_addr == f"prefill:{p.port}" and p.model_path == d.model_path == "/models/model"
     smg = services["smg"]["command"]
     assert f"grpc://decode:{d.port}" in smg

@@ -25,6 +25,7 @@ from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.fault_injection import FaultPlan
 from prefill_service.server import PrefillService
+from tests.grpc_harness import needs_mooncake
 from tests.oracle import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,17 +143,22 @@ def _prefill_proc(path: str, port: int, *extra: str) -> subprocess.Popen:
     )
 
 
-def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint):
+@pytest.mark.parametrize("transfer", ["grpc", pytest.param("mooncake", marks=needs_mooncake)])
+def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint, transfer):
+    """A replica frozen mid-handoff (with mooncake: mid-transfer, a write that never completes)."""
     path = checkpoint("llama")
     ports = [free_port(), free_port()]
-    procs = {p: _prefill_proc(path, p, "--max-chunk-bytes", "512", "--test-kv-chunk-delay-s", "0.05") for p in ports}
+    flags = ("--max-chunk-bytes", "512", "--test-kv-chunk-delay-s", "0.05", "--disaggregation-transfer-backend")
+    procs = {p: _prefill_proc(path, p, *flags, transfer) for p in ports}
     decode = None
     try:
         for port, proc in procs.items():
             wait_serving(f"127.0.0.1:{port}", proc)
-        decode = DecodeService(
-            DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0)
-        ).start()
+        addrs = ",".join(f"127.0.0.1:{p}" for p in ports)
+        config = DecodeConfig(
+            path, prefill_addr=addrs, port=0, prefill_progress_timeout_s=3.0, disaggregation_transfer_backend=transfer
+        )
+        decode = DecodeService(config).start()
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
         prompt = list(range(5, 45))
         call = stub.Generate(_request(prompt, 8, "wedge"), timeout=60)

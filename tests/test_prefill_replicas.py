@@ -19,6 +19,7 @@ from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.server import PrefillService
+from tests.grpc_harness import needs_mooncake
 from tests.oracle import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,12 +78,14 @@ def test_two_replicas_both_get_work(checkpoint):
             r.stop()
 
 
-def _start_prefill(path: str, port: int) -> subprocess.Popen:
+def _start_prefill(path: str, port: int, transfer: str = "grpc") -> subprocess.Popen:
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "prefill_service",
+            "--disaggregation-transfer-backend",
+            transfer,
             "--model-path",
             path,
             "--port",
@@ -101,12 +104,21 @@ def _start_prefill(path: str, port: int) -> subprocess.Popen:
     return proc
 
 
-def test_killing_prefill_processes_mid_handoff(checkpoint):
+@pytest.mark.parametrize("transfer", ["grpc", pytest.param("mooncake", marks=needs_mooncake)])
+def test_killing_prefill_processes_mid_handoff(checkpoint, transfer):
+    """With mooncake the victim dies while it writes KV into decode's slots: the retry rewrites them,
+    and a later request that reuses the slots is still exact."""
     path = checkpoint("llama")
     ports = [free_port(), free_port()]
-    procs = {port: _start_prefill(path, port) for port in ports}
+    procs = {port: _start_prefill(path, port, transfer) for port in ports}
     decode = DecodeService(
-        DecodeConfig(path, prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports), port=0, prefill_wait_s=1.0)
+        DecodeConfig(
+            path,
+            prefill_addr=",".join(f"127.0.0.1:{p}" for p in ports),
+            port=0,
+            prefill_wait_s=1.0,
+            disaggregation_transfer_backend=transfer,
+        )
     ).start()
     try:
         for port, proc in procs.items():
@@ -142,7 +154,7 @@ def test_killing_prefill_processes_mid_handoff(checkpoint):
             assert time.time() < deadline, "decode still reports healthy with no prefill up"
             time.sleep(0.1)
         # 3. a replica comes back: decode serves again
-        procs[survivor] = _start_prefill(path, survivor)
+        procs[survivor] = _start_prefill(path, survivor, transfer)
         wait_serving(f"127.0.0.1:{survivor}", procs[survivor])
         deadline = time.time() + 10
         while not stub.HealthCheck(pb.HealthCheckRequest()).healthy:

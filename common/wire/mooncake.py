@@ -43,11 +43,16 @@ def available() -> str | None:
     return None
 
 
+def require() -> None:
+    """Raise MooncakeUnavailable (saying what to install) unless the engine loads here."""
+    reason = available()
+    if reason is not None:
+        raise MooncakeUnavailable(reason)
+
+
 class TransferEngine:
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
-        reason = available()
-        if reason is not None:
-            raise MooncakeUnavailable(reason)
+        require()
         from mooncake.engine import TransferEngine as Engine
 
         self._engine = Engine()

@@ -1,0 +1,114 @@
+"""The Mooncake data plane: its write plan, and aborts while a replica writes into reserved slots."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from common.wire import mooncake
+from common.wire.proto_gen import prefill_pb2
+from tests.grpc_harness import GrpcPair, needs_mooncake
+from tests.oracle import hf_greedy
+
+
+def test_slot_runs_coalesce_consecutive_slots():
+    runs = mooncake.slot_runs([7, 8, 9, 3, 4, 11])
+    assert [(r.token_start, r.slot, r.length) for r in runs] == [(0, 7, 3), (3, 3, 2), (5, 11, 1)]
+
+
+def test_write_plan_addresses_every_token_of_every_layer_once():
+    layers, n, shape = 2, 6, (2, 4)
+    k = [torch.randn(n, *shape) for _ in range(layers)]
+    v = [torch.randn(n, *shape) for _ in range(layers)]
+    pool_k = [torch.zeros(16, *shape) for _ in range(layers)]
+    pool_v = [torch.zeros(16, *shape) for _ in range(layers)]
+    region = mooncake.kv_region(pool_k, pool_v)
+    slots = [7, 8, 9, 3, 4, 11]
+    runs = mooncake.slot_runs(slots)
+    written = []
+    for t0, nt in ((0, 4), (4, 2)):  # two chunks of tokens, all layers
+        srcs, dsts, lens = mooncake.write_plan(k, v, region, runs, t0, nt, 0, layers)
+        for src, dst, length in zip(srcs, dsts, lens):  # stand in for the engine: copy bytes by address
+            ctypes_copy(dst, src, length)
+            written.append(length)
+    for layer in range(layers):
+        assert torch.equal(pool_k[layer][slots], k[layer]) and torch.equal(pool_v[layer][slots], v[layer])
+    assert sum(written) == 2 * layers * n * region.slot_bytes
+
+
+def ctypes_copy(dst: int, src: int, length: int) -> None:
+    import ctypes
+
+    ctypes.memmove(dst, src, length)
+
+
+def test_a_destination_that_does_not_match_is_refused():
+    dest = prefill_pb2.KvDestination(session="x:1", target=prefill_pb2.KvRegion(k_ptrs=[1], v_ptrs=[2], slot_bytes=32))
+    dest.runs.extend(mooncake.slot_runs([5, 6, 7]))
+    mooncake.check_destination(dest, 3, 1, 32)
+    with pytest.raises(ValueError, match="covers 3 tokens"):
+        mooncake.check_destination(dest, 4, 1, 32)
+    with pytest.raises(ValueError, match="layers"):
+        mooncake.check_destination(dest, 3, 2, 32)
+    with pytest.raises(ValueError, match="layers"):
+        mooncake.check_destination(dest, 3, 1, 64)
+
+
+@needs_mooncake
+def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoint):
+    """Decode has room for one request only. A is aborted while its replica writes KV into its slots:
+    the client hears "abort" at once, the slots stay reserved until the replica's call has ended (no
+    late write can reach them), then B takes the same slots and is exact; nothing leaks."""
+    path = checkpoint("llama")
+    prompt_a, prompt_b = list(range(5, 45)), list(range(50, 90))
+    pair = GrpcPair(
+        path,
+        prefill_kw=dict(max_chunk_bytes=512, test_kv_chunk_delay_s=0.05),
+        decode_kw=dict(max_total_tokens=48, max_running_requests=1),
+        transfer="mooncake",
+    )
+    sched = pair.decode.scheduler
+    try:
+        call_a = pair.generate(prompt_a, 8, stream=True, rid="a", ignore_eos=True)
+        assert next(call_a).chunk.token_ids  # A's first token: its KV is being written now
+        assert pair.prefill.kv_notices < 20, "A's writes finished before the abort"
+        reply = pair.stub.Abort(pb.AbortRequest(request_id="a"))
+        assert reply.success
+        _, complete = pair.collect(call_a)
+        assert complete.finish_reason == "abort"
+        [held] = sched.awaiting_handoff.values()  # finished for the client, its slots still reserved
+        assert held.finished and held.kv_slots is not None
+        started = time.monotonic()
+        ids, complete = pair.collect(pair.generate(prompt_b, 8, rid="b", ignore_eos=True))
+        assert time.monotonic() - started >= pair.decode.prefill.transfer_quiesce_s * 0.9
+        assert ids == hf_greedy(path, prompt_b, 8) and complete.finish_reason == "length"
+        pair.wait_idle()
+    finally:
+        pair.close()
+
+
+@needs_mooncake
+def test_a_replica_without_the_engine_falls_back_to_sending_bytes(checkpoint):
+    path = checkpoint("qwen2")
+    pair = GrpcPair(path, prefill_kw=dict(disaggregation_transfer_backend="grpc"), transfer="mooncake")
+    try:
+        pair.check_against_oracle(path, [[5, 6, 7, 8], list(range(9, 40))], 6, rid="f")
+        assert pair.prefill.kv_notices == 0 and pair.decode.kv_receiver is not None
+    finally:
+        pair.close()
+
+
+def test_both_services_refuse_mooncake_where_the_engine_cannot_load(checkpoint, monkeypatch):
+    from decode_service.config import DecodeConfig
+    from decode_service.server import DecodeService
+    from prefill_service.config import PrefillConfig
+    from prefill_service.server import PrefillService
+
+    monkeypatch.setattr(mooncake, "available", lambda: mooncake.INSTALL_HINT)
+    path = checkpoint("qwen2")
+    for service, config in ((PrefillService, PrefillConfig), (DecodeService, DecodeConfig)):
+        with pytest.raises(mooncake.MooncakeUnavailable, match="pip install mooncake-transfer-engine"):
+            service(config(path, port=0, disaggregation_transfer_backend="mooncake"))
