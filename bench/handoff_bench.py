@@ -1,10 +1,16 @@
 """Handoff throughput by KV chunk size, and TTFT split into queue / prefill compute / transfer.
 
     python -m bench.handoff_bench [--device cpu] [--prompt-len 480] [--chunk-kib 256,1024,4096,16384]
+        [--backends grpc,mooncake]
 
 A prefill service runs as a subprocess (its own process, as deployed); this process is the client.
 1. Throughput: Prefill is called directly; GB/s = KV bytes / (record arrival - first-token arrival):
    server-side encoding, loopback transfer and client-side decoding into tensors; best of --repeats.
+   With mooncake (the prefill subprocess runs --disaggregation-transfer-backend mooncake), this
+   process plays decode: a KV pool registered with its own transfer engine, the call names slots in
+   it (one contiguous run, as a fresh pool hands them out, or scattered runs of 16 slots, as a
+   churned one may), and GB/s = KV bytes / (record
+   arrival - first-token arrival) with every byte already in the pool.
 2. TTFT: a decode service (in this process) with the prefill peer; a streaming Generate. Reported:
    queue and compute as the prefill service measured them, transfer = first token -> record on the
    decode side, the client's first token, and when the decode side had the whole handoff.
@@ -48,6 +54,44 @@ def throughput(address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: 
                 total = sum(t.numel() * t.element_size() for t in assembler.k + assembler.v)
                 count = assembler.chunks
                 best = max(best, total / elapsed / 1e9)
+    return best, total, count
+
+
+def throughput_mooncake(
+    address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: int, run: int = 0
+) -> tuple[float, int, int]:
+    """`run`: the reserved slots come in scattered runs of this many (0: one contiguous run)."""
+    from common.wire import mooncake
+
+    engine = mooncake.TransferEngine()
+    slots = 4 * len(prompt) + 1
+    k = [torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    v = [torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    engine.register(k + v)
+    if run:
+        blocks = torch.randperm(slots // run - 1, generator=torch.Generator().manual_seed(0)) + 1
+        order = [int(b) * run + j for b in blocks for j in range(run)][: len(prompt)]
+    else:
+        order = list(range(1, len(prompt) + 1))
+    dest = prefill_pb2.KvDestination(session=engine.session, target=mooncake.kv_region(k, v))
+    dest.runs.extend(mooncake.slot_runs(order))
+    stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=channel_options()))
+    best, total, count = 0.0, 0, 0
+    for _ in range(repeats):
+        first, count, total = None, 0, 0
+        request = prefill_pb2.PrefillRequest(
+            request_id="m", input_ids=prompt, max_chunk_bytes=chunk_bytes, kv_destination=dest
+        )
+        for msg in stub.Prefill(request):
+            kind = msg.WhichOneof("payload")
+            if kind == "first_token":
+                first = time.perf_counter()
+            elif kind == "written":
+                count += 1
+                total += msg.written.bytes
+            elif kind == "record":
+                best = max(best, total / (time.perf_counter() - first) / 1e9)
+    engine.unregister(k + v)
     return best, total, count
 
 
@@ -120,7 +164,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=480)
     parser.add_argument("--chunk-kib", default="256,1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backends", default="grpc,mooncake", help="data planes to measure")
     args = parser.parse_args(argv)
+    backends = args.backends.split(",")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path or build(tmp, "llama", hidden_size=512, num_layers=16)
@@ -141,6 +187,8 @@ def main(argv=None) -> None:
                 "1",
                 "--max-total-tokens",
                 "4096",
+                "--disaggregation-transfer-backend",  # calls without a destination still get bytes
+                "mooncake" if "mooncake" in backends else "grpc",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -153,10 +201,18 @@ def main(argv=None) -> None:
                 f"model: hidden 512, 16 layers, {cfg.num_kv_heads} kv heads x {cfg.head_dim}; "
                 f"prompt {len(prompt)} tokens"
             )
-            print("| chunk bound | chunks | KV bytes | GB/s (receive + decode) |\n| --- | --- | --- | --- |")
+            print("| backend | chunk bound | chunks | KV bytes | GB/s (KV in decode's hands) |")
+            print("| --- | --- | --- | --- | --- |")
             for kib in [int(x) for x in args.chunk_kib.split(",")]:
-                gbps, total, count = throughput(address, prompt, kib << 10, cfg, args.repeats)
-                print(f"| {kib} KiB | {count} | {total / 1e6:.1f} MB | {gbps:.2f} |", flush=True)
+                if "grpc" in backends:
+                    gbps, total, count = throughput(address, prompt, kib << 10, cfg, args.repeats)
+                    print(f"| grpc | {kib} KiB | {count} | {total / 1e6:.1f} MB | {gbps:.2f} |", flush=True)
+                for run in [0, 16] if "mooncake" in backends else []:
+                    gbps, total, count = throughput_mooncake(address, prompt, kib << 10, cfg, args.repeats, run)
+                    slots = f"runs of {run}" if run else "contiguous"
+                    print(
+                        f"| mooncake, {slots} | {kib} KiB | {count} | {total / 1e6:.1f} MB | {gbps:.2f} |", flush=True
+                    )
             queue_ms, compute_ms = server_split(address, prompt)
             t = ttft(path, address, prompt, args.device)
             print("\n| queue (ms) | prefill compute (ms) | transfer (ms) | client TTFT (ms) | handoff done (ms) |")

@@ -1,8 +1,8 @@
 """Write one handoff's KV through the transfer engine into the decode side's reserved slots.
 
 The KV part of a Prefill stream when the call names a `kv_destination` and this replica has a
-transfer engine: the handoff's host K and V are registered once, then chunk by chunk (the same token
-x layer grid as the gRPC chunks, bounded by max_bytes) one batch of writes lands in decode's slots
+transfer engine: the handoff's host K and V are registered once, then chunk by chunk (whole layers
+first, bounded by max_bytes, so each layer's slot run is one piece) one batch of writes lands in decode's slots
 and a `KvWritten` notice follows it; the head's KV follows the target's with EAGLE. A cancelled call
 writes nothing more (a write already started completes). Runs on a worker thread: it blocks.
 """
@@ -36,7 +36,7 @@ def write_handoff(
     try:
         for k, v, region, draft in parts:
             per = 2 * k[0][:1].numel() * k[0].element_size()
-            for t0, nt, l0, nl in kv_chunks.plan(n, len(k), per, max_bytes):
+            for t0, nt, l0, nl in kv_chunks.plan_by_layer(n, len(k), per, max_bytes):
                 if cancelled():
                     return
                 srcs, dsts, lens = mooncake.write_plan(k, v, region, dest.runs, t0, nt, l0, nl)

@@ -112,3 +112,17 @@ def test_both_services_refuse_mooncake_where_the_engine_cannot_load(checkpoint, 
     for service, config in ((PrefillService, PrefillConfig), (DecodeService, DecodeConfig)):
         with pytest.raises(mooncake.MooncakeUnavailable, match="pip install mooncake-transfer-engine"):
             service(config(path, port=0, disaggregation_transfer_backend="mooncake"))
+
+
+@pytest.mark.parametrize(
+    "tokens,layers,per,bound", [(480, 16, 2048, 4 << 20), (480, 16, 2048, 256 << 10), (7, 2, 100, 250)]
+)
+def test_the_layer_first_plan_covers_every_cell_once_within_the_bound(tokens, layers, per, bound):
+    from common.wire.kv_chunks import plan_by_layer
+
+    cells = []
+    for t0, nt, l0, nl in plan_by_layer(tokens, layers, per, bound):
+        assert nt * nl * per <= max(bound, per)
+        assert nl == 1 or nt == tokens  # several layers only with every token: one piece per layer and run
+        cells += [(t, layer) for t in range(t0, t0 + nt) for layer in range(l0, l0 + nl)]
+    assert sorted(cells) == [(t, layer) for t in range(tokens) for layer in range(layers)]

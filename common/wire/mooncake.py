@@ -26,6 +26,9 @@ INSTALL_HINT = (
 )
 
 
+MAX_BATCH = 1024  # pieces per batch of writes
+
+
 class MooncakeUnavailable(RuntimeError):
     """The engine cannot be loaded here (the message says what to install)."""
 
@@ -72,9 +75,12 @@ class TransferEngine:
             self._engine.batch_unregister_memory(ptrs)
 
     def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-        """Write local registered memory into the peer's registered memory; returns once it landed."""
-        if srcs and self._engine.batch_transfer_sync_write(session, srcs, dsts, lens) != 0:
-            raise TransferFailed(f"writing {sum(lens)} bytes to {session} failed")
+        """Write local registered memory into the peer's registered memory; returns once it landed.
+        In batches of at most MAX_BATCH pieces (the engine refuses a batch of 4096)."""
+        for i in range(0, len(srcs), MAX_BATCH):
+            part = slice(i, i + MAX_BATCH)
+            if self._engine.batch_transfer_sync_write(session, srcs[part], dsts[part], lens[part]) != 0:
+                raise TransferFailed(f"writing {sum(lens[part])} bytes to {session} failed")
 
 
 def advertised_host(bind_host: str) -> str:
