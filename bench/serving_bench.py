@@ -240,6 +240,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for HF, in-process and each service")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the best is reported")
     parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
+    parser.add_argument(
+        "--transfer-backend", default="grpc", choices=["grpc", "mooncake"], help="the pair's KV data plane"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.model_path, prompt = chat_prompt(args.model_path)
@@ -247,14 +250,21 @@ def main(argv=None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     print(
         f"# {os.path.basename(args.model_path)}, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "
-        f"{args.threads} torch threads, {os.cpu_count()} cores, torch {torch.__version__}",
+        f"{args.threads} torch threads, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"pair KV over {args.transfer_backend}",
         flush=True,
     )
     rows = {}
     address, procs = (None, [])
     if "pair" not in skip:
+        transfer = ("--disaggregation-transfer-backend", args.transfer_backend)
         address, procs = start_pair(
-            args.model_path, args.threads, max(batches), max(batches) * (len(prompt) + args.new_tokens) + 64
+            args.model_path,
+            args.threads,
+            max(batches),
+            max(batches) * (len(prompt) + args.new_tokens) + 64,
+            decode_flags=transfer,
+            prefill_flags=transfer,
         )
     try:
         for b in batches:
