@@ -11,14 +11,19 @@ from common.engine.handoff import Handoff
 from common.engine.host_copy import to_device
 
 
-def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list) -> None:
-    """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots."""
+def submit_kv_chunk(
+    stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list, done=None
+) -> None:
+    """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots;
+    `done()` is called once the stream has taken the write (the sender's flow-control window)."""
     loc = kv_slots[token_start : token_start + k[0].shape[0]]
 
     def write():
         dev_loc = to_device(loc, pool.device)
         for i, (kt, vt) in enumerate(zip(k, v)):
             pool.write(layer_start + i, dev_loc, to_device(kt, pool.device), to_device(vt, pool.device))
+        if done is not None:
+            done()
 
     stream.submit(write)
 

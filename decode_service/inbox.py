@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,7 @@ class KvChunkArrived:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     draft: bool = False  # the EAGLE head's KV (its one layer) instead of the target's
+    done: Callable[[], None] | None = None  # called once the chunk is written or dropped (flow control)
 
 
 @dataclass
@@ -90,8 +91,10 @@ class Inbox:
     def deliver_first_token(self, rid: str, token: int, position: int = 0) -> None:
         self.post(FirstTokenArrived(rid, token, position))
 
-    def deliver_kv(self, rid: str, token_start: int, layer_start: int, k: list, v: list, draft: bool = False) -> None:
-        self.post(KvChunkArrived(rid, token_start, layer_start, k, v, draft))
+    def deliver_kv(
+        self, rid: str, token_start: int, layer_start: int, k: list, v: list, draft: bool = False, done=None
+    ) -> None:
+        self.post(KvChunkArrived(rid, token_start, layer_start, k, v, draft, done))
 
     def deliver_handoff(self, handoff: Handoff) -> None:
         self.post(HandoffArrived(handoff))

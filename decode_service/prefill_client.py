@@ -29,6 +29,7 @@ from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+MAX_PENDING_CHUNKS = 4  # per call: KV chunks handed to the scheduler and not yet written into the pool
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
@@ -258,6 +259,7 @@ class PrefillClient:
         assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
         draft_assembler = KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False) if draft else None
         first, started, nbytes = None, None, 0
+        window = threading.Semaphore(MAX_PENDING_CHUNKS)  # chunks delivered but not yet written
         for chunk in call:
             self._progress(request.rid)
             started = started or time.perf_counter()
@@ -272,8 +274,10 @@ class PrefillClient:
                     raise ValueError("draft KV from a prefill replica, but speculative decoding is off here")
                 k, v = (draft_assembler if chunk.kv.draft else assembler).add(chunk.kv)
                 nbytes += kv_chunks.payload_bytes(chunk.kv)
+                if not window.acquire(timeout=self.progress_timeout_s):  # gRPC flow control holds upstream
+                    raise ValueError(f"decode took no KV chunk for {self.progress_timeout_s:g}s")
                 self.sink.deliver_kv(
-                    request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v, draft=chunk.kv.draft
+                    request.rid, chunk.kv.token_start, chunk.kv.layer_start, k, v, chunk.kv.draft, window.release
                 )
             elif kind == "written":  # the replica wrote this KV into our slots: check the coverage
                 w = chunk.written

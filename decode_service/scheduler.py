@@ -297,10 +297,12 @@ class DecodeScheduler:
 
     def _on_kv_chunk(self, msg: KvChunkArrived) -> None:
         req = self.awaiting_handoff.get(msg.rid)
-        if req is not None:
-            self.worker.write_kv_chunk(
-                req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v, draft=msg.draft and self.spec is not None
-            )
+        if req is None or req.finished:  # gone: drop it, but open the sender's window all the same
+            if msg.done is not None:
+                msg.done()
+            return
+        draft = msg.draft and self.spec is not None
+        self.worker.write_kv_chunk(req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v, draft, msg.done)
 
     def _on_handoff(self, msg: HandoffArrived) -> None:
         handoff = msg.handoff

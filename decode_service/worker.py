@@ -17,6 +17,7 @@ On the stream, `forward(batch)` runs a plain decode step or an EAGLE step (draft
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -84,11 +85,19 @@ class DecodeWorker:
         return self.future_map.resolve_seq_lens_cpu(indices)
 
     def write_kv_chunk(
-        self, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list, draft: bool = False
+        self,
+        kv_slots: torch.Tensor,
+        token_start: int,
+        layer_start: int,
+        k: list,
+        v: list,
+        draft: bool = False,
+        done: Callable[[], None] | None = None,
     ) -> None:
-        """One handed-over KV chunk into the target's pool (or with `draft` the EAGLE head's)."""
+        """One handed-over KV chunk into the target's pool (or with `draft` the EAGLE head's);
+        `done()` once the stream has taken it."""
         pool = self.runner.draft.kv_pool if draft and self.runner.draft is not None else self.runner.kv_pool
-        submit_kv_chunk(self.stream, pool, kv_slots, token_start, layer_start, k, v)
+        submit_kv_chunk(self.stream, pool, kv_slots, token_start, layer_start, k, v, done)
 
     def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
         """Map the row, write KV carried in the record, seed the FutureMap row (invariant 8)."""

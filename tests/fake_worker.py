@@ -131,8 +131,10 @@ class FakeWorker:
         assert not missing, f"rows {missing} resolved without a publish since their last resolve"
         return torch.tensor([self._published.pop(r) for r in rows], dtype=torch.int64)
 
-    def write_kv_chunk(self, kv_slots, token_start, layer_start, k, v, draft=False) -> None:
+    def write_kv_chunk(self, kv_slots, token_start, layer_start, k, v, draft=False, done=None) -> None:
         self.log.append(("kv", token_start, len(kv_slots)))
+        if done is not None:
+            done()
 
     def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
         assert req_pool_idx not in self._seeded, f"row {req_pool_idx} seeded twice"

@@ -11,7 +11,7 @@ import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
-from tests.grpc_harness import GrpcPair, needs_mooncake
+from tests.grpc_harness import GrpcPair, needs_mooncake, wait_for
 from tests.oracle import hf_greedy
 
 
@@ -149,4 +149,40 @@ def test_large_handoff_is_chunked_within_the_bound(tmp_path):
         ids, _ = pair.collect(pair.generate(prompt, 6, ignore_eos=True))
         assert ids == hf_greedy(path, prompt, 6)
     finally:
+        pair.close()
+
+
+def test_kv_chunks_waiting_to_be_written_stay_bounded_per_call(checkpoint):
+    """While decode's stream does not take KV chunks, a call hands over at most MAX_PENDING_CHUNKS
+    and then stops reading its stream (so gRPC flow control holds the replica back); once the stream
+    takes them again, the request finishes exactly."""
+    import threading
+
+    from decode_service.prefill_client import MAX_PENDING_CHUNKS
+
+    path = checkpoint("llama")
+    prompt = list(range(5, 45))
+    pair = GrpcPair(path, prefill_kw=dict(max_chunk_bytes=512))
+    worker = pair.decode.scheduler.worker
+    write, held, release = worker.write_kv_chunk, [], threading.Event()
+
+    def held_write(*args, **kwargs):
+        if not release.is_set():
+            held.append((args, kwargs))
+            return
+        write(*args, **kwargs)
+
+    worker.write_kv_chunk = held_write
+    try:
+        call = pair.generate(prompt, 6, stream=True, rid="w", ignore_eos=True)
+        wait_for("no KV chunk reached the worker", lambda: len(held) == MAX_PENDING_CHUNKS)
+        time.sleep(0.3)  # had the window not held, more chunks would have arrived by now
+        assert len(held) == MAX_PENDING_CHUNKS
+        release.set()
+        for args, kwargs in held:
+            write(*args, **kwargs)
+        ids, _ = pair.collect(call)
+        assert ids == hf_greedy(path, prompt, 6)
+    finally:
+        release.set()
         pair.close()
