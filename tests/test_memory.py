@@ -64,7 +64,8 @@ def test_integrity_catches_leaks_and_shared_slots():
         alloc.check_integrity(holders=[a])  # b's slots are used but nobody holds them
     with pytest.raises(IntegrityError, match="two holders"):
         alloc.check_integrity(holders=[a, b, a[:1]])
-    alloc._free = torch.cat([alloc._free, a[:1]])  # corrupt the books: a slot both free and used
+    alloc._stack[alloc._top] = a[0]  # corrupt the books: a slot both free and used
+    alloc._top += 1
     with pytest.raises(IntegrityError, match="both free and used"):
         alloc.check_integrity()
 
@@ -100,3 +101,18 @@ def test_kv_pool_capacity_from_byte_budget():
     loc = torch.tensor([3, 1])
     pool.write(1, loc, torch.ones(2, 2, 16), torch.full((2, 2, 16), 2.0))
     assert pool.k[1][3].eq(1).all() and pool.v[1][1].eq(2).all() and pool.k[1][0].eq(0).all()
+
+
+def test_allocations_own_their_ids_and_freed_runs_come_back_whole():
+    """23.5: an allocation keeps no part of the free list alive (it was a view that pinned the whole
+    list), and alloc/free touch only the ids they move, so the last freed run is the next one out."""
+    alloc = SlotAllocator(500_000, name="KV slots")
+    first = alloc.alloc(8)
+    assert first.tolist() == list(range(1, 9))
+    assert first.untyped_storage().nbytes() == 8 * first.element_size()
+    second = alloc.alloc(5)
+    alloc.free(first)
+    assert alloc.alloc(8).tolist() == first.tolist()  # the freed run, in order
+    alloc.free(second)
+    alloc.check_integrity()
+    assert alloc.num_used == 8

@@ -3,6 +3,10 @@
 Used for KV slots (token positions in the KV pools) and for request slots (ReqToTokenPool rows).
 Frees are exact: freeing an id that is not owned (double free, never allocated, padding id) raises,
 and `check_integrity` proves free + used == total with no id owned twice.
+The free ids live on a preallocated stack: `alloc(n)` and `free(ids)` cost O(n), whatever the pool's
+size, and an allocation is a copy of its own (it keeps no part of the free list alive). The last
+freed ids are handed out first, in the order they were allocated, so a freed run of consecutive
+slots comes back as the same run (a transfer engine writes a run as one piece).
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ class SlotAllocator:
             raise ValueError(f"{name}: size must be positive, got {size}")
         self.size = size
         self.name = name
-        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._stack = torch.arange(size, 0, -1, dtype=torch.int64)  # free ids; the top is handed out first
+        self._top = size  # how many ids are free: _stack[:_top]
         self._owned = torch.zeros(size + 1, dtype=torch.bool)
 
     @property
+    def _free(self) -> torch.Tensor:
+        return self._stack[: self._top]
+
+    @property
     def num_free(self) -> int:
-        return self._free.numel()
+        return self._top
 
     @property
     def num_used(self) -> int:
@@ -50,7 +59,8 @@ class SlotAllocator:
             raise ValueError(f"{self.name}: cannot allocate {n}")
         if n > self.num_free:
             raise OutOfSlots(f"{self.name}: need {n}, only {self.num_free} of {self.size} free")
-        out, self._free = self._free[:n], self._free[n:]
+        out = self._stack[self._top - n : self._top].flip(0)  # flip copies: the caller owns its ids
+        self._top -= n
         self._owned[out] = True
         return out
 
@@ -69,7 +79,8 @@ class SlotAllocator:
         if not_owned.numel():
             raise DoubleFree(f"{self.name}: double free (ids not allocated): {not_owned[:8].tolist()}")
         self._owned[ids] = False
-        self._free = torch.cat([self._free, ids])
+        self._stack[self._top : self._top + ids.numel()] = ids.flip(0)
+        self._top += ids.numel()
 
     def check_integrity(self, holders: Iterable[torch.Tensor] | None = None) -> None:
         """Assert free + used == total and no id is both free and used (or free twice).
