@@ -37,6 +37,22 @@ def validate_prompt(
         raise InvalidRequest(f"prompt of {len(prompt)} tokens exceeds the KV pool ({kv_capacity} slots)")
 
 
+# A failure detail that starts with this is the request's own fault (a prefill replica refused it as
+# invalid): the front door answers INVALID_ARGUMENT, and no other replica is tried.
+REFUSED = "refused as invalid: "
+
+
+def check_fits_pool(prompt_len: int, max_new_tokens: int, pool_size: int, extra: int = 0) -> None:
+    """A request reserves prompt + max_new_tokens (+ `extra` slots for EAGLE's drafts) KV slots at
+    admission; one that can never fit the pool would wait forever, and everyone behind it too."""
+    if prompt_len + max_new_tokens + extra > pool_size:
+        drafts = f" less {extra} for EAGLE's drafts" if extra else ""
+        raise InvalidRequest(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"{pool_size - extra} KV slots one request can reserve here (--max-total-tokens {pool_size}{drafts})"
+        )
+
+
 def default_max_new_tokens(prompt_len: int, default: int, context_length: int) -> int:
     """max_new_tokens for a request that gives none: the server default, clamped to the context."""
     if prompt_len >= context_length:

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
+from common.request_rules import REFUSED
 from common.wire import kv_chunks, mooncake
 from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
@@ -196,6 +197,9 @@ class PrefillClient:
                 try:
                     handoff = self._stream(peer, attempt, sent)
                 except (grpc.RpcError, ValueError) as e:
+                    if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        sink.fail_handoff(request.rid, f"{REFUSED}prefill replica {peer.address}: {e.details()}")
+                        return  # every replica would refuse it too: no retry
                     detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                     with self._lock:
                         cancelled = request.rid in self._cancelled

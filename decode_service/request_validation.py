@@ -40,9 +40,11 @@ def _unsupported(req, sp) -> str | None:
 
 
 def parse_generate(
-    req, vocab_size: int, context_length: int, default_max_new_tokens_: int
+    req, vocab_size: int, context_length: int, default_max_new_tokens_: int, kv_room: int | None = None
 ) -> tuple[list[int], SamplingParams]:
-    """(prompt ids, SamplingParams) of a GenerateRequest; InvalidRequest naming the field if it is bad."""
+    """(prompt ids, SamplingParams) of a GenerateRequest; InvalidRequest naming the field if it is bad.
+    A request without max_new_tokens gets the default, clamped to the context and to `kv_room` (the
+    most prompt + output tokens one request can reserve in the decode pool)."""
     ids = list(req.tokenized.input_ids)
     sp = req.sampling_params
     field = _unsupported(req, sp)
@@ -55,7 +57,8 @@ def parse_generate(
     if sp.HasField("max_new_tokens"):
         max_new = sp.max_new_tokens
     else:
-        max_new = default_max_new_tokens(len(ids), default_max_new_tokens_, context_length) if ids else 1
+        room = context_length if kv_room is None else min(context_length, kv_room)
+        max_new = default_max_new_tokens(len(ids), default_max_new_tokens_, room) if ids else 1
     params = SamplingParams(
         max_new_tokens=max_new,
         temperature=sp.temperature,

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
-from common.request_rules import InvalidRequest, finish_reason, validate_prompt
+from common.request_rules import InvalidRequest, check_fits_pool, finish_reason, validate_prompt
 from decode_service.finish_notes import FinishNotes
 from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
 from decode_service.req import DecodeReq, OutputCallback, ReqState
@@ -77,6 +77,7 @@ class DecodeScheduler:
         self.abort_waits_for_prefill = abort_waits_for_prefill
         self.info = worker.info
         self.spec = worker.info.spec
+        self._extra = self.spec.extra_slots if self.spec else 0  # KV a request may write past its reservation
         self.spec_stats = SpecStats()
         self.waiting: deque[DecodeReq] = deque()
         self.awaiting_handoff: dict[str, DecodeReq] = {}
@@ -104,9 +105,15 @@ class DecodeScheduler:
         self, rid: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback | None = None
     ) -> None:
         validate_prompt(prompt_ids, params, self.info.vocab_size, self.info.context_length)
+        check_fits_pool(len(prompt_ids), params.max_new_tokens, self.worker.kv_allocator.size, self._extra)
         if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
             raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
         self.inbox.post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
+
+    @property
+    def kv_room(self) -> int:
+        """The most prompt + max_new_tokens one request can reserve: the pool less EAGLE's draft window."""
+        return self.worker.kv_allocator.size - self._extra
 
     def abort(self, rid: str) -> None:
         self.inbox.post(Abort(rid))
@@ -193,10 +200,9 @@ class DecodeScheduler:
         then start its prefill; the first that does not fit waits, and everyone behind it."""
         pool = self.worker.req_to_token_pool
         kv = self.worker.kv_allocator
-        extra = self.spec.extra_slots if self.spec else 0  # draft positions past the reservation
         while self.waiting:
             req = self.waiting[0]
-            need = req.reserve_len + extra
+            need = req.reserve_len + self._extra  # + draft positions past the reservation
             if pool.allocator.num_free == 0 or not kv.can_alloc(need):
                 return
             self.waiting.popleft()

@@ -37,6 +37,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.engine.model_runner import ModelRunner
 from common.metrics import DecodeMetrics
+from common.request_rules import REFUSED
 from common.wire import mooncake
 from common.wire.aio_server import AioServer, answer_unimplemented
 from decode_service.config import DecodeConfig
@@ -214,7 +215,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             raise _Reject(grpc.StatusCode.UNAVAILABLE, "decode scheduler is not running")
         try:
             ids, params = parse_generate(
-                request, self.model_config.vocab_size, self.runner.context_length, self.config.default_max_new_tokens
+                request,
+                self.model_config.vocab_size,
+                self.runner.context_length,
+                self.config.default_max_new_tokens,
+                kv_room=self.scheduler.kv_room,
             )
         except InvalidRequest as e:
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
@@ -267,9 +272,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             if reason is not None:
                 self._count_finish(reason, len(ids), started)
             if reason == "error":
-                detail = f"request failed: {self._error_detail(rid)}"
+                detail = self._error_detail(rid)
                 code = grpc.StatusCode.INTERNAL if not self.scheduler.alive else grpc.StatusCode.UNAVAILABLE
-                await context.abort(code, detail)
+                if detail.startswith(REFUSED):  # not retryable: the client must change the request
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, f"request failed: {detail}")
             if reason == "abort" and self._draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
             if tokens and request.stream:

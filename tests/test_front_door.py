@@ -215,3 +215,29 @@ def test_shutdown_ends_open_streams_with_unavailable_and_frees_everything(checkp
     finally:
         pair.channel.close()
         pair.prefill.stop()
+
+
+def test_requests_that_can_never_fit_are_refused_not_queued_or_retried(checkpoint):
+    """23.1: prompt + max_new_tokens over decode's pool is INVALID_ARGUMENT before anything is
+    reserved (it used to wait forever, with every request behind it); a request without
+    max_new_tokens gets the default clamped to the pool. 23.2: a prompt over a prefill replica's pool
+    is refused by the replica and passed through as INVALID_ARGUMENT (it was retried on every replica
+    and ended UNAVAILABLE)."""
+    path = checkpoint("llama")
+    pair = GrpcPair(path, prefill_kw=dict(max_total_tokens=32), decode_kw=dict(max_total_tokens=64))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pair.generate(list(range(5, 15)), 100))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-total-tokens 64" in err.value.details()
+        assert pair.decode.scheduler.idle and pair.decode.runner.kv_allocator.num_used == 0
+        ids, complete = pair.collect(pair.generate(list(range(5, 15)), None, ignore_eos=True))
+        assert complete.finish_reason == "length" and len(ids) == 64 - 10  # the default, clamped to the pool
+        with pytest.raises(grpc.RpcError) as err:
+            list(pair.generate(list(range(5, 45)), 4))  # 40 prompt tokens: over the prefill pool's 32
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "refused" in err.value.details()
+        assert pair.decode.prefill.retries == 0
+        ids, _ = pair.collect(pair.generate([5, 6, 7], 4, ignore_eos=True))  # the queue still moves
+        assert ids == hf_greedy(path, [5, 6, 7], 4)
+        pair.wait_idle()
+    finally:
+        pair.close()

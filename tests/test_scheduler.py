@@ -282,3 +282,19 @@ def test_eagle_lengths_are_resolved_once_per_publish_and_never_for_finished_rows
     d.worker.resolve_seq_lens_cpu(torch.tensor([1]))
     with pytest.raises(AssertionError, match="without a publish"):  # the check itself can fail
         d.worker.resolve_seq_lens_cpu(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("spec", [None, EAGLE])
+def test_a_request_larger_than_the_pool_is_refused_at_submit_and_the_queue_moves(spec):
+    """23.1: prompt + max_new_tokens (+ EAGLE's draft window) over the whole pool never fits; it was
+    queued and waited forever, and every request behind it too."""
+    from common.request_rules import InvalidRequest
+
+    extra = EAGLE.extra_slots if spec else 0
+    d = Driver(kv_slots=64 + extra, spec=spec)
+    with pytest.raises(InvalidRequest, match="--max-total-tokens"):
+        d.submit("huge", prompt_len=10, max_new=100)
+    d.submit("fits", prompt_len=10, max_new=54)  # exactly the room
+    d.submit("small", prompt_len=5, max_new=4)
+    d.run()
+    assert d.reasons == {"fits": "length", "small": "length"} and d.sched.kv_room == 64
