@@ -42,12 +42,19 @@ class _Peer:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.in_flight = 0  # our calls to this replica (guarded by the client's lock)
 
-    def serving(self) -> bool:
+    def serving(self, fresh: bool = False) -> bool:
+        """Health over our channel; with `fresh`, over a new one, so a replica that just came up is
+        seen at once (our channel may still wait out its reconnect backoff, up to 1 s)."""
+        channel = grpc.insecure_channel(self.address) if fresh else None
+        health = health_pb2_grpc.HealthStub(channel) if fresh else self.health
         try:
-            reply = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
+        finally:
+            if channel is not None:
+                channel.close()
 
     def load(self) -> int:
         try:
@@ -111,8 +118,11 @@ class PrefillClient:
                 self._cancelled.add(request.rid)
         self._pool.submit(self._run, request)
 
-    def any_serving(self) -> bool:
-        return any(p.serving() for p in self.peers)
+    def any_serving(self, fresh: bool = False) -> bool:
+        """Whether a replica serves; `fresh` asks every replica at once over new channels."""
+        if not fresh:
+            return any(p.serving() for p in self.peers)
+        return any(self._pool.map(lambda p: p.serving(fresh=True), self.peers))
 
     def cancel(self, rid: str) -> None:
         with self._lock:

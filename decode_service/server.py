@@ -106,7 +106,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self._open_rids: set[str] = set()  # internal ids of every open Generate call (event loop only)
         self._draining = False
         self._prefill_serving = False
-        self._rechecked_at = 0.0
+        self._recheck: asyncio.Future | None = None  # the replicas' health check in flight, if any
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_health, name="health-watch", daemon=True)
         self.started_at = time.time()
@@ -236,13 +236,12 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         return ids, params
 
     async def _recheck_prefill(self) -> None:
-        """The cached health says no replica serves: ask them now (off the loop; a replica that just
-        came up is used at once, a dead one answers within the health check's 1 s deadline), at most
-        every 0.1 s however many requests arrive meanwhile."""
-        if time.monotonic() - self._rechecked_at < 0.1:
-            return
-        self._rechecked_at = time.monotonic()
-        self._prefill_serving = await asyncio.get_running_loop().run_in_executor(None, self.prefill.any_serving)
+        """The cached health says no replica serves: every such call asks the replicas once before it
+        fails (off the loop, over fresh channels, so a replica that just came up is used at once and a
+        dead one refuses at once). Calls arriving while a check runs share it."""
+        if self._recheck is None or self._recheck.done():
+            self._recheck = asyncio.get_running_loop().run_in_executor(None, self.prefill.any_serving, True)
+        self._prefill_serving = await asyncio.shield(self._recheck)
 
     async def _responses(self, request, rid, ids, outputs, context):
         all_ids: list[int] = []
