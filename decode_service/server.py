@@ -40,6 +40,7 @@ from common.metrics import DecodeMetrics
 from common.request_rules import REFUSED
 from common.wire import mooncake
 from common.wire.aio_server import AioServer, answer_unimplemented
+from common.wire.servicer import add_servicer
 from decode_service.config import DecodeConfig
 from decode_service.inbox import Inbox
 from decode_service.info_rpcs import InfoRpcs
@@ -111,7 +112,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self._watcher = threading.Thread(target=self._watch_health, name="health-watch", daemon=True)
         self.started_at = time.time()
         self.server = AioServer(config.host, config.port, [SERVICE.full_name])
-        pb_grpc.add_SglangSchedulerServicer_to_server(self, self.server.server)
+        add_servicer(self.server.server, self, SERVICE)  # malformed requests: INVALID_ARGUMENT
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> DecodeService:

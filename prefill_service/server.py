@@ -42,6 +42,7 @@ from common.request_rules import validate_prompt
 from common.wire import kv_chunks, mooncake
 from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from common.wire.servicer import add_servicer
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
@@ -87,7 +88,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 mooncake.advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device
             )
         self.server = AioServer(config.host, config.port, [SERVICE_NAME])
-        prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server.server)
+        add_servicer(self.server.server, self, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"])
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> PrefillService:

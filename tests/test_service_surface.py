@@ -199,3 +199,27 @@ def test_prefill_call_cancelled_between_the_schedulers_looks_still_gets_one_answ
     assert len(answers) == 1, f"answered {len(answers)} times"
     assert getattr(answers[0], "first_token", None) is not None or isinstance(answers[0], Exception)
     assert engine.runner.kv_allocator.num_used == 0 and engine.runner.req_to_token_pool.allocator.num_used == 0
+
+
+def test_malformed_request_bytes_get_invalid_argument_on_both_services(checkpoint, caplog):
+    """23.6: bytes that are not the request message were an INTERNAL error with a traceback."""
+    pair = GrpcPair(checkpoint("qwen2"))
+    garbage = b"\xff\xff\xff\xff\x0f"
+    try:
+        calls = [
+            (pair.decode.address, "/sglang.grpc.scheduler.SglangScheduler/Generate", "unary_stream"),
+            (pair.decode.address, "/sglang.grpc.scheduler.SglangScheduler/HealthCheck", "unary_unary"),
+            (pair.prefill.address, "/disagg.v1.Prefill/Prefill", "unary_stream"),
+        ]
+        for address, method, kind in calls:
+            channel = grpc.insecure_channel(address)
+            with pytest.raises(grpc.RpcError) as err:
+                reply = getattr(channel, kind)(method)(garbage, timeout=5)
+                if kind == "unary_stream":
+                    list(reply)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value)
+            assert "malformed" in err.value.details()
+        assert "Traceback" not in caplog.text
+        assert pair.collect(pair.generate([5, 6, 7], 3))[0]  # both services still serve
+    finally:
+        pair.close()
