@@ -35,7 +35,9 @@ class ServiceConfig:
     context_length: int | None = flag(None, "cap on the model's context length", type=int)
     attention_backend: str = flag("batched", "attention backend", choices=sorted(BACKENDS))
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
-    shutdown_grace_s: float = flag(5.0, "on SIGTERM/SIGINT: how long open calls may finish before they are aborted")
+    shutdown_grace_s: float = flag(
+        30.0, "on SIGTERM/SIGINT: how long open calls may finish before they are aborted (a typical answer's time)"
+    )
     metrics_port: int | None = flag(
         None, "serve Prometheus metrics on this port (0 = any free port; default off)", type=int
     )

@@ -49,6 +49,9 @@ def test_service_commands_parse_with_the_real_clis():
     d = decode_parser().parse_args(decode[3:])
     assert p.host == d.host == "0.0.0.0" and p.device == d.device == "cuda" and p.dtype == d.dtype == "auto"
     assert p.disaggregation_transfer_backend == d.disaggregation_transfer_backend == "grpc"  # one data plane
+    for name, args in (("prefill", p), ("decode", d)):  # the container outlives the drain
+        grace = int(services[name]["stop_grace_period"].rstrip("s"))
+        assert args.shutdown_grace_s >= 30 and grace > args.shutdown_grace_s, (name, grace)
     for name in ("prefill", "decode"):  # both follow one TRANSFER_BACKEND setting
         assert "${TRANSFER_BACKEND:-grpc}" in services[name]["command"]
     assert d.prefill_addr == f"prefill:{p.port}" and p.model_path == d.model_path == "/models/model"
