@@ -17,10 +17,12 @@ from common.attention import BACKENDS
 REQUIRED = MISSING
 
 
-def flag(default=REQUIRED, help: str = "", type=None, choices=None, hidden: bool = False):
-    """A config field that is also a command-line flag."""
+def flag(default=REQUIRED, help: str = "", type=None, choices=None, hidden: bool = False, secret: bool = False):
+    """A config field that is also a command-line flag (`secret`: left out of the config's repr)."""
     meta = {"help": argparse.SUPPRESS if hidden else help, "type": type, "choices": choices}
-    return field(metadata=meta) if default is REQUIRED else field(default=default, metadata=meta)
+    if default is REQUIRED:
+        return field(metadata=meta, repr=not secret)
+    return field(default=default, metadata=meta, repr=not secret)
 
 
 @dataclass
@@ -55,6 +57,14 @@ class ServiceConfig:
         "how KV moves from prefill to decode: grpc (bytes on the Prefill stream) or mooncake (the transfer engine "
         "writes into decode's reserved slots; gRPC carries notices). A prefill replica without it falls back to grpc",
         choices=["grpc", "mooncake"],
+    )
+    internal_api_key: str | None = flag(
+        None, "key of the internal prefill API: prefill requires it, decode sends it", type=str, secret=True
+    )
+    tls_cert_file: str | None = flag(None, "TLS: this server's certificate (PEM); with --tls-key-file", type=str)
+    tls_key_file: str | None = flag(None, "TLS: this server's private key (PEM)", type=str)
+    tls_ca_file: str | None = flag(
+        None, "mutual TLS: callers must present a certificate signed by this CA (PEM)", type=str
     )
     disaggregation_protocol: str = flag("tcp", "mooncake transport: tcp (any host) or rdma (GPU nodes)")
     disaggregation_ib_device: str = flag("", "mooncake rdma: the InfiniBand device, e.g. mlx5_0 (empty: auto)")

@@ -23,6 +23,15 @@ class DecodeConfig(ServiceConfig):
     max_queued_requests: int = flag(
         256, "Generate calls that may wait beyond max_running_requests (more: RESOURCE_EXHAUSTED)"
     )
+    api_key: str | None = flag(
+        None,
+        "clients must send gRPC metadata authorization: Bearer <key> (health checks exempt)",
+        type=str,
+        secret=True,
+    )
+    prefill_tls_ca_file: str | None = flag(
+        None, "talk TLS to prefill replicas, trusting this CA (PEM); our --tls-cert/key-file are our identity", type=str
+    )
     prefill_wait_s: float = flag(3.0, "how long a request admitted while a replica went away waits for one")
     prefill_timeout_s: float = flag(600.0, "deadline of one Prefill call")
     prefill_progress_timeout_s: float = flag(

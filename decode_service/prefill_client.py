@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
 from common.request_rules import REFUSED
-from common.wire import kv_chunks, mooncake
+from common.wire import kv_chunks, mooncake, security
 from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
@@ -35,9 +35,11 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
 class _Peer:
-    def __init__(self, address: str):
+    def __init__(self, address: str, credentials=None, metadata: tuple = ()):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=channel_options(keepalive=True))
+        self.credentials = credentials  # TLS to this replica, or None
+        self.metadata = metadata  # the internal API key, if any
+        self.channel = security.channel(address, channel_options(keepalive=True), credentials)
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.in_flight = 0  # our calls to this replica (guarded by the client's lock)
@@ -45,7 +47,7 @@ class _Peer:
     def serving(self, fresh: bool = False) -> bool:
         """Health over our channel; with `fresh`, over a new one, so a replica that just came up is
         seen at once (our channel may still wait out its reconnect backoff, up to 1 s)."""
-        channel = grpc.insecure_channel(self.address) if fresh else None
+        channel = security.channel(self.address, channel_options(), self.credentials) if fresh else None
         health = health_pb2_grpc.HealthStub(channel) if fresh else self.health
         try:
             reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0)
@@ -58,7 +60,7 @@ class _Peer:
 
     def load(self) -> int:
         try:
-            r = self.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=1.0)
+            r = self.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=1.0, metadata=self.metadata)
             return r.num_running_reqs + r.num_waiting_reqs
         except grpc.RpcError:
             return 1 << 30
@@ -79,6 +81,8 @@ class PrefillClient:
         metrics=None,
         kv_destination: prefill_pb2.KvDestination | None = None,
         transfer_quiesce_s: float = 1.0,
+        credentials=None,
+        api_key: str | None = None,
     ):
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
         deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. With `kv_destination` (this
@@ -87,7 +91,7 @@ class PrefillClient:
         so a write still landing cannot reach slots the scheduler has handed to another request."""
         if not addresses:
             raise ValueError("at least one prefill address is needed")
-        self.peers = [_Peer(a) for a in addresses]
+        self.peers = [_Peer(a, credentials, security.key_metadata(api_key)) for a in addresses]
         self.config = model_config
         self.draft_config = draft_config  # EAGLE: the head's layer config (its KV chunks' shape)
         self.sink = sink
@@ -264,7 +268,7 @@ class PrefillClient:
         if self.kv_destination is not None and request.kv_slots is not None:
             msg.kv_destination.CopyFrom(self.kv_destination)
             msg.kv_destination.runs.extend(mooncake.slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
-        call = peer.stub.Prefill(msg, timeout=self.call_timeout_s)
+        call = peer.stub.Prefill(msg, timeout=self.call_timeout_s, metadata=peer.metadata)
         with self._lock:
             self._calls[request.rid] = [call, peer, None]
             if request.rid in self._cancelled:

@@ -38,7 +38,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from common.engine.model_runner import ModelRunner
 from common.metrics import DecodeMetrics
 from common.request_rules import REFUSED
-from common.wire import mooncake
+from common.wire import mooncake, security
 from common.wire.aio_server import AioServer, answer_unimplemented
 from common.wire.servicer import add_servicer
 from decode_service.config import DecodeConfig
@@ -91,6 +91,10 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             draft_config=self.runner.draft.config.layer if self.runner.draft else None,
             metrics=self.metrics,
             kv_destination=self.kv_receiver.destination if self.kv_receiver else None,
+            credentials=security.channel_credentials(
+                config.prefill_tls_ca_file, config.tls_cert_file, config.tls_key_file
+            ),
+            api_key=config.internal_api_key,
         )
         self.scheduler = DecodeScheduler(
             DecodeWorker(self.runner, debug=config.debug_checks),
@@ -111,7 +115,13 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_health, name="health-watch", daemon=True)
         self.started_at = time.time()
-        self.server = AioServer(config.host, config.port, [SERVICE.full_name])
+        self.server = AioServer(
+            config.host,
+            config.port,
+            [SERVICE.full_name],
+            interceptors=security.interceptors(config.api_key),
+            credentials=security.server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_ca_file),
+        )
         add_servicer(self.server.server, self, SERVICE)  # malformed requests: INVALID_ARGUMENT
 
     # ---- lifecycle -------------------------------------------------------------------------------

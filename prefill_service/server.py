@@ -39,7 +39,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.metrics import PrefillMetrics
 from common.request_rules import validate_prompt
-from common.wire import kv_chunks, mooncake
+from common.wire import kv_chunks, mooncake, security
 from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from common.wire.servicer import add_servicer
@@ -87,7 +87,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.transfer = mooncake.TransferEngine(
                 mooncake.advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device
             )
-        self.server = AioServer(config.host, config.port, [SERVICE_NAME])
+        self.server = AioServer(
+            config.host,
+            config.port,
+            [SERVICE_NAME],
+            interceptors=security.interceptors(config.internal_api_key),
+            credentials=security.server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_ca_file),
+        )
         add_servicer(self.server.server, self, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"])
 
     # ---- lifecycle -------------------------------------------------------------------------------

@@ -19,14 +19,27 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.wire import security
 from common.wire.grpc_server import channel_options
 
 _counter = itertools.count()
 
 
 class Client:
-    def __init__(self, address: str, tokenizer_path: str | None = None):
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+    def __init__(
+        self,
+        address: str,
+        tokenizer_path: str | None = None,
+        api_key: str | None = None,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+    ):
+        """`api_key`: sent as authorization: Bearer <key>; `tls_ca_file`: talk TLS, trusting that CA
+        (with `tls_cert_file` and `tls_key_file` as our identity for mutual TLS)."""
+        credentials = security.channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+        self.channel = security.channel(address, channel_options(), credentials)
+        self.channel = security.with_key(self.channel, api_key)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)
         self._tokenizer_path = tokenizer_path
         self._tokenizer = None
@@ -106,8 +119,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="(not on the SglangScheduler wire; ignored)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the one the service reports)")
+    p.add_argument(
+        "--api-key", default=os.environ.get("DISAGG_API_KEY"), help="the front door's key (env DISAGG_API_KEY)"
+    )
+    p.add_argument("--tls-ca-file", default=None, help="talk TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert-file", default=None, help="mutual TLS: our certificate (PEM)")
+    p.add_argument("--tls-key-file", default=None, help="mutual TLS: our private key (PEM)")
     args = p.parse_args(argv)
-    client = Client(args.addr, args.tokenizer)
+    client = Client(args.addr, args.tokenizer, args.api_key, args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
     try:
         if args.ids is not None:
             ids = [int(x) for x in args.ids.split(",") if x.strip()]

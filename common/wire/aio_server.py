@@ -22,7 +22,10 @@ from common.wire.grpc_server import SERVER_OPTIONS, channel_options
 
 
 class AioServer:
-    def __init__(self, host: str, port: int, service_names: list[str]):
+    def __init__(self, host: str, port: int, service_names: list[str], interceptors: tuple = (), credentials=None):
+        """`interceptors` (e.g. the API-key check) and `credentials` (TLS; None: plaintext): security.py."""
+        self._interceptors = tuple(interceptors)
+        self._credentials = credentials
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
@@ -35,13 +38,15 @@ class AioServer:
         self.set_serving(False)
 
     async def _build(self, host: str, port: int):
-        server = grpc.aio.server(options=channel_options() + SERVER_OPTIONS)
+        server = grpc.aio.server(options=channel_options() + SERVER_OPTIONS, interceptors=self._interceptors)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
+        if self._credentials is not None:
+            return server, health_servicer, server.add_secure_port(f"{host}:{port}", self._credentials)
         return server, health_servicer, server.add_insecure_port(f"{host}:{port}")
 
     def run(self, coro, timeout: float | None = 30.0):
