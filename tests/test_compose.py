@@ -23,7 +23,11 @@ def _compose() -> dict:
 
 
 def _expand(arg: str) -> str:
-    return arg.replace("${MODEL_NAME:-model}", "model").replace("${TRANSFER_BACKEND:-grpc}", "grpc").replace("${INTERNAL_API_KEY:-}", "")
+    return (
+        arg.replace("${MODEL_NAME:-model}", "model")
+        .replace("${TRANSFER_BACKEND:-grpc}", "grpc")
+        .replace("${INTERNAL_API_KEY:-}", "")
+    )
 
 
 def test_compose_structure():
