@@ -161,8 +161,9 @@ def main(argv=None) -> None:
         refs = references(path, prompts)
         ports = {"a": free_port(), "b": free_port(), "decode": free_port(), "metrics": free_port()}
         transfer = ("--disaggregation-transfer-backend", args.transfer_backend)
+        faults = ("--inject-faults", "fail=0.05,stall=0.02")
         procs = {"a": start("prefill_service", path, ports["a"], *transfer),
-                 "b": start("prefill_service", path, ports["b"], *transfer, "--inject-faults", "fail=0.05,stall=0.02")}  # fmt: skip
+                 "b": start("prefill_service", path, ports["b"], *transfer, *faults)}  # fmt: skip
         addrs = f"127.0.0.1:{ports['a']},127.0.0.1:{ports['b']}"
         procs["decode"] = start("decode_service", path, ports["decode"], "--prefill-addr", addrs, "--debug-checks",
                                 "--prefill-progress-timeout-s", "3", *transfer)  # fmt: skip
@@ -200,8 +201,9 @@ def report(args, load: Load, log, rss, loads, decode_exit) -> None:
         p99 = lambda xs: f"{1e3 * np.percentile(xs, 99):.0f}" if xs else "-"  # noqa: E731
         print(f"| {minute + 1} | {p99(ttft)} | {p99(itl)} | {len(ttft) + len(itl)} |")
     print("\ndecode RSS (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss))
-    print(f"after the load: {loads.num_used_tokens} KV slots and {loads.num_running_reqs + loads.num_waiting_reqs} "
-          f"requests in use; decode still running: {decode_exit is None} (--debug-checks checks the pools when idle)")  # fmt: skip
+    in_use = loads.num_running_reqs + loads.num_waiting_reqs
+    print(f"after the load: {loads.num_used_tokens} KV slots and {in_use} requests in use; decode still "
+          f"running: {decode_exit is None} (--debug-checks checks the pools when idle)")  # fmt: skip
     print("chaos: " + "; ".join(log))
 
 
