@@ -93,8 +93,10 @@ class PrefillEngine:
         """(request, tokens) of the next forward under the budget policy (common/engine/chunked_prefill.py)."""
         return plan_chunk(self.running, self.chunk_size)
 
-    def step(self) -> list[tuple[HandoffRequest, Handoff]]:
-        """One extend forward; (request, Handoff) of each prompt it completed (its slots already freed)."""
+    def step(self, on_first_token=None) -> list[tuple[HandoffRequest, Handoff]]:
+        """One extend forward; (request, Handoff) of each prompt it completed (its slots already freed).
+        `on_first_token(request, token)` hears each completed prompt's first token as soon as it is
+        sampled, before its KV is copied out (and, with EAGLE, before the draft extend)."""
         spec = self.runner.draft is not None
         finished, logits = prefill_step(
             self.runner, self.running, self.chunk_size, self._keep_features if spec else None
@@ -102,6 +104,9 @@ class PrefillEngine:
         if not finished:
             return []
         self._sample_first(finished, logits)
+        if on_first_token is not None:
+            for w in finished:
+                on_first_token(w.request, w.first_token)
         handoffs = []
         for w in finished:
             self.running.remove(w)

@@ -47,9 +47,17 @@ Answer = Handoff | Exception
 class PrefillCall:
     """One request submitted to the scheduler, and where its one answer goes."""
 
-    def __init__(self, request: HandoffRequest, on_answer: Callable[[Answer], None]):
+    def __init__(
+        self,
+        request: HandoffRequest,
+        on_answer: Callable[[Answer], None],
+        on_first_token: Callable[[int], None] | None = None,
+    ):
+        """`on_first_token(token)`: the first token as soon as it is sampled, before the answer
+        (which still carries it), so the caller can stream it while the KV is copied out."""
         self.request = request
         self.on_answer = on_answer
+        self.on_first_token = on_first_token
         self.cancelled = threading.Event()  # set by the server when the caller goes away
         self.queued_at = time.perf_counter()
         self.started_at = 0.0
@@ -206,7 +214,7 @@ class PrefillScheduler:
 
     def run_batch(self) -> PrefillBatchResult:
         try:
-            result = PrefillBatchResult(done=self.engine.step())
+            result = PrefillBatchResult(done=self.engine.step(on_first_token=self._first_token))
         except Exception as e:  # every admitted call fails (also any the step finished before it broke)
             result = PrefillBatchResult(error=e)
         if self.test_step_delay_s:
@@ -232,6 +240,18 @@ class PrefillScheduler:
             runner.req_to_token_pool.allocator.check_integrity(holders=[])
 
     # ---- answers --------------------------------------------------------------------------------
+    def _first_token(self, request: HandoffRequest, token: int) -> None:
+        call = self.running.get(id(request))
+        if call is not None and call.on_first_token is not None:
+            self._deliver_first(call, token)
+
+    @staticmethod
+    def _deliver_first(call: PrefillCall, token: int) -> None:
+        try:
+            call.on_first_token(token)
+        except Exception:  # noqa: BLE001 - a broken receiver must not stop the loop
+            logger.exception("delivering the first token of prefill call %s failed", call.request.rid)
+
     def _close(self, error: Exception) -> None:
         """The loop has ended: free what the engine holds, answer every pending call with `error`."""
         with self._cv:

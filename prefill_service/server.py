@@ -11,9 +11,11 @@ Lifecycle of one Prefill call:
      UNAVAILABLE if the scheduler is not running;
   2. submit a PrefillCall to the scheduler (scheduler.py: `inbox` -> `waiting` -> `running`, one
      chunked extend forward per step, short prompts first); in the step its prompt completes, its
-     first token is sampled, its KV copied out and its slots freed, and the call gets its Handoff
-     (or an error: INTERNAL);
-  3. stream: FirstToken at once, then KvChunks bounded by max_chunk_bytes (with EAGLE the head's KV
+     first token is sampled and handed to the call at once, then its KV is copied out (with EAGLE
+     after the draft extend) and its slots freed, and the call gets its Handoff (or an error:
+     INTERNAL);
+  3. stream: FirstToken as soon as it is sampled (before the copy-out), then KvChunks (or, with a
+     transfer engine, KvWritten notices after each chunk's writes) bounded by max_chunk_bytes (with EAGLE the head's KV
      follows, marked `draft`), then the PrebuiltRecord (prompt length, first token, chunk count,
      and with EAGLE the draft seed);
   4. a cancelled call (the caller went away) is dropped while queued, its slots freed if it was
@@ -148,12 +150,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill scheduler is not running")
         loop = asyncio.get_running_loop()
         answer: asyncio.Future = loop.create_future()
-        call = PrefillCall(handoff_request, _resolver(loop, answer))
+        first: asyncio.Future = loop.create_future()  # the first token, before the answer
+        call = PrefillCall(handoff_request, _resolver(loop, answer), _resolver(loop, first))
         context.add_done_callback(lambda _context: call.cancel())
         self.open_calls += 1
         try:
             self.scheduler.submit(call)
-            async for message in self._stream(request, call, answer, context):
+            async for message in self._stream(request, call, answer, first, context):
                 yield message
         finally:
             self.open_calls -= 1
@@ -183,11 +186,15 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise ValueError("first_output_position must be < len(input_ids)")
         return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
 
-    async def _stream(self, request, call: PrefillCall, answer: asyncio.Future, context):
+    async def _stream(self, request, call: PrefillCall, answer: asyncio.Future, first: asyncio.Future, context):
         m = self.metrics
-        try:
+        try:  # the first token goes out as soon as it is sampled, while the KV is still copied out
+            await asyncio.wait({answer, first}, return_when=asyncio.FIRST_COMPLETED)
+            sent = first.result() if first.done() and not call.cancelled.is_set() else None
+            if sent is not None:
+                yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=sent))
             result = await answer
-        except asyncio.CancelledError:  # the caller went away (or the server stopped) while queued
+        except asyncio.CancelledError:  # the caller went away (or the server stopped)
             m.failures.inc()
             raise
         if call.cancelled.is_set() or isinstance(result, Exception):
@@ -197,7 +204,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             return
         m.queue_time.observe(call.started_at - call.queued_at)
         m.compute.observe(call.finished_at - call.started_at)
-        yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
+        if sent is None:
+            yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
         sent_first = time.perf_counter()
         max_bytes = request.max_chunk_bytes or self.config.max_chunk_bytes
         fault = self.faults.draw()

@@ -29,10 +29,10 @@ def held_engine(service: PrefillService) -> tuple[threading.Event, threading.Eve
     """Latch a prefill service's engine step shut: (in_step, latch); its first step waits for latch."""
     in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
 
-    def held_step():
+    def held_step(*args, **kwargs):
         in_step.set()
         assert latch.wait(60), "the test never released the engine"
-        return step()
+        return step(*args, **kwargs)
 
     service.engine.step = held_step
     return in_step, latch

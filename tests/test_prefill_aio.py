@@ -3,6 +3,7 @@ once however many calls wait; a dead scheduler answers every call and turns heal
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -129,4 +130,29 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
     finally:
         latch.set()
         channel.close()
+        service.stop()
+
+
+def test_the_first_token_is_sent_before_the_kv_is_copied_out(checkpoint):
+    """DESIGN section 2 step 4: the first token goes out as soon as it is sampled; the KV copy-out
+    (and with EAGLE the draft extend) follows. It used to wait for the whole copy-out."""
+    service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
+    copying, latch, to_handoff = threading.Event(), threading.Event(), service.engine._to_handoff
+
+    def held_copy_out(w):
+        copying.set()
+        assert latch.wait(30), "the test never released the copy-out"
+        return to_handoff(w)
+
+    service.engine._to_handoff = held_copy_out
+    try:
+        stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
+        call = stub.Prefill(prefill_pb2.PrefillRequest(request_id="f", input_ids=[5, 6, 7, 8]), timeout=30)
+        first = next(call)  # arrives while the copy-out is held
+        assert first.WhichOneof("payload") == "first_token" and copying.is_set() and not latch.is_set()
+        latch.set()
+        rest = [m.WhichOneof("payload") for m in call]
+        assert rest[-1] == "record" and "first_token" not in rest
+    finally:
+        latch.set()
         service.stop()
