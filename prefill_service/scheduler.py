@@ -109,7 +109,7 @@ class PrefillScheduler:
                 self.inbox.append(call)
                 self._cv.notify()
         if closed is not None:
-            self._deliver(call, closed)
+            _guarded(call.on_answer, closed, call, "answer")
 
     def start(self) -> PrefillScheduler:
         # the process's computing thread: the configured intra-op count (common/engine/intra_op.py)
@@ -243,14 +243,7 @@ class PrefillScheduler:
     def _first_token(self, request: HandoffRequest, token: int) -> None:
         call = self.running.get(id(request))
         if call is not None and call.on_first_token is not None:
-            self._deliver_first(call, token)
-
-    @staticmethod
-    def _deliver_first(call: PrefillCall, token: int) -> None:
-        try:
-            call.on_first_token(token)
-        except Exception:  # noqa: BLE001 - a broken receiver must not stop the loop
-            logger.exception("delivering the first token of prefill call %s failed", call.request.rid)
+            _guarded(call.on_first_token, token, call, "first token")
 
     def _close(self, error: Exception) -> None:
         """The loop has ended: free what the engine holds, answer every pending call with `error`."""
@@ -274,11 +267,12 @@ class PrefillScheduler:
         if not known:  # answered already: exactly one answer per call
             logger.error("prefill call %s answered twice; the second answer is dropped", call.request.rid)
             return
-        self._deliver(call, result)
+        _guarded(call.on_answer, result, call, "answer")
 
-    @staticmethod
-    def _deliver(call: PrefillCall, result: Answer) -> None:
-        try:
-            call.on_answer(result)
-        except Exception:  # noqa: BLE001 - a broken receiver must not stop the loop
-            logger.exception("delivering the answer of prefill call %s failed", call.request.rid)
+
+def _guarded(receive: Callable, value, call: PrefillCall, what: str) -> None:
+    """Hand `value` to a call's receiver; a broken receiver must not stop the loop."""
+    try:
+        receive(value)
+    except Exception:  # noqa: BLE001
+        logger.exception("delivering the %s of prefill call %s failed", what, call.request.rid)
