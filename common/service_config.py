@@ -13,6 +13,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
 from common.attention import BACKENDS
+from common.models.linear_tuning import CHOICES as LAYOUT_CHOICES
 
 REQUIRED = MISSING
 
@@ -36,6 +37,11 @@ class ServiceConfig:
     max_running_requests: int = flag(16, "request slots (requests in flight at once)")
     context_length: int | None = flag(None, "cap on the model's context length", type=int)
     attention_backend: str = flag("batched", "attention backend", choices=sorted(BACKENDS))
+    linear_layout: str = flag(
+        "auto",
+        "CPU fp32 linear layout: auto = the fastest per weight shape and row count, timed at start-up",
+        choices=list(LAYOUT_CHOICES),
+    )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     shutdown_grace_s: float = flag(
         30.0, "on SIGTERM/SIGINT: how long open calls may finish before they are aborted (a typical answer's time)"

@@ -78,19 +78,23 @@ def test_greedy_tokens_match_hf_generate(checkpoint, variant):
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen2-tied"])
-def test_packed_cpu_linears_equal_plain_ones(checkpoint, variant):
-    """The oneDNN-packed linears (the CPU fp32 default) give the plain F.linear logits."""
-    from common.models.packed_linear import PackedLinear
+def test_every_cpu_linear_layout_gives_the_plain_logits(checkpoint, variant):
+    """Each CPU fp32 layout, forced or chosen by timing (`auto`), gives F.linear's logits (`mkl`)."""
+    from common.models.packed_linear import LAYOUTS, PackedLinear
 
     path = checkpoint(variant)
     runs = {}
-    for pack in (False, True):
-        runner = ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4, pack_linear=pack))
-        packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-        assert bool(packed) == pack and (getattr(runner.model, "_lm_head_cpu", None) is not None) == pack
+    for layout in ("mkl", "onednn", "rowblock", "auto"):
+        runner = ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4, linear_layout=layout))
+        packed = [m.weight for m in runner.model.modules() if isinstance(m, PackedLinear)]
+        assert packed and runner.model._lm_head_cpu is not None
+        for w in packed + [runner.model._lm_head_cpu]:
+            assert set(w.plan) <= set(LAYOUTS) and (layout == "auto" or set(w.plan) == {layout})
+            assert (w.packed is not None) == ("onednn" in w.plan)  # an unused oneDNN copy is dropped
         prompts = _prompts(runner.config.vocab_size)
         rows = [_reserve(runner, len(p)) for p in prompts]
-        runs[pack] = runner.forward(
+        runs[layout] = runner.forward(
             ForwardBatch.extend(runner.req_to_token_pool.req_to_token, rows, [0] * len(rows), prompts, all_logits=True)
         )[0]
-    assert torch.allclose(runs[True], runs[False], atol=1e-4, rtol=1e-4), (runs[True] - runs[False]).abs().max()
+    for layout, logits in runs.items():
+        assert torch.allclose(logits, runs["mkl"], atol=1e-4, rtol=1e-4), (layout, (logits - runs["mkl"]).abs().max())

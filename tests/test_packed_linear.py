@@ -1,26 +1,30 @@
-"""The CPU fp32 linear layouts (common/models/packed_linear.py) against F.linear: the row-block GEMV
-path (up to GEMV_MAX_ROWS rows) and the oneDNN-packed GEMM path, with bias and a fused residual."""
+"""The CPU fp32 linear layouts (common/models/packed_linear.py) against F.linear, and the start-up
+choice among them (common/models/linear_tuning.py) with made-up timings, so it is deterministic."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from common.models import packed_linear
-from common.models.packed_linear import GEMV_MAX_ROWS, LinearWeight
+from common.models.linear_tuning import measure, tune
+from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight, bucket_index, linear_weights
 
 pytestmark = pytest.mark.skipif(
     not packed_linear.available(torch.device("cpu"), torch.float32), reason="needs oneDNN on CPU"
 )
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("out_features", [96, 100, 37])  # 8, 4 and 1 row blocks
 @pytest.mark.parametrize("bias", [False, True])
-def test_both_layouts_equal_f_linear(out_features, bias):
+def test_every_layout_equals_f_linear(layout, out_features, bias):
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, 48, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     lin = LinearWeight(w, b)
-    for rows in (1, 2, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 17):
+    lin.set_plan((layout,) * len(ROW_BUCKETS))
+    for rows in (1, 2, 3, 17, 200):
         for shape in ((rows, 48), (1, rows, 48)):
             x = torch.randn(shape, generator=gen)
             residual = torch.randn(shape[:-1] + (out_features,), generator=gen)
@@ -32,8 +36,72 @@ def test_both_layouts_equal_f_linear(out_features, bias):
 
 
 def test_blocks_view_the_weight_and_stay_put():
-    """The GEMV layout is a view of the plain weight (no copy); the weight is detached."""
+    """The row-block layout is a view of the plain weight (no copy); the weight is detached."""
     w = torch.randn(64, 16, requires_grad=True)
     lin = LinearWeight(w)
     assert lin.blocks.shape == (8, 8, 16) and lin.blocks.data_ptr() == w.data_ptr()
     assert not lin(torch.randn(1, 16)).requires_grad
+
+
+def test_rows_map_to_the_first_bucket_that_holds_them():
+    assert [bucket_index(r) for r in (1, 2, 3, 4, 5, 64, 65, 128)] == [0, 1, 2, 2, 3, 6, 7, 7]
+    assert bucket_index(4096) == len(ROW_BUCKETS) - 1  # prefill chunks: the largest bucket's plan
+    assert all(ROW_BUCKETS[bucket_index(r)] >= r for r in range(1, ROW_BUCKETS[-1] + 1))
+
+
+def test_a_plan_dispatches_each_row_count_to_its_layout(monkeypatch):
+    lin = LinearWeight(torch.randn(16, 8))
+    plan = ("rowblock", "mkl") + ("onednn",) * (len(ROW_BUCKETS) - 2)
+    lin.set_plan(plan)
+    seen = []
+    run = lin.run
+    monkeypatch.setattr(lin, "run", lambda layout, x2, residual=None: seen.append(layout) or run(layout, x2, residual))
+    for rows in (1, 2, 3, 300):
+        lin(torch.randn(rows, 8))
+    assert seen == ["rowblock", "mkl", "onednn", "onednn"]
+    with pytest.raises(ValueError, match="one of"):
+        lin.set_plan(("gpu",) * len(ROW_BUCKETS))
+    with pytest.raises(ValueError, match="per row bucket"):
+        lin.set_plan(("mkl",))
+
+
+def _model():
+    """Two weights of one shape, one of another, and a bias: three groups."""
+    return nn.Sequential(nn.Linear(8, 32, bias=False), nn.Linear(32, 8), nn.Linear(8, 32, bias=False))
+
+
+def test_tuning_keeps_the_fastest_layout_per_shape_and_bucket():
+    model = packed_linear.pack_linears(_model())
+    weights = linear_weights(model, model[0].weight)  # listed twice: counted once
+    assert len(weights) == 3
+
+    def fake_measure(weight, rows):  # wide weights: rowblock wins one row, oneDNN above; else mkl
+        if weight.out_features == 32:
+            return {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0 if rows == 1 else 5.0}
+        return {"mkl": 1.0, "onednn": 2.0, "rowblock": 3.0}
+
+    table = tune(weights, "auto", measure=fake_measure)
+    wide = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)
+    assert model[0].weight.plan == model[2].weight.plan == wide
+    assert model[1].weight.plan == ("mkl",) * len(ROW_BUCKETS) and model[1].weight.packed is None
+    assert model[0].weight.packed is not None
+    # whole-model ms per bucket: two wide weights and one narrow one
+    assert table.ms["mkl"][0] == 1e3 * (2 * 3.0 + 1.0) and table.chosen_ms[0] == 1e3 * (2 * 1.0 + 1.0)
+    assert table.chosen_ms[1] == 1e3 * (2 * 2.0 + 1.0)
+    lines = table.lines()
+    assert "threads" in lines[0] and len(lines) == 2 + len(ROW_BUCKETS)
+
+
+def test_a_forced_layout_is_not_timed_and_frees_the_unused_copy():
+    model = packed_linear.pack_linears(_model())
+    weights = linear_weights(model)
+    table = tune(weights, "rowblock", measure=lambda w, r: pytest.fail("a forced layout is not timed"))
+    assert all(w.plan == ("rowblock",) * len(ROW_BUCKETS) and w.packed is None for w in weights)
+    assert "forced" in table.lines()[0]
+    with pytest.raises(ValueError, match="linear-layout"):
+        tune(weights, "fastest")
+
+
+def test_measure_times_every_layout_on_the_real_weight():
+    seconds = measure(LinearWeight(torch.randn(64, 32)), rows=4)
+    assert set(seconds) == set(LAYOUTS) and all(0 < s < 1 for s in seconds.values())

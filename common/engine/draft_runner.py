@@ -72,8 +72,8 @@ class DraftRunner:
         self.config = load_draft_config(spec.draft_model_path, spec.algorithm, target.config)
         layer = self.config.layer
         self.head: DraftHead = load_draft_head(spec.draft_model_path, self.config, target.device, target.dtype)
-        if target.args.pack_linear and packed_linear.available(target.device, target.dtype):
-            packed_linear.pack_linears(self.head)  # CPU fp32: oneDNN-packed, as the target's linears
+        if target.packs_linears:
+            packed_linear.pack_linears(self.head)  # CPU fp32: the layouts of common/models/packed_linear.py
         self.kv_pool = KVPool(
             target.kv_pool.num_slots, 1, layer.num_kv_heads, layer.head_dim, target.dtype, target.device
         )
@@ -88,9 +88,7 @@ class DraftRunner:
                 raise ValueError("--speculative-token-map is for EAGLE heads (EAGLE3 has its own draft vocabulary)")
             self.vocab_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
             weight = target.model.lm_head_weight[self.vocab_ids].contiguous()
-            self.vocab_lm_head = (
-                packed_linear.LinearWeight(weight) if packed_linear.available(target.device, target.dtype) else weight
-            )
+            self.vocab_lm_head = packed_linear.LinearWeight(weight) if target.packs_linears else weight
         elif self.config.algorithm == "EAGLE3":
             self.vocab_ids = self.head.d2t + torch.arange(self.head.d2t.numel(), device=target.device)
 

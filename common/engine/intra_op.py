@@ -63,7 +63,7 @@ def thread_target(fn: Callable[[], T], threads: int | None = None) -> Callable[[
     return run
 
 
-def on_own_thread(fn: Callable[[], T]) -> T:
+def on_own_thread(fn: Callable[[], T], threads: int | None = None) -> T:
     """fn() on a new thread with the caller's intra-op thread count, and its result (or exception):
     the OpenMP pool it starts ends with it, so computing on the main thread of a process that also
     runs a forward stream (a benchmark's HF baseline) leaves no second pool behind."""
@@ -75,7 +75,7 @@ def on_own_thread(fn: Callable[[], T]) -> T:
         except BaseException as e:  # re-raised on the caller's thread
             out["error"] = e
 
-    worker = threading.Thread(target=thread_target(run), name="own-pool")
+    worker = threading.Thread(target=thread_target(run, threads), name="own-pool")
     worker.start()
     worker.join()
     if "error" in out:

@@ -17,7 +17,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
-from common.models import packed_linear
+from common.models import linear_tuning, packed_linear
 from common.models.config import ModelConfig, load_model_config
 from common.models.loader import load_model, resolve_dtype
 
@@ -32,7 +32,7 @@ class RunnerArgs:
     max_running_requests: int = 32
     context_length: int | None = None
     attention_backend: str = "batched"
-    pack_linear: bool = True  # CPU fp32: oneDNN-packed linear weights (common/models/packed_linear.py)
+    linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
 
     @classmethod
@@ -46,6 +46,7 @@ class RunnerArgs:
             max_running_requests=config.max_running_requests,
             context_length=config.context_length,
             attention_backend=config.attention_backend,
+            linear_layout=config.linear_layout,
             spec=SpecArgs(
                 config.speculative_algorithm,
                 config.speculative_draft_model_path,
@@ -59,8 +60,15 @@ class RunnerArgs:
 
 class ModelRunner:
     def __init__(self, args: RunnerArgs, config: ModelConfig | None = None):
+        threads = torch.get_num_threads()  # the computing thread's count: layouts are timed with it
         with intra_op.single_threaded():  # loading starts no OpenMP pool on this thread (intra_op.py)
             self._build(args, config)
+        self.linear_table = None
+        if self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it
+            weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
+            self.linear_table = intra_op.on_own_thread(
+                lambda: linear_tuning.tune_and_log(weights, args.linear_layout), threads
+            )
 
     def _build(self, args: RunnerArgs, config: ModelConfig | None) -> None:
         self.args = args
@@ -70,7 +78,10 @@ class ModelRunner:
         cfg = self.config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
         self.model = load_model(args.model_path, self.device, self.dtype, cfg)
-        if args.pack_linear and packed_linear.available(self.device, self.dtype):
+        if args.linear_layout not in linear_tuning.CHOICES:
+            raise ValueError(f"--linear-layout must be one of {linear_tuning.CHOICES}, got {args.linear_layout!r}")
+        self.packs_linears = packed_linear.available(self.device, self.dtype)
+        if self.packs_linears:
             self.model.pack_for_cpu()
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
@@ -83,6 +94,9 @@ class ModelRunner:
         )
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
+
+    def draft_linear_roots(self) -> tuple:
+        return () if self.draft is None else (self.draft.head, self.draft.vocab_lm_head)
 
     @classmethod
     def for_service(cls, config) -> ModelRunner:

@@ -1,31 +1,32 @@
-"""CPU fp32 linear layers: each weight in two layouts, one for GEMMs and one for GEMVs.
+"""CPU fp32 linear layers: each weight kept in the layouts a host may want, one chosen per row count.
 
-On CPU, `F.linear` goes to MKL's sgemm, which is slow for the skinny shapes of decode. Two layouts
-beat it, each on its own range of rows (all figures measured on this project's 2-core CPU machine):
-- oneDNN-packed (its blocked format, re-laid once): a few to a few dozen rows against a wide weight
-  run up to ~2x faster (a SmolLM2-135M decode step at batch 16 went from 160 to 93 ms; the tied
-  49k-row lm_head at 16 rows from 36 to 13 ms).
-- Row blocks (`weight.view(parts, rows / parts, in)` and one `torch.bmm`): a single row is a GEMV,
-  bound by memory bandwidth, and sgemm and oneDNN stream the weight at ~10 GB/s where the machine
-  reads ~20; bmm runs the blocks on all threads at ~17-18 GB/s (the 30 layers of SmolLM2-135M at one
-  row: 25 ms against 35 packed and 39 with F.linear). From 2 rows on the packed GEMM is used: on
-  2026-11-25's machine it matched or beat bmm at 2-4 rows (10.7-11.7 ms against 11.6-13.1 for the
-  30 layers), and bmm's [blocks, out, rows] result needs a transposing copy there (~1 ms a verify).
-`pack_linears(model)` swaps every nn.Linear for a `PackedLinear`; `LinearWeight` (used for lm_heads)
-holds both layouts of one weight. The row blocks are views of the plain weight, which stays alive:
-the price is a second copy of every packed weight in memory. The model must be loaded first (the
-checkpoint loader writes the plain parameters). Results equal F.linear within fp32 rounding (a
-different summation order). Only for CPU: on CUDA, cuBLAS needs no such step and this module is
-never used.
+On CPU no single layout of a [out, in] weight is fastest everywhere: which one wins depends on the
+rows (a decode step's batch, a verify's tokens, a prefill chunk) and on the host. Measured figures
+(SmolLM2-135M's 121 linears): on a 2-core AMD EPYC (AVX2), one row took 25 ms as row blocks, 35
+oneDNN-packed, 39 with F.linear; on a 2-core Intel Xeon with AVX-512/AMX the order flipped: 19.5 ms
+F.linear, 22.5 oneDNN-packed, 48.9 row blocks. So the choice is measured at start-up
+(`common/models/linear_tuning.py`), per weight shape and row bucket, and each weight dispatches on
+it. The layouts:
+- `mkl`: `F.linear` on the plain weight (MKL's sgemm; what transformers runs);
+- `onednn`: oneDNN's blocked format, re-laid once (`BATCH_HINT`); its epilogue adds a residual;
+- `rowblock`: `weight.view(parts, out / parts, in)` and one `torch.bmm`, which streams a GEMV's
+  weight on all threads (a view of the plain weight: no copy).
+`pack_linears(model)` swaps every nn.Linear for a `PackedLinear`; `LinearWeight` (also used for
+lm_heads) holds the layouts of one weight. The oneDNN copy is dropped once the plan never uses it.
+Results equal F.linear within fp32 rounding (another summation order). Only for CPU: on CUDA,
+cuBLAS needs no such step and this module is never used.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
-GEMV_MAX_ROWS = 1  # the row blocks (bmm) for a single row only; see above
+LAYOUTS = ("mkl", "onednn", "rowblock")
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # rows r use the plan of the first bucket >= r (the last above)
+DEFAULT_PLAN = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)  # before tuning: the AMD host's choice
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -37,38 +38,58 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def bucket_index(rows: int) -> int:
+    """Index into ROW_BUCKETS of the bucket that serves `rows` (1 -> 0, 3 -> 2, 1000 -> last)."""
+    return min(max(rows - 1, 0).bit_length(), len(ROW_BUCKETS) - 1)
+
+
 class LinearWeight:
-    """One [out, in] weight as oneDNN-packed (GEMM) and as row blocks (GEMV); call it like F.linear,
-    with an optional residual added to the result (`residual + x @ W.T + bias`)."""
+    """One [out, in] weight in every layout; call it like F.linear, with an optional residual added
+    to the result (`residual + x @ W.T + bias`). `plan[i]` is the layout for ROW_BUCKETS[i]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        weight = weight.detach().contiguous()
-        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach().contiguous()
+        self.out_features, self.in_features = self.weight.shape
         self.bias = None if bias is None else bias.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, BATCH_HINT)
         parts = next(p for p in (8, 4, 2, 1) if self.out_features % p == 0)
-        self.blocks = weight.view(parts, self.out_features // parts, self.in_features)
+        self.blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
+        self.plan = DEFAULT_PLAN
+
+    @property
+    def shape_key(self) -> tuple[int, int, bool]:
+        """Weights with one key time alike: tuning measures one of them."""
+        return self.out_features, self.in_features, self.bias is not None
+
+    def set_plan(self, plan: tuple[str, ...]) -> None:
+        if len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
+            raise ValueError(f"a plan names one of {LAYOUTS} per row bucket {ROW_BUCKETS}, got {plan}")
+        self.plan = tuple(plan)
+        if "onednn" not in self.plan:
+            self.packed = None  # its memory back: a second copy of the weight
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        rows, shape = x2.shape[0], x.shape[:-1] + (self.out_features,)
-        if rows > GEMV_MAX_ROWS:
+        layout = self.plan[bucket_index(x2.shape[0])]
+        out = self.run(layout, x2, None if residual is None else residual.reshape(x2.shape[0], -1))
+        return out.view(x.shape[:-1] + (self.out_features,))
+
+    def run(self, layout: str, x2: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, out] through one layout (tuning times this)."""
+        if layout == "onednn":
             if residual is None:
-                out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-            else:  # the add fused into the GEMM's epilogue (oneDNN binary post-op): bit-identical, one op fewer
-                out = torch.ops.mkldnn._linear_pointwise.binary(
-                    x2, residual.reshape(rows, -1).contiguous(), self.packed, self.bias, "add"
-                )
-            return out.view(shape)
-        out = torch.bmm(
-            self.blocks, x2.t().unsqueeze(0).expand(self.blocks.shape[0], -1, -1)
-        )  # [parts, out/parts, rows]
-        out = out.view(1, -1) if rows == 1 else out.view(-1, rows).t().contiguous()
-        if self.bias is not None:
-            out = out + self.bias
-        if residual is not None:
-            out = residual.reshape(rows, -1) + out
-        return out.reshape(shape)
+                return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+            # the add fused into the GEMM's epilogue (oneDNN binary post-op): bit-identical, one op fewer
+            return torch.ops.mkldnn._linear_pointwise.binary(x2, residual.contiguous(), self.packed, self.bias, "add")
+        if layout == "mkl":
+            out = F.linear(x2, self.weight, self.bias)
+        else:
+            rows = x2.shape[0]
+            out = torch.bmm(self.blocks, x2.t().unsqueeze(0).expand(self.blocks.shape[0], -1, -1))
+            out = out.view(1, -1) if rows == 1 else out.view(-1, rows).t().contiguous()  # [parts, out/parts, rows]
+            if self.bias is not None:
+                out = out + self.bias
+        return out if residual is None else residual + out
 
 
 class PackedLinear(nn.Module):
@@ -93,3 +114,17 @@ def pack_linears(module: nn.Module) -> nn.Module:
         else:
             pack_linears(child)
     return module
+
+
+def linear_weights(*roots) -> list[LinearWeight]:
+    """Every LinearWeight under the given modules (or LinearWeights themselves), each once."""
+    found: dict[int, LinearWeight] = {}
+    for root in roots:
+        if isinstance(root, LinearWeight):
+            found[id(root)] = root
+        elif isinstance(root, nn.Module):
+            for m in root.modules():
+                for value in vars(m).values():
+                    if isinstance(value, LinearWeight):
+                        found[id(value)] = value
+    return list(found.values())

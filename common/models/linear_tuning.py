@@ -1,0 +1,114 @@
+"""Choose each linear's CPU layout by measurement at start-up (`--linear-layout auto`).
+
+1. Group the model's LinearWeights by shape (out, in, bias): weights of one shape time alike.
+2. For every group and row bucket, time each layout on random input rows, interleaved in rounds
+   (best of the rounds), on the thread count the service computes with.
+3. Each weight gets, per bucket, the fastest layout of its group; the oneDNN copy is dropped where
+   no bucket uses it.
+4. The table (milliseconds per bucket for the whole model, each layout alone and the chosen mix) is
+   logged with the host's CPU, and kept on the runner for benchmarks.
+A forced layout (`mkl`, `onednn`, `rowblock`) skips the timing. Only speed depends on the choice:
+every layout equals F.linear within fp32 rounding (tests/test_packed_linear.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from common import host
+from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto",) + LAYOUTS
+ROUNDS = 3  # timed rounds per (shape, bucket); a round whose calls took over SLOW_S ends the timing early
+SLOW_S = 0.02
+
+
+@dataclass
+class LayoutTable:
+    """What tuning measured and chose: ms[layout][bucket index] for all the model's linears at once."""
+
+    mode: str
+    threads: int
+    ms: dict[str, list[float]] = field(default_factory=dict)
+    chosen_ms: list[float] = field(default_factory=list)
+    plans: dict[tuple[int, int, bool], tuple[str, ...]] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        if not self.ms:
+            return [f"linear layout {self.mode} (forced) on {host.describe()}"]
+        head = f"linear layouts on {host.describe()}, {self.threads} threads, ms per step for all linears:"
+        out = [head, "  rows " + "".join(f"{name:>10}" for name in (*LAYOUTS, "chosen"))]
+        for i, rows in enumerate(ROW_BUCKETS):
+            cells = [self.ms[name][i] for name in LAYOUTS] + [self.chosen_ms[i]]
+            out.append(f"  {rows:>4} " + "".join(f"{c:>10.2f}" for c in cells))
+        return out
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(weight: LinearWeight, rows: int, timer: Callable[[Callable[[], object]], float] = time_call) -> dict:
+    """Seconds per call of each layout on `rows` rows of this weight's shape (best of the rounds)."""
+    x = torch.randn(rows, weight.in_features)
+    calls = {name: (lambda name=name: weight.run(name, x)) for name in LAYOUTS}
+    for fn in calls.values():
+        fn()  # first calls pay one-time set-up (oneDNN primitives, allocator)
+    best = dict.fromkeys(LAYOUTS, float("inf"))
+    for _ in range(ROUNDS):
+        for name, fn in calls.items():
+            best[name] = min(best[name], timer(fn))
+        if sum(best.values()) > SLOW_S * len(LAYOUTS):
+            break  # large shapes: one round is already a steady measurement
+    return best
+
+
+def tune(weights: list[LinearWeight], mode: str = "auto", measure=measure) -> LayoutTable:
+    """Set every weight's plan (measured for `auto`, else the forced layout) and return the table.
+    `measure(weight, rows)` -> seconds per layout (a test passes made-up timings)."""
+    if mode not in CHOICES:
+        raise ValueError(f"--linear-layout must be one of {CHOICES}, got {mode!r}")
+    table = LayoutTable(mode, torch.get_num_threads())
+    if mode != "auto":
+        for w in weights:
+            w.set_plan((mode,) * len(ROW_BUCKETS))
+        return table
+    groups: dict[tuple[int, int, bool], list[LinearWeight]] = {}
+    for w in weights:
+        groups.setdefault(w.shape_key, []).append(w)
+    table.ms = {name: [0.0] * len(ROW_BUCKETS) for name in LAYOUTS}
+    table.chosen_ms = [0.0] * len(ROW_BUCKETS)
+    with torch.inference_mode():
+        for key, members in groups.items():
+            plan = []
+            for i, rows in enumerate(ROW_BUCKETS):
+                seconds = measure(members[0], rows)
+                winner = min(LAYOUTS, key=seconds.__getitem__)
+                plan.append(winner)
+                for name in LAYOUTS:
+                    table.ms[name][i] += 1e3 * seconds[name] * len(members)
+                table.chosen_ms[i] += 1e3 * seconds[winner] * len(members)
+            table.plans[key] = tuple(plan)
+            for w in members:
+                w.set_plan(table.plans[key])
+    return table
+
+
+def tune_and_log(weights: list[LinearWeight], mode: str) -> LayoutTable:
+    start = time.perf_counter()
+    table = tune(weights, mode)
+    for line in table.lines():
+        log.info("%s", line)
+    if table.ms:
+        log.info("linear layouts: %d weights in %d shapes timed in %.1f s", len(weights), len(table.plans),
+                 time.perf_counter() - start)  # fmt: skip
+    return table
