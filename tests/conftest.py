@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under its interpreter, set before it loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common.tools.tiny_checkpoint import build
 

@@ -80,9 +80,10 @@ def runners(
     spec: SpecArgs | None = None,
     device: str = "cpu",
     dtype: str = "auto",
+    attention_backend: str = "batched",
 ):
     spec = spec or SpecArgs()
-    kw = dict(spec=spec, device=device, dtype=dtype)
+    kw = dict(spec=spec, device=device, dtype=dtype, attention_backend=attention_backend)
     prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
     decode = ModelRunner(RunnerArgs(path, max_total_tokens=decode_tokens, max_running_requests=decode_reqs, **kw))
     return prefill, decode
@@ -91,7 +92,7 @@ def runners(
 class Pair:
     def __init__(
         self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: Hooks | None = None, **sizes
-    ):  # sizes: decode_tokens, decode_reqs, spec, device, dtype
+    ):  # sizes: decode_tokens, decode_reqs, spec, device, dtype, attention_backend
         prefill, decode = runners(path, **sizes)
         self.out = Outputs()
         self.inbox = Inbox()

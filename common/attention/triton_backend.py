@@ -1,0 +1,101 @@
+"""Triton attention backend (`--attention-backend triton`): paged kernels, no padded K/V copy.
+
+`init_forward_metadata` (once per forward, from the ForwardBatch's host lists; no device sync)
+puts rows, prefix and new-token counts, packed query starts and visible KV lengths on the device,
+and picks the decode split count from the longest sequence. `forward` writes this forward's K/V
+into the pool and runs `common/attention/triton_kernels.py`: the decode kernel for a DECODE batch
+(one token per request), the extend kernel (causal, or through the tree mask) otherwise.
+
+On a CUDA device the kernels compile; on CPU they need Triton's interpreter (`TRITON_INTERPRET=1`
+before Triton loads), which is slow and meant for tests: the backend says so rather than fail
+inside a launch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.attention.base import AttentionBackend
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.engine.host_copy import to_device
+
+SPLIT_TOKENS = 256  # decode: one split per this many keys of the longest sequence ...
+MAX_SPLITS = 16  # ... up to this many (a power of two; each split writes a partial result)
+
+
+@dataclass
+class KernelMeta:
+    batch: int
+    max_extend: int
+    rows: torch.Tensor  # [B] req_to_token rows
+    seq_lens: torch.Tensor  # [B] KV length each request's queries see
+    prefix_lens: torch.Tensor | None = None  # extend only: [B]
+    extend_lens: torch.Tensor | None = None
+    q_starts: torch.Tensor | None = None  # [B] first packed query of each request
+
+
+def decode_splits(max_seq: int) -> int:
+    """Parts per sequence for split-K decode: a power of two, more for longer sequences."""
+    want = min(MAX_SPLITS, max(1, -(-max_seq // SPLIT_TOKENS)))
+    return 1 << (want - 1).bit_length()
+
+
+def check_usable(device: torch.device) -> None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError("--attention-backend triton needs the triton package (pip install triton)") from e
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--attention-backend triton on CPU runs only under Triton's interpreter (set TRITON_INTERPRET=1; "
+            "slow, for tests): use batched on CPU"
+        )
+
+
+class TritonBackend(AttentionBackend):
+    def __init__(self, kv_pool, req_to_token_pool):
+        super().__init__(kv_pool, req_to_token_pool)
+        check_usable(kv_pool.k[0].device)
+        from common.attention import triton_kernels  # Triton loads only when this backend is chosen
+
+        self._kernels = triton_kernels
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        device = self.req_to_token_pool.req_to_token.device
+        seq = forward_batch.seq_lens_cpu
+        extend = forward_batch.extend_lens_cpu
+        self._decode = forward_batch.mode == ForwardMode.DECODE and forward_batch.tree_mask is None
+        meta = KernelMeta(
+            batch=len(seq),
+            max_extend=max(extend),
+            rows=to_device(forward_batch.req_pool_indices_cpu, device, torch.int64),
+            seq_lens=to_device(seq, device, torch.int32),
+        )
+        if self._decode:
+            self._splits = decode_splits(max(seq))
+        else:
+            starts, total = [], 0
+            for n in extend:
+                starts.append(total)
+                total += n
+            meta.prefix_lens = to_device(forward_batch.prefix_lens_cpu, device, torch.int32)
+            meta.extend_lens = to_device(extend, device, torch.int32)
+            meta.q_starts = to_device(starts, device, torch.int32)
+        tree = forward_batch.tree_mask
+        self._tree = None if tree is None else tree.contiguous().view(torch.int8)
+        self._meta = meta
+
+    def forward(self, q, k, v, layer, forward_batch, scale):
+        self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        table = self.req_to_token_pool.req_to_token
+        q = q.to(k_buf.dtype) if q.dtype != k_buf.dtype else q
+        out = torch.empty_like(q)
+        if self._decode:
+            self._kernels.decode_attention(q, k_buf, v_buf, out, table, self._meta, scale, self._splits)
+        else:
+            self._kernels.extend_attention(q, k_buf, v_buf, out, table, self._meta, scale, self._tree)
+        return out
