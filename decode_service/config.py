@@ -20,6 +20,10 @@ class DecodeConfig(ServiceConfig):
     default_max_new_tokens: int = flag(128, "used when a request gives none (clamped to the context)")
     served_model_name: str | None = flag(None, "model id reported to clients (default: folder name)", type=str)
     disable_overlap_schedule: bool = flag(False, "process each step's results before launching the next")
+    disable_cuda_graph: bool = flag(False, "CUDA: run decode steps eagerly instead of replaying captured graphs")
+    cuda_graph_max_bs: int | None = flag(
+        None, "largest decode batch captured as a CUDA graph (default: max_running_requests)", type=int
+    )
     max_queued_requests: int = flag(
         256, "Generate calls that may wait beyond max_running_requests (more: RESOURCE_EXHAUSTED)"
     )

@@ -151,7 +151,15 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         loop = asyncio.get_running_loop()
         answer: asyncio.Future = loop.create_future()
         first: asyncio.Future = loop.create_future()  # the first token, before the answer
-        call = PrefillCall(handoff_request, _resolver(loop, answer), _resolver(loop, first))
+        resolve_answer, m = _resolver(loop, answer), self.metrics
+
+        def on_answer(result) -> None:  # the engine's thread: counted even if the caller has gone since
+            if not isinstance(result, BaseException) and call.started_at:
+                m.queue_time.observe(call.started_at - call.queued_at)
+                m.compute.observe(call.finished_at - call.started_at)
+            resolve_answer(result)
+
+        call = PrefillCall(handoff_request, on_answer, _resolver(loop, first))
         context.add_done_callback(lambda _context: call.cancel())
         self.open_calls += 1
         try:
@@ -202,8 +210,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             if not call.cancelled.is_set():
                 await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {result}")
             return
-        m.queue_time.observe(call.started_at - call.queued_at)
-        m.compute.observe(call.finished_at - call.started_at)
         if sent is None:
             yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
         sent_first = time.perf_counter()

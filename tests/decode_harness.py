@@ -81,18 +81,31 @@ def runners(
     device: str = "cpu",
     dtype: str = "auto",
     attention_backend: str = "batched",
+    static_decode_buffers: bool = False,
+    cuda_graph: bool = False,
 ):
     spec = spec or SpecArgs()
     kw = dict(spec=spec, device=device, dtype=dtype, attention_backend=attention_backend)
     prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
-    decode = ModelRunner(RunnerArgs(path, max_total_tokens=decode_tokens, max_running_requests=decode_reqs, **kw))
+    decode = ModelRunner(
+        RunnerArgs(
+            path,
+            max_total_tokens=decode_tokens,
+            max_running_requests=decode_reqs,
+            static_decode_buffers=static_decode_buffers,
+            cuda_graph=cuda_graph,
+            **kw,
+        )
+    )
+    if cuda_graph:
+        decode.warmup()  # captures the decode graphs
     return prefill, decode
 
 
 class Pair:
     def __init__(
         self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: Hooks | None = None, **sizes
-    ):  # sizes: decode_tokens, decode_reqs, spec, device, dtype, attention_backend
+    ):  # sizes: runners()' keywords
         prefill, decode = runners(path, **sizes)
         self.out = Outputs()
         self.inbox = Inbox()

@@ -56,6 +56,9 @@ def check_usable(device: torch.device) -> None:
 
 
 class TritonBackend(AttentionBackend):
+    supports_cuda_graph = True  # decode metadata comes from device tensors only (common/engine/decode_graphs.py)
+    fixed_decode_splits = False  # set while a graph is captured: the split count for the longest context
+
     def __init__(self, kv_pool, req_to_token_pool):
         super().__init__(kv_pool, req_to_token_pool)
         check_usable(kv_pool.k[0].device)
@@ -68,15 +71,17 @@ class TritonBackend(AttentionBackend):
         seq = forward_batch.seq_lens_cpu
         extend = forward_batch.extend_lens_cpu
         self._decode = forward_batch.mode == ForwardMode.DECODE and forward_batch.tree_mask is None
-        meta = KernelMeta(
-            batch=len(seq),
-            max_extend=max(extend),
-            rows=to_device(forward_batch.req_pool_indices_cpu, device, torch.int64),
-            seq_lens=to_device(seq, device, torch.int32),
-        )
-        if self._decode:
-            self._splits = decode_splits(max(seq))
+        if self._decode:  # the batch's own device tensors: nothing from the host, so a graph can replay it
+            meta = KernelMeta(len(seq), 1, forward_batch.req_pool_indices, forward_batch.seq_lens)
+            longest = self.req_to_token_pool.req_to_token.shape[1] if self.fixed_decode_splits else max(seq)
+            self._splits = decode_splits(longest)
         else:
+            meta = KernelMeta(
+                batch=len(seq),
+                max_extend=max(extend),
+                rows=to_device(forward_batch.req_pool_indices_cpu, device, torch.int64),
+                seq_lens=to_device(seq, device, torch.int32),
+            )
             starts, total = [], 0
             for n in extend:
                 starts.append(total)

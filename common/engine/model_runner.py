@@ -12,6 +12,7 @@ import torch
 
 from common.attention import create_backend
 from common.engine import intra_op
+from common.engine.decode_graphs import DecodeGraphs
 from common.engine.draft_runner import DraftRunner, SpecArgs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
@@ -34,6 +35,9 @@ class RunnerArgs:
     attention_backend: str = "batched"
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
+    cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
+    cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
+    static_decode_buffers: bool = False  # without capture (CPU): decode through the graphs' static buffers
 
     @classmethod
     def from_service_config(cls, config) -> RunnerArgs:
@@ -47,6 +51,8 @@ class RunnerArgs:
             context_length=config.context_length,
             attention_backend=config.attention_backend,
             linear_layout=config.linear_layout,
+            cuda_graph=not getattr(config, "disable_cuda_graph", True),  # a decode flag: prefill runs no decode
+            cuda_graph_max_bs=getattr(config, "cuda_graph_max_bs", None),
             spec=SpecArgs(
                 config.speculative_algorithm,
                 config.speculative_draft_model_path,
@@ -94,6 +100,11 @@ class ModelRunner:
         )
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
+        capture = args.cuda_graph and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graph", False)
+        self.decode_graphs = None
+        if capture or args.static_decode_buffers:
+            max_bs = args.cuda_graph_max_bs or args.max_running_requests
+            self.decode_graphs = DecodeGraphs(self, max_bs, capture=capture)
 
     def draft_linear_roots(self) -> tuple:
         return () if self.draft is None else (self.draft.head, self.draft.vocab_lm_head)
@@ -109,7 +120,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one forward; returns (logits [len(logits_indices), V] float32, hidden [T, H])."""
+        """Run one forward; returns (logits [len(logits_indices), V] float32, hidden [T, H]). Decode
+        forwards go through the static buffers (and captured graphs) when the runner has them."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(forward_batch):
+            return self.decode_graphs.run(forward_batch)
+        return self.forward_eager(forward_batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(forward_batch, self.backend)
         return self.model.compute_logits(hidden[forward_batch.logits_indices]), hidden
 
@@ -133,6 +151,8 @@ class ModelRunner:
         does not pay one-time kernel and allocator set-up. Run before a service reports SERVING."""
         with intra_op.single_threaded():
             self._warmup(prompt_len)
+            if self.decode_graphs is not None:
+                self.decode_graphs.capture_all()
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))

@@ -1,0 +1,73 @@
+"""The CPU linear layouts on this host: the start-up table, and whole decode forwards per layout.
+
+    python -m bench.linear_layouts [--model-path DIR] [--threads 2] [--batch-sizes 1,4,16] [--steps 20]
+
+Model: SmolLM2-135M-Instruct (converted once) unless --model-path, fp32. For each layout (`auto`,
+then each one forced) a runner is built (auto logs its timing table), B requests are given a
+64-token prefix, and `--steps` decode forwards of B rows are timed (median ms per forward: model
+only, no scheduler). Prints a markdown table with the host's CPU (common/host.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import torch
+
+from common import host
+from common.engine import intra_op
+from common.engine.forward_batch import ForwardBatch
+from common.models.linear_tuning import CHOICES
+
+PREFIX = 64
+
+
+def decode_ms(runner, batch: int, steps: int) -> float:
+    table = runner.req_to_token_pool.req_to_token
+    rows = []
+    for _ in range(batch):
+        rows.append(runner.req_to_token_pool.alloc())
+        runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(PREFIX + steps + 1))
+    runner.forward(ForwardBatch.extend(table, rows, [0] * batch, [[5] * PREFIX] * batch))
+    times, ids = [], torch.full((batch,), 7)
+    for step in range(steps + 2):
+        start = time.perf_counter()
+        runner.forward(ForwardBatch.decode(table, torch.tensor(rows), [PREFIX + step] * batch, ids))
+        times.append(time.perf_counter() - start)
+    for row in rows:
+        runner.kv_allocator.free(table[row, : PREFIX + steps + 1].to(torch.int64))
+        runner.req_to_token_pool.free(row)
+    return 1e3 * statistics.median(times[2:])  # the first two warm up
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+    from common.tools.smollm2 import ensure_smollm2
+
+    path = args.model_path or ensure_smollm2()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    results = {}
+    for layout in CHOICES:
+        runner = ModelRunner(RunnerArgs(path, max_total_tokens=max(batches) * 128, linear_layout=layout))
+        results[layout] = intra_op.on_own_thread(lambda r=runner: [decode_ms(r, b, args.steps) for b in batches])
+        print(f"{layout}: " + ", ".join(f"B={b} {ms:.1f} ms" for b, ms in zip(batches, results[layout])), flush=True)
+    print(f"\n{host.describe()}, {args.threads} threads, ms per decode forward (median of {args.steps})\n")
+    print("| layout | " + " | ".join(f"B={b}" for b in batches) + " |")
+    print("| --- |" + " --- |" * len(batches))
+    for layout, row in results.items():
+        print(f"| {layout} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
+
+
+if __name__ == "__main__":
+    main()
