@@ -1,11 +1,11 @@
 """The CPU linear layouts on this host: the start-up table, and whole decode forwards per layout.
 
-    python -m bench.linear_layouts [--model-path DIR] [--threads 2] [--batch-sizes 1,4,16] [--steps 20]
+    python -m bench.linear_layouts [--model-path DIR] [--threads 2] [--batch-sizes 1,4,16] [--steps 20] [--rounds 3]
 
-Model: SmolLM2-135M-Instruct (converted once) unless --model-path, fp32. For each layout (`auto`,
-then each one forced) a runner is built (auto logs its timing table), B requests are given a
-64-token prefix, and `--steps` decode forwards of B rows are timed (median ms per forward: model
-only, no scheduler). Prints a markdown table with the host's CPU (common/host.py).
+Model: SmolLM2-135M-Instruct (converted once) unless --model-path, fp32. A runner per layout (`auto`,
+then each one forced; auto logs its timing table); in each round every runner gives B requests a
+64-token prefix and times `--steps` decode forwards of B rows (median ms per forward: model only,
+no scheduler); the table keeps each layout's best round. Prints a markdown table with the host's CPU (common/host.py).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layouts", default=",".join(CHOICES), help="which, in this order")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from common.engine.model_runner import ModelRunner, RunnerArgs
@@ -57,12 +59,17 @@ def main(argv=None) -> None:
     path = args.model_path or ensure_smollm2()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    results = {}
-    for layout in CHOICES:
-        runner = ModelRunner(RunnerArgs(path, max_total_tokens=max(batches) * 128, linear_layout=layout))
-        results[layout] = intra_op.on_own_thread(lambda r=runner: [decode_ms(r, b, args.steps) for b in batches])
-        print(f"{layout}: " + ", ".join(f"B={b} {ms:.1f} ms" for b, ms in zip(batches, results[layout])), flush=True)
-    print(f"\n{host.describe()}, {args.threads} threads, ms per decode forward (median of {args.steps})\n")
+    runners = {
+        layout: ModelRunner(RunnerArgs(path, max_total_tokens=max(batches) * 128, linear_layout=layout))
+        for layout in args.layouts.split(",")
+    }
+    results = {layout: [float("inf")] * len(batches) for layout in runners}
+    for r in range(args.rounds):  # interleaved: a noisy host drifts between runs
+        for layout, runner in runners.items():
+            ms = intra_op.on_own_thread(lambda r=runner: [decode_ms(r, b, args.steps) for b in batches])
+            results[layout] = [min(a, b) for a, b in zip(results[layout], ms)]
+            print(f"round {r} {layout}: " + ", ".join(f"B={b} {t:.1f} ms" for b, t in zip(batches, ms)), flush=True)
+    print(f"\n{host.describe()}, {args.threads} threads, ms per decode forward (best of {args.rounds} medians)\n")
     print("| layout | " + " | ".join(f"B={b}" for b in batches) + " |")
     print("| --- |" + " --- |" * len(batches))
     for layout, row in results.items():

@@ -44,7 +44,7 @@ def test_blocks_view_the_weight_and_stay_put():
 
 
 def test_rows_map_to_the_first_bucket_that_holds_them():
-    assert [bucket_index(r) for r in (1, 2, 3, 4, 5, 64, 65, 128)] == [0, 1, 2, 2, 3, 6, 7, 7]
+    assert [bucket_index(r) for r in (1, 2, 3, 4, 5, 33, 64, 65)] == [0, 1, 2, 2, 3, 6, 6, 6]
     assert bucket_index(4096) == len(ROW_BUCKETS) - 1  # prefill chunks: the largest bucket's plan
     assert all(ROW_BUCKETS[bucket_index(r)] >= r for r in range(1, ROW_BUCKETS[-1] + 1))
 
@@ -75,8 +75,9 @@ def test_tuning_keeps_the_fastest_layout_per_shape_and_bucket():
     weights = linear_weights(model, model[0].weight)  # listed twice: counted once
     assert len(weights) == 3
 
-    def fake_measure(weight, rows):  # wide weights: rowblock wins one row, oneDNN above; else mkl
-        if weight.out_features == 32:
+    def fake_measure(weights, rows):  # wide weights: rowblock wins one row, oneDNN above; else mkl
+        assert len({w.shape_key for w in weights}) == 1
+        if weights[0].out_features == 32:
             return {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0 if rows == 1 else 5.0}
         return {"mkl": 1.0, "onednn": 2.0, "rowblock": 3.0}
 
@@ -103,5 +104,5 @@ def test_a_forced_layout_is_not_timed_and_frees_the_unused_copy():
 
 
 def test_measure_times_every_layout_on_the_real_weight():
-    seconds = measure(LinearWeight(torch.randn(64, 32)), rows=4)
+    seconds = measure([LinearWeight(torch.randn(64, 32)), LinearWeight(torch.randn(64, 32))], rows=4)
     assert set(seconds) == set(LAYOUTS) and all(0 < s < 1 for s in seconds.values())
