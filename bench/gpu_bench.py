@@ -2,6 +2,7 @@
 
     python -m bench.gpu_bench [--shapes llama-3.2-1b,llama-3.1-8b] [--batch-sizes 1,16,64]
         [--prompt-len 128] [--new-tokens 32] [--device cuda] [--out-json FILE]
+        [--attention-backend batched|triton] [--cuda-graph]
 
 For each shape a random-weight bf16 checkpoint of that architecture is built on the device (no
 downloads) and saved to a temporary folder our loader reads. Per batch size B, greedy, EOS ignored,
@@ -111,14 +112,23 @@ def hf_step_ms(model, prompt: list[int], batch: int, new_tokens: int, device: st
     return 1e3 * (run(new_tokens) - run(1)) / (new_tokens - 1)
 
 
-def load_runners(path: str, max_batch: int, tokens_per_request: int, device: str, dtype: str) -> tuple:
-    """(decode, prefill) ModelRunners sized for the largest batch, loaded once per shape."""
+def load_runners(
+    path: str, max_batch: int, tokens_per_request: int, device: str, dtype: str, backend: str = "batched", graphs=False
+) -> tuple:
+    """(decode, prefill) ModelRunners sized for the largest batch, loaded once per shape; the decode
+    runner captures its CUDA graphs when `graphs` (needs the triton backend)."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
 
     args = dict(
-        device=device, dtype=dtype, max_running_requests=max_batch, max_total_tokens=max_batch * tokens_per_request + 64
+        device=device,
+        dtype=dtype,
+        max_running_requests=max_batch,
+        max_total_tokens=max_batch * tokens_per_request + 64,
+        attention_backend=backend,
     )
-    return ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args))
+    decode = ModelRunner(RunnerArgs(path, cuda_graph=graphs, **args))
+    decode.warmup()
+    return decode, ModelRunner(RunnerArgs(path, **args))
 
 
 def ours(runners: tuple, prompt: list[int], batch: int, new_tokens: int, device: str, overlap: bool) -> dict:
@@ -157,13 +167,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out-json", default=None)
+    p.add_argument("--attention-backend", default="batched", help="batched | triton | torch")
+    p.add_argument("--cuda-graph", action="store_true", help="decode steps replay CUDA graphs (with triton)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     bw = bandwidth(args.device, 1 << 30 if args.device == "cuda" else 1 << 26)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         f"# {name}, copy bandwidth {bw / 1e9:.0f} GB/s, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-        f"{args.dtype}",
+        f"{args.dtype}, attention {args.attention_backend}, CUDA graphs {'on' if args.cuda_graph else 'off'}",
         flush=True,
     )
     print(
@@ -178,7 +190,15 @@ def main(argv=None) -> list[dict]:
             vocab = SHAPES[shape]["vocab_size"]
             prompt = [(1000003 * i + 7) % (vocab - 3) + 3 for i in range(args.prompt_len)]
             batches = [int(x) for x in args.batch_sizes.split(",")]
-            runners = load_runners(folder, max(batches), args.prompt_len + args.new_tokens, args.device, args.dtype)
+            runners = load_runners(
+                folder,
+                max(batches),
+                args.prompt_len + args.new_tokens,
+                args.device,
+                args.dtype,
+                args.attention_backend,
+                args.cuda_graph,
+            )
             for b in batches:
                 hf = hf_step_ms(model, prompt, b, args.new_tokens, args.device)
                 on = ours(runners, prompt, b, args.new_tokens, args.device, overlap=True)

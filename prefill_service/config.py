@@ -17,6 +17,7 @@ class PrefillConfig(ServiceConfig):
     max_total_tokens: int = flag(8192, "KV slots of the prefill pool")
     max_running_requests: int = flag(16, "prompts prefilled together at most")
     chunked_prefill_size: int = flag(512, "token budget of one extend forward")
+    disable_radix_cache: bool = flag(False, "compute every prompt in full (no prefix cache between requests)")
     max_chunk_bytes: int = flag(DEFAULT_MAX_CHUNK_BYTES, "bound on one KV chunk on the wire")
     inject_faults: str | None = flag(
         None,

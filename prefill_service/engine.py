@@ -1,20 +1,25 @@
 """PrefillEngine: continuous chunked prefill across requests, one extend forward per step.
 
 Lifecycle of a request:
-  1. `admit` validates it against this model (non-empty, ids in the vocabulary, fits the context) and
-     reserves a request slot and KV slots for its prompt (`can_admit` says whether they are free);
+  1. `admit` validates it against this model (non-empty, ids in the vocabulary, fits the context),
+     takes the KV of its longest cached prefix from the radix cache (radix_cache.py; locked while it
+     runs; at most all but the last prompt token; with EAGLE only positions whose head KV was made
+     with this prompt's next token), and reserves a request slot and KV slots for the rest, evicting
+     unlocked cached prefixes when the pool is short (`can_admit` says whether that is possible);
   2. each `step` runs one extend forward of at most `chunk_size` tokens over the running prompts
      (chunked_prefill.py's budget policy: short prompts first, the oldest never starves),
      continuing each from the KV already in the pool;
   3. in the step where its prompt completes: sample the first token (output position
      `first_position` of the request's seeded stream); with EAGLE on, the draft extend over the
      prompt (its features were kept during 2) gives the draft KV and the draft seed (draft_prefill.py);
-  4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff, free its slots exactly
-     once, and return the Handoff from that step, so its first token goes out while longer prompts
-     are still computing;
-  5. `abort` frees a running request's slots (its call was cancelled); `fail_all` frees every one.
-`prefill(requests)` runs a list of requests to completion (tests, tools).
-The prefill side is stateless between requests.
+  4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included),
+     insert the prompt into the radix cache (its own slots that duplicate cached ones are freed),
+     unlock its prefix and free its request slot, exactly once, and return the Handoff from that
+     step, so its first token goes out while longer prompts are still computing;
+  5. `abort` frees a running request's own slots and unlocks its prefix (its call was cancelled);
+     `fail_all` does that for every one.
+`prefill(requests)` runs a list of requests to completion (tests, tools). Between requests the
+engine keeps only the radix cache (`radix_cache=False`: nothing, every prompt computed in full).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from common.engine.model_runner import ModelRunner
 from common.engine.sampling import sample
 from common.request_rules import validate_prompt
 from prefill_service.draft_prefill import draft_extend
+from prefill_service.radix_cache import CacheStats, RadixCache
 
 
 @dataclass
@@ -40,13 +46,29 @@ class _Running:
     first_token: int | None = None
     prompt: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: target features, chunk by chunk
+    cached: int = 0  # leading prompt tokens whose KV came from the radix cache (kv_slots[:cached] are the tree's)
+    node: object = None  # the radix node locked for those (None without the cache)
 
 
 class PrefillEngine:
-    def __init__(self, runner: ModelRunner, chunk_size: int = 256):
+    def __init__(self, runner: ModelRunner, chunk_size: int = 256, radix_cache: bool = True):
         self.runner = runner
         self.chunk_size = chunk_size
         self.running: list[_Running] = []  # admitted, prompt not complete yet (oldest first)
+        self.cache = RadixCache(runner.kv_allocator.free) if radix_cache else None
+        self.stats = CacheStats()
+
+    @property
+    def request_kv_used(self) -> int:
+        """KV slots held by running requests (what is used minus what the cache holds): 0 when idle."""
+        return self.runner.kv_allocator.num_used - (self.cache.tree_size if self.cache else 0)
+
+    def check_idle_integrity(self) -> None:
+        """Idle: every used KV slot is the cache's, each once; every request slot is free."""
+        tree = [torch.tensor(self.cache.all_slots(), dtype=torch.int64)] if self.cache else []
+        self.runner.kv_allocator.check_integrity(holders=tree)
+        self.runner.req_to_token_pool.allocator.check_integrity(holders=[])
+        assert self.cache is None or self.cache.locked_size == 0, "a finished request left its prefix locked"
 
     # ---- admission ---------------------------------------------------------------------------------
     def validate(self, request: HandoffRequest) -> None:
@@ -59,17 +81,52 @@ class PrefillEngine:
             kv_capacity=kv.size,
         )
 
+    def _reusable(self, prompt: list[int]) -> tuple[torch.Tensor, object]:
+        """(cached slots this prompt may reuse, the node to lock) - see step 1."""
+        if self.cache is None:
+            return torch.empty(0, dtype=torch.int64), None
+        slots, node, draft_ok = self.cache.match_prefix(prompt)
+        # the last prompt token is always computed (its logits give the first token); with EAGLE only
+        # positions whose head KV was made with this prompt's next token (radix_cache.Node.draft_next)
+        keep = min(draft_ok if self.runner.draft is not None else len(slots), len(prompt) - 1)
+        return slots[: max(keep, 0)], node
+
     def can_admit(self, request: HandoffRequest) -> bool:
-        return self.runner.req_to_token_pool.allocator.num_free > 0 and self.runner.kv_allocator.can_alloc(
-            len(request.prompt_ids)
-        )
+        if self.runner.req_to_token_pool.allocator.num_free == 0:
+            return False
+        cached, node = self._reusable(request.prompt_ids)
+        need = len(request.prompt_ids) - len(cached)
+        if self.cache is None:
+            return self.runner.kv_allocator.can_alloc(need)
+        self.cache.lock(node)  # what it would reuse does not count as evictable
+        try:
+            return self.runner.kv_allocator.num_free + self.cache.evictable_size >= need
+        finally:
+            self.cache.unlock(node)
 
     def admit(self, request: HandoffRequest) -> None:
         self.validate(request)
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
-        row, slots = pool.alloc(), kv.alloc(len(request.prompt_ids))
+        prompt = list(request.prompt_ids)
+        cached, node = self._reusable(prompt)
+        need = len(prompt) - len(cached)
+        if self.cache is not None:
+            self.cache.lock(node)
+            if kv.num_free < need:
+                self.cache.evict(need - kv.num_free)
+        try:
+            own = kv.alloc(need)
+        except BaseException:
+            if self.cache is not None:
+                self.cache.unlock(node)
+            raise
+        row = pool.alloc()
+        slots = torch.cat([cached, own])
         pool.write(row, 0, slots)
-        self.running.append(_Running(request, row, slots, prompt=list(request.prompt_ids)))
+        self.running.append(
+            _Running(request, row, slots, prefilled=len(cached), prompt=prompt, cached=len(cached), node=node)
+        )
+        self.stats.count(len(prompt), len(cached))
 
     def abort(self, request: HandoffRequest) -> bool:
         """Free a running request's slots; False if it is not running."""
@@ -112,8 +169,10 @@ class PrefillEngine:
             self.running.remove(w)
             try:
                 handoffs.append((w.request, self._to_handoff(w)))
-            finally:
+            except BaseException:
                 self._free(w)
+                raise
+            self._retire(w)
         return handoffs
 
     def prefill(self, requests: list[HandoffRequest]) -> list[Handoff]:
@@ -135,7 +194,23 @@ class PrefillEngine:
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _free(self, w: _Running) -> None:
-        self.runner.kv_allocator.free(w.kv_slots)
+        """An aborted or failed request: its own slots back, its prefix unlocked."""
+        self.runner.kv_allocator.free(w.kv_slots[w.cached :])
+        self._release(w)
+
+    def _retire(self, w: _Running) -> None:
+        """A finished request: its prompt into the cache (own slots that duplicate cached ones freed)."""
+        if self.cache is None:
+            self._free(w)
+            return
+        present = self.cache.insert(w.prompt, w.kv_slots, draft_next=w.first_token)
+        if present > w.cached:
+            self.runner.kv_allocator.free(w.kv_slots[w.cached : present])
+        self._release(w)
+
+    def _release(self, w: _Running) -> None:
+        if self.cache is not None:
+            self.cache.unlock(w.node)
         self.runner.req_to_token_pool.free(w.req_pool_idx)
 
     def _sample_first(self, done: list[_Running], logits: torch.Tensor) -> None:
@@ -165,6 +240,7 @@ class PrefillEngine:
                 self.runner,
                 w.req_pool_idx,
                 w.prompt,
+                w.cached,
                 w.first_token,
                 torch.cat(w.features),
                 self.chunk_size,
@@ -182,5 +258,6 @@ class PrefillEngine:
             k=[k[loc].cpu() for k in pool.k],
             v=[v[loc].cpu() for v in pool.v],
             first_position=r.first_position,
+            cached_tokens=w.cached,
             **extra,
         )

@@ -234,10 +234,8 @@ class PrefillScheduler:
             call.finished_at = now
             self.num_prefilled += 1
             self._answer(call, handoff)
-        if self.debug_checks and not self.running:  # the engine freed every slot: the books balance
-            runner = self.engine.runner
-            runner.kv_allocator.check_integrity(holders=[])
-            runner.req_to_token_pool.allocator.check_integrity(holders=[])
+        if self.debug_checks and not self.running:  # the engine freed every slot but the cache's: the books balance
+            self.engine.check_idle_integrity()
 
     # ---- answers --------------------------------------------------------------------------------
     def _first_token(self, request: HandoffRequest, token: int) -> None:

@@ -61,7 +61,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
         self.runner = ModelRunner.for_service(config)
-        self.engine = PrefillEngine(self.runner, config.chunked_prefill_size)
+        self.engine = PrefillEngine(self.runner, config.chunked_prefill_size, not config.disable_radix_cache)
         self.scheduler = PrefillScheduler(
             self.engine,
             config.max_running_requests,

@@ -75,7 +75,7 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
         wait_for("the scheduler never went idle", lambda: sched.num_running == 0 and sched.num_queued() == 0)
         assert not sched.pending, "a call was left without an answer"
         assert service.num_prefilled == HELD - CANCELLED  # a cancel seen while queued prevents the prefill
-        assert service.runner.kv_allocator.num_used == 0
+        assert service.engine.request_kv_used == 0
         assert service.runner.req_to_token_pool.allocator.num_used == 0
         assert sched.alive
     finally:
@@ -125,7 +125,7 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
         with pytest.raises(grpc.RpcError) as err:  # later calls are refused at once, not left hanging
             list(stub.Prefill(prefill_pb2.PrefillRequest(request_id="late", input_ids=[5, 6]), timeout=5))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert service.runner.kv_allocator.num_used == 0
+        assert service.engine.request_kv_used == 0
         assert service.runner.req_to_token_pool.allocator.num_used == 0
     finally:
         latch.set()

@@ -41,7 +41,7 @@ def test_budget_policy_short_prompts_first_oldest_never_starves(checkpoint):
     assert plan["long"] == 16 and sum(plan.values()) == 64  # a quarter of the budget for the oldest
     while engine.running:
         engine.step()
-    assert engine.runner.kv_allocator.num_used == 0 and engine.runner.req_to_token_pool.allocator.num_used == 0
+    engine.check_idle_integrity()
 
 
 def test_engine_results_match_the_oracle_when_requests_interleave(checkpoint):
@@ -51,7 +51,7 @@ def test_engine_results_match_the_oracle_when_requests_interleave(checkpoint):
     handoffs = engine.prefill(reqs)
     for r, h in zip(reqs, handoffs):
         assert h.rid == r.rid and h.first_token == hf_greedy(path, r.prompt_ids, 1)[0]
-    assert engine.runner.kv_allocator.num_used == 0
+    assert engine.request_kv_used == 0
 
 
 def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint):
@@ -82,7 +82,7 @@ def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint)
         assert max(first_at[f"short{i}"] for i in range(3)) < first_at["long"], first_at
     finally:
         service.stop()
-    assert service.runner.kv_allocator.num_used == 0
+    assert service.engine.request_kv_used == 0
 
 
 def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
@@ -124,7 +124,7 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
         for t in threads:
             t.join(30)
         assert results == {"a": grpc.StatusCode.INTERNAL, "b": grpc.StatusCode.INTERNAL}, results
-        assert service.runner.kv_allocator.num_used == 0
+        assert service.engine.request_kv_used == 0
         assert sched.alive, "a failed step fails its calls, not the scheduler"
     finally:
         service.stop()

@@ -198,7 +198,7 @@ def test_prefill_call_cancelled_between_the_schedulers_looks_still_gets_one_answ
         sched.stop()
     assert len(answers) == 1, f"answered {len(answers)} times"
     assert getattr(answers[0], "first_token", None) is not None or isinstance(answers[0], Exception)
-    assert engine.runner.kv_allocator.num_used == 0 and engine.runner.req_to_token_pool.allocator.num_used == 0
+    engine.check_idle_integrity()
 
 
 def test_malformed_request_bytes_get_invalid_argument_on_both_services(checkpoint, caplog):

@@ -35,6 +35,7 @@ class Handoff:
     k: list[torch.Tensor] | None  # None: the KV already arrived as chunks (written on arrival)
     v: list[torch.Tensor] | None
     first_position: int = 0  # output index of first_token; prompt_ids ends with that many outputs
+    cached_tokens: int = 0  # leading prompt tokens whose KV the prefill side took from its prefix cache
     # EAGLE: the head's one layer of KV over the prompt, and its seed at the last position (the next
     # draft token(s) with their probabilities, and the head's hidden there)
     draft_k: list[torch.Tensor] | None = None
