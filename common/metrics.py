@@ -114,6 +114,8 @@ class PrefillMetrics(_Metrics):
         queued: Callable[[], float],
         kv_usage: Callable[[], float],
         transfers_in_flight: Callable[[], float] = lambda: 0,
+        cache_hit_rate: Callable[[], float] = lambda: 0,
+        cache_tokens: Callable[[], float] = lambda: 0,
     ):
         super().__init__("prefill", running, queued, kv_usage)
         h, c = self._histogram, self._counter
@@ -129,3 +131,7 @@ class PrefillMetrics(_Metrics):
         self.failures = c("prefill_failures_total", "Prefill calls that failed or were cancelled")
         self.injected = c("injected_faults_total", "handoff faults injected (--inject-faults)", ["kind"])
         self._gauge("kv_transfers_in_flight", "handoffs streaming or writing their KV now", transfers_in_flight)
+        self.prompt_tokens = c("prefill_prompt_tokens_total", "prompt tokens of answered Prefill calls")
+        self.cached_tokens = c("prefill_cached_tokens_total", "of those, tokens whose KV came from the prefix cache")
+        self._gauge("cache_hit_rate", "share of admitted prompt tokens found in the prefix cache", cache_hit_rate)
+        self._gauge("prefix_cache_tokens", "KV slots the prefix cache holds", cache_tokens)

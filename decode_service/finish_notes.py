@@ -1,5 +1,6 @@
 """FinishNotes: what the front door learns about a finished request besides its tokens: why it
-failed, and (EAGLE) how many of its drafts were accepted. Written by the scheduler before it emits
+failed, how many prompt tokens the prefill side found in its prefix cache, and (EAGLE) how many of
+its drafts were accepted. Written by the scheduler before it emits
 the finish, popped by the front door when it builds the Complete; bounded (oldest dropped past 1024)
 so callers that never pop (in-process use) leak nothing."""
 
@@ -15,6 +16,7 @@ class FinishNotes:
         self._lock = threading.Lock()
         self._errors: dict[str, str] = {}
         self._spec: dict[str, tuple[int, int]] = {}
+        self._cached: dict[str, int] = {}
 
     def _put(self, table: dict, rid: str, value) -> None:
         with self._lock:
@@ -27,6 +29,13 @@ class FinishNotes:
 
     def put_spec(self, rid: str, accepted: int, drafted: int) -> None:
         self._put(self._spec, rid, (accepted, drafted))
+
+    def put_cached(self, rid: str, tokens: int) -> None:
+        self._put(self._cached, rid, tokens)
+
+    def pop_cached(self, rid: str) -> int:
+        with self._lock:
+            return self._cached.pop(rid, 0)
 
     def pop_error(self, rid: str) -> str | None:
         with self._lock:

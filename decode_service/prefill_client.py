@@ -333,6 +333,7 @@ class PrefillClient:
                     k=None,
                     v=None,
                     first_position=request.first_position,
+                    cached_tokens=rec.cached_tokens,
                     **decode_seed(rec),
                 )
         raise ValueError("prefill stream ended without a record")

@@ -87,7 +87,7 @@ class DecodeScheduler:
         self.reqs: dict[str, DecodeReq] = {}
         self.step_count = 0
         self.fatal_error: Exception | None = None
-        self.notes = FinishNotes()  # errors and EAGLE stats of finished requests, for the front door
+        self.notes = FinishNotes()  # errors, cached tokens, EAGLE stats of finished requests, for the front door
         self._handlers = {
             Submit: self._on_submit,
             Abort: self._on_abort,
@@ -222,6 +222,7 @@ class DecodeScheduler:
         for req in reqs:
             handoff = req.handoff
             req.handoff = None
+            self.notes.put_cached(req.rid, handoff.cached_tokens)  # the front door reports it (cached_tokens)
             self.worker.write_prebuilt(req.req_pool_idx, req.kv_slots, handoff)
             new = []  # tokens streamed early (or resent on a retry) may already finish the request
             if len(req.output_ids) == handoff.first_position and (

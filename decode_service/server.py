@@ -298,6 +298,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 )
             if reason is not None:
                 accepted, drafted = self.scheduler.notes.pop_spec(rid)
+                cached = self.scheduler.notes.pop_cached(rid)
                 if drafted:
                     m.spec_accepted.inc(accepted)
                     m.spec_drafted.inc(drafted)
@@ -307,6 +308,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                     finish_reason=reason,
                     prompt_tokens=len(ids),
                     completion_tokens=len(all_ids),
+                    cached_tokens=cached,
                     spec_accepted_tokens=accepted,
                     spec_draft_tokens=drafted,
                 )

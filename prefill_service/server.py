@@ -76,6 +76,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             queued=self.scheduler.num_queued,
             kv_usage=lambda: kv.num_used / kv.size,
             transfers_in_flight=lambda: self.transfers_in_flight,
+            cache_hit_rate=lambda: self.engine.stats.hit_rate,
+            cache_tokens=lambda: self.engine.cache.tree_size if self.engine.cache else 0,
         )
         self.metrics_port: int | None = None
         self.open_calls = 0  # Prefill calls open (changed on the event loop only)
@@ -157,6 +159,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             if not isinstance(result, BaseException) and call.started_at:
                 m.queue_time.observe(call.started_at - call.queued_at)
                 m.compute.observe(call.finished_at - call.started_at)
+                m.prompt_tokens.inc(result.prompt_len)
+                m.cached_tokens.inc(result.cached_tokens)
             resolve_answer(result)
 
         call = PrefillCall(handoff_request, on_answer, _resolver(loop, first))
@@ -267,6 +271,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 draft_seed=draft_seed,
                 queue_us=int(1e6 * (call.started_at - call.queued_at)),
                 compute_us=int(1e6 * (call.finished_at - call.started_at)),
+                cached_tokens=result.cached_tokens,
             )
         )
         elapsed = time.perf_counter() - sent_first

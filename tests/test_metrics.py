@@ -47,6 +47,12 @@ def test_metrics_move_with_traffic(checkpoint):
         assert d["disagg_kv_cache_usage_ratio"] == 0 and d["disagg_num_running_reqs"] == 0
         assert p["disagg_prefill_compute_seconds_count"] == 4 and p["disagg_prefill_requests_total"] >= 3
         assert p["disagg_handoff_bytes_total{backend=grpc}"] > 0 and p["disagg_handoff_transfer_seconds_count"] >= 3
+        # m0..m2 share [6, 7] after their first token, which is not a prefix: no hits; "again" repeats m0
+        assert p["disagg_prefill_prompt_tokens_total"] == 15 and p["disagg_prefill_cached_tokens_total"] == 0
+        pair.collect(pair.generate([5, 6, 7, 8], 2, rid="again", ignore_eos=True))
+        p = _scrape(pair.prefill.metrics_port)
+        assert p["disagg_prefill_cached_tokens_total"] == 3 and p["disagg_prefix_cache_tokens"] >= 4 * 3 + 3
+        assert 0 < p["disagg_cache_hit_rate"] < 1
     finally:
         pair.close()
 

@@ -13,6 +13,7 @@ from common.engine.slot_allocator import SlotAllocator
 from prefill_service.engine import PrefillEngine
 from prefill_service.radix_cache import RadixCache
 from tests.decode_harness import Pair
+from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy
 from tests.test_eagle import heads  # noqa: F401 (fixture)
 
@@ -171,3 +172,22 @@ def test_eagle_draft_kv_and_seed_from_a_cached_prefix_equal_a_cold_prefill(check
         torch.testing.assert_close(got.draft_hidden, ref.draft_hidden, atol=1e-5, rtol=1e-5)
         assert got.draft_topk_ids.tolist() == ref.draft_topk_ids.tolist()
     warm.check_idle_integrity()
+
+
+@pytest.mark.parametrize("transfer", ["grpc", pytest.param("mooncake", marks=needs_mooncake)])
+def test_cached_tokens_reach_the_client_over_grpc(checkpoint, transfer):
+    """The pair over gRPC: a repeated system prompt is served from the prefill cache, the Complete
+    says how many tokens were cached, and the tokens stay HF-exact."""
+    path = checkpoint("llama")
+    pair = GrpcPair(path, transfer=transfer)
+    try:
+        prompts = [SYSTEM + [5, 6], SYSTEM + [7], SYSTEM + [5, 6]]
+        cached = []
+        for i, p in enumerate(prompts):
+            ids, complete = pair.collect(pair.generate(p, 8, stream=i == 1, rid=f"c{i}", ignore_eos=True))
+            assert ids == hf_greedy(path, p, 8), f"prompt {i}"
+            cached.append(complete.cached_tokens)
+        assert cached == [0, len(SYSTEM), len(SYSTEM) + 1]  # cold; the shared part; all but the last token
+        assert pair.prefill.engine.request_kv_used == 0 and pair.prefill.engine.cache.tree_size > 0
+    finally:
+        pair.close()

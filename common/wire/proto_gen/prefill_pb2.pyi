@@ -119,7 +119,7 @@ class KvWritten(_message.Message):
     def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., draft: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrebuiltRecord(_message.Message):
-    __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed", "queue_us", "compute_us")
+    __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed", "queue_us", "compute_us", "cached_tokens")
     class DraftSeedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -133,13 +133,15 @@ class PrebuiltRecord(_message.Message):
     DRAFT_SEED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_len: int
     first_token: int
     num_kv_chunks: int
     draft_seed: _containers.MessageMap[str, Tensor]
     queue_us: int
     compute_us: int
-    def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("first_token", "kv", "record", "written")
