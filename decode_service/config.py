@@ -36,6 +36,12 @@ class DecodeConfig(ServiceConfig):
     prefill_tls_ca_file: str | None = flag(
         None, "talk TLS to prefill replicas, trusting this CA (PEM); our --tls-cert/key-file are our identity", type=str
     )
+    prefill_policy: str = flag(
+        "cache_aware",
+        "how a prefill replica is chosen: cache_aware (the one holding the prompt's prefix unless loads are far "
+        "apart) or least_loaded",
+        choices=["cache_aware", "least_loaded"],
+    )
     prefill_wait_s: float = flag(3.0, "how long a request admitted while a replica went away waits for one")
     prefill_timeout_s: float = flag(600.0, "deadline of one Prefill call")
     prefill_progress_timeout_s: float = flag(

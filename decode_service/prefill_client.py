@@ -1,8 +1,9 @@
 """PrefillClient: the decode side of the internal Prefill API (one channel per prefill replica).
 
 Called by the scheduler with a HandoffRequest once the request's slots are reserved. On a worker
-thread it picks a serving replica (least loaded: its GetLoad plus our own calls in flight to it;
-waits up to `wait_ready_s` if none is ready), streams the call, and forwards: the first token at
+thread it picks a serving replica (prefix_router.py: the one whose prefix cache likely holds the
+prompt's prefix unless the loads are far apart, else the least loaded: its GetLoad plus our own
+calls in flight to it; waits up to `wait_ready_s` if none is ready), streams the call, and forwards: the first token at
 once, each KV chunk (checked: ranges, shapes, exactly-once coverage) to be written into the
 reserved slots, then the record as a Handoff. Once the first token is in, a call that sends nothing
 for `progress_timeout_s` is cancelled by a watchdog (a stalled, stopped or wedged replica; HTTP/2
@@ -28,6 +29,7 @@ from common.wire import kv_chunks, mooncake, security
 from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from decode_service.prefix_router import PrefixRouter
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_CHUNKS = 4  # per call: KV chunks handed to the scheduler and not yet written into the pool
@@ -58,12 +60,13 @@ class _Peer:
             if channel is not None:
                 channel.close()
 
-    def load(self) -> int:
+    def load(self) -> tuple[int, int]:
+        """(running + waiting calls, KV pool size) from the replica's GetLoad."""
         try:
             r = self.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=1.0, metadata=self.metadata)
-            return r.num_running_reqs + r.num_waiting_reqs
+            return r.num_running_reqs + r.num_waiting_reqs, r.max_total_tokens
         except grpc.RpcError:
-            return 1 << 30
+            return 1 << 30, 0
 
 
 class PrefillClient:
@@ -83,12 +86,15 @@ class PrefillClient:
         transfer_quiesce_s: float = 1.0,
         credentials=None,
         api_key: str | None = None,
+        policy: str = "cache_aware",
     ):
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
         deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. With `kv_destination` (this
         side's transfer engine session and registered pools) each call names its reserved slots and the
         replica writes the KV there; a call that ends early is reported only `transfer_quiesce_s` later,
-        so a write still landing cannot reach slots the scheduler has handed to another request."""
+        so a write still landing cannot reach slots the scheduler has handed to another request.
+        `policy`: how a replica is chosen (prefix_router.py: follow the replicas' prefix caches, or
+        least loaded)."""
         if not addresses:
             raise ValueError("at least one prefill address is needed")
         self.peers = [_Peer(a, credentials, security.key_metadata(api_key)) for a in addresses]
@@ -114,6 +120,7 @@ class PrefillClient:
         self.metrics = metrics
         self.kv_destination = kv_destination
         self.transfer_quiesce_s = transfer_quiesce_s
+        self.router = PrefixRouter(policy)
 
     def __call__(self, request: HandoffRequest) -> None:
         with self._lock:
@@ -176,14 +183,18 @@ class PrefillClient:
         for p in self.peers:
             p.channel.close()
 
-    def _pick(self, exclude: set[str]) -> _Peer | None:
+    def _pick(self, exclude: set[str], prompt: list[int]) -> _Peer | None:
         deadline = time.monotonic() + self.wait_ready_s
         while True:
             ready = [p for p in self.peers if p.address not in exclude and p.serving()]
             if ready:
-                loads = {p.address: p.load() for p in ready}  # RPCs outside the lock
+                replies = {p.address: p.load() for p in ready}  # RPCs outside the lock
                 with self._lock:
-                    peer = min(ready, key=lambda p: loads[p.address] + p.in_flight)
+                    loads = {p.address: replies[p.address][0] + p.in_flight for p in ready}
+                    for address, (_, pool) in replies.items():
+                        self.router.set_capacity(address, pool)
+                    address = self.router.choose(loads, prompt)
+                    peer = next(p for p in ready if p.address == address)
                     peer.in_flight += 1
                 return peer
             if time.monotonic() >= deadline or len(exclude) == len(self.peers):
@@ -194,7 +205,7 @@ class PrefillClient:
         sink, tried, sent, errors = self.sink, set(), [], []
         try:
             while True:
-                peer = self._pick(tried)
+                peer = self._pick(tried, request.prompt_ids)
                 if peer is None:
                     reason = "; ".join(errors) if errors else f"none serving within {self.wait_ready_s:.0f}s"
                     sink.fail_handoff(request.rid, f"no prefill replica left: {reason}")

@@ -91,6 +91,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             draft_config=self.runner.draft.config.layer if self.runner.draft else None,
             metrics=self.metrics,
             kv_destination=self.kv_receiver.destination if self.kv_receiver else None,
+            policy=config.prefill_policy,
             credentials=security.channel_credentials(
                 config.prefill_tls_ca_file, config.tls_cert_file, config.tls_key_file
             ),

@@ -31,10 +31,10 @@ import torch
 from common.engine.chunked_prefill import plan_chunk, prefill_step
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
+from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample
 from common.request_rules import validate_prompt
 from prefill_service.draft_prefill import draft_extend
-from prefill_service.radix_cache import CacheStats, RadixCache
 
 
 @dataclass

@@ -8,10 +8,10 @@ import torch
 from common.engine.draft_runner import SpecArgs
 from common.engine.handoff import HandoffRequest
 from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.radix_cache import RadixCache
 from common.engine.sampling import SamplingParams
 from common.engine.slot_allocator import SlotAllocator
 from prefill_service.engine import PrefillEngine
-from prefill_service.radix_cache import RadixCache
 from tests.decode_harness import Pair
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy

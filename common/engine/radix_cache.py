@@ -1,4 +1,4 @@
-"""RadixCache: the prefill service's prefix cache, a radix tree over token ids holding KV slots.
+"""RadixCache: a radix tree over token ids holding KV slots: the prefill service's prefix cache.
 
 Each edge holds a run of token ids and the KV slots of those positions (target and draft pools
 share slot indices, so one slot list covers both). Finished prefills insert their prompt; a new
