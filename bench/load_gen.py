@@ -7,11 +7,14 @@
 Prompts: `--dataset random` draws input lengths uniformly in [ratio * L, L] (`--random-input-len L`,
 `--random-range-ratio`) and output lengths the same way from `--random-output-len`, with random
 token ids (decoded to text for the OpenAI backend, which needs `--tokenizer`); `--dataset file` reads
-JSONL lines `{"prompt": "...", "output_len": N}` (output_len optional) or plain text lines. Requests
+JSONL lines `{"prompt": "...", "output_len": N}` (output_len optional) or plain text lines;
+`--dataset generated-shared-prefix` (as SGLang's) makes `--gsp-num-groups` random system prompts of
+`--gsp-system-prompt-len` tokens, each with `--gsp-prompts-per-group` random questions. Requests
 ignore EOS, so each asks for exactly its output length. Arrivals: a Poisson process at
 `--request-rate` per second (inf = all at once), optionally capped at `--max-concurrency` in flight.
 The report (text, and JSON with --output-json): successes and failures, duration, request and token
-throughput, TTFT / ITL / TPOT / end-to-end latency (mean, median, p99, ms), and the speculative accept
+throughput, TTFT / ITL / TPOT / end-to-end latency (mean, median, p99, ms), the share of prompt tokens
+the server served from its prefix cache (gRPC backend: each Complete's cached_tokens), and the speculative accept
 length when the server drafts (gRPC backend: from each Complete's spec counts).
 """
 
@@ -47,6 +50,7 @@ class Outcome:
     output_tokens: int = 0
     spec_accepted: int = 0
     spec_drafted: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (as it reports them)
 
 
 # ---- prompts ---------------------------------------------------------------------------------------
@@ -57,6 +61,22 @@ def random_jobs(n: int, input_len: int, output_len: int, ratio: float, vocab: li
         ids = [rng.choice(vocab) for _ in range(rng.randint(max(1, int(input_len * ratio)), input_len))]
         out = rng.randint(max(1, int(output_len * ratio)), output_len)
         jobs.append(Job(ids, tokenizer.decode(ids) if tokenizer is not None else None, out))
+    return jobs
+
+
+def shared_prefix_jobs(
+    groups: int, per_group: int, system_len: int, question_len: int, output_len: int, vocab, tokenizer, seed: int
+):
+    """SGLang's generated-shared-prefix workload: `groups` random system prompts of `system_len`
+    tokens, each followed by `per_group` random questions of `question_len` tokens; shuffled."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(groups):
+        system = [rng.choice(vocab) for _ in range(system_len)]
+        for _ in range(per_group):
+            ids = system + [rng.choice(vocab) for _ in range(question_len)]
+            jobs.append(Job(ids, tokenizer.decode(ids) if tokenizer is not None else None, output_len))
+    rng.shuffle(jobs)
     return jobs
 
 
@@ -112,6 +132,7 @@ class GrpcBackend:
                     last = now
                 else:
                     out.spec_accepted, out.spec_drafted = r.complete.spec_accepted_tokens, r.complete.spec_draft_tokens
+                    out.cached_tokens = r.complete.cached_tokens
             out.ok, out.e2e = True, time.perf_counter() - start
         except self.grpc.RpcError as e:
             out.error = f"{e.code().name}: {e.details()}"
@@ -218,6 +239,7 @@ def report(outcomes: list[Outcome], duration: float, num_steps: int) -> dict:
         "tpot": _stats(tpot),
         "e2e": _stats([o.e2e for o in ok]),
         "errors": sorted({o.error for o in outcomes if not o.ok})[:10],
+        "cached_token_ratio": sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok)),
     }
     drafted = sum(o.spec_drafted for o in ok)
     if num_steps and drafted:  # tokens per verify step = 1 + accepted drafts per step
@@ -231,6 +253,7 @@ def print_report(r: dict) -> None:
     print(f"{'request throughput (req/s)':<28}{r['request_throughput']:.2f}")
     print(f"{'input tokens/s':<28}{r['input_token_throughput']:.1f}")
     print(f"{'output tokens/s':<28}{r['output_token_throughput']:.1f}")
+    print(f"{'cached prompt tokens':<28}{r['cached_token_ratio']:.1%}")
     if "spec_accept_length" in r:
         print(f"{'accept length':<28}{r['spec_accept_length']:.2f}")
     print(f"{'(ms)':<28}{'mean':>10}{'median':>10}{'p99':>10}")
@@ -251,12 +274,17 @@ def main(argv=None) -> dict:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI endpoint (backend openai)")
     p.add_argument("--model", default=None, help="OpenAI model name (default: the first of /v1/models)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (needed for text prompts)")
-    p.add_argument("--dataset", choices=["random", "file"], default="random")
+    p.add_argument("--dataset", choices=["random", "file", "generated-shared-prefix"], default="random")
     p.add_argument("--dataset-path", default=None)
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.5)
+    p.add_argument("--gsp-num-groups", type=int, default=8, help="shared-prefix groups (system prompts)")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=400)
+    p.add_argument("--gsp-question-len", type=int, default=32)
+    p.add_argument("--gsp-output-len", type=int, default=32)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request (s)")
@@ -281,6 +309,18 @@ def main(argv=None) -> dict:
         special = set(tokenizer.all_special_ids) if tokenizer is not None else set()
         size = len(tokenizer) if tokenizer is not None else send.vocab_size
         vocab = [t for t in range(size) if t not in special]
+    if args.dataset == "generated-shared-prefix":
+        jobs = shared_prefix_jobs(
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            vocab,
+            tokenizer if args.backend == "openai" else None,
+            args.seed,
+        )
+    elif args.dataset == "random":
         jobs = random_jobs(
             args.num_prompts,
             args.random_input_len,

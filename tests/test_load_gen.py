@@ -61,3 +61,22 @@ def test_grpc_run_with_poisson_arrivals(checkpoint, tmp_path):
         pair.wait_idle()
     finally:
         pair.close()
+
+
+def test_shared_prefix_workload_reports_what_the_prefix_cache_served(checkpoint):
+    """generated-shared-prefix: 3 groups of 4 prompts over a 40-token system prompt, one at a time;
+    every prompt after the first of its group finds the system prompt in the prefill cache."""
+    jobs = load_gen.shared_prefix_jobs(3, 4, 40, 6, 4, list(range(3, 300)), None, seed=1)
+    assert len(jobs) == 12 and all(len(j.prompt_ids) == 46 and j.output_len == 4 for j in jobs)
+    assert len({tuple(j.prompt_ids[:40]) for j in jobs}) == 3 and len({tuple(j.prompt_ids) for j in jobs}) == 12
+    pair = GrpcPair(checkpoint("llama"))
+    try:
+        args = ["--addr", pair.decode.address, "--dataset", "generated-shared-prefix", "--max-concurrency", "1"]
+        args += ["--gsp-num-groups", "3", "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "40"]
+        args += ["--gsp-question-len", "6", "--gsp-output-len", "4", "--no-progress"]
+        result = load_gen.main(args)
+        assert result["completed"] == 12 and result["failed"] == 0
+        assert result["cached_token_ratio"] >= (9 * 40) / (12 * 46) - 1e-9, result["cached_token_ratio"]
+        pair.wait_idle()
+    finally:
+        pair.close()
