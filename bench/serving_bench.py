@@ -154,11 +154,19 @@ def bench_inprocess(
 
 
 def start_pair(
-    path: str, threads: int, max_batch: int, tokens: int, decode_flags: tuple = (), prefill_flags: tuple = ()
+    path: str,
+    threads: int,
+    max_batch: int,
+    tokens: int,
+    decode_flags: tuple = (),
+    prefill_flags: tuple = (),
+    replicas: int = 1,
 ) -> tuple[str, list[subprocess.Popen]]:
+    """`replicas` prefill services and a decode service in front of them, as subprocesses on
+    loopback; (the decode address, the processes: decode first)."""
     from common.tools.procs import free_port, wait_serving
 
-    pp, dp = free_port(), free_port()
+    ports, dp = [free_port() for _ in range(replicas)], free_port()
     common = [
         "--model-path",
         path,
@@ -170,11 +178,14 @@ def start_pair(
         str(tokens),
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    prefill = subprocess.Popen(
-        [sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
+    prefills = [
+        subprocess.Popen(
+            [sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+        for pp in ports
+    ]
     decode = subprocess.Popen(
         [
             sys.executable,
@@ -184,15 +195,16 @@ def start_pair(
             "--port",
             str(dp),
             "--prefill-addr",
-            f"127.0.0.1:{pp}",
+            ",".join(f"127.0.0.1:{pp}" for pp in ports),
             *decode_flags,
         ],
         env=env,
         stderr=subprocess.DEVNULL,
     )
-    wait_serving(f"127.0.0.1:{pp}", prefill)
+    for pp, proc in zip(ports, prefills):
+        wait_serving(f"127.0.0.1:{pp}", proc)
     wait_serving(f"127.0.0.1:{dp}", decode)
-    return f"127.0.0.1:{dp}", [decode, prefill]
+    return f"127.0.0.1:{dp}", [decode, *prefills]
 
 
 def bench_pair(address: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
