@@ -174,12 +174,25 @@ def test_eagle_draft_kv_and_seed_from_a_cached_prefix_equal_a_cold_prefill(check
     warm.check_idle_integrity()
 
 
-@pytest.mark.parametrize("transfer", ["grpc", pytest.param("mooncake", marks=needs_mooncake)])
-def test_cached_tokens_reach_the_client_over_grpc(checkpoint, transfer):
+@pytest.mark.parametrize(
+    "transfer,spec",
+    [("grpc", None), pytest.param("mooncake", None, marks=needs_mooncake), ("grpc", "EAGLE"), ("grpc", "EAGLE3")],
+)
+def test_cached_tokens_reach_the_client_over_grpc(checkpoint, heads, transfer, spec):
     """The pair over gRPC: a repeated system prompt is served from the prefill cache, the Complete
-    says how many tokens were cached, and the tokens stay HF-exact."""
+    says how many tokens were cached, and the tokens stay HF-exact (plain, EAGLE chain, EAGLE3 tree)."""
     path = checkpoint("llama")
-    pair = GrpcPair(path, transfer=transfer)
+    flags = {}
+    if spec:
+        topk, nodes = (1, 4) if spec == "EAGLE" else (2, 4)
+        flags = dict(
+            speculative_algorithm=spec,
+            speculative_draft_model_path=heads(path, spec),
+            speculative_num_steps=3 if topk == 1 else 2,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=nodes,
+        )
+    pair = GrpcPair(path, prefill_kw=flags, decode_kw=flags, transfer=transfer)
     try:
         prompts = [SYSTEM + [5, 6], SYSTEM + [7], SYSTEM + [5, 6]]
         cached = []
@@ -187,7 +200,8 @@ def test_cached_tokens_reach_the_client_over_grpc(checkpoint, transfer):
             ids, complete = pair.collect(pair.generate(p, 8, stream=i == 1, rid=f"c{i}", ignore_eos=True))
             assert ids == hf_greedy(path, p, 8), f"prompt {i}"
             cached.append(complete.cached_tokens)
-        assert cached == [0, len(SYSTEM), len(SYSTEM) + 1]  # cold; the shared part; all but the last token
+        # cold; the shared part (EAGLE: less its last position, whose head KV followed [5]); all but the last
+        assert cached == [0, len(SYSTEM) - (spec is not None), len(SYSTEM) + 1]
         assert pair.prefill.engine.request_kv_used == 0 and pair.prefill.engine.cache.tree_size > 0
     finally:
         pair.close()
