@@ -201,3 +201,14 @@ def test_load_generator_through_the_openai_endpoint(gateway):
     assert result["completed"] == 8 and result["failed"] == 0, result["errors"]
     assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0
     pair.wait_idle()
+
+
+def test_repeated_prompt_reports_cached_tokens_in_usage(gateway):
+    """The prefill side's prefix cache shows in the OpenAI usage smg builds from the Complete."""
+    base, path, _, _ = gateway
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "prompt": "One two three four five six seven eight."}
+    n = len(load_tokenizer(path).encode(body["prompt"]))
+    _post(base, "/v1/completions", body)
+    usage = _post(base, "/v1/completions", body)["usage"]
+    assert usage["prompt_tokens"] == n
+    assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens") == n - 1, usage
