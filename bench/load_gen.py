@@ -12,8 +12,9 @@ JSONL lines `{"prompt": "...", "output_len": N}` (output_len optional) or plain 
 `--gsp-system-prompt-len` tokens, each with `--gsp-prompts-per-group` random questions. Requests
 ignore EOS, so each asks for exactly its output length. Arrivals: a Poisson process at
 `--request-rate` per second (inf = all at once), optionally capped at `--max-concurrency` in flight.
-The report (text, and JSON with --output-json): successes and failures, duration, request and token
-throughput, TTFT / ITL / TPOT / end-to-end latency (mean, median, p99, ms), the share of prompt tokens
+The report (text, and JSON with --output-json, in SGLang bench_serving's flat keys: `mean_ttft_ms`,
+`p99_itl_ms`, `output_throughput`, ...): successes and failures, duration, request and token
+throughput, TTFT / ITL / TPOT / end-to-end latency (mean, median, std, p90/95/99, ms), the share of prompt tokens
 the server served from its prefix cache (gRPC backend: each Complete's cached_tokens), and the speculative accept
 length when the server drafts (gRPC backend: from each Complete's spec counts).
 """
@@ -216,53 +217,60 @@ def run(
     return outcomes, time.perf_counter() - started
 
 
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"mean_ms": None, "median_ms": None, "p99_ms": None}
-    a = 1e3 * np.asarray(values)
-    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
+METRICS = (("ttft", "ttft"), ("itl", "itl"), ("tpot", "tpot"), ("e2e", "e2e_latency"))  # (ours, bench_serving's)
+
+
+def _stats(name: str, values: list[float]) -> dict:
+    """bench_serving's flat keys for one latency: mean_/median_/std_/p90_/p95_/p99_{name}_ms."""
+    a = 1e3 * np.asarray(values) if values else None
+    stats = {"mean": np.mean, "median": np.median, "std": np.std}
+    out = {f"{k}_{name}_ms": float(f(a)) if a is not None else None for k, f in stats.items()}
+    out.update({f"p{q}_{name}_ms": float(np.percentile(a, q)) if a is not None else None for q in (90, 95, 99)})
+    return out
 
 
 def report(outcomes: list[Outcome], duration: float, num_steps: int) -> dict:
+    """SGLang bench_serving's flat JSON keys, plus ours: failed, errors, cached_token_ratio."""
     ok = [o for o in outcomes if o.ok]
     out_tokens = sum(o.output_tokens for o in ok)
+    in_tokens = sum(o.prompt_tokens for o in ok)
     tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
     result = {
         "completed": len(ok),
         "failed": len(outcomes) - len(ok),
-        "duration_s": duration,
+        "duration": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration,
-        "input_token_throughput": sum(o.prompt_tokens for o in ok) / duration,
-        "output_token_throughput": out_tokens / duration,
-        "ttft": _stats([o.ttft for o in ok]),
-        "itl": _stats([x for o in ok for x in o.itls]),
-        "tpot": _stats(tpot),
-        "e2e": _stats([o.e2e for o in ok]),
+        "input_throughput": in_tokens / duration,
+        "output_throughput": out_tokens / duration,
+        "concurrency": sum(o.e2e for o in ok) / duration,  # mean requests in flight
         "errors": sorted({o.error for o in outcomes if not o.ok})[:10],
-        "cached_token_ratio": sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok)),
+        "cached_token_ratio": sum(o.cached_tokens for o in ok) / max(1, in_tokens),
     }
+    values = {"ttft": [o.ttft for o in ok], "itl": [x for o in ok for x in o.itls], "tpot": tpot}
+    values["e2e"] = [o.e2e for o in ok]
+    for ours, theirs in METRICS:
+        result.update(_stats(theirs, values[ours]))
     drafted = sum(o.spec_drafted for o in ok)
     if num_steps and drafted:  # tokens per verify step = 1 + accepted drafts per step
-        result["spec_accept_length"] = 1 + sum(o.spec_accepted for o in ok) * num_steps / drafted
+        result["accept_length"] = 1 + sum(o.spec_accepted for o in ok) * num_steps / drafted
     return result
 
 
 def print_report(r: dict) -> None:
     print(f"{'completed / failed':<28}{r['completed']} / {r['failed']}")
-    print(f"{'duration (s)':<28}{r['duration_s']:.2f}")
+    print(f"{'duration (s)':<28}{r['duration']:.2f}")
     print(f"{'request throughput (req/s)':<28}{r['request_throughput']:.2f}")
-    print(f"{'input tokens/s':<28}{r['input_token_throughput']:.1f}")
-    print(f"{'output tokens/s':<28}{r['output_token_throughput']:.1f}")
+    print(f"{'input tokens/s':<28}{r['input_throughput']:.1f}")
+    print(f"{'output tokens/s':<28}{r['output_throughput']:.1f}")
     print(f"{'cached prompt tokens':<28}{r['cached_token_ratio']:.1%}")
-    if "spec_accept_length" in r:
-        print(f"{'accept length':<28}{r['spec_accept_length']:.2f}")
+    if "accept_length" in r:
+        print(f"{'accept length':<28}{r['accept_length']:.2f}")
     print(f"{'(ms)':<28}{'mean':>10}{'median':>10}{'p99':>10}")
-    for name in ("ttft", "itl", "tpot", "e2e"):
-        s = r[name]
-        cells = "".join(
-            f"{s[k]:>10.1f}" if s[k] is not None else f"{'-':>10}" for k in ("mean_ms", "median_ms", "p99_ms")
-        )
-        print(f"{name.upper():<28}{cells}")
+    for ours, theirs in METRICS:
+        cells = [r[f"{k}_{theirs}_ms"] for k in ("mean", "median", "p99")]
+        print(f"{ours.upper():<28}" + "".join(f"{c:>10.1f}" if c is not None else f"{'-':>10}" for c in cells))
     for e in r["errors"]:
         print(f"error: {e}")
 

@@ -102,9 +102,7 @@ def main(argv=None) -> None:
     print("\n| replica choice (2 replicas) | cached prompt tokens | TTFT median (ms) | TTFT p99 (ms) |")
     print("| --- | --- | --- | --- |")
     for policy, r in routes.items():
-        print(
-            f"| {policy} | {r['cached_token_ratio']:.1%} | {r['ttft']['median_ms']:.0f} | {r['ttft']['p99_ms']:.0f} |"
-        )
+        print(f"| {policy} | {r['cached_token_ratio']:.1%} | {r['median_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} |")
 
 
 if __name__ == "__main__":

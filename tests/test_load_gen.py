@@ -26,8 +26,12 @@ def test_report_arithmetic():
     ]
     r = load_gen.report(outcomes, 2.0, num_steps=3)
     assert (r["completed"], r["failed"]) == (1, 1) and r["errors"] == ["UNAVAILABLE: x"]
-    assert r["output_token_throughput"] == pytest.approx(5.5) and r["tpot"]["mean_ms"] == pytest.approx(100.0)
-    assert r["spec_accept_length"] == pytest.approx(2.5)  # 12 drafted / 3 = 4 verify steps, 6 accepted
+    assert r["output_throughput"] == pytest.approx(5.5) and r["mean_tpot_ms"] == pytest.approx(100.0)
+    assert r["accept_length"] == pytest.approx(2.5)  # 12 drafted / 3 = 4 verify steps, 6 accepted
+    assert r["total_input_tokens"] == 5 and r["p99_itl_ms"] == pytest.approx(100.0) and r["std_itl_ms"] < 1e-9
+    # SGLang bench_serving's flat keys, so its tooling reads our reports
+    for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_e2e_latency_ms"):
+        assert isinstance(r[key], float), key
 
 
 def test_grpc_run_with_poisson_arrivals(checkpoint, tmp_path):
@@ -56,8 +60,8 @@ def test_grpc_run_with_poisson_arrivals(checkpoint, tmp_path):
         assert result["completed"] == 24 and result["failed"] == 0
         saved = json.loads(out.read_text())
         assert saved["completed"] == 24 and saved["config"]["max_concurrency"] == 8
-        assert 0 < saved["ttft"]["median_ms"] <= saved["e2e"]["median_ms"] and saved["itl"]["p99_ms"] > 0
-        assert saved["output_token_throughput"] > 0
+        assert 0 < saved["median_ttft_ms"] <= saved["median_e2e_latency_ms"] and saved["p99_itl_ms"] > 0
+        assert saved["output_throughput"] > 0
         pair.wait_idle()
     finally:
         pair.close()

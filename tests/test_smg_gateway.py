@@ -199,7 +199,7 @@ def test_load_generator_through_the_openai_endpoint(gateway):
         ]
     )
     assert result["completed"] == 8 and result["failed"] == 0, result["errors"]
-    assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0
+    assert result["output_throughput"] > 0 and result["median_ttft_ms"] > 0
     pair.wait_idle()
 
 
