@@ -97,4 +97,52 @@ def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def parse_config(cls, prog: str, description: str, argv=None):
-    return cls(**vars(build_parser(cls, prog, description).parse_args(argv)))
+    """The config from the command line; with `--config FILE.yaml`, the file's values first (keys as
+    the flags without the dashes, `max-total-tokens` or `max_total_tokens`) and the flags given on
+    the command line over them."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    path = pre.parse_known_args(argv)[0].config
+    p = build_parser(cls, prog, description)
+    p.add_argument("--config", help="YAML file of flag values; flags on the command line override it")
+    if path:
+        values = _config_file(p, path)
+        p.set_defaults(**values)
+        for action in p._actions:
+            if action.dest in values:
+                action.required = False
+    args = vars(p.parse_args(argv))
+    args.pop("config")
+    return cls(**args)
+
+
+def _config_file(p: argparse.ArgumentParser, path: str) -> dict:
+    """{dest: value} from a YAML mapping, each value checked as its flag would be (exit 2 otherwise)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        p.error(f"--config {path}: {e}")
+    if not isinstance(data, dict):
+        p.error(f"--config {path}: expected a mapping of flag names to values")
+    actions = {a.dest: a for a in p._actions if a.dest not in ("help", "config")}
+    values = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            p.error(f"--config {path}: unknown key {key!r}")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                p.error(f"--config {path}: {key} takes true or false, got {value!r}")
+        elif value is not None:
+            try:
+                value = action.type(value) if action.type else value
+            except (TypeError, ValueError):
+                p.error(f"--config {path}: {key}: invalid value {value!r}")
+            if action.choices and value not in action.choices:
+                p.error(f"--config {path}: {key} must be one of {list(action.choices)}, got {value!r}")
+        values[dest] = value
+    return values
