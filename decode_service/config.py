@@ -13,7 +13,12 @@ DESCRIPTION = "The decode service: the client-facing front door (gRPC SglangSche
 
 @dataclass
 class DecodeConfig(ServiceConfig):
-    prefill_addr: str = flag("127.0.0.1:30001", "HOST:PORT[,HOST:PORT...] of prefill replicas")
+    prefill_addr: str = flag(
+        "127.0.0.1:30001",
+        "prefill replicas, comma-separated: HOST:PORT, or dns:///NAME:PORT (every address NAME resolves to, "
+        "re-resolved)",
+    )
+    prefill_resolve_interval_s: float = flag(5.0, "how often dns:/// prefill addresses are resolved again")
     port: int = flag(30000, "port to bind (0 = any free port)")
     max_total_tokens: int = flag(16384, "KV slots of the decode pool")
     max_running_requests: int = flag(32, "request slots (requests decoding or awaiting a handoff)")

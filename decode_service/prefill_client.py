@@ -29,6 +29,7 @@ from common.wire import kv_chunks, mooncake, security
 from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from decode_service import prefill_discovery
 from decode_service.prefix_router import PrefixRouter
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class PrefillClient:
         credentials=None,
         api_key: str | None = None,
         policy: str = "cache_aware",
+        resolve_interval_s: float = 5.0,
     ):
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
         deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. With `kv_destination` (this
@@ -94,10 +96,14 @@ class PrefillClient:
         replica writes the KV there; a call that ends early is reported only `transfer_quiesce_s` later,
         so a write still landing cannot reach slots the scheduler has handed to another request.
         `policy`: how a replica is chosen (prefix_router.py: follow the replicas' prefix caches, or
-        least loaded)."""
+        least loaded). `addresses` may hold dns:///NAME:PORT entries, re-resolved every
+        `resolve_interval_s` (prefill_discovery.py)."""
         if not addresses:
             raise ValueError("at least one prefill address is needed")
-        self.peers = [_Peer(a, credentials, security.key_metadata(api_key)) for a in addresses]
+        self.entries = list(addresses)
+        self._peer_args = (credentials, security.key_metadata(api_key))
+        self.peers = [_Peer(a, *self._peer_args) for a in prefill_discovery.expand(self.entries)]
+        self._retired: list[_Peer] = []  # gone from the name: no new calls, closed at close()
         self.config = model_config
         self.draft_config = draft_config  # EAGLE: the head's layer config (its KV chunks' shape)
         self.sink = sink
@@ -121,6 +127,10 @@ class PrefillClient:
         self.kv_destination = kv_destination
         self.transfer_quiesce_s = transfer_quiesce_s
         self.router = PrefixRouter(policy)
+        if prefill_discovery.has_dns(self.entries):
+            threading.Thread(
+                target=self._rediscover, args=(resolve_interval_s,), name="prefill-discovery", daemon=True
+            ).start()
 
     def __call__(self, request: HandoffRequest) -> None:
         with self._lock:
@@ -153,6 +163,25 @@ class PrefillClient:
             call = self._calls.get(rid)
         return call[1].address if call else None
 
+    def refresh_peers(self) -> None:
+        """Re-resolve the dns entries: new replicas take calls from now on, vanished ones none."""
+        addresses = prefill_discovery.expand(self.entries)
+        with self._lock:
+            current = {p.address: p for p in self.peers}
+            self.peers = [current.get(a) or _Peer(a, *self._peer_args) for a in addresses]  # one assignment
+            gone = [p for a, p in current.items() if a not in addresses]
+            self._retired.extend(gone)
+        added = sorted(set(addresses) - set(current))
+        if added or gone:
+            logger.info("prefill replicas: %s joined, %s left", added, [p.address for p in gone])
+
+    def _rediscover(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            try:
+                self.refresh_peers()
+            except Exception:  # noqa: BLE001 - keep the replicas we have
+                logger.exception("re-resolving the prefill addresses failed")
+
     def _watchdog(self) -> None:
         while not self._closed.wait(min(0.25, self.progress_timeout_s / 4)):
             now = time.monotonic()
@@ -180,7 +209,7 @@ class PrefillClient:
         for call in calls:
             call.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for p in self.peers:
+        for p in self.peers + self._retired:
             p.channel.close()
 
     def _pick(self, exclude: set[str], prompt: list[int]) -> _Peer | None:

@@ -92,6 +92,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             metrics=self.metrics,
             kv_destination=self.kv_receiver.destination if self.kv_receiver else None,
             policy=config.prefill_policy,
+            resolve_interval_s=config.prefill_resolve_interval_s,
             credentials=security.channel_credentials(
                 config.prefill_tls_ca_file, config.tls_cert_file, config.tls_key_file
             ),
