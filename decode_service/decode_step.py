@@ -22,6 +22,6 @@ def decode_step(runner, fm, batch: WorkerBatch) -> torch.Tensor:
         req_pool_indices_cpu=batch.req_pool_indices_cpu,
     )
     logits, _ = runner.forward(fb)
-    tokens = batch.sampling.sample(logits, batch.positions)
+    tokens = batch.sampling.sample(logits, batch.positions, runner.config.eos_token_ids)
     fm.stash_tokens(indices, tokens)
     return tokens

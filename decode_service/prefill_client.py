@@ -303,6 +303,8 @@ class PrefillClient:
                 min_p=p.min_p,
                 seed=request.seed,
                 max_new_tokens=p.max_new_tokens,
+                min_new_tokens=p.min_new_tokens,
+                stop_token_ids=p.stop_token_ids,
             ),
         )
         if self.kv_destination is not None and request.kv_slots is not None:

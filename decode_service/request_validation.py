@@ -23,7 +23,6 @@ def _unsupported(req, sp) -> str | None:
         (sp.frequency_penalty != 0, "frequency_penalty"),
         (sp.presence_penalty != 0, "presence_penalty"),
         (sp.repetition_penalty not in (0.0, 1.0), "repetition_penalty"),
-        (sp.min_new_tokens != 0, "min_new_tokens"),
         (len(sp.logit_bias) > 0, "logit_bias"),
         (sp.HasField("custom_params"), "custom_params"),
         (sp.HasField("stream_interval") and sp.stream_interval != 1, "stream_interval (only 1)"),
@@ -40,7 +39,12 @@ def _unsupported(req, sp) -> str | None:
 
 
 def parse_generate(
-    req, vocab_size: int, context_length: int, default_max_new_tokens_: int, kv_room: int | None = None
+    req,
+    vocab_size: int,
+    context_length: int,
+    default_max_new_tokens_: int,
+    kv_room: int | None = None,
+    speculative: bool = False,
 ) -> tuple[list[int], SamplingParams]:
     """(prompt ids, SamplingParams) of a GenerateRequest; InvalidRequest naming the field if it is bad.
     A request without max_new_tokens gets the default, clamped to the context and to `kv_room` (the
@@ -67,6 +71,11 @@ def parse_generate(
         min_p=sp.min_p,
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
+        min_new_tokens=sp.min_new_tokens,
     )
+    if params.min_new_tokens > params.max_new_tokens:
+        raise InvalidRequest(f"min_new_tokens ({sp.min_new_tokens}) exceeds max_new_tokens ({params.max_new_tokens})")
+    if sp.min_new_tokens and speculative:
+        raise InvalidRequest("unsupported field: min_new_tokens with speculative decoding (not yet)")
     validate_prompt(ids, params, vocab_size, context_length)
     return ids, params

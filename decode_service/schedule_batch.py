@@ -51,8 +51,8 @@ class ScheduleBatch:
         num_steps (0 without EAGLE), for the draws of lanes with temperature > 0."""
         seq_lens_cpu = self.seq_lens_cpu.tolist()
         sampling = self.sampling
-        positions = []  # the output index each lane samples (only random draws need it)
-        if not sampling.all_greedy:
+        positions = []  # the output index each lane samples (random draws and the min_new_tokens mask)
+        if not sampling.all_greedy or sampling.holds_back:
             positions = [s - r.prompt_len + 1 for s, r in zip(seq_lens_cpu, self.reqs)]
         draws = None
         if spec_steps and not sampling.all_greedy:  # the lanes with temperature > 0 and their uniforms

@@ -38,7 +38,7 @@ class WorkerBatch:
     seq_lens: torch.Tensor  # [B] int64 on the device: committed KV lengths (the ScheduleBatch mirror)
     seq_lens_cpu: list[int]
     sampling: SamplingBatch
-    positions: list[int]  # plain decode: the output index each lane samples (only random draws read it)
+    positions: list[int]  # plain decode: the output index each lane samples (random draws, min_new_tokens)
     lanes: tuple[Lane, ...]
     draws: SpecDraws | None = None  # EAGLE: the lanes with temperature > 0 and their uniforms
     fence: object = None  # EAGLE: this step's publish_ready, armed by the worker at submit (invariant 3)

@@ -219,6 +219,7 @@ class PrefillEngine:
             [w.request.params for w in done],
             [w.request.seed for w in done],
             [w.request.first_position for w in done],
+            self.runner.config.eos_token_ids,
         )
         for w, t in zip(done, tokens.tolist()):
             w.first_token = t

@@ -185,6 +185,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             top_p=sp.top_p or 1.0,
             min_p=sp.min_p,
             seed=sp.seed,
+            stop_token_ids=tuple(sp.stop_token_ids),
         )
         prompt = list(request.input_ids)
         validate_prompt(
@@ -196,6 +197,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         )
         if request.first_output_position >= len(prompt):
             raise ValueError("first_output_position must be < len(input_ids)")
+        params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
         return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
 
     async def _stream(self, request, call: PrefillCall, answer: asyncio.Future, first: asyncio.Future, context):

@@ -66,7 +66,7 @@ BAD = [  # (field set, value, words the message must contain)
     ("sp_frequency_penalty", 0.5, "frequency_penalty"),
     ("sp_presence_penalty", 0.5, "presence_penalty"),
     ("sp_repetition_penalty", 1.2, "repetition_penalty"),
-    ("sp_min_new_tokens", 2, "min_new_tokens"),
+    ("sp_min_new_tokens", 5, "min_new_tokens (5) exceeds max_new_tokens (4)"),
     ("sp_logit_bias", 1.0, "logit_bias"),
     ("sp_custom_params", None, "custom_params"),
     ("sp_stream_interval", 4, "stream_interval"),

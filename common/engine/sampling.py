@@ -28,6 +28,7 @@ class SamplingParams:
     seed: int | None = None  # None: a random seed is drawn once per request
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # until this many outputs, EOS and stop ids are masked (never sampled)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field."""
@@ -39,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_new_tokens < 0:  # (above max_new_tokens: refused by the front door, which knows the budget)
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if vocab_size is not None:
@@ -99,15 +102,40 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return not self.plain and not self.filtered
 
-    def sample(self, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    @property
+    def holds_back(self) -> bool:
+        """Some row has a min_new_tokens (sample() then needs every row's position)."""
+        return any(p.min_new_tokens for p in self.params)
+
+    def sample(self, logits: torch.Tensor, positions: list[int], eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """logits [B, V] (float32) -> token ids [B] (int64, same device); positions = output index
         of each row's token. Greedy rows take the argmax. Temperature-only rows draw by inverse CDF
-        over the vocabulary in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once."""
+        over the vocabulary in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once.
+        Rows below their min_new_tokens never get EOS (`eos_token_ids`, the model's) or a stop id (as
+        HF's MinNewTokensLengthLogitsProcessor does for EOS)."""
+        logits = self.hold_back_stops(logits, positions, eos_token_ids)
         tokens = torch.argmax(logits, dim=-1)
         for rows, filters in ((self.plain, False), (self.filtered, True)):
             if rows:
                 self._draw(logits, tokens, rows, positions, filters)
         return tokens
+
+    def hold_back_stops(self, logits: torch.Tensor, positions: list[int], eos_token_ids=()) -> torch.Tensor:
+        """logits with -inf at EOS and stop ids for rows whose output position is below their
+        min_new_tokens (a copy; the input is returned as it is when no row is)."""
+        if not self.holds_back:
+            return logits
+        rows = [i for i, p in enumerate(self.params) if positions[i] < p.min_new_tokens]
+        if not rows:
+            return logits
+        banned = [sorted(set(eos_token_ids) | set(self.params[i].stop_token_ids)) for i in rows]
+        width = max(1, max(len(b) for b in banned))
+        ids = to_device([b + [0] * (width - len(b)) for b in banned], logits.device)
+        valid = to_device([[j < len(b) for j in range(width)] for b in banned], logits.device, torch.bool)
+        idx = to_device(rows, logits.device)
+        sub = logits[idx]
+        sub.scatter_(1, ids, torch.where(valid, float("-inf"), sub.gather(1, ids)))
+        return logits.index_copy(0, idx, sub)
 
     def _row_tensors(self, rows: list[int], filters: bool, device: torch.device):
         key = (filters, device)
@@ -140,6 +168,12 @@ class SamplingBatch:
         tokens[idx] = order.gather(1, pick).squeeze(1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    positions: list[int],
+    eos_token_ids: tuple[int, ...] = (),
+) -> torch.Tensor:
     """One-off sampling of a batch (see SamplingBatch.sample)."""
-    return SamplingBatch(params, seeds).sample(logits, positions)
+    return SamplingBatch(params, seeds).sample(logits, positions, eos_token_ids)
