@@ -1,7 +1,9 @@
 """Prometheus metrics of both services, each on its own registry, served on `--metrics-port`.
 
-Names follow the serving conventions (`*_time_to_first_token_seconds`,
-`*_inter_token_latency_seconds`, ...) under the `disagg_` prefix. Decode records what a client sees
+Every series carries a `model_name` label. Where SGLang has a name for the figure, the series uses
+it (`sglang:time_to_first_token_seconds`, `sglang:num_running_reqs`, `sglang:token_usage`, ...,
+`SGLANG_NAMES`), so existing dashboards, alerts and autoscalers read it; the rest are ours under
+`disagg_`. Decode records what a client sees
 (TTFT, ITL, end-to-end, queue time before its slots are reserved, the handoff's transfer time and
 bytes, finishes by reason, retries, EAGLE accept length); prefill records its own queue and compute
 time, the time and bytes it streams, failures and injected faults. Gauges are read when scraped.
@@ -21,6 +23,40 @@ GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+SGLANG_NAMES = frozenset(  # served as sglang:<name>
+    {
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "time_per_output_token_seconds",
+        "queue_time_seconds",
+        "num_running_reqs",
+        "num_queue_reqs",
+        "token_usage",
+        "cache_hit_rate",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "kv_transfer_speed_gb_s",
+        "kv_transfer_latency_ms",
+    }
+)
+TRANSFER_MS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+
+
+def series_name(name: str) -> str:
+    return f"sglang:{name}" if name in SGLANG_NAMES else f"disagg_{name}"
+
+
+class _Labelled:
+    """A metric with extra labels: `.labels(**kw)` fills in model_name too."""
+
+    def __init__(self, metric, model_name: str):
+        self.metric, self.model_name = metric, model_name
+
+    def labels(self, **kw):
+        return self.metric.labels(model_name=self.model_name, **kw)
+
+
 class _Null:
     """Stands in for a metric when prometheus-client is not installed: records nothing."""
 
@@ -32,27 +68,51 @@ class _Metrics:
     """A registry with the load gauges both services share (read when scraped)."""
 
     def __init__(
-        self, role: str, running: Callable[[], float], queued: Callable[[], float], kv_usage: Callable[[], float]
+        self,
+        role: str,
+        running: Callable[[], float],
+        queued: Callable[[], float],
+        kv_usage: Callable[[], float],
+        model_name: str = "",
     ):
         self.registry = CollectorRegistry() if CollectorRegistry is not None else None
+        self.model_name = model_name
         self._http = None
         self._gauge("num_running_reqs", f"requests running ({role})", running)
         self._gauge("num_queue_reqs", f"requests queued ({role})", queued)
-        self._gauge("kv_cache_usage_ratio", f"used share of the {role} KV pool", kv_usage)
+        self._gauge("token_usage", f"used share of the {role} KV pool", kv_usage)
 
-    def _new(self, kind, name: str, doc: str, **kwargs):
-        return kind(f"disagg_{name}", doc, registry=self.registry, **kwargs) if self.registry is not None else _Null()
+    def _new(self, kind, name: str, doc: str, labels=(), **kwargs):
+        if self.registry is None:
+            return _Null()
+        metric = kind(series_name(name), doc, labelnames=("model_name", *labels), registry=self.registry, **kwargs)
+        return _Labelled(metric, self.model_name) if labels else metric.labels(model_name=self.model_name)
 
     def _histogram(self, name: str, doc: str, buckets=LATENCY_BUCKETS):
         return self._new(Histogram, name, doc, buckets=buckets)
 
     def _counter(self, name: str, doc: str, labels=()):
-        return self._new(Counter, name, doc, labelnames=labels)
+        return self._new(Counter, name, doc, labels=labels)
 
     def _gauge(self, name: str, doc: str, read: Callable[[], float]):
         gauge = self._new(Gauge, name, doc)
         gauge.set_function(read)
         return gauge
+
+    def _transfer_histograms(self) -> None:
+        self.kv_transfer_latency = self._histogram(
+            "kv_transfer_latency_ms", "one handoff's KV transfer: first message to record (ms)", TRANSFER_MS_BUCKETS
+        )
+        self.kv_transfer_speed = self._histogram(
+            "kv_transfer_speed_gb_s", "KV GB/s of one handoff: its bytes over its transfer time", GBPS_BUCKETS
+        )
+
+    def observe_transfer(self, elapsed: float, nbytes: int) -> None:
+        """One handoff's transfer: its time (s), and its speed when KV bytes moved."""
+        self.handoff_transfer.observe(elapsed)
+        self.kv_transfer_latency.observe(1e3 * elapsed)
+        if nbytes and elapsed > 0:
+            self.kv_transfer_speed.observe(nbytes / elapsed / 1e9)
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP on host:port (0 = any free port); the port bound."""
@@ -75,14 +135,20 @@ class DecodeMetrics(_Metrics):
         queued: Callable[[], float],
         kv_usage: Callable[[], float],
         open_streams: Callable[[], float],
+        model_name: str = "",
     ):
-        super().__init__("decode", running, queued, kv_usage)
+        super().__init__("decode", running, queued, kv_usage, model_name)
         h, c = self._histogram, self._counter
         self.ttft = h("time_to_first_token_seconds", "Generate call start to its first token")
         self.itl = h(
             "inter_token_latency_seconds", "time between output tokens (a step's tokens share it)", ITL_BUCKETS
         )
         self.e2e = h("e2e_request_latency_seconds", "Generate call start to its last token")
+        self.tpot = h(
+            "time_per_output_token_seconds",
+            "a finished request's first to last token over its later tokens",
+            ITL_BUCKETS,
+        )
         self.queue_time = h("queue_time_seconds", "submission to the reservation of its request slot and KV")
         self.handoff_transfer = h("handoff_transfer_seconds", "a Prefill call's first message to its record")
         self.spec_accept_length = h(
@@ -97,9 +163,7 @@ class DecodeMetrics(_Metrics):
         self.handoff_bytes = c(
             "handoff_bytes_total", "KV bytes received from prefill (sent, or written into our slots)"
         )
-        self.kv_transfer_speed = self._histogram(
-            "kv_transfer_speed_gb_s", "KV GB/s of one handoff: its bytes over first message to record", GBPS_BUCKETS
-        )
+        self._transfer_histograms()
         self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of finished requests")
         self.generation_tokens = c("generation_tokens_total", "tokens generated")
         self.spec_accepted = c("spec_accepted_tokens_total", "EAGLE: draft tokens accepted")
@@ -116,17 +180,16 @@ class PrefillMetrics(_Metrics):
         transfers_in_flight: Callable[[], float] = lambda: 0,
         cache_hit_rate: Callable[[], float] = lambda: 0,
         cache_tokens: Callable[[], float] = lambda: 0,
+        model_name: str = "",
     ):
-        super().__init__("prefill", running, queued, kv_usage)
+        super().__init__("prefill", running, queued, kv_usage, model_name)
         h, c = self._histogram, self._counter
         self.queue_time = h("prefill_queue_time_seconds", "Prefill call arrival to the start of its batch")
         self.compute = h("prefill_compute_seconds", "prefill compute of the batch the call was in")
         self.handoff_transfer = h("handoff_transfer_seconds", "first token sent to the record sent")
         self.handoff_bytes = c("handoff_bytes_total", "KV bytes sent to decode, by data plane", ["backend"])
         self.kv_transfer_failures = c("kv_transfer_failures_total", "handoffs whose KV transfer failed")
-        self.kv_transfer_speed = self._histogram(
-            "kv_transfer_speed_gb_s", "KV GB/s of one handoff: its bytes over first token sent to record", GBPS_BUCKETS
-        )
+        self._transfer_histograms()
         self.requests = c("prefill_requests_total", "Prefill calls answered with a record")
         self.failures = c("prefill_failures_total", "Prefill calls that failed or were cancelled")
         self.injected = c("injected_faults_total", "handoff faults injected (--inject-faults)", ["kind"])

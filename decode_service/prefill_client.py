@@ -362,10 +362,8 @@ class PrefillClient:
                     raise ValueError("record's first token differs from the streamed one")
                 if self.metrics is not None:
                     elapsed = time.perf_counter() - started
-                    self.metrics.handoff_transfer.observe(elapsed)
+                    self.metrics.observe_transfer(elapsed, nbytes)
                     self.metrics.handoff_bytes.inc(nbytes)
-                    if nbytes and elapsed > 0:
-                        self.metrics.kv_transfer_speed.observe(nbytes / elapsed / 1e9)
                 return Handoff(
                     request.rid,
                     request.prompt_ids,

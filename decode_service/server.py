@@ -74,6 +74,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             queued=lambda: self.load_counts()[1],
             kv_usage=lambda: kv.num_used / kv.size,
             open_streams=lambda: self._open,
+            model_name=self.served_model_name,
         )
         inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
         self.kv_receiver = None  # with mooncake: our pools registered, prefill writes KV into them
@@ -260,7 +261,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
     async def _responses(self, request, rid, ids, outputs, context):
         all_ids: list[int] = []
         m, started = self.metrics, time.perf_counter()
-        last = started
+        last = first_at = started
         while True:
             try:
                 tokens, reason = await asyncio.wait_for(outputs.get(), timeout=1.0)
@@ -273,6 +274,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             if tokens:
                 now = time.perf_counter()
                 if not all_ids:
+                    first_at = now
                     m.ttft.observe(now - started)
                     tokens_after_first = len(tokens) - 1
                 else:
@@ -283,7 +285,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 m.generation_tokens.inc(len(tokens))
             all_ids.extend(tokens)
             if reason is not None:
-                self._count_finish(reason, len(ids), started)
+                self._count_finish(reason, len(ids), started, first_at, len(all_ids))
             if reason == "error":
                 detail = self._error_detail(rid)
                 code = grpc.StatusCode.INTERNAL if not self.scheduler.alive else grpc.StatusCode.UNAVAILABLE
@@ -320,7 +322,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 return
 
-    def _count_finish(self, reason: str, prompt_len: int, started: float) -> None:
+    def _count_finish(self, reason: str, prompt_len: int, started: float, first_at: float, outputs: int) -> None:
         m = self.metrics
         m.requests.labels(finish_reason=reason).inc()
         m.prompt_tokens.inc(prompt_len)
@@ -329,7 +331,10 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         elif reason == "error":
             m.failures.inc()
         else:
-            m.e2e.observe(time.perf_counter() - started)
+            now = time.perf_counter()
+            m.e2e.observe(now - started)
+            if outputs > 1:
+                m.tpot.observe((now - first_at) / (outputs - 1))
 
     def _error_detail(self, rid: str) -> str:
         return self.scheduler.notes.pop_error(rid) or repr(self.scheduler.fatal_error)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -78,6 +79,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             transfers_in_flight=lambda: self.transfers_in_flight,
             cache_hit_rate=lambda: self.engine.stats.hit_rate,
             cache_tokens=lambda: self.engine.cache.tree_size if self.engine.cache else 0,
+            model_name=os.path.basename(os.path.abspath(config.model_path)),  # as decode's default name
         )
         self.metrics_port: int | None = None
         self.open_calls = 0  # Prefill calls open (changed on the event loop only)
@@ -277,9 +279,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             )
         )
         elapsed = time.perf_counter() - sent_first
-        m.handoff_transfer.observe(elapsed)
-        if nbytes and elapsed > 0:
-            m.kv_transfer_speed.observe(nbytes / elapsed / 1e9)
+        m.observe_transfer(elapsed, nbytes)
         m.requests.inc()
 
     async def GetLoad(self, request, context):
