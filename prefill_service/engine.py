@@ -114,13 +114,16 @@ class PrefillEngine:
             self.cache.lock(node)
             if kv.num_free < need:
                 self.cache.evict(need - kv.num_free)
+        own = None
         try:
             own = kv.alloc(need)
-        except BaseException:
+            row = pool.alloc()
+        except BaseException:  # nothing held on a refusal: slots back, prefix unlocked
+            if own is not None:
+                kv.free(own)
             if self.cache is not None:
                 self.cache.unlock(node)
             raise
-        row = pool.alloc()
         slots = torch.cat([cached, own])
         pool.write(row, 0, slots)
         self.running.append(
