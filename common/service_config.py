@@ -72,6 +72,9 @@ class ServiceConfig:
     tls_ca_file: str | None = flag(
         None, "mutual TLS: callers must present a certificate signed by this CA (PEM)", type=str
     )
+    otlp_traces_endpoint: str | None = flag(
+        None, "export OpenTelemetry traces over OTLP/gRPC to HOST:PORT (default: off)", type=str
+    )
     disaggregation_protocol: str = flag("tcp", "mooncake transport: tcp (any host) or rdma (GPU nodes)")
     disaggregation_ib_device: str = flag("", "mooncake rdma: the InfiniBand device, e.g. mlx5_0 (empty: auto)")
 

@@ -89,6 +89,7 @@ class PrefillClient:
         api_key: str | None = None,
         policy: str = "cache_aware",
         resolve_interval_s: float = 5.0,
+        tracing=None,
     ):
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
         deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. With `kv_destination` (this
@@ -127,6 +128,8 @@ class PrefillClient:
         self.kv_destination = kv_destination
         self.transfer_quiesce_s = transfer_quiesce_s
         self.router = PrefixRouter(policy)
+        self.tracing = tracing  # common.tracing.Tracing or None
+        self.traces: dict[str, tuple] = {}  # rid -> (its generate span's context, submission ns), set by the server
         if prefill_discovery.has_dns(self.entries):
             threading.Thread(
                 target=self._rediscover, args=(resolve_interval_s,), name="prefill-discovery", daemon=True
@@ -232,6 +235,9 @@ class PrefillClient:
 
     def _run(self, request: HandoffRequest) -> None:
         sink, tried, sent, errors = self.sink, set(), [], []
+        parent, submitted = self.traces.get(request.rid, (None, None))
+        if parent is not None:
+            self.tracing.record("queue", parent, submitted, time.time_ns())
         try:
             while True:
                 peer = self._pick(tried, request.prompt_ids)
@@ -248,8 +254,10 @@ class PrefillClient:
                     first_position=len(sent),
                     kv_slots=request.kv_slots,
                 )
+                span = self.tracing.start("prefill_call", parent, replica=peer.address) if parent is not None else None
+                carried = self.tracing.inject(self.tracing.context_of(span)) if span is not None else ()
                 try:
-                    handoff = self._stream(peer, attempt, sent)
+                    handoff = self._stream(peer, attempt, sent, carried)
                 except (grpc.RpcError, ValueError) as e:
                     if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         sink.fail_handoff(request.rid, f"{REFUSED}prefill replica {peer.address}: {e.details()}")
@@ -274,6 +282,8 @@ class PrefillClient:
                         self.metrics.retries.inc()
                     continue
                 finally:
+                    if span is not None:
+                        span.end()
                     with self._lock:
                         peer.in_flight -= 1
                         self._calls.pop(request.rid, None)
@@ -288,7 +298,7 @@ class PrefillClient:
                 self._stalled.discard(request.rid)
                 self._active.discard(request.rid)
 
-    def _stream(self, peer: _Peer, request: HandoffRequest, sent: list[int]) -> Handoff:
+    def _stream(self, peer: _Peer, request: HandoffRequest, sent: list[int], trace_metadata: tuple = ()) -> Handoff:
         """One attempt. Tokens sampled by prefill are appended to `sent` as they are forwarded."""
         p = request.params
         msg = prefill_pb2.PrefillRequest(
@@ -310,7 +320,7 @@ class PrefillClient:
         if self.kv_destination is not None and request.kv_slots is not None:
             msg.kv_destination.CopyFrom(self.kv_destination)
             msg.kv_destination.runs.extend(mooncake.slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
-        call = peer.stub.Prefill(msg, timeout=self.call_timeout_s, metadata=peer.metadata)
+        call = peer.stub.Prefill(msg, timeout=self.call_timeout_s, metadata=peer.metadata + trace_metadata)
         with self._lock:
             self._calls[request.rid] = [call, peer, None]
             if request.rid in self._cancelled:

@@ -35,6 +35,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common import tracing
 from common.engine.model_runner import ModelRunner
 from common.metrics import DecodeMetrics
 from common.request_rules import REFUSED
@@ -82,6 +83,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self.kv_receiver = KvReceiver(
                 self.runner, config.host, config.disaggregation_protocol, config.disaggregation_ib_device
             )
+        self.tracing = tracing.Tracing("decode", config.otlp_traces_endpoint)
         self.prefill = PrefillClient(
             config.prefill_addrs,
             self.model_config,
@@ -94,6 +96,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             kv_destination=self.kv_receiver.destination if self.kv_receiver else None,
             policy=config.prefill_policy,
             resolve_interval_s=config.prefill_resolve_interval_s,
+            tracing=self.tracing,
             credentials=security.channel_credentials(
                 config.prefill_tls_ca_file, config.tls_cert_file, config.tls_key_file
             ),
@@ -171,6 +174,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.scheduler.stop()
         self.prefill.close()
         self.metrics.close()
+        self.tracing.shutdown()  # flushes spans still batched
 
     @property
     def address(self) -> str:
@@ -199,6 +203,9 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         if request.request_id:
             self._live[request.request_id] = rid
         finished = False
+        span = self.tracing.start("generate", self.tracing.extract(context.invocation_metadata()), rid=rid)
+        if span is not None:  # the prefill client hangs its spans (and the replica's) under it
+            self.prefill.traces[rid] = (self.tracing.context_of(span), time.time_ns())
         try:
             self.scheduler.submit(
                 rid,
@@ -215,6 +222,10 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self.metrics.aborts.inc()
             raise
         finally:
+            if span is not None:
+                self.prefill.traces.pop(rid, None)
+                span.set_attribute("finished", finished)
+                span.end()
             self._open_rids.discard(rid)
             if request.request_id and self._live.get(request.request_id) == rid:
                 del self._live[request.request_id]
@@ -286,6 +297,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             all_ids.extend(tokens)
             if reason is not None:
                 self._count_finish(reason, len(ids), started, first_at, len(all_ids))
+                if all_ids and self.tracing.enabled:
+                    parent = self.prefill.traces.get(rid, (None,))[0]
+                    self.tracing.record(
+                        "decode", parent, tracing.wall_ns(first_at), time.time_ns(), tokens=len(all_ids)
+                    )
             if reason == "error":
                 detail = self._error_detail(rid)
                 code = grpc.StatusCode.INTERNAL if not self.scheduler.alive else grpc.StatusCode.UNAVAILABLE

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from common import tracing
 from common.engine import intra_op
 from common.engine.handoff import HandoffRequest
 from common.engine.model_runner import ModelRunner
@@ -62,6 +63,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
         self.runner = ModelRunner.for_service(config)
+        self.tracing = tracing.Tracing("prefill", config.otlp_traces_endpoint)
         self.engine = PrefillEngine(self.runner, config.chunked_prefill_size, not config.disable_radix_cache)
         self.scheduler = PrefillScheduler(
             self.engine,
@@ -120,6 +122,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.scheduler.stop()
         self.server.stop(grace_s)
         self.metrics.close()
+        self.tracing.shutdown()  # flushes spans still batched
         self._chunk_pool.shutdown(wait=False, cancel_futures=True)
 
     def _scheduler_failed(self, error: BaseException) -> None:
@@ -281,6 +284,20 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         elapsed = time.perf_counter() - sent_first
         m.observe_transfer(elapsed, nbytes)
         m.requests.inc()
+        self._trace(context, call, sent_first, nbytes)
+
+    def _trace(self, context, call: PrefillCall, sent_first: float, nbytes: int) -> None:
+        """The call's spans, under the decode side's prefill_call span (traceparent metadata)."""
+        parent = self.tracing.extract(context.invocation_metadata())
+        if parent is None:
+            return
+        t = tracing.wall_ns
+        span = self.tracing.start("prefill", parent, t(call.queued_at), rid=call.request.rid)
+        inner = self.tracing.context_of(span)
+        self.tracing.record("queue", inner, t(call.queued_at), t(call.started_at))
+        self.tracing.record("compute", inner, t(call.started_at), t(call.finished_at))
+        self.tracing.record("transfer", inner, t(sent_first), time.time_ns(), bytes=nbytes)
+        span.end()
 
     async def GetLoad(self, request, context):
         kv = self.runner.kv_allocator
