@@ -76,6 +76,10 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
     verify_ids = torch.cat([chain.bonus[:, None], proposed], dim=1).flatten()
     fb = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, verify_ids, num_steps + 1)
     logits, features = runner.forward_features(fb)  # 2. verify
+    window = torch.arange(num_steps + 1, device=indices.device).expand(size, -1)  # node j: output first + j
+    first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]
+    eos = runner.config.eos_token_ids
+    logits = batch.sampling.hold_back_stops_at(logits.view(size, num_steps + 1, -1), first, window, eos).flatten(0, 1)
     target = logits.argmax(-1).view(size, num_steps + 1)
     accepted = (proposed == target[:, :num_steps]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # 3.
     lanes = torch.arange(size, device=indices.device)

@@ -139,7 +139,9 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     device = indices.device
     fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
     logits, features = runner.forward_features(fb)  # 3.
-    target = logits.argmax(-1).view(size, m)
+    first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]  # node: output first + depth
+    held = batch.sampling.hold_back_stops_at(logits.view(size, m, -1), first, depth, runner.config.eos_token_ids)
+    target = held.argmax(-1)
     lanes_t = torch.arange(size, device=device)
     reach = torch.zeros(size, m, dtype=torch.bool, device=device)  # 4.
     reach[:, 0] = True

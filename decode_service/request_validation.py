@@ -44,7 +44,6 @@ def parse_generate(
     context_length: int,
     default_max_new_tokens_: int,
     kv_room: int | None = None,
-    speculative: bool = False,
 ) -> tuple[list[int], SamplingParams]:
     """(prompt ids, SamplingParams) of a GenerateRequest; InvalidRequest naming the field if it is bad.
     A request without max_new_tokens gets the default, clamped to the context and to `kv_room` (the
@@ -75,7 +74,5 @@ def parse_generate(
     )
     if params.min_new_tokens > params.max_new_tokens:
         raise InvalidRequest(f"min_new_tokens ({sp.min_new_tokens}) exceeds max_new_tokens ({params.max_new_tokens})")
-    if sp.min_new_tokens and speculative:
-        raise InvalidRequest("unsupported field: min_new_tokens with speculative decoding (not yet)")
     validate_prompt(ids, params, vocab_size, context_length)
     return ids, params

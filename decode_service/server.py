@@ -245,7 +245,6 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 self.runner.context_length,
                 self.config.default_max_new_tokens,
                 kv_room=self.scheduler.kv_room,
-                speculative=self.runner.draft is not None,
             )
         except InvalidRequest as e:
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e

@@ -83,16 +83,19 @@ def test_min_new_tokens_over_grpc_mask_the_prefill_token_too(checkpoint):
         pair.close()
 
 
-def test_min_new_tokens_is_refused_with_eagle(checkpoint, heads):
-    """Not yet supported with speculative decoding: refused by name, not ignored."""
-    import grpc
+@pytest.mark.parametrize("algorithm,topk", [("EAGLE", 1), ("EAGLE3", 2)])
+def test_min_new_tokens_with_eagle_match_hf(checkpoint, heads, algorithm, topk):
+    """EAGLE chain and tree: the verify's target at each node is masked by the node's own output
+    position (drafts past the minimum may still stop the request)."""
+    from common.engine.draft_runner import SpecArgs
 
     path = checkpoint("llama")
-    flags = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=heads(path, "EAGLE"))
-    pair = GrpcPair(path, prefill_kw=flags, decode_kw=flags)
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            pair.collect(pair.generate([5, 6, 7], 4, rid="e", min_new_tokens=2))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculative" in err.value.details()
-    finally:
-        pair.close()
+    steps, nodes = (3, 4) if topk == 1 else (2, 4)
+    pair = Pair(path, spec=SpecArgs(algorithm, heads(path, algorithm), steps, topk, nodes))
+    cases = _cases(path)
+    for i, (p, stop, m) in enumerate(cases):
+        pair.submit(str(i), p, SamplingParams(max_new_tokens=10, min_new_tokens=m, stop_token_ids=(stop,)))
+    pair.wait([str(i) for i in range(len(cases))])
+    for i, (p, stop, m) in enumerate(cases):
+        assert pair.out.tokens[str(i)] == hf_min_tokens(path, p, stop, m, 10), f"prompt {i}"
+    pair.close()

@@ -137,6 +137,25 @@ class SamplingBatch:
         sub.scatter_(1, ids, torch.where(valid, float("-inf"), sub.gather(1, ids)))
         return logits.index_copy(0, idx, sub)
 
+    def hold_back_stops_at(self, logits: torch.Tensor, first: list[int], offsets: torch.Tensor, eos_token_ids=()):
+        """The same mask for EAGLE's verify: logits [B, M, V], where row b's node m samples output
+        position first[b] + offsets[b, m] (offsets on the device: a tree's depths), so nothing here
+        waits for the device. A copy; the input as it is when no row has a min_new_tokens."""
+        if not self.holds_back:
+            return logits
+        device = logits.device
+        banned = [sorted(set(eos_token_ids) | set(p.stop_token_ids)) for p in self.params]
+        width = max(1, max(len(b) for b in banned))
+        ids = to_device([b + [0] * (width - len(b)) for b in banned], device)  # [B, K]
+        valid = to_device([[j < len(b) for j in range(width)] for b in banned], device, torch.bool)
+        room = to_device([p.min_new_tokens - f for p, f in zip(self.params, first)], device)  # [B]
+        active = offsets < room[:, None]  # [B, M]: this node's position is below the minimum
+        idx = ids[:, None, :].expand(-1, logits.shape[1], -1)  # [B, M, K]
+        hide = active[:, :, None] & valid[:, None, :]
+        out = logits.clone()
+        out.scatter_(2, idx, torch.where(hide, float("-inf"), out.gather(2, idx)))
+        return out
+
     def _row_tensors(self, rows: list[int], filters: bool, device: torch.device):
         key = (filters, device)
         if key not in self._tensors:
