@@ -41,6 +41,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold one block of scores s [M, N] (-inf where hidden) and values v [N, D] into the running
+    max m_i, sum l_i and fp32 accumulator acc; returns the three updated."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, req_to_token, rows, prefix_lens, extend_lens, q_starts, seq_lens, tree_mask,
     sm_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_r,
@@ -88,15 +99,8 @@ def _extend_kernel(
             else:
                 visible = offs_n[None, :] <= (prefix + offs_m)[:, None]
             visible = visible & n_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
             v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc, IEEE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -136,15 +140,8 @@ def _decode_kernel(
         kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * sm_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
         v = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(tl.where(n_ok[None, :], s, float("-inf")), v, m_i, l_i, acc, IEEE)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))

@@ -96,16 +96,12 @@ class SamplingBatch:
         self.params, self.seeds = list(params), list(seeds)
         self.plain = [i for i, p in enumerate(self.params) if not p.greedy and not p.filtered]
         self.filtered = [i for i, p in enumerate(self.params) if not p.greedy and p.filtered]
+        self.holds_back = any(p.min_new_tokens for p in self.params)  # then sample() needs every row's position
         self._tensors: dict = {}
 
     @property
     def all_greedy(self) -> bool:
         return not self.plain and not self.filtered
-
-    @property
-    def holds_back(self) -> bool:
-        """Some row has a min_new_tokens (sample() then needs every row's position)."""
-        return any(p.min_new_tokens for p in self.params)
 
     def sample(self, logits: torch.Tensor, positions: list[int], eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """logits [B, V] (float32) -> token ids [B] (int64, same device); positions = output index
