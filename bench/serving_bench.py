@@ -251,6 +251,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (converted once)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for HF, in-process and each service")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the best is reported")
+    parser.add_argument("--linear-layout", default="auto", help="the services' --linear-layout (pair only)")
     parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
     parser.add_argument(
         "--transfer-backend", default="grpc", choices=["grpc", "mooncake"], help="the pair's KV data plane"
@@ -269,7 +270,7 @@ def main(argv=None) -> None:
     rows = {}
     address, procs = (None, [])
     if "pair" not in skip:
-        transfer = ("--disaggregation-transfer-backend", args.transfer_backend)
+        transfer = ("--disaggregation-transfer-backend", args.transfer_backend, "--linear-layout", args.linear_layout)
         address, procs = start_pair(
             args.model_path,
             args.threads,

@@ -6,6 +6,7 @@
    rounds), on the thread count the service computes with.
 3. Each weight gets, per bucket, the fastest layout of its group; the oneDNN copy is dropped where
    no bucket uses it.
+   Services on one host take turns (a file lock), so neither times the other's load.
 4. The table (milliseconds per bucket for the whole model, each layout alone and the chosen mix) is
    logged with the host's CPU, and kept on the runner for benchmarks.
 A forced layout (`mkl`, `onednn`, `rowblock`) skips the timing. Only speed depends on the choice:
@@ -15,8 +16,11 @@ every layout equals F.linear within fp32 rounding (tests/test_packed_linear.py).
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -109,7 +113,31 @@ def tune(weights: list[LinearWeight], mode: str = "auto", measure=measure) -> La
     return table
 
 
+@contextmanager
+def host_wide_lock():
+    """One tuning at a time on this host: two services starting together (prefill and decode on one
+    machine) timed each other's load and picked layouts 30% slower in the pair at batch 1."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), "disagg-serve-linear-tuning.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def tune_and_log(weights: list[LinearWeight], mode: str) -> LayoutTable:
+    if mode == "auto":
+        with host_wide_lock():
+            return _tune_and_log(weights, mode)
+    return _tune_and_log(weights, mode)
+
+
+def _tune_and_log(weights: list[LinearWeight], mode: str) -> LayoutTable:
     start = time.perf_counter()
     table = tune(weights, mode)
     for line in table.lines():
