@@ -39,7 +39,7 @@ class ServiceConfig:
     attention_backend: str = flag("batched", "attention backend", choices=sorted(BACKENDS))
     linear_layout: str = flag(
         "auto",
-        "CPU fp32 linear layout: auto = the fastest per weight shape and row count, timed at start-up",
+        "CPU fp32 linear layout: auto = fastest per shape and row count, timed once per host (retime: again)",
         choices=list(LAYOUT_CHOICES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -24,6 +26,14 @@ CHECKPOINTS = {
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    # the host's linear-layout tables (common/models/host_table.py): this session's own, shared by the
+    # services it starts, not the user's
+    config.linear_table_dir = tempfile.mkdtemp(prefix="disagg-linear-tables-")
+    os.environ["DISAGG_LINEAR_TABLE_DIR"] = config.linear_table_dir
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "linear_table_dir", ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

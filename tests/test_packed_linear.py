@@ -1,12 +1,14 @@
 """The CPU fp32 linear layouts (common/models/packed_linear.py) against F.linear, and the start-up
 choice among them (common/models/linear_tuning.py) with made-up timings, so it is deterministic."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.models import packed_linear
+from common.models import host_table, linear_tuning, packed_linear
 from common.models.linear_tuning import measure, tune
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight, bucket_index, linear_weights
 
@@ -106,3 +108,38 @@ def test_a_forced_layout_is_not_timed_and_frees_the_unused_copy():
 def test_measure_times_every_layout_on_the_real_weight():
     seconds = measure([LinearWeight(torch.randn(64, 32)), LinearWeight(torch.randn(64, 32))], rows=4)
     assert set(seconds) == set(LAYOUTS) and all(0 < s < 1 for s in seconds.values())
+
+
+def test_the_host_table_is_timed_once_and_shared(tmp_path, monkeypatch):
+    """auto times once per host and model and stores the table; a second start (the other service)
+    loads it without timing; retime times again; a table for other shapes or a corrupt file is not used."""
+    monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
+    timed = []
+    real_tune = linear_tuning.tune
+
+    def counting_tune(weights, mode):
+        timed.append(mode)
+        return real_tune(weights, mode, measure=lambda ws, rows: {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0})
+
+    monkeypatch.setattr(linear_tuning, "tune", counting_tune)
+    first = linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto")
+    assert timed == ["auto"] and not first.source
+    [stored] = list(tmp_path.iterdir())
+
+    other = linear_weights(packed_linear.pack_linears(_model()))  # the second service's own weights
+    second = linear_tuning.tune_and_log(other, "auto")
+    assert timed == ["auto"], "the second start loads the host's table"
+    assert str(stored) in second.source and "loaded from" in second.lines()[0]
+    assert all(w.plan == ("rowblock",) * len(ROW_BUCKETS) for w in other)
+    assert second.chosen_ms == first.chosen_ms
+
+    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "retime")
+    assert timed == ["auto", "retime"]
+
+    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(nn.Linear(8, 24))), "auto")
+    assert timed == ["auto", "retime", "auto"] and len(list(tmp_path.iterdir())) == 2  # another model
+
+    stored.write_text("{not json")
+    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto")
+    assert timed == ["auto", "retime", "auto", "auto"], "a corrupt table is timed again"
+    assert json.loads(stored.read_text())["key"]["host"]  # and rewritten

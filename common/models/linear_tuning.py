@@ -6,9 +6,12 @@
    rounds), on the thread count the service computes with.
 3. Each weight gets, per bucket, the fastest layout of its group; the oneDNN copy is dropped where
    no bucket uses it.
-   Services on one host take turns (a file lock), so neither times the other's load.
 4. The table (milliseconds per bucket for the whole model, each layout alone and the chosen mix) is
    logged with the host's CPU, and kept on the runner for benchmarks.
+5. The host shares one table (`host_table.py`): services take turns (a file lock) and the first to
+   time a model on this CPU, torch and thread count writes the table; the others, and later starts,
+   load it. Two services timing at once measured each other's load: in the pair at batch 1 the mix
+   they picked ran 13-16 tok/s against 17-20 with the best layout. `retime` times again and rewrites.
 A forced layout (`mkl`, `onednn`, `rowblock`) skips the timing. Only speed depends on the choice:
 every layout equals F.linear within fp32 rounding (tests/test_packed_linear.py).
 """
@@ -16,21 +19,19 @@ every layout equals F.linear within fp32 rounding (tests/test_packed_linear.py).
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from common import host
+from common.models import host_table
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight
 
 log = logging.getLogger(__name__)
 
-CHOICES = ("auto",) + LAYOUTS
+CHOICES = ("auto", "retime") + LAYOUTS
 ROUNDS = 3  # timed rounds per (shape, bucket); a round whose calls took over SLOW_S ends the timing early
 SLOW_S = 0.02
 CONTENDER = 1.3  # after the first round, only layouts within this factor of the fastest are timed again
@@ -45,11 +46,13 @@ class LayoutTable:
     ms: dict[str, list[float]] = field(default_factory=dict)
     chosen_ms: list[float] = field(default_factory=list)
     plans: dict[tuple[int, int, bool], tuple[str, ...]] = field(default_factory=dict)
+    source: str = ""  # the host table file it was loaded from ("" when timed here)
 
     def lines(self) -> list[str]:
         if not self.ms:
             return [f"linear layout {self.mode} (forced) on {host.describe()}"]
-        head = f"linear layouts on {host.describe()}, {self.threads} threads, ms per step for all linears:"
+        how = f"loaded from {self.source}" if self.source else "timed now"
+        head = f"linear layouts on {host.describe()}, {self.threads} threads ({how}), ms per step for all linears:"
         out = [head, "  rows " + "".join(f"{name:>10}" for name in (*LAYOUTS, "chosen"))]
         for i, rows in enumerate(ROW_BUCKETS):
             cells = [self.ms[name][i] for name in LAYOUTS] + [self.chosen_ms[i]]
@@ -88,7 +91,7 @@ def tune(weights: list[LinearWeight], mode: str = "auto", measure=measure) -> La
     if mode not in CHOICES:
         raise ValueError(f"--linear-layout must be one of {CHOICES}, got {mode!r}")
     table = LayoutTable(mode, torch.get_num_threads())
-    if mode != "auto":
+    if mode not in ("auto", "retime"):
         for w in weights:
             w.set_plan((mode,) * len(ROW_BUCKETS))
         return table
@@ -113,36 +116,33 @@ def tune(weights: list[LinearWeight], mode: str = "auto", measure=measure) -> La
     return table
 
 
-@contextmanager
-def host_wide_lock():
-    """One tuning at a time on this host: two services starting together (prefill and decode on one
-    machine) timed each other's load and picked layouts 30% slower in the pair at batch 1."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    with open(os.path.join(tempfile.gettempdir(), "disagg-serve-linear-tuning.lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def tune_and_log(weights: list[LinearWeight], mode: str) -> LayoutTable:
-    if mode == "auto":
-        with host_wide_lock():
-            return _tune_and_log(weights, mode)
-    return _tune_and_log(weights, mode)
-
-
-def _tune_and_log(weights: list[LinearWeight], mode: str) -> LayoutTable:
+    """Set every weight's plan: forced, loaded from the host's table, or timed now (and shared)."""
     start = time.perf_counter()
-    table = tune(weights, mode)
+    if mode in ("auto", "retime"):
+        with host_table.host_wide_lock():
+            table = _load_host_table(weights) if mode == "auto" else None
+            if table is None:
+                table = tune(weights, mode)
+                shapes = [w.shape_key for w in weights]
+                host_table.write(shapes, table.threads, table.plans, table.ms, table.chosen_ms)
+    else:
+        table = tune(weights, mode)
     for line in table.lines():
         log.info("%s", line)
-    if table.ms:
+    if table.ms and not table.source:
         log.info("linear layouts: %d weights in %d shapes timed in %.1f s", len(weights), len(table.plans),
                  time.perf_counter() - start)  # fmt: skip
+    return table
+
+
+def _load_host_table(weights: list[LinearWeight]) -> LayoutTable | None:
+    record = host_table.read([w.shape_key for w in weights], torch.get_num_threads())
+    if record is None:
+        return None
+    table = LayoutTable("auto", torch.get_num_threads(), record["ms"], record["chosen_ms"])
+    table.plans = {tuple(shape): tuple(plan) for shape, plan in record["plans"]}
+    table.source = f"{record['path']}, timed {record['timed_at']}"
+    for w in weights:
+        w.set_plan(table.plans[w.shape_key])
     return table
