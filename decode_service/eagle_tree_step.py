@@ -82,13 +82,8 @@ def _build_tree(tokens, scores, parents, bonus, num_nodes: int, topk: int):
     batch, device = tokens.shape[0], tokens.device
     sel = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : num_nodes - 1]
     sel = torch.sort(sel, dim=1).values  # level order: parents first
-    level = torch.cat(
-        [torch.zeros(topk, dtype=torch.int64, device=device)]
-        + [
-            torch.full((topk * topk,), d, dtype=torch.int64, device=device)
-            for d in range(1, (tokens.shape[1] - topk) // (topk * topk) + 1)
-        ]
-    )
+    cand = torch.arange(tokens.shape[1], device=device)  # candidates come in levels of K, then K*K each
+    level = torch.where(cand < topk, 0, (cand - topk) // (topk * topk) + 1)
     node_of = torch.zeros_like(scores, dtype=torch.int64).scatter_(
         1, sel, torch.arange(1, num_nodes, device=device).expand(batch, -1)
     )
@@ -102,12 +97,27 @@ def _build_tree(tokens, scores, parents, bonus, num_nodes: int, topk: int):
     )
     depth = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), level[sel] + 1], dim=1)
     node_tokens = torch.cat([bonus[:, None], tokens.gather(1, sel)], dim=1)
-    eye = torch.eye(num_nodes, dtype=torch.bool, device=device)
-    anc = eye.expand(batch, -1, -1).clone()
-    lanes = torch.arange(batch, device=device)
-    for i in range(1, num_nodes):  # parents come first
-        anc[:, i] = anc[lanes, parent[:, i]] | eye[i]
-    return node_tokens, parent, depth, anc
+    return node_tokens, parent, depth, ancestors(parent, 1 + (tokens.shape[1] - topk) // (topk * topk))
+
+
+def ancestors(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """The ancestor-or-self mask [B, M, M] of trees given by parent [B, M] (the root is its own
+    parent), no deeper than max_depth: one gather and one scatter per level, not per node."""
+    batch, m = parent.shape
+    anc = torch.eye(m, dtype=torch.bool, device=parent.device).expand(batch, -1, -1).clone()
+    up = parent
+    for _ in range(max_depth):  # round d marks each node's ancestor d levels up (the root is its own parent)
+        anc.scatter_(2, up[..., None], True)
+        up = parent.gather(1, up)
+    return anc
+
+
+def reached(node_tokens: torch.Tensor, parent: torch.Tensor, anc: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[B, M]: every node on the root's path to i (i included) carries the target's argmax at its
+    parent (greedy accept), as masked tensor ops over the ancestor mask, not a walk per node."""
+    match = node_tokens == target.gather(1, parent)
+    match[:, 0] = True  # the root (the bonus) is committed
+    return ~(anc & ~match[:, None, :]).any(-1)
 
 
 @dataclass
@@ -143,10 +153,7 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     held = batch.sampling.hold_back_stops_at(logits.view(size, m, -1), first, depth, runner.config.eos_token_ids)
     target = held.argmax(-1)
     lanes_t = torch.arange(size, device=device)
-    reach = torch.zeros(size, m, dtype=torch.bool, device=device)  # 4.
-    reach[:, 0] = True
-    for i in range(1, m):
-        reach[:, i] = reach[lanes_t, parent[:, i]] & (node_tokens[:, i] == target[lanes_t, parent[:, i]])
+    reach = reached(node_tokens, parent, anc, target)  # 4.
     last = (reach * (depth + 1)).argmax(dim=1)
     accepted = depth[lanes_t, last]
     committed = to_device(seq_lens_cpu, device, torch.int64)

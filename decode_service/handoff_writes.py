@@ -11,50 +11,53 @@ from common.engine.handoff import Handoff
 from common.engine.host_copy import to_device
 
 
+def write_kv_chunk(pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list) -> None:
+    """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots."""
+    loc = to_device(kv_slots[token_start : token_start + k[0].shape[0]], pool.device)
+    for i, (kt, vt) in enumerate(zip(k, v)):
+        pool.write(layer_start + i, loc, to_device(kt, pool.device), to_device(vt, pool.device))
+
+
 def submit_kv_chunk(
     stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list, done=None
 ) -> None:
-    """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots;
-    `done()` is called once the stream has taken the write (the sender's flow-control window)."""
-    loc = kv_slots[token_start : token_start + k[0].shape[0]]
+    """write_kv_chunk on the stream; `done()` is called once the stream has taken the write (the
+    sender's flow-control window)."""
 
     def write():
-        dev_loc = to_device(loc, pool.device)
-        for i, (kt, vt) in enumerate(zip(k, v)):
-            pool.write(layer_start + i, dev_loc, to_device(kt, pool.device), to_device(vt, pool.device))
+        write_kv_chunk(pool, kv_slots, token_start, layer_start, k, v)
         if done is not None:
             done()
 
     stream.submit(write)
 
 
-def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
     """Map the row, write KV carried in the record (target, and the head's with EAGLE), and seed the
     FutureMap row: the first token, and with EAGLE the draft seed and the seq_lens (prompt length)."""
-    row = torch.tensor([req_pool_idx], dtype=torch.int64)
-    first = torch.tensor([handoff.first_token], dtype=torch.int64)
-
-    def write():
-        runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
-        loc = to_device(kv_slots[: handoff.prompt_len], runner.device)
-        if handoff.k is not None:
-            for layer in range(runner.config.num_layers):
-                runner.kv_pool.write(
-                    layer, loc, to_device(handoff.k[layer], runner.device), to_device(handoff.v[layer], runner.device)
-                )
-        dev_row = to_device(row, fm.device)
-        fm.reset_rows(dev_row)
-        fm.stash_tokens(dev_row, to_device(first, fm.device))
-        if runner.draft is not None:
-            if handoff.draft_k is not None:
-                runner.draft.kv_pool.write(
-                    0, loc, to_device(handoff.draft_k[0], runner.device), to_device(handoff.draft_v[0], runner.device)
-                )
-            fm.stash_draft(
-                dev_row,
-                to_device(handoff.draft_topk_ids[:1], fm.device),
-                to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype),
+    runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
+    loc = to_device(kv_slots[: handoff.prompt_len], runner.device)
+    if handoff.k is not None:
+        for layer in range(runner.config.num_layers):
+            runner.kv_pool.write(
+                layer, loc, to_device(handoff.k[layer], runner.device), to_device(handoff.v[layer], runner.device)
             )
-            fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))  # seed_seq_lens moves it
+    dev_row = to_device(torch.tensor([req_pool_idx], dtype=torch.int64), fm.device)
+    fm.reset_rows(dev_row)
+    fm.stash_tokens(dev_row, to_device(torch.tensor([handoff.first_token], dtype=torch.int64), fm.device))
+    if runner.draft is not None:
+        if handoff.draft_k is not None:
+            runner.draft.kv_pool.write(
+                0, loc, to_device(handoff.draft_k[0], runner.device), to_device(handoff.draft_v[0], runner.device)
+            )
+        fm.stash_draft(
+            dev_row,
+            to_device(handoff.draft_topk_ids[:1], fm.device),
+            to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype),
+        )
+        fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))  # seed_seq_lens moves it
 
-    stream.submit(write)
+
+def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+    """write_prebuilt on the stream."""
+    stream.submit(lambda: write_prebuilt(runner, fm, req_pool_idx, kv_slots, handoff))

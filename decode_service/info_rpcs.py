@@ -45,7 +45,7 @@ class InfoRpcs:
                 "served_model_name": self.served_model_name,
                 "context_length": self.runner.context_length,
                 "max_total_tokens": self.runner.kv_allocator.size,
-                "tp_size": 1,
+                "tp_size": self.config.tp_size,
                 "dp_size": 1,
                 "pp_size": 1,
                 "max_running_requests": self.config.max_running_requests,

@@ -49,6 +49,8 @@ from decode_service.kv_receiver import KvReceiver
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
 from decode_service.scheduler import DecodeScheduler
+from decode_service.tp_launch import TPRanks
+from decode_service.tp_worker import TPDecodeWorker, check_tp_settings
 from decode_service.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         if config.disaggregation_transfer_backend == "mooncake":
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
-        self.runner = ModelRunner.for_service(config)
+        self.tp_ranks = None  # --tp-size > 1: the follower ranks (tp_launch.py)
+        if config.tp_size > 1:
+            check_tp_settings(config)
+            self.tp_ranks = TPRanks.start(config)
+        self.runner = ModelRunner.for_service(config, self.tp_ranks.tp if self.tp_ranks else None)
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         kv = self.runner.kv_allocator
@@ -102,8 +108,15 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             ),
             api_key=config.internal_api_key,
         )
+        worker = (
+            TPDecodeWorker(self.runner, self.tp_ranks.tp, debug=config.debug_checks)
+            if self.tp_ranks
+            else DecodeWorker(self.runner, debug=config.debug_checks)
+        )
+        if self.tp_ranks:  # a rank gone: fail the stream, so calls end UNAVAILABLE and health says so
+            self.tp_ranks.watch(worker.fail)
         self.scheduler = DecodeScheduler(
-            DecodeWorker(self.runner, debug=config.debug_checks),
+            worker,
             self.prefill,
             inbox,
             overlap=not config.disable_overlap_schedule,
@@ -172,6 +185,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self._watcher.join(timeout=5)
         self.server.stop(grace=1.0)
         self.scheduler.stop()
+        if self.tp_ranks:
+            self.tp_ranks.stop()
         self.prefill.close()
         self.metrics.close()
         self.tracing.shutdown()  # flushes spans still batched
@@ -181,7 +196,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         return self.server.address
 
     def healthy(self) -> bool:
-        return self.scheduler.alive and self._prefill_serving and not self._draining
+        tp_ok = self.tp_ranks is None or self.tp_ranks.alive()
+        return self.scheduler.alive and tp_ok and self._prefill_serving and not self._draining
 
     def _watch_health(self) -> None:
         while not self._stop.wait(0.25):

@@ -65,9 +65,16 @@ class DecodeWorker:
         here, before the submit, so a resolve can never wait on an older, already-set one."""
         if self.info.spec is not None:
             batch = dataclasses.replace(batch, fence=self.future_map.arm_publish(self.stream))
+        return self._submit_forward(batch)
+
+    def _submit_forward(self, batch: WorkerBatch, before: Callable[[], object] | None = None) -> BatchResult:
+        """The step's forward and host copies on the stream (`before()` first there: tensor parallelism
+        sends the step to the other ranks)."""
         result = BatchResult(batch.step, make_event(self.info.device))
 
         def work():
+            if before is not None:
+                before()
             tokens, accepted = self.forward(batch)
             result.tokens_cpu = to_host(tokens)
             if accepted is not None:

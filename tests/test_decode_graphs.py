@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from common.engine.decode_graphs import batch_buckets
+from common.engine.draft_runner import SpecArgs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
+from tests.test_eagle import heads  # noqa: F401 (fixture)
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80)), [7, 7], list(range(90, 101))]
 
@@ -65,4 +67,66 @@ def test_serving_through_static_buffers_matches_hf_greedy(checkpoint, overlap):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, lengths[i]), f"prompt {i}"
     runs = pair.worker.runner.decode_graphs.runs  # which buckets depends on arrival timing; the padding
     assert sum(runs.values()) > 0 and set(runs) == {1, 2, 4, 8}, runs  # of a bucket is pinned by the test above
+    pair.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_every_architecture_through_static_buffers_matches_hf_greedy(checkpoint, arch, overlap):
+    path = checkpoint(arch)
+    pair = Pair(path, overlap=overlap, decode_reqs=4, static_decode_buffers=True)
+    for i, p in enumerate(PROMPTS[:4]):
+        pair.submit(str(i), p, SamplingParams(max_new_tokens=9, ignore_eos=True))
+    pair.wait([str(i) for i in range(4)])
+    for i, p in enumerate(PROMPTS[:4]):
+        assert pair.out.tokens[str(i)] == hf_greedy(path, p, 9), f"prompt {i}"
+    assert sum(pair.worker.runner.decode_graphs.runs.values()) > 0
+    pair.close()
+
+
+def test_draft_steps_through_static_buffers_equal_eager(checkpoint, heads):
+    """The head's chain step (decode mode, a hidden in) through the padded buffers gives the eager
+    hidden for the real rows; padding rows write only draft slot 0."""
+    path = checkpoint("llama")
+    spec = SpecArgs("EAGLE", heads(path, "EAGLE"), 3, 1, 4)
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for static in (False, True):
+        runner = ModelRunner(
+            RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl", spec=spec,
+                       static_decode_buffers=static)
+        )  # fmt: skip
+        assert (runner.draft.decode_graphs is not None) == static
+        table, rows, lens = runner.req_to_token_pool.req_to_token, [], [4, 9, 1]
+        for n in lens:
+            rows.append(runner.req_to_token_pool.alloc())
+            runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 1))
+        before = runner.draft.kv_pool.k[0].clone()
+        fb = ForwardBatch.decode(table, torch.tensor(rows), lens, torch.tensor([11, 12, 13]))
+        out = runner.draft.forward(fb, hidden[:, : runner.config.hidden_size])
+        changed = (runner.draft.kv_pool.k[0] != before).any(-1).any(-1).nonzero().flatten().tolist()
+        outs[static] = out, changed, fb.out_cache_loc.tolist()
+    graphs = runner.draft.decode_graphs
+    assert graphs.runs[4] == 1 and graphs.inputs[3].abs().sum() == 0  # bucket 4; its padding row zeroed
+    torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-5, rtol=1e-5)
+    assert outs[True][0].shape[0] == 3 and set(outs[True][1]) <= {0, *outs[True][2]}
+
+
+@pytest.mark.parametrize("spec_kind", ["EAGLE chain", "EAGLE3 chain", "EAGLE3 tree"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_eagle_through_static_buffers_matches_hf_greedy(checkpoint, heads, spec_kind, overlap):
+    """Chain draft steps run through the head's static buffers; a tree's drafts and every verify and
+    draft extend still run eagerly (several tokens per request), so there the target's buffers idle."""
+    algorithm, shape = spec_kind.split()
+    path = checkpoint("qwen3" if algorithm == "EAGLE3" else "llama")
+    topk, tokens = (1, 4) if shape == "chain" else (2, 6)
+    pair = Pair(path, overlap=overlap, decode_reqs=4, static_decode_buffers=True,
+                spec=SpecArgs(algorithm, heads(path, algorithm), 3, topk, tokens))  # fmt: skip
+    for i, p in enumerate(PROMPTS[:4]):
+        pair.submit(str(i), p, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    pair.wait([str(i) for i in range(4)])
+    for i, p in enumerate(PROMPTS[:4]):
+        assert pair.out.tokens[str(i)] == hf_greedy(path, p, 12), (spec_kind, i)
+    draft_runs = sum(pair.worker.runner.draft.decode_graphs.runs.values())
+    assert draft_runs > 0 if shape == "chain" else draft_runs == 0
     pair.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention import create_backend
+from common.engine.decode_graphs import DecodeGraphs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.models import packed_linear
@@ -79,6 +80,7 @@ class DraftRunner:
         )
         self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
+        self.decode_graphs: DecodeGraphs | None = None  # set by the target when it has decode graphs
         # The draft vocabulary: the columns of the head's logits and the target id of each. EAGLE
         # drafts over the target's whole vocabulary (its lm_head) unless a token map narrows it to hot
         # ids (a far smaller lm_head per draft step); EAGLE3 over its own, mapped by d2t.
@@ -97,10 +99,22 @@ class DraftRunner:
         """Target layers whose outputs the head reads (EAGLE3); empty: the final normed hidden (EAGLE)."""
         return self.config.aux_layer_ids
 
+    def use_decode_graphs(self, max_bs: int, capture: bool) -> None:
+        """Chain draft steps (decode forwards, the head's hidden in) through static buffers / graphs."""
+        width, dtype = self.target.config.hidden_size, self.target.dtype
+        forward = lambda fb, hidden: (self.forward_eager(fb, hidden),)  # noqa: E731
+        self.decode_graphs = DecodeGraphs(forward, self.backend, self.target.device, max_bs, capture, width, dtype)
+
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Tokens of `forward_batch` are those at p+1; `hidden` [T, H or 3H] the features for p.
         Writes the draft KV at the batch's slots and returns the head's hidden for p+1 [T, H]."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(forward_batch, hidden):
+            return self.decode_graphs.run(forward_batch, hidden)[0]
+        return self.forward_eager(forward_batch, hidden)
+
+    @torch.inference_mode()
+    def forward_eager(self, forward_batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         self.backend.init_forward_metadata(forward_batch)
         embeds = self.target.model.model.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary.cos_sin(forward_batch.positions, embeds.dtype)

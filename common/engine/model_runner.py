@@ -21,6 +21,8 @@ from common.engine.slot_allocator import SlotAllocator
 from common.models import linear_tuning, packed_linear
 from common.models.config import ModelConfig, load_model_config
 from common.models.loader import load_model, resolve_dtype
+from common.parallel import tp_shard
+from common.parallel.tp_group import TPGroup
 
 
 @dataclass
@@ -38,6 +40,7 @@ class RunnerArgs:
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
     static_decode_buffers: bool = False  # without capture (CPU): decode through the graphs' static buffers
+    tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
 
     @classmethod
     def from_service_config(cls, config) -> RunnerArgs:
@@ -83,16 +86,18 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         cfg = self.config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
-        self.model = load_model(args.model_path, self.device, self.dtype, cfg)
+        self.model = tp_shard.shard_model(load_model(args.model_path, self.device, self.dtype, cfg), args.tp)
+        self.tp = args.tp
+        kv_heads = len(tp_shard.kv_heads_of(cfg, args.tp.rank, args.tp.size))  # this rank's KV heads
         if args.linear_layout not in linear_tuning.CHOICES:
             raise ValueError(f"--linear-layout must be one of {linear_tuning.CHOICES}, got {args.linear_layout!r}")
         self.packs_linears = packed_linear.available(self.device, self.dtype)
         if self.packs_linears:
             self.model.pack_for_cpu()
         num_slots = args.max_total_tokens or slots_for_budget(
-            args.kv_budget_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
+            args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype
         )
-        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device)
         self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
         # rows also cover the draft positions a speculative request writes past its context
         self.req_to_token_pool = ReqToTokenPool(
@@ -104,17 +109,23 @@ class ModelRunner:
         self.decode_graphs = None
         if capture or args.static_decode_buffers:
             max_bs = args.cuda_graph_max_bs or args.max_running_requests
-            self.decode_graphs = DecodeGraphs(self, max_bs, capture=capture)
+            forward = lambda fb, _: self.forward_eager(fb)  # noqa: E731
+            self.decode_graphs = DecodeGraphs(forward, self.backend, self.device, max_bs, capture)
+            if self.draft is not None:
+                self.draft.use_decode_graphs(max_bs, capture)
 
     def draft_linear_roots(self) -> tuple:
         return () if self.draft is None else (self.draft.head, self.draft.vocab_lm_head)
 
     @classmethod
-    def for_service(cls, config) -> ModelRunner:
-        """A service's runner: its torch threads set, its model loaded and warmed up."""
+    def for_service(cls, config, tp: TPGroup | None = None) -> ModelRunner:
+        """A service's runner (this TP rank's part): its torch threads set, model loaded, warmed up."""
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        runner = cls(RunnerArgs.from_service_config(config))
+        args = RunnerArgs.from_service_config(config)
+        if tp is not None:
+            args.tp = tp
+        runner = cls(args)
         runner.warmup()
         return runner
 
@@ -153,6 +164,8 @@ class ModelRunner:
             self._warmup(prompt_len)
             if self.decode_graphs is not None:
                 self.decode_graphs.capture_all()
+            if self.draft is not None and self.draft.decode_graphs is not None:
+                self.draft.decode_graphs.capture_all("draft decode")
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))

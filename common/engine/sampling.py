@@ -87,6 +87,20 @@ def keep_sorted(
     return keep
 
 
+def sorted_candidates(probs: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities sorted descending, their ids) of each row of probs [N, V]: only the `width`
+    largest (torch.topk, no sort of the vocabulary) when no row keeps more (every row has a top-k of
+    at most `width`); otherwise the whole vocabulary, stably sorted."""
+    if width is None or width >= probs.shape[1]:
+        return torch.sort(probs, dim=-1, descending=True, stable=True)
+    return torch.topk(probs, width, dim=-1, sorted=True)
+
+
+def topk_width(params) -> int | None:
+    """The most candidates any of these rows keeps under its top-k, or None when one has no top-k."""
+    return max(p.top_k for p in params) if params and all(p.top_k > 0 for p in params) else None
+
+
 class SamplingBatch:
     """A batch's sampling inputs, built once when the batch's membership changes (the decode
     scheduler keeps one per ScheduleBatch), not every step: which rows are greedy, temperature-only
@@ -106,7 +120,8 @@ class SamplingBatch:
     def sample(self, logits: torch.Tensor, positions: list[int], eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """logits [B, V] (float32) -> token ids [B] (int64, same device); positions = output index
         of each row's token. Greedy rows take the argmax. Temperature-only rows draw by inverse CDF
-        over the vocabulary in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once.
+        over the vocabulary in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once (only
+        the top-k candidates when every such row has a top-k).
         Rows below their min_new_tokens never get EOS (`eos_token_ids`, the model's) or a stop id (as
         HF's MinNewTokensLengthLogitsProcessor does for EOS)."""
         logits = self.hold_back_stops(logits, positions, eos_token_ids)
@@ -162,11 +177,12 @@ class SamplingBatch:
                 to_device([[p.top_k if p.top_k > 0 else 1 << 62] for p in ps], device),
                 to_device([[p.top_p] for p in ps], device),
                 to_device([[p.min_p] for p in ps], device),
+                topk_width(ps),
             )
         return self._tensors[key]
 
     def _draw(self, logits, tokens, rows, positions, filters: bool) -> None:
-        idx, temperature, top_k, top_p, min_p = self._row_tensors(rows, filters, logits.device)
+        idx, temperature, top_k, top_p, min_p, width = self._row_tensors(rows, filters, logits.device)
         sub = logits[idx].float()
         probs = torch.softmax(sub / temperature, dim=-1)
         u = to_device([uniform(self.seeds[i], positions[i]) for i in rows], logits.device, probs.dtype)
@@ -175,10 +191,10 @@ class SamplingBatch:
             cdf = torch.cumsum(probs, dim=-1)
             tokens[idx] = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last).squeeze(1)
             return
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        sorted_probs, order = sorted_candidates(probs, width)
         keep = keep_sorted(sorted_probs, top_k, top_p, min_p)
         cdf = torch.cumsum(torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)), dim=-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=sorted_probs.shape[1] - 1)
         pick = torch.minimum(pick, keep.sum(-1, keepdim=True) - 1)  # float edge: stay inside the kept set
         tokens[idx] = order.gather(1, pick).squeeze(1)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.host_copy import to_device
-from common.engine.sampling import SamplingParams, keep_sorted, uniform
+from common.engine.sampling import SamplingParams, keep_sorted, sorted_candidates, topk_width, uniform
 
 # Purposes of a uniform draw, mixed into the request's seed (any distinct 64-bit values).
 DRAFT, ACCEPT, BONUS = 0x5D1A_F7C3_0000_0001, 0x5D1A_F7C3_0000_0002, 0x5D1A_F7C3_0000_0003
@@ -33,14 +33,16 @@ def filtered_probs(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     filters: bool = True,
+    width: int | None = None,
 ) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] with temperature, then top-k / top-p / min-p (params [N, 1];
     top_k >= V for off), renormalised; the most likely token always survives. `filters=False`: no
-    row filters (temperature only), so no sort."""
+    row filters (temperature only), so no sort; `width`: no row keeps more candidates (its top-k), so
+    only that many are sorted."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if not filters:
         return probs
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    sorted_probs, order = sorted_candidates(probs, width)
     keep = keep_sorted(sorted_probs, top_k, top_p, min_p)
     kept = torch.zeros_like(probs).scatter_(1, order, torch.where(keep, sorted_probs, 0.0))
     return kept / kept.sum(-1, keepdim=True)
@@ -89,6 +91,7 @@ class SpecDraws:
     u_accept: torch.Tensor  # [R, S]
     u_bonus: torch.Tensor  # [R, S+1]
     filters: bool = True  # some lane has top-k / top-p / min-p
+    width: int | None = None  # every lane keeps at most this many candidates (top-k): sort only those
 
     @classmethod
     def build(
@@ -117,6 +120,7 @@ class SpecDraws:
             table(ACCEPT, num_steps, 1),
             table(BONUS, num_steps + 1, 1),
             any(sp.filtered for sp in ps),
+            topk_width(ps),
         )
 
     def to(self, device) -> SpecDraws:
@@ -128,5 +132,11 @@ class SpecDraws:
         """Filtered probabilities of logits [R * repeat, V] (lane-major), each lane's params repeated."""
         expand = (lambda t: t.repeat_interleave(repeat, dim=0)) if repeat > 1 else (lambda t: t)
         return filtered_probs(
-            logits, expand(self.temperature), expand(self.top_k), expand(self.top_p), expand(self.min_p), self.filters
+            logits,
+            expand(self.temperature),
+            expand(self.top_k),
+            expand(self.top_p),
+            expand(self.min_p),
+            self.filters,
+            self.width,
         )

@@ -42,7 +42,18 @@ def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> to
     return add(x, residual) if add is not None else residual + linear(x)
 
 
+def row_parallel(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, tp) -> torch.Tensor:
+    """linear(x) (+ residual); under tensor parallelism (common/parallel/tp_shard.py) the partial
+    outputs of every rank are summed before the residual is added."""
+    if tp is None:
+        return linear(x) if residual is None else linear_add(linear, x, residual)
+    out = tp.all_reduce(linear(x))
+    return out if residual is None else residual + out
+
+
 class Attention(nn.Module):
+    tp = None  # a TPGroup once the layer is split across ranks
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -71,10 +82,12 @@ class Attention(nn.Module):
             qk = apply_rotary(qkv[:, :qk_size].view(t, heads + kv_heads, d), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
         out = backend.forward(q, k, v, self.layer, forward_batch, self.scale).reshape(t, heads * d)
-        return self.o_proj(out) if residual is None else linear_add(self.o_proj, out, residual)
+        return row_parallel(self.o_proj, out, residual, self.tp)
 
 
 class MLP(nn.Module):
+    tp = None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -84,7 +97,7 @@ class MLP(nn.Module):
         """down(silu(gate) * up), plus `residual` when given."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return self.down_proj(h) if residual is None else linear_add(self.down_proj, h, residual)
+        return row_parallel(self.down_proj, h, residual, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -111,6 +124,8 @@ class Backbone(nn.Module):
 
 
 class DecoderLM(nn.Module):
+    tp = None  # a TPGroup once split: the embedding and lm_head hold a vocabulary shard
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -152,9 +167,10 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given rows of hidden states."""
         cpu = getattr(self, "_lm_head_cpu", None)
-        if cpu is not None:
-            return cpu(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+        logits = cpu(hidden) if cpu is not None else F.linear(hidden, self.lm_head_weight)
+        if self.tp is not None:  # each rank's vocabulary columns, gathered; the shards' padding cut
+            logits = self.tp.all_gather_last(logits)[..., : self.config.vocab_size]
+        return logits.float()
 
 
 def split_fused(module: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:

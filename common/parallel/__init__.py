@@ -1,0 +1,1 @@
+"""Tensor parallelism: the process group (tp_group.py) and the model's split across it (tp_shard.py)."""

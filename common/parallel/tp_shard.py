@@ -1,0 +1,114 @@
+"""Split a loaded DecoderLM across a TPGroup (Megatron-style), in place, before CPU packing.
+
+Rank r of N keeps:
+1. attention: query heads [r*H/N, (r+1)*H/N) and the KV heads they read. With N <= KV heads each
+   rank owns KV/N of them; with more ranks than KV heads each KV head is replicated on N/KV ranks
+   (`kv_heads_of`). qkv_proj keeps those rows (column-parallel); o_proj keeps the matching columns
+   (row-parallel) and its bias on rank 0 only; the partial outputs are summed by one all-reduce;
+2. MLP: gate/up rows [r*I/N, (r+1)*I/N) and those down_proj columns (bias on rank 0), one all-reduce;
+3. embedding and lm_head: vocabulary rows [r*S, (r+1)*S) with S = ceil(V/N), zero-padded to S:
+   a token outside a rank's rows embeds to 0 there, so the all-reduce gives its row; each rank's
+   logits columns are all-gathered (padding cut), so every rank has the full logits.
+Every rank's KV pool holds only its KV heads (`kv_heads_of(...)` is what a KV handoff sends it).
+Sums over ranks reorder float additions: results equal TP 1 within rounding (the tests check tokens
+against HF greedy). The whole checkpoint is read on every rank, then cut (sharded reading is left).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from common.models.config import ModelConfig
+from common.parallel.tp_group import TPGroup
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    heads, kv = cfg.num_heads, cfg.num_kv_heads
+    if heads % size or cfg.intermediate_size % size or (kv % size and size % kv):
+        raise ValueError(
+            f"--tp-size {size} must divide the {heads} attention heads and the MLP's {cfg.intermediate_size} "
+            f"columns, and divide or be a multiple of the {kv} KV heads"
+        )
+
+
+def kv_heads_of(cfg: ModelConfig, rank: int, size: int) -> range:
+    """The KV heads rank `rank` of `size` holds (a replicated head when size > KV heads)."""
+    kv = cfg.num_kv_heads
+    if size <= kv:
+        return range(rank * kv // size, (rank + 1) * kv // size)
+    first = rank * kv // size
+    return range(first, first + 1)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor, start: int, vocab: int, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [S, H], rows start.. (zero padded)
+        self.start, self.vocab, self.tp = start, vocab, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None]
+        return self.tp.all_reduce(out)
+
+
+def _rows(weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """weight[start:start+count] zero-padded to count rows."""
+    part = weight[start : start + count]
+    if part.shape[0] < count:
+        part = torch.cat([part, part.new_zeros(count - part.shape[0], *part.shape[1:])])
+    return part.clone()
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    out.weight.data.copy_(weight)
+    if bias is not None:
+        out.bias.data.copy_(bias)
+    return out.requires_grad_(False)
+
+
+def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """Cut `model` (a DecoderLM with full weights) to rank tp.rank's part; returns it."""
+    if tp.size == 1:
+        return model
+    cfg: ModelConfig = model.config
+    check_divisible(cfg, tp.size)
+    r, n, d = tp.rank, tp.size, cfg.head_dim
+    heads = cfg.num_heads // n
+    kv = kv_heads_of(cfg, r, n)
+    inter = cfg.intermediate_size // n
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        w, b = attn.qkv_proj.weight.data, attn.qkv_proj.bias
+        q_rows = torch.arange(r * heads * d, (r + 1) * heads * d)
+        k_rows = cfg.q_size + torch.arange(kv.start * d, kv.stop * d)
+        rows = torch.cat([q_rows, k_rows, k_rows + cfg.kv_size]).to(w.device)
+        attn.qkv_proj = _linear(w[rows], None if b is None else b.data[rows])
+        attn.num_heads, attn.num_kv_heads = heads, len(kv)
+        attn.qkv_sizes = [heads * d, len(kv) * d, len(kv) * d]
+        o = attn.o_proj
+        attn.o_proj = _linear(
+            o.weight.data[:, q_rows.to(w.device)], o.bias.data if o.bias is not None and r == 0 else None
+        )
+        attn.tp = tp
+        mlp = layer.mlp
+        gw, gb = mlp.gate_up_proj.weight.data, mlp.gate_up_proj.bias
+        cols = torch.arange(r * inter, (r + 1) * inter, device=gw.device)
+        gu_rows = torch.cat([cols, cols + cfg.intermediate_size])
+        mlp.gate_up_proj = _linear(gw[gu_rows], None if gb is None else gb.data[gu_rows])
+        dw, db = mlp.down_proj.weight.data, mlp.down_proj.bias
+        mlp.down_proj = _linear(dw[:, cols], db.data if db is not None and r == 0 else None)
+        mlp.tp = tp
+    shard = -(-cfg.vocab_size // n)
+    start = r * shard
+    lm_head = None if cfg.tie_word_embeddings else _rows(model.lm_head.weight.data, start, shard)
+    embed = VocabParallelEmbedding(_rows(model.model.embed_tokens.weight.data, start, shard), start, cfg.vocab_size, tp)
+    model.model.embed_tokens = embed
+    if lm_head is not None:
+        model.lm_head = _linear(lm_head, None)
+    model.tp = tp
+    return model

@@ -1,0 +1,55 @@
+"""Run one function on N CPU processes joined in a gloo TPGroup (tensor parallelism tests).
+
+`run_ranks(fn, size, *args)` spawns `size` processes; rank r calls fn(tp, *args) with its TPGroup and
+returns a picklable result; the results come back in rank order. A rank that raises fails the call
+with its traceback; a rank that hangs fails it after `timeout_s`."""
+
+from __future__ import annotations
+
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, size: int, port: int, fn, args, queue) -> None:
+    import torch
+
+    from common.parallel.tp_group import TPGroup
+
+    torch.set_num_threads(1)
+    try:
+        tp = TPGroup.init(rank, size, f"tcp://127.0.0.1:{port}", timeout_s=60)
+        result = fn(tp, *args)
+        queue.put((rank, "ok", result))
+        tp.close()
+    except BaseException:  # noqa: BLE001 (reported to the parent)
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, size: int, *args, timeout_s: float = 180.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, fn, args, queue), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(size):
+            rank, status, value = queue.get(timeout=timeout_s)
+            if status == "error":
+                raise AssertionError(f"TP rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(size)]
