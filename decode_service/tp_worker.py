@@ -29,6 +29,7 @@ import torch
 
 from common.engine.handoff import Handoff
 from common.engine.host_copy import to_device
+from common.engine.streams import StreamFailed
 from common.parallel.tp_group import TPGroup
 from common.parallel.tp_shard import kv_heads_of
 from decode_service.handoff_writes import write_kv_chunk, write_prebuilt
@@ -120,7 +121,10 @@ class TPDecodeWorker(DecodeWorker):
             raise RuntimeError(reason)
 
         log.error("%s: failing the decode stream", reason)
-        self.stream.submit(raise_it)
+        try:
+            self.stream.submit(raise_it)
+        except StreamFailed:
+            pass  # a collective with the dead rank already failed it
 
     def close(self) -> None:
         try:

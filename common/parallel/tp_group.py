@@ -40,6 +40,8 @@ class TPGroup:
         if size == 1:
             return cls.single()
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank of this host
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                     timeout=timedelta(seconds=timeout_s))  # fmt: skip
