@@ -69,8 +69,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
         self.tp_ranks = None  # --tp-size > 1: the follower ranks (tp_launch.py)
+        check_tp_settings(config)
         if config.tp_size > 1:
-            check_tp_settings(config)
             self.tp_ranks = TPRanks.start(config)
         self.runner = ModelRunner.for_service(config, self.tp_ranks.tp if self.tp_ranks else None)
         self.model_config = self.runner.config

@@ -75,7 +75,11 @@ def apply(worker: DecodeWorker, message: tuple) -> None:
 
 
 def check_tp_settings(config) -> None:
-    """What --tp-size > 1 does not do yet, refused before anything loads."""
+    """A bad --tp-size, and what --tp-size > 1 does not do yet, refused before anything loads."""
+    if config.tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {config.tp_size}")
+    if config.tp_size == 1:
+        return
     if config.disaggregation_transfer_backend != "grpc":
         raise ValueError("--tp-size > 1 moves KV over gRPC only (--disaggregation-transfer-backend grpc)")
     if config.speculative_token_map:

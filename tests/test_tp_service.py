@@ -61,3 +61,17 @@ def test_a_dead_rank_ends_the_service_cleanly(checkpoint):
         pair.channel.close()
         pair.decode.stop()
         pair.prefill.stop()
+
+
+def test_tp_settings_it_cannot_serve_are_refused_before_loading():
+    from decode_service.config import DecodeConfig
+    from decode_service.tp_worker import check_tp_settings
+
+    with pytest.raises(ValueError, match="--tp-size must be >= 1"):
+        check_tp_settings(DecodeConfig("unused", prefill_addr="127.0.0.1:1", tp_size=0))
+    with pytest.raises(ValueError, match="gRPC only"):
+        check_tp_settings(DecodeConfig("unused", prefill_addr="127.0.0.1:1", tp_size=2,
+                                       disaggregation_transfer_backend="mooncake"))  # fmt: skip
+    check_tp_settings(
+        DecodeConfig("unused", prefill_addr="127.0.0.1:1", tp_size=1, disaggregation_transfer_backend="mooncake")
+    )
