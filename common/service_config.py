@@ -43,6 +43,8 @@ class ServiceConfig:
         choices=list(LAYOUT_CHOICES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
+    tp_size: int = flag(1, "tensor parallel ranks on this host: rank 0 serves, the others follow (gloo on CPU)")
+    tp_port: int = flag(0, "loopback port of the tensor-parallel group (0 = any free port)")
     shutdown_grace_s: float = flag(
         30.0, "on SIGTERM/SIGINT: how long open calls may finish before they are aborted (a typical answer's time)"
     )

@@ -41,8 +41,6 @@ class DecodeConfig(ServiceConfig):
     prefill_tls_ca_file: str | None = flag(
         None, "talk TLS to prefill replicas, trusting this CA (PEM); our --tls-cert/key-file are our identity", type=str
     )
-    tp_size: int = flag(1, "tensor parallel ranks on this host: rank 0 serves, the others follow (gloo on CPU)")
-    tp_port: int = flag(0, "loopback port of the tensor-parallel group (0 = any free port)")
     prefill_policy: str = flag(
         "cache_aware",
         "how a prefill replica is chosen: cache_aware (the one holding the prompt's prefix unless loads are far "

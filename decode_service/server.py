@@ -38,6 +38,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from common import tracing
 from common.engine.model_runner import ModelRunner
 from common.metrics import DecodeMetrics
+from common.parallel.launch import TPRanks, check_settings
 from common.request_rules import REFUSED
 from common.wire import mooncake, security
 from common.wire.aio_server import AioServer, answer_unimplemented
@@ -49,8 +50,7 @@ from decode_service.kv_receiver import KvReceiver
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
 from decode_service.scheduler import DecodeScheduler
-from decode_service.tp_launch import TPRanks
-from decode_service.tp_worker import TPDecodeWorker, check_tp_settings
+from decode_service.tp_worker import TPDecodeWorker, follower_main
 from decode_service.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,9 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
         self.tp_ranks = None  # --tp-size > 1: the follower ranks (tp_launch.py)
-        check_tp_settings(config)
+        check_settings(config)
         if config.tp_size > 1:
-            self.tp_ranks = TPRanks.start(config)
+            self.tp_ranks = TPRanks.start(config, follower_main, "decode")
         self.runner = ModelRunner.for_service(config, self.tp_ranks.tp if self.tp_ranks else None)
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))

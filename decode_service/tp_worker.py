@@ -17,7 +17,7 @@ Lifecycle (decode service with --tp-size N):
      rank 0 died exits.
 The draft head (EAGLE/EAGLE3) is not split: each rank runs it whole (one layer; splitting it would
 add two all-reduces per draft step for little memory), reading the vocabulary-parallel embedding and
-lm_head through their collectives.
+lm_head through their collectives; a token map's rows come from the gathered lm_head (draft_runner.py).
 """
 
 from __future__ import annotations
@@ -74,18 +74,6 @@ def apply(worker: DecodeWorker, message: tuple) -> None:
         raise ValueError(f"unknown TP message {kind!r}")
 
 
-def check_tp_settings(config) -> None:
-    """A bad --tp-size, and what --tp-size > 1 does not do yet, refused before anything loads."""
-    if config.tp_size < 1:
-        raise ValueError(f"--tp-size must be >= 1, got {config.tp_size}")
-    if config.tp_size == 1:
-        return
-    if config.disaggregation_transfer_backend != "grpc":
-        raise ValueError("--tp-size > 1 moves KV over gRPC only (--disaggregation-transfer-backend grpc)")
-    if config.speculative_token_map:
-        raise ValueError("--speculative-token-map needs the whole lm_head: not with --tp-size > 1")
-
-
 class TPDecodeWorker(DecodeWorker):
     """Rank 0's worker: the same seam, every stream item shared with the followers first."""
 
@@ -137,6 +125,13 @@ class TPDecodeWorker(DecodeWorker):
         except Exception as e:  # noqa: BLE001 (a follower already gone: nothing to stop)
             log.warning("TP followers not stopped cleanly: %s", e)
         super().close()
+
+
+def follower_main(config, tp: TPGroup) -> None:
+    """A follower rank of the decode service (common/parallel/launch.py starts it)."""
+    from common.engine.model_runner import ModelRunner
+
+    follow(DecodeWorker(ModelRunner.for_service(config, tp), debug=config.debug_checks), tp)
 
 
 def follow(worker: DecodeWorker, tp: TPGroup) -> None:

@@ -33,6 +33,7 @@ from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample
+from common.parallel.tp_shard import gather_kv_heads
 from common.request_rules import validate_prompt
 from prefill_service.draft_prefill import draft_extend
 
@@ -235,7 +236,7 @@ class PrefillEngine:
             start += len(ids)
 
     def _to_handoff(self, w: _Running) -> Handoff:
-        pool = self.runner.kv_pool
+        pool, tp, cfg = self.runner.kv_pool, self.runner.tp, self.runner.config  # TP: every rank's heads
         loc = w.kv_slots.to(pool.device)
         r = w.request
         extra = {}
@@ -259,8 +260,8 @@ class PrefillEngine:
             params=r.params,
             seed=r.seed,
             first_token=w.first_token,
-            k=[k[loc].cpu() for k in pool.k],
-            v=[v[loc].cpu() for v in pool.v],
+            k=[k.cpu() for k in gather_kv_heads(tp, cfg, [k[loc] for k in pool.k])],
+            v=[v.cpu() for v in gather_kv_heads(tp, cfg, [v[loc] for v in pool.v])],
             first_position=r.first_position,
             cached_tokens=w.cached,
             **extra,

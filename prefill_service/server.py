@@ -42,6 +42,7 @@ from common.engine.handoff import HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.metrics import PrefillMetrics
+from common.parallel.launch import TPRanks, check_settings
 from common.request_rules import validate_prompt
 from common.wire import kv_chunks, mooncake, security
 from common.wire.aio_server import AioServer
@@ -52,6 +53,7 @@ from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
 from prefill_service.kv_writer import send_handoff, write_handoff
 from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler
+from prefill_service.tp_engine import TPPrefillEngine, follower_main
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
@@ -62,9 +64,17 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if config.disaggregation_transfer_backend == "mooncake":
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
-        self.runner = ModelRunner.for_service(config)
+        check_settings(config)
+        self.tp_ranks = TPRanks.start(config, follower_main, "prefill") if config.tp_size > 1 else None
+        tp = self.tp_ranks.tp if self.tp_ranks else None
+        self.runner = ModelRunner.for_service(config, tp)
         self.tracing = tracing.Tracing("prefill", config.otlp_traces_endpoint)
-        self.engine = PrefillEngine(self.runner, config.chunked_prefill_size, not config.disable_radix_cache)
+        cache = not config.disable_radix_cache
+        self.engine = (
+            TPPrefillEngine(self.runner, tp, config.chunked_prefill_size, cache)
+            if tp
+            else PrefillEngine(self.runner, config.chunked_prefill_size, cache)
+        )
         self.scheduler = PrefillScheduler(
             self.engine,
             config.max_running_requests,
@@ -113,13 +123,22 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.server.set_serving(True)
         if not self.scheduler.alive:  # it died before SERVING was set: its own report came first
             self.server.set_serving(False)
+        if self.tp_ranks:  # a rank gone: refuse at once and report NOT_SERVING
+            self.tp_ranks.watch(self._rank_died)
         return self
+
+    def _rank_died(self, reason: str) -> None:
+        self.engine.mark_dead(reason)
+        self._scheduler_failed(RuntimeError(reason))
 
     def stop(self, grace_s: float = 2.0) -> None:
         """NOT_SERVING; calls not prefilled yet are answered; calls still streaming after `grace_s`
         are cancelled (decode retries them)."""
         self.server.set_serving(False)
         self.scheduler.stop()
+        if self.tp_ranks:
+            self.engine.stop_followers()
+            self.tp_ranks.stop()
         self.server.stop(grace_s)
         self.metrics.close()
         self.tracing.shutdown()  # flushes spans still batched

@@ -28,6 +28,7 @@ def _expand(arg: str) -> str:
         .replace("${TRANSFER_BACKEND:-grpc}", "grpc")
         .replace("${INTERNAL_API_KEY:-}", "")
         .replace("${DECODE_TP_SIZE:-1}", "1")
+        .replace("${PREFILL_TP_SIZE:-1}", "1")
     )
 
 
@@ -60,7 +61,8 @@ def test_service_commands_parse_with_the_real_clis():
     for name in ("prefill", "decode"):  # both follow one TRANSFER_BACKEND setting
         assert "${TRANSFER_BACKEND:-grpc}" in services[name]["command"]
     assert d.prefill_addr == f"prefill:{p.port}" and p.model_path == d.model_path == "/models/model"
-    assert d.tp_size == 1 and "${DECODE_TP_SIZE:-1}" in services["decode"]["command"]  # a TP setting
+    assert p.tp_size == d.tp_size == 1 and "${DECODE_TP_SIZE:-1}" in services["decode"]["command"]  # TP settings
+    assert "${PREFILL_TP_SIZE:-1}" in services["prefill"]["command"]
     smg = services["smg"]["command"]
     assert f"grpc://decode:{d.port}" in smg
     assert services["decode"]["healthcheck"]["test"][4] == f"127.0.0.1:{d.port}"

@@ -1,6 +1,6 @@
-"""The decode service with --tp-size 2 (a follower process, gloo on loopback) behind a TP 1 prefill
-service, over real gRPC: tokens equal HF greedy for the three architectures, overlap on and off, plain
-and with EAGLE; killing the follower turns health NOT_SERVING and fails calls, never hangs."""
+"""Both services with --tp-size (follower processes, gloo on loopback) over real gRPC, at prefill/decode
+TP (1,2), (2,1) and (2,2): tokens equal HF greedy for the three architectures, overlap on and off,
+plain and with EAGLE; killing a follower turns health NOT_SERVING and fails calls, never hangs."""
 
 from __future__ import annotations
 
@@ -18,33 +18,63 @@ from tests.test_eagle import heads  # noqa: F401 (fixture)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("overlap", [True, False])
-def test_decode_tp2_matches_hf_greedy(checkpoint, arch, overlap):
+# (prefill TP, decode TP, arch, overlap): every size pair, every architecture, overlap on and off
+PLAIN = [
+    (1, 2, "llama", True), (1, 2, "qwen2", False), (1, 2, "qwen3", True),
+    (2, 1, "llama", False), (2, 1, "qwen2", True), (2, 1, "qwen3", False),
+    (2, 2, "llama", True), (2, 2, "qwen2", False), (2, 2, "qwen3", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,arch,overlap", PLAIN)
+def test_tp_pairs_match_hf_greedy(checkpoint, prefill_tp, decode_tp, arch, overlap):
     path = checkpoint(arch)
-    pair = GrpcPair(path, overlap=overlap, decode_kw=dict(tp_size=2, linear_layout="mkl"))
+    pair = GrpcPair(
+        path,
+        overlap=overlap,
+        prefill_kw=dict(tp_size=prefill_tp, linear_layout="mkl"),
+        decode_kw=dict(tp_size=decode_tp, linear_layout="mkl"),
+    )
     try:
-        assert pair.decode.runner.kv_pool.k[0].shape[1] == 1  # rank 0 holds one of the 2 KV heads
+        assert pair.decode.runner.kv_pool.k[0].shape[1] == 2 // decode_tp  # rank 0's share of the 2 KV heads
+        assert pair.prefill.runner.kv_pool.k[0].shape[1] == 2 // prefill_tp
         pair.check_against_oracle(path, PROMPTS, 10)
         info = pair.stub.GetServerInfo(pb.GetServerInfoRequest())
-        assert info.server_args["tp_size"] == 2
+        assert info.server_args["tp_size"] == decode_tp
     finally:
         pair.close()
+    if prefill_tp > 1:
+        pair.prefill.engine.check_idle_integrity()
 
 
-@pytest.mark.parametrize("algorithm,topk,tokens", [("EAGLE", 1, 4), ("EAGLE3", 2, 6)])
-def test_decode_tp2_with_eagle_matches_hf_greedy(checkpoint, heads, algorithm, topk, tokens):
-    path = checkpoint("llama")
+# (prefill TP, decode TP, arch, algorithm, topk, draft tokens, overlap)
+EAGLE = [
+    (1, 2, "llama", "EAGLE", 1, 4, True),
+    (2, 1, "qwen3", "EAGLE3", 2, 6, False),
+    (2, 2, "llama", "EAGLE3", 1, 4, False),
+    (2, 2, "qwen2", "EAGLE", 2, 6, True),
+]
+
+
+@pytest.mark.parametrize("case", EAGLE)
+def test_tp_pairs_with_eagle_match_hf_greedy(checkpoint, heads, case):
+    prefill_tp, decode_tp, arch, algorithm, topk, tokens, overlap = case
+    path = checkpoint(arch)
     spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=heads(path, algorithm),
                 speculative_num_steps=3, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)  # fmt: skip
-    pair = GrpcPair(path, prefill_kw=spec, decode_kw=dict(tp_size=2, linear_layout="mkl", **spec))
+    pair = GrpcPair(
+        path,
+        overlap=overlap,
+        prefill_kw=dict(tp_size=prefill_tp, linear_layout="mkl", **spec),
+        decode_kw=dict(tp_size=decode_tp, linear_layout="mkl", **spec),
+    )
     try:
         pair.check_against_oracle(path, PROMPTS, 12)
     finally:
         pair.close()
 
 
-def test_a_dead_rank_ends_the_service_cleanly(checkpoint):
+def test_a_dead_decode_rank_ends_the_service_cleanly(checkpoint):
     path = checkpoint("qwen2")
     pair = GrpcPair(path, decode_kw=dict(tp_size=2, linear_layout="mkl"))
     try:
@@ -63,9 +93,30 @@ def test_a_dead_rank_ends_the_service_cleanly(checkpoint):
         pair.prefill.stop()
 
 
+def test_a_dead_prefill_rank_ends_that_service_cleanly(checkpoint):
+    """The prefill follower killed: prefill reports NOT_SERVING, so decode (its only replica gone)
+    does too, and a call fails UNAVAILABLE in seconds instead of hanging in a collective."""
+    path = checkpoint("llama")
+    pair = GrpcPair(path, prefill_kw=dict(tp_size=2, linear_layout="mkl"))
+    try:
+        pair.check_against_oracle(path, PROMPTS[:1], 4)
+        [follower] = pair.prefill.tp_ranks.procs
+        os.kill(follower.pid, signal.SIGKILL)
+        started = time.monotonic()
+        wait_for("decode NOT_SERVING", lambda: not pair.stub.HealthCheck(pb.HealthCheckRequest()).healthy, timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            pair.collect(pair.generate(PROMPTS[1], 4, rid="after", ignore_eos=True))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 30
+    finally:
+        pair.channel.close()
+        pair.decode.stop()
+        pair.prefill.stop()
+
+
 def test_tp_settings_it_cannot_serve_are_refused_before_loading():
+    from common.parallel.launch import check_settings as check_tp_settings
     from decode_service.config import DecodeConfig
-    from decode_service.tp_worker import check_tp_settings
 
     with pytest.raises(ValueError, match="--tp-size must be >= 1"):
         check_tp_settings(DecodeConfig("unused", prefill_addr="127.0.0.1:1", tp_size=0))

@@ -89,7 +89,7 @@ class DraftRunner:
             if self.config.algorithm != "EAGLE":
                 raise ValueError("--speculative-token-map is for EAGLE heads (EAGLE3 has its own draft vocabulary)")
             self.vocab_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
-            weight = target.model.lm_head_weight[self.vocab_ids].contiguous()
+            weight = full_lm_head(target)[self.vocab_ids].contiguous()
             self.vocab_lm_head = packed_linear.LinearWeight(weight) if target.packs_linears else weight
         elif self.config.algorithm == "EAGLE3":
             self.vocab_ids = self.head.d2t + torch.arange(self.head.d2t.numel(), device=target.device)
@@ -153,6 +153,16 @@ class DraftRunner:
         ids)."""
         probs, idx = torch.softmax(self.logits(hidden), dim=-1).topk(k, dim=-1)
         return probs, self.to_target_vocab(idx)
+
+
+def full_lm_head(target) -> torch.Tensor:
+    """The target's whole lm_head [V, H]: under tensor parallelism each rank holds a vocabulary shard,
+    gathered here (every rank builds its draft runner at the same point, so the all-gather pairs up)."""
+    weight = target.model.lm_head_weight
+    tp = target.tp
+    if tp.size == 1:
+        return weight
+    return tp.all_gather_last(weight.t().contiguous()).t()[: target.config.vocab_size]
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:

@@ -9,7 +9,8 @@ Rank r of N keeps:
 3. embedding and lm_head: vocabulary rows [r*S, (r+1)*S) with S = ceil(V/N), zero-padded to S:
    a token outside a rank's rows embeds to 0 there, so the all-reduce gives its row; each rank's
    logits columns are all-gathered (padding cut), so every rank has the full logits.
-Every rank's KV pool holds only its KV heads (`kv_heads_of(...)` is what a KV handoff sends it).
+Every rank's KV pool holds only its KV heads (`kv_heads_of(...)` is what a KV handoff sends it);
+`gather_kv_heads` puts a prefill's whole KV together for its handoff.
 Sums over ranks reorder float additions: results equal TP 1 within rounding (the tests check tokens
 against HF greedy). The whole checkpoint is read on every rank, then cut (sharded reading is left).
 """
@@ -112,3 +113,18 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
         model.lm_head = _linear(lm_head, None)
     model.tp = tp
     return model
+
+
+def gather_kv_heads(tp: TPGroup, cfg: ModelConfig, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each rank's KV tensors [T, its KV heads, D] (one per layer) -> the whole KV [T, KV heads, D]
+    per layer on every rank, in head order (one all-gather for all layers; a replicated head is
+    taken from the first rank holding it)."""
+    if tp.size == 1:
+        return tensors
+    parts = tp.all_gather(torch.stack(tensors))  # [L, T, h, D] of every rank
+    by_head = {}
+    for rank, part in enumerate(parts):
+        for i, head in enumerate(kv_heads_of(cfg, rank, tp.size)):
+            by_head.setdefault(head, part[:, :, i])
+    whole = torch.stack([by_head[h] for h in range(cfg.num_kv_heads)], dim=2)  # [L, T, KV heads, D]
+    return list(whole.unbind(0))

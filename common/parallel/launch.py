@@ -1,11 +1,13 @@
-"""Start the decode service's tensor-parallel ranks (--tp-size N): rank 0 is this process, ranks
-1..N-1 are child processes that load their shard and follow rank 0's stream (tp_worker.py).
+"""Start a service's tensor-parallel ranks (--tp-size N): rank 0 is this process, ranks 1..N-1 are
+child processes that load their shard and follow rank 0 (decode_service/tp_worker.py,
+prefill_service/tp_engine.py).
 
-1. `TPRanks.start(config)` picks the group's port on loopback (`--tp-port`, 0 = any free one),
-   spawns the followers, joins the group as rank 0 and returns;
-2. `watch(on_death)` calls `on_death(message)` once when a follower exits: the service then fails its
-   stream, so health turns NOT_SERVING and open calls end UNAVAILABLE instead of hanging;
-3. `stop()` ends the followers (after the worker sent "stop"; killed if they do not exit).
+1. `TPRanks.start(config, follower, name)` picks the group's port on loopback (`--tp-port`, 0 = any
+   free one), spawns the followers (each runs `follower(config, tp)` after joining the group: a
+   top-level function, so the spawned process can import it), joins as rank 0 and returns;
+2. `watch(on_death)` calls `on_death(message)` once when a follower exits: the service then fails
+   its work, so health turns NOT_SERVING and calls fail instead of hanging;
+3. `stop()` ends the followers (after rank 0 sent "stop"; killed if they do not exit).
 All ranks run on this host (one process per device); several hosts per rank group are not built.
 """
 
@@ -29,20 +31,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def follower_main(config, rank: int, port: int) -> None:
-    """A follower rank's process: its shard, a worker, and rank 0's messages until stop."""
+def check_settings(config) -> None:
+    """A bad --tp-size, and what --tp-size > 1 does not do yet, refused before anything loads."""
+    if config.tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {config.tp_size}")
+    if config.tp_size == 1:
+        return
+    if config.disaggregation_transfer_backend != "grpc":
+        raise ValueError("--tp-size > 1 moves KV over gRPC only (--disaggregation-transfer-backend grpc)")
+
+
+def _rank_main(follower, config, rank: int, port: int, name: str) -> None:
+    """A follower rank's process: join the group, then `follower(config, tp)` until rank 0 stops it."""
     from common import omp_spin
 
     omp_spin.set_default()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s decode-tp{rank} %(levelname)s %(message)s")
-    from common.engine.model_runner import ModelRunner
-    from decode_service.tp_worker import follow
-    from decode_service.worker import DecodeWorker
-
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}-tp{rank} %(levelname)s %(message)s")
     tp = TPGroup.init(rank, config.tp_size, f"tcp://127.0.0.1:{port}", config.device)
-    worker = DecodeWorker(ModelRunner.for_service(config, tp), debug=config.debug_checks)
     try:
-        follow(worker, tp)
+        follower(config, tp)
         log.info("TP rank %d stopped", rank)
     except Exception as e:  # noqa: BLE001 (rank 0 gone: the collective failed)
         log.error("TP rank %d ends: %s", rank, e)
@@ -55,11 +62,11 @@ class TPRanks:
         self._stop = threading.Event()
 
     @classmethod
-    def start(cls, config) -> TPRanks:
+    def start(cls, config, follower, name: str) -> TPRanks:
         port = config.tp_port or _free_port()
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=follower_main, args=(config, r, port), name=f"decode-tp{r}", daemon=True)
+            ctx.Process(target=_rank_main, args=(follower, config, r, port, name), name=f"{name}-tp{r}", daemon=True)
             for r in range(1, config.tp_size)
         ]
         for p in procs:

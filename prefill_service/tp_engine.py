@@ -1,0 +1,102 @@
+"""Tensor parallelism for the prefill service: every rank runs the same PrefillEngine on its part of
+the model, driven by rank 0's calls, so their forwards (and collectives) pair up.
+
+Lifecycle (prefill service with --tp-size N):
+  1. every rank loads its shard and warms up; rank 0 serves gRPC and runs the scheduler with a
+     TPPrefillEngine, ranks 1..N-1 run `follow` (started by common/parallel/launch.py);
+  2. each engine call that changes state is broadcast first, then run on rank 0: ("admit",
+     request), ("abort", rid), ("fail_all",), ("step",), ("stop",). The engine's bookkeeping is
+     deterministic, so every rank holds the same slots, rows and radix cache;
+  3. in a step that completes prompts, every rank copies out its KV heads and one all-gather builds
+     the whole KV on each (`tp_shard.gather_kv_heads`): rank 0 hands it over as a TP 1 prefill would,
+     so a decode service of any TP size takes it (each decode rank keeps its own heads);
+  4. a call that raises on rank 0 raises on every rank (same inputs, same code): followers log it
+     and wait for the next call, as rank 0's scheduler recovers (fail_all) or dies;
+  5. a follower that dies fails the next collective on rank 0 (the step raises, the scheduler dies,
+     health says NOT_SERVING); `mark_dead` makes rank 0 refuse at once, before any collective.
+Read-only calls (`validate`, `can_admit`, integrity checks) run on rank 0 alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from common.engine.handoff import HandoffRequest
+from common.parallel.tp_group import TPGroup
+from prefill_service.engine import PrefillEngine
+
+log = logging.getLogger(__name__)
+
+
+class TPPrefillEngine(PrefillEngine):
+    """Rank 0's engine: every state change broadcast to the follower ranks first."""
+
+    def __init__(self, runner, tp: TPGroup, chunk_size: int = 256, radix_cache: bool = True):
+        super().__init__(runner, chunk_size, radix_cache)
+        self.tp = tp
+        self.dead: str | None = None
+
+    def mark_dead(self, reason: str) -> None:
+        self.dead = reason
+
+    def _send(self, *message) -> None:
+        if self.dead is not None:
+            raise RuntimeError(self.dead)
+        self.tp.broadcast_object(message)
+
+    def admit(self, request: HandoffRequest) -> None:
+        self.validate(request)  # a refusal stays on rank 0: nothing changed anywhere
+        self._send("admit", request)
+        super().admit(request)
+
+    def abort(self, request: HandoffRequest) -> bool:
+        if not any(w.request is request for w in self.running):
+            return False
+        self._send("abort", request.rid)
+        return super().abort(request)
+
+    def fail_all(self) -> list[HandoffRequest]:
+        if self.dead is None:
+            self.tp.broadcast_object(("fail_all",))
+        return super().fail_all()
+
+    def step(self, on_first_token=None):
+        self._send("step")
+        return super().step(on_first_token)
+
+    def stop_followers(self) -> None:
+        try:
+            self._send("stop")
+        except Exception as e:  # noqa: BLE001 (a follower already gone)
+            log.warning("TP followers not stopped cleanly: %s", e)
+
+
+def follower_main(config, tp: TPGroup) -> None:
+    """A follower rank of the prefill service (common/parallel/launch.py starts it)."""
+    from common.engine.model_runner import ModelRunner
+
+    runner = ModelRunner.for_service(config, tp)
+    follow(PrefillEngine(runner, config.chunked_prefill_size, not config.disable_radix_cache), tp)
+
+
+def follow(engine: PrefillEngine, tp: TPGroup) -> None:
+    """Run rank 0's engine calls until it says stop (or dies: the broadcast raises)."""
+    while True:
+        kind, *args = tp.broadcast_object(None)
+        if kind == "stop":
+            return
+        try:
+            if kind == "admit":
+                engine.admit(args[0])
+            elif kind == "abort":
+                request = next((w.request for w in engine.running if w.request.rid == args[0]), None)
+                if request is not None:
+                    engine.abort(request)
+            elif kind == "fail_all":
+                engine.fail_all()
+            elif kind == "step":
+                engine.step()  # the handoffs are rank 0's to send
+            else:
+                raise ValueError(f"unknown TP message {kind!r}")
+        except Exception:  # noqa: BLE001 (rank 0 met the same error and handles it)
+            log.exception("TP follower: %s failed (as on rank 0)", kind)
