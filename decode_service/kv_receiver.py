@@ -5,16 +5,27 @@ registered once with a transfer engine; `destination` is what every Prefill call
 engine's session and each pool's per-layer addresses (the prefill client adds the request's slot
 runs). The prefill replica writes K and V there and sends a notice per chunk; the scheduler reads a
 request's slots only after its record, i.e. after every notice (DESIGN section 3).
+With tensor parallelism every rank registers its own pools with its own engine; `for_ranks` joins
+their `rank_destination`s (each naming the KV heads it holds) into rank 0's destination.
 """
 
 from __future__ import annotations
 
 from common.engine.model_runner import ModelRunner
+from common.parallel.tp_shard import kv_heads_of
 from common.wire import mooncake
 from common.wire.proto_gen import prefill_pb2
 
 
 class KvReceiver:
+    @classmethod
+    def for_service(cls, runner: ModelRunner, config, tp=None) -> KvReceiver:
+        """The service's receiver; under TP every rank builds one at the same point (they join)."""
+        receiver = cls(runner, config.host, config.disaggregation_protocol, config.disaggregation_ib_device)
+        if tp is not None and tp.size > 1:
+            join_ranks(tp, receiver, kv_heads_of(runner.config, tp.rank, tp.size))
+        return receiver
+
     def __init__(self, runner: ModelRunner, bind_host: str, protocol: str = "tcp", device: str = ""):
         self.engine = mooncake.TransferEngine(mooncake.advertised_host(bind_host), protocol, device)
         pools = [runner.kv_pool] + ([runner.draft.kv_pool] if runner.draft is not None else [])
@@ -25,3 +36,21 @@ class KvReceiver:
         )
         if runner.draft is not None:
             self.destination.draft.CopyFrom(mooncake.kv_region(runner.draft.kv_pool.k, runner.draft.kv_pool.v))
+
+    def rank_destination(self, heads: range) -> prefill_pb2.KvRankDestination:
+        """This rank's pools as one rank of a tensor-parallel destination (it holds KV `heads`)."""
+        d = self.destination
+        out = prefill_pb2.KvRankDestination(
+            session=d.session, target=d.target, kv_head_start=heads.start, kv_head_count=len(heads)
+        )
+        if d.HasField("draft"):
+            out.draft.CopyFrom(d.draft)
+        return out
+
+
+def join_ranks(tp, receiver: KvReceiver, heads: range) -> None:
+    """Every rank calls this at the same point: rank 0's destination then names every rank's pools."""
+    mine = receiver.rank_destination(heads).SerializeToString()
+    ranks = tp.all_gather_object(mine)
+    if tp.rank == 0:
+        receiver.destination.tp_ranks.extend(prefill_pb2.KvRankDestination.FromString(r) for r in ranks)

@@ -68,11 +68,10 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         if config.disaggregation_transfer_backend == "mooncake":
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
-        self.tp_ranks = None  # --tp-size > 1: the follower ranks (tp_launch.py)
-        check_settings(config)
-        if config.tp_size > 1:
-            self.tp_ranks = TPRanks.start(config, follower_main, "decode")
-        self.runner = ModelRunner.for_service(config, self.tp_ranks.tp if self.tp_ranks else None)
+        check_settings(config)  # --tp-size > 1: the follower ranks (common/parallel/launch.py)
+        self.tp_ranks = TPRanks.start(config, follower_main, "decode") if config.tp_size > 1 else None
+        tp = self.tp_ranks.tp if self.tp_ranks else None
+        self.runner = ModelRunner.for_service(config, tp)
         self.model_config = self.runner.config
         self.served_model_name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
         kv = self.runner.kv_allocator
@@ -86,9 +85,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
         self.kv_receiver = None  # with mooncake: our pools registered, prefill writes KV into them
         if config.disaggregation_transfer_backend == "mooncake":
-            self.kv_receiver = KvReceiver(
-                self.runner, config.host, config.disaggregation_protocol, config.disaggregation_ib_device
-            )
+            self.kv_receiver = KvReceiver.for_service(self.runner, config, tp)
         self.tracing = tracing.Tracing("decode", config.otlp_traces_endpoint)
         self.prefill = PrefillClient(
             config.prefill_addrs,

@@ -131,7 +131,14 @@ def follower_main(config, tp: TPGroup) -> None:
     """A follower rank of the decode service (common/parallel/launch.py starts it)."""
     from common.engine.model_runner import ModelRunner
 
-    follow(DecodeWorker(ModelRunner.for_service(config, tp), debug=config.debug_checks), tp)
+    runner = ModelRunner.for_service(config, tp)
+    receiver = None  # mooncake: this rank's pools registered, named in rank 0's destination
+    if config.disaggregation_transfer_backend == "mooncake":
+        from decode_service.kv_receiver import KvReceiver
+
+        receiver = KvReceiver.for_service(runner, config, tp)
+    follow(DecodeWorker(runner, debug=config.debug_checks), tp)
+    del receiver  # kept registered until the follower stops
 
 
 def follow(worker: DecodeWorker, tp: TPGroup) -> None:

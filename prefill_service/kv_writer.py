@@ -3,7 +3,9 @@
 The KV part of a Prefill stream when the call names a `kv_destination` and this replica has a
 transfer engine: the handoff's host K and V are registered once, then chunk by chunk (whole layers
 first, bounded by max_bytes, so each layer's slot run is one piece) one batch of writes lands in decode's slots
-and a `KvWritten` notice follows it; the head's KV follows the target's with EAGLE. A cancelled call
+and a `KvWritten` notice follows it; the head's KV follows the target's with EAGLE. A tensor-parallel
+decode side names every rank: each gets the KV heads it holds (and the head's whole KV), and one
+notice follows a chunk's writes to all of them. A cancelled call
 writes nothing more (a write already started completes). Runs on a worker thread: it blocks.
 """
 
@@ -16,6 +18,30 @@ from common.wire import kv_chunks, mooncake
 from common.wire.proto_gen import prefill_pb2
 
 
+def _rank_parts(dest: prefill_pb2.KvDestination, handoff: Handoff) -> list[tuple]:
+    """(session, k, v, region, draft) of every write target: the one destination, or with a
+    tensor-parallel decode side each rank with the KV heads it holds (copies of those heads) and,
+    with EAGLE, the head's whole KV into every rank's draft pool."""
+    ranks = list(dest.tp_ranks) or [dest]
+    heads = handoff.k[0].shape[1]
+    parts = []
+    for r in ranks:
+        if dest.tp_ranks:
+            a, n = r.kv_head_start, r.kv_head_count
+            if n == 0 or a + n > heads:
+                raise ValueError(f"kv_destination rank holds KV heads [{a}, {a + n}); the model has {heads}")
+            k = handoff.k if n == heads else [t[:, a : a + n].contiguous() for t in handoff.k]
+            v = handoff.v if n == heads else [t[:, a : a + n].contiguous() for t in handoff.v]
+        else:
+            k, v = handoff.k, handoff.v
+        parts.append((r.session, k, v, r.target, False))
+        if handoff.draft_k is not None:
+            if not r.HasField("draft"):
+                raise ValueError("kv_destination has no draft pool, but this replica runs an EAGLE head")
+            parts.append((r.session, handoff.draft_k, handoff.draft_v, r.draft, True))
+    return parts
+
+
 def write_handoff(
     engine: mooncake.TransferEngine,
     dest: prefill_pb2.KvDestination,
@@ -24,25 +50,28 @@ def write_handoff(
     cancelled: Callable[[], bool],
 ) -> Iterator[prefill_pb2.PrefillChunk]:
     n = handoff.prompt_len
-    slot_bytes = handoff.k[0][:1].numel() * handoff.k[0].element_size()
-    mooncake.check_destination(dest, n, len(handoff.k), slot_bytes)
-    parts = [(handoff.k, handoff.v, dest.target, False)]
-    if handoff.draft_k is not None:
-        if not dest.HasField("draft"):
-            raise ValueError("kv_destination has no draft pool, but this replica runs an EAGLE head")
-        parts.append((handoff.draft_k, handoff.draft_v, dest.draft, True))
-    tensors = [t for k, v, _, _ in parts for t in k + v]
+    parts = _rank_parts(dest, handoff)
+    for _, k, _, region, _ in parts:
+        mooncake.check_destination(dest, region, n, len(k), k[0][:1].numel() * k[0].element_size())
+    tensors = list({id(t): t for _, k, v, _, _ in parts for t in k + v}.values())
     engine.register(tensors)
     try:
-        for k, v, region, draft in parts:
-            per = 2 * k[0][:1].numel() * k[0].element_size()
-            for t0, nt, l0, nl in kv_chunks.plan_by_layer(n, len(k), per, max_bytes):
+        for draft in (False, True):  # the target's KV, then the head's: a notice per chunk covers every rank
+            mine = [p for p in parts if p[4] == draft]
+            if not mine:
+                continue
+            whole = handoff.draft_k if draft else handoff.k  # a token's bytes over all heads bound a chunk
+            per = 2 * whole[0][:1].numel() * whole[0].element_size()
+            for t0, nt, l0, nl in kv_chunks.plan_by_layer(n, len(whole), per, max_bytes):
                 if cancelled():
                     return
-                srcs, dsts, lens = mooncake.write_plan(k, v, region, dest.runs, t0, nt, l0, nl)
-                engine.write(dest.session, srcs, dsts, lens)
+                total = 0
+                for session, k, v, region, _ in mine:
+                    srcs, dsts, lens = mooncake.write_plan(k, v, region, dest.runs, t0, nt, l0, nl)
+                    engine.write(session, srcs, dsts, lens)
+                    total += sum(lens)
                 notice = prefill_pb2.KvWritten(
-                    token_start=t0, num_tokens=nt, layer_start=l0, num_layers=nl, draft=draft, bytes=sum(lens)
+                    token_start=t0, num_tokens=nt, layer_start=l0, num_layers=nl, draft=draft, bytes=total
                 )
                 yield prefill_pb2.PrefillChunk(written=notice)
     finally:

@@ -48,13 +48,13 @@ def ctypes_copy(dst: int, src: int, length: int) -> None:
 def test_a_destination_that_does_not_match_is_refused():
     dest = prefill_pb2.KvDestination(session="x:1", target=prefill_pb2.KvRegion(k_ptrs=[1], v_ptrs=[2], slot_bytes=32))
     dest.runs.extend(mooncake.slot_runs([5, 6, 7]))
-    mooncake.check_destination(dest, 3, 1, 32)
+    mooncake.check_destination(dest, dest.target, 3, 1, 32)
     with pytest.raises(ValueError, match="covers 3 tokens"):
-        mooncake.check_destination(dest, 4, 1, 32)
+        mooncake.check_destination(dest, dest.target, 4, 1, 32)
     with pytest.raises(ValueError, match="layers"):
-        mooncake.check_destination(dest, 3, 2, 32)
+        mooncake.check_destination(dest, dest.target, 3, 2, 32)
     with pytest.raises(ValueError, match="layers"):
-        mooncake.check_destination(dest, 3, 1, 64)
+        mooncake.check_destination(dest, dest.target, 3, 1, 64)
 
 
 @needs_mooncake

@@ -37,8 +37,6 @@ def check_settings(config) -> None:
         raise ValueError(f"--tp-size must be >= 1, got {config.tp_size}")
     if config.tp_size == 1:
         return
-    if config.disaggregation_transfer_backend != "grpc":
-        raise ValueError("--tp-size > 1 moves KV over gRPC only (--disaggregation-transfer-backend grpc)")
 
 
 def _rank_main(follower, config, rank: int, port: int, name: str) -> None:

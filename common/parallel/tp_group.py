@@ -106,6 +106,19 @@ class TPGroup:
         self._bcast(buf)
         return obj if self.rank == 0 else _load(buf, self.device)
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's object, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        data = _dump(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.cpu.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        width = int(max(s.item() for s in sizes))
+        mine = torch.frombuffer(bytearray(data) + bytearray(width - len(data)), dtype=torch.uint8)
+        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        self.cpu.allgather([parts], [mine]).wait()
+        return [_load(p[: int(n)], self.device) for p, n in zip(parts, sizes)]
+
     def scatter_object(self, parts: list | None = None):
         """Rank 0 passes one object per rank and gets its own; the others pass None and get theirs."""
         if self.size == 1:

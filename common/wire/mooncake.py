@@ -117,8 +117,11 @@ def slot_runs(slots: list[int]) -> list[prefill_pb2.SlotRun]:
     return runs
 
 
-def check_destination(dest: prefill_pb2.KvDestination, prompt_len: int, num_layers: int, slot_bytes: int) -> None:
-    """ValueError unless the destination covers every prompt token once and matches the KV's layout."""
+def check_destination(
+    dest: prefill_pb2.KvDestination, region, prompt_len: int, num_layers: int, slot_bytes: int
+) -> None:
+    """ValueError unless the destination covers every prompt token once and `region` (one of its
+    pools) matches the KV's layout."""
     covered = 0
     for run in dest.runs:
         if run.token_start != covered or run.length == 0:
@@ -126,7 +129,6 @@ def check_destination(dest: prefill_pb2.KvDestination, prompt_len: int, num_laye
         covered += run.length
     if covered != prompt_len:
         raise ValueError(f"kv_destination covers {covered} tokens, the prompt has {prompt_len}")
-    region = dest.target
     if len(region.k_ptrs) != num_layers or len(region.v_ptrs) != num_layers or region.slot_bytes != slot_bytes:
         raise ValueError(
             f"kv_destination has {len(region.k_ptrs)} layers of {region.slot_bytes}-byte slots, "
