@@ -18,16 +18,14 @@ from tests.test_eagle import heads  # noqa: F401 (fixture)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
 
 
-# (prefill TP, decode TP, arch, overlap). FULL: every size pair x architecture, overlap on and off
-# (DISAGG_TP_MATRIX=full runs it: ~3.5 min on 2 cores); by default a subset that still covers every
-# size pair, every architecture and both overlap modes, within the suite's time budget.
-FULL_PLAIN = [
-    (1, 2, "llama", True), (1, 2, "qwen2", False), (1, 2, "qwen3", True),
-    (2, 1, "llama", False), (2, 1, "qwen2", True), (2, 1, "qwen3", False),
-    (2, 2, "llama", True), (2, 2, "qwen2", False), (2, 2, "qwen3", True),
-]  # fmt: skip
+# (prefill TP, decode TP, arch, overlap). The full matrix, every size pair x architecture x overlap
+# mode, plain and with EAGLE (DISAGG_TP_MATRIX=full: 36 pairs of services, ~8 min on 2 cores); by
+# default a subset that still covers every size pair, architecture and overlap mode, in budget.
+SIZES = [(1, 2), (2, 1), (2, 2)]
+ARCHS = ["llama", "qwen2", "qwen3"]
 FULL = os.environ.get("DISAGG_TP_MATRIX") == "full"
-PLAIN = FULL_PLAIN if FULL else [FULL_PLAIN[i] for i in (0, 5, 7)]
+FULL_PLAIN = [(p, d, arch, overlap) for p, d in SIZES for arch in ARCHS for overlap in (True, False)]
+PLAIN = FULL_PLAIN if FULL else [(1, 2, "llama", True), (2, 1, "qwen3", False), (2, 2, "qwen2", False)]
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,arch,overlap", PLAIN)
@@ -51,14 +49,18 @@ def test_tp_pairs_match_hf_greedy(checkpoint, prefill_tp, decode_tp, arch, overl
         pair.prefill.engine.check_idle_integrity()
 
 
-# (prefill TP, decode TP, arch, algorithm, topk, draft tokens, overlap)
-FULL_EAGLE = [
-    (1, 2, "llama", "EAGLE", 1, 4, True),
-    (2, 1, "qwen3", "EAGLE3", 2, 6, False),
-    (2, 2, "llama", "EAGLE3", 1, 4, False),
-    (2, 2, "qwen2", "EAGLE", 2, 6, True),
-]
-EAGLE = FULL_EAGLE if FULL else [FULL_EAGLE[i] for i in (0, 1, 3)]
+# (prefill TP, decode TP, arch, algorithm, topk, draft tokens, overlap): overlap on drafts an EAGLE
+# chain, off an EAGLE3 tree
+def _eagle_case(p, d, arch, overlap):
+    return (p, d, arch, "EAGLE", 1, 4, True) if overlap else (p, d, arch, "EAGLE3", 2, 6, False)
+
+
+FULL_EAGLE = [_eagle_case(*case) for case in FULL_PLAIN]
+EAGLE = (
+    FULL_EAGLE
+    if FULL
+    else [_eagle_case(*c) for c in [(1, 2, "llama", True), (2, 1, "qwen3", False), (2, 2, "qwen2", True)]]
+)
 
 
 @pytest.mark.parametrize("case", EAGLE)
