@@ -252,6 +252,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for HF, in-process and each service")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the best is reported")
     parser.add_argument("--linear-layout", default="auto", help="the services' --linear-layout (pair only)")
+    parser.add_argument("--prefill-threads", type=int, default=None, help="the prefill service's (default --threads)")
     parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
     parser.add_argument(
         "--transfer-backend", default="grpc", choices=["grpc", "mooncake"], help="the pair's KV data plane"
@@ -277,7 +278,7 @@ def main(argv=None) -> None:
             max(batches),
             max(batches) * (len(prompt) + args.new_tokens) + 64,
             decode_flags=transfer,
-            prefill_flags=transfer,
+            prefill_flags=transfer + (("--torch-threads", str(args.prefill_threads)) if args.prefill_threads else ()),
         )
     try:
         for b in batches:
