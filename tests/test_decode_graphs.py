@@ -115,8 +115,8 @@ def test_draft_steps_through_static_buffers_equal_eager(checkpoint, heads):
 @pytest.mark.parametrize("spec_kind", ["EAGLE chain", "EAGLE3 chain", "EAGLE3 tree"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_eagle_through_static_buffers_matches_hf_greedy(checkpoint, heads, spec_kind, overlap):
-    """Chain draft steps run through the head's static buffers; a tree's drafts and every verify and
-    draft extend still run eagerly (several tokens per request), so there the target's buffers idle."""
+    """Chain draft steps, the chain's verify and every draft extend run through static buffers; a
+    tree's draft steps and verify (TREE forwards, a mask per request) still run eagerly."""
     algorithm, shape = spec_kind.split()
     path = checkpoint("qwen3" if algorithm == "EAGLE3" else "llama")
     topk, tokens = (1, 4) if shape == "chain" else (2, 6)
@@ -127,6 +127,39 @@ def test_eagle_through_static_buffers_matches_hf_greedy(checkpoint, heads, spec_
     pair.wait([str(i) for i in range(4)])
     for i, p in enumerate(PROMPTS[:4]):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 12), (spec_kind, i)
-    draft_runs = sum(pair.worker.runner.draft.decode_graphs.runs.values())
-    assert draft_runs > 0 if shape == "chain" else draft_runs == 0
+    runner = pair.worker.runner
+    draft_runs, extend_runs = (sum(g.runs.values()) for g in (runner.draft.decode_graphs, runner.draft.extend_graphs))
+    assert extend_runs > 0  # the draft extend (S + 1 tokens per request) through its buffers
+    if shape == "chain":
+        assert draft_runs > 0 and sum(runner.verify_graphs.runs.values()) > 0
+    else:  # a tree's draft steps and verify are TREE forwards: eager
+        assert draft_runs == 0 and runner.verify_graphs is None
     pair.close()
+
+
+def test_a_padded_verify_equals_eager_and_writes_only_its_slots(checkpoint, heads):
+    """The chain verify (S + 1 = 4 tokens per request) of 3 requests in bucket 4: logits and EAGLE3
+    features equal the eager forward; the padding row writes only slot 0."""
+    path = checkpoint("qwen3")
+    spec = SpecArgs("EAGLE3", heads(path, "EAGLE3"), 3, 1, 4)
+    outs = {}
+    for static in (False, True):
+        runner = ModelRunner(
+            RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl", spec=spec,
+                       static_decode_buffers=static)
+        )  # fmt: skip
+        table, rows, lens = runner.req_to_token_pool.req_to_token, [], [4, 9, 1]
+        for n in lens:
+            rows.append(runner.req_to_token_pool.alloc())
+            runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 4))
+        runner.forward(ForwardBatch.extend(table, rows, [0, 0, 0], [list(range(3, 3 + n)) for n in lens]))
+        before = runner.kv_pool.k[0].clone()
+        ids = torch.arange(20, 32)
+        fb = ForwardBatch.extend_fixed(table, torch.tensor(rows), rows, lens, ids, 4)
+        logits, features = runner.forward_features(fb)
+        changed = (runner.kv_pool.k[0] != before).any(-1).any(-1).nonzero().flatten().tolist()
+        outs[static] = logits, features, changed, fb.out_cache_loc.tolist()
+    assert runner.verify_graphs.runs[4] == 1
+    torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[True][1], outs[False][1], atol=1e-5, rtol=1e-5)
+    assert outs[True][0].shape[0] == 12 and set(outs[True][2]) <= {0, *outs[True][3]}

@@ -56,7 +56,7 @@ def check_usable(device: torch.device) -> None:
 
 
 class TritonBackend(AttentionBackend):
-    supports_cuda_graph = True  # decode metadata comes from device tensors only (common/engine/decode_graphs.py)
+    supports_cuda_graph = True  # decode and fixed-extend metadata from device tensors only (decode_graphs.py)
     fixed_decode_splits = False  # set while a graph is captured: the split count for the longest context
 
     def __init__(self, kv_pool, req_to_token_pool):
@@ -75,6 +75,8 @@ class TritonBackend(AttentionBackend):
             meta = KernelMeta(len(seq), 1, forward_batch.req_pool_indices, forward_batch.seq_lens)
             longest = self.req_to_token_pool.req_to_token.shape[1] if self.fixed_decode_splits else max(seq)
             self._splits = decode_splits(longest)
+        elif forward_batch.fixed_extend and forward_batch.tree_mask is None:
+            meta = self._fixed_extend_meta(forward_batch)
         else:
             meta = KernelMeta(
                 batch=len(seq),
@@ -92,6 +94,16 @@ class TritonBackend(AttentionBackend):
         tree = forward_batch.tree_mask
         self._tree = None if tree is None else tree.contiguous().view(torch.int8)
         self._meta = meta
+
+    @staticmethod
+    def _fixed_extend_meta(fb: ForwardBatch) -> KernelMeta:
+        """L tokens per request after its committed KV (EAGLE's verify, draft extend), from the
+        batch's device tensors only: a captured graph replays it with new lengths."""
+        length, seq = fb.fixed_extend, fb.seq_lens.to(torch.int32)
+        starts = torch.arange(fb.batch_size, device=seq.device, dtype=torch.int32) * length
+        return KernelMeta(
+            fb.batch_size, length, fb.req_pool_indices, seq, seq - length, torch.full_like(seq, length), starts
+        )
 
     def forward(self, q, k, v, layer, forward_batch, scale):
         self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)

@@ -40,6 +40,7 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     req_pool_indices_cpu: list[int]  # host copy, so backends need no device sync
     tree_mask: torch.Tensor | None = None  # TREE: [B, Q, E] bool, query i may see block position j
+    fixed_extend: int = 0  # EXTEND of exactly this many tokens per request after seq_lens - it (extend_fixed)
 
     @property
     def batch_size(self) -> int:
@@ -145,6 +146,7 @@ class ForwardBatch:
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=[length] * batch,
             req_pool_indices_cpu=list(req_pool_indices_cpu),
+            fixed_extend=length,
         )
 
     @classmethod

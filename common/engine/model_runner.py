@@ -106,13 +106,24 @@ class ModelRunner:
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
         capture = args.cuda_graph and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graph", False)
-        self.decode_graphs = None
+        self.decode_graphs = self.verify_graphs = None
         if capture or args.static_decode_buffers:
             max_bs = args.cuda_graph_max_bs or args.max_running_requests
             forward = lambda fb, _: self.forward_eager(fb)  # noqa: E731
             self.decode_graphs = DecodeGraphs(forward, self.backend, self.device, max_bs, capture)
             if self.draft is not None:
                 self.draft.use_decode_graphs(max_bs, capture)
+                if args.spec.eagle_topk == 1:  # a chain's verify: S + 1 tokens per request (a tree's is TREE)
+                    verify = lambda fb, _: self._features_eager(fb, self.draft.capture)  # noqa: E731
+                    self.verify_graphs = DecodeGraphs(verify, self.backend, self.device, max_bs, capture,
+                                                      tokens_per_row=args.spec.num_steps + 1)  # fmt: skip
+
+    def _graph_sets(self) -> list:
+        """Every static-buffer step runner with its name: target decode, chain verify, draft steps and extend."""
+        sets = [(self.decode_graphs, "decode"), (self.verify_graphs, "verify")]
+        if self.draft is not None:
+            sets += [(self.draft.decode_graphs, "draft decode"), (self.draft.extend_graphs, "draft extend")]
+        return [(g, name) for g, name in sets if g is not None]
 
     def draft_linear_roots(self) -> tuple:
         return () if self.draft is None else (self.draft.head, self.draft.vocab_lm_head)
@@ -150,7 +161,12 @@ class ModelRunner:
         hidden: the final normed hidden (EAGLE) or the captured layers concatenated (EAGLE3). The
         layers are the draft head's unless `capture` names them (the fitting tool's data)."""
         if capture is None:
+            if self.verify_graphs is not None and self.verify_graphs.can_run(forward_batch):
+                return self.verify_graphs.run(forward_batch)
             capture = self.draft.capture if self.draft is not None else ()
+        return self._features_eager(forward_batch, capture)
+
+    def _features_eager(self, forward_batch: ForwardBatch, capture: tuple[int, ...]):
         if not capture:
             return self.forward(forward_batch)
         hidden, aux = self.model(forward_batch, self.backend, capture=capture)
@@ -162,10 +178,8 @@ class ModelRunner:
         does not pay one-time kernel and allocator set-up. Run before a service reports SERVING."""
         with intra_op.single_threaded():
             self._warmup(prompt_len)
-            if self.decode_graphs is not None:
-                self.decode_graphs.capture_all()
-            if self.draft is not None and self.draft.decode_graphs is not None:
-                self.draft.decode_graphs.capture_all("draft decode")
+            for graphs, name in self._graph_sets():
+                graphs.capture_all(name)
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))
