@@ -10,6 +10,7 @@ from common.engine.draft_runner import SpecArgs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from decode_service.eagle_tree_step import ancestors
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
 from tests.test_eagle import heads  # noqa: F401 (fixture)
@@ -115,8 +116,9 @@ def test_draft_steps_through_static_buffers_equal_eager(checkpoint, heads):
 @pytest.mark.parametrize("spec_kind", ["EAGLE chain", "EAGLE3 chain", "EAGLE3 tree"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_eagle_through_static_buffers_matches_hf_greedy(checkpoint, heads, spec_kind, overlap):
-    """Chain draft steps, the chain's verify and every draft extend run through static buffers; a
-    tree's draft steps and verify (TREE forwards, a mask per request) still run eagerly."""
+    """Chain draft steps, every verify (a chain's S + 1 tokens, a tree's M nodes with their mask) and
+    every draft extend run through static buffers; a tree's draft steps (TREE forwards whose block
+    grows by K a depth) still run eagerly."""
     algorithm, shape = spec_kind.split()
     path = checkpoint("qwen3" if algorithm == "EAGLE3" else "llama")
     topk, tokens = (1, 4) if shape == "chain" else (2, 6)
@@ -129,19 +131,30 @@ def test_eagle_through_static_buffers_matches_hf_greedy(checkpoint, heads, spec_
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 12), (spec_kind, i)
     runner = pair.worker.runner
     draft_runs, extend_runs = (sum(g.runs.values()) for g in (runner.draft.decode_graphs, runner.draft.extend_graphs))
-    assert extend_runs > 0  # the draft extend (S + 1 tokens per request) through its buffers
-    if shape == "chain":
-        assert draft_runs > 0 and sum(runner.verify_graphs.runs.values()) > 0
-    else:  # a tree's draft steps and verify are TREE forwards: eager
-        assert draft_runs == 0 and runner.verify_graphs is None
+    assert extend_runs > 0 and sum(runner.verify_graphs.runs.values()) > 0  # through their buffers
+    assert runner.verify_graphs.per_row == tokens and (runner.verify_graphs.tree_mask is not None) == (shape == "tree")
+    assert (draft_runs > 0) == (shape == "chain")  # a tree's draft steps are eager
     pair.close()
 
 
-def test_a_padded_verify_equals_eager_and_writes_only_its_slots(checkpoint, heads):
-    """The chain verify (S + 1 = 4 tokens per request) of 3 requests in bucket 4: logits and EAGLE3
-    features equal the eager forward; the padding row writes only slot 0."""
+def _verify_batch(table, rows, lens, shape):
+    """A verify of 4 tokens per request: a chain (extend_fixed) or a tree of 4 nodes (root, two
+    children, a grandchild under the second) at depths 0, 1, 1, 2."""
+    ids = torch.arange(20, 32)
+    if shape == "chain":
+        return ForwardBatch.extend_fixed(table, torch.tensor(rows), rows, lens, ids, 4)
+    parent = torch.tensor([0, 0, 0, 2]).expand(3, -1)
+    anc = ancestors(parent, 2)
+    depth = torch.tensor([0, 1, 1, 2]).expand(3, -1)
+    return ForwardBatch.tree(table, torch.tensor(rows), rows, lens, ids, depth, list(range(4)), anc)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_padded_verify_equals_eager_and_writes_only_its_slots(checkpoint, heads, shape):
+    """The verify (4 tokens per request: a chain, or a tree with its ancestor mask) of 3 requests in
+    bucket 4: logits and EAGLE3 features equal the eager forward; the padding row writes only slot 0."""
     path = checkpoint("qwen3")
-    spec = SpecArgs("EAGLE3", heads(path, "EAGLE3"), 3, 1, 4)
+    spec = SpecArgs("EAGLE3", heads(path, "EAGLE3"), 3, *((1, 4) if shape == "chain" else (2, 4)))
     outs = {}
     for static in (False, True):
         runner = ModelRunner(
@@ -154,12 +167,14 @@ def test_a_padded_verify_equals_eager_and_writes_only_its_slots(checkpoint, head
             runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 4))
         runner.forward(ForwardBatch.extend(table, rows, [0, 0, 0], [list(range(3, 3 + n)) for n in lens]))
         before = runner.kv_pool.k[0].clone()
-        ids = torch.arange(20, 32)
-        fb = ForwardBatch.extend_fixed(table, torch.tensor(rows), rows, lens, ids, 4)
+        fb = _verify_batch(table, rows, lens, shape)
         logits, features = runner.forward_features(fb)
         changed = (runner.kv_pool.k[0] != before).any(-1).any(-1).nonzero().flatten().tolist()
         outs[static] = logits, features, changed, fb.out_cache_loc.tolist()
-    assert runner.verify_graphs.runs[4] == 1
+    graphs = runner.verify_graphs
+    assert graphs.runs[4] == 1 and graphs.req_pool_indices[3] == 0 and (graphs.out_cache_loc[12:16] == 0).all()
+    if shape == "tree":  # the real rows' masks were copied in, the padding row sees itself only
+        assert torch.equal(graphs.tree_mask[:3], fb.tree_mask) and torch.equal(graphs.tree_mask[3], torch.eye(4) > 0)
     torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[True][1], outs[False][1], atol=1e-5, rtol=1e-5)
     assert outs[True][0].shape[0] == 12 and set(outs[True][2]) <= {0, *outs[True][3]}

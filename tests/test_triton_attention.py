@@ -136,14 +136,19 @@ def test_model_logits_through_triton_match_the_reference_backend(checkpoint, var
 
 @pytest.mark.parametrize("algorithm,topk", [(None, 1), ("EAGLE", 1), ("EAGLE3", 2)])
 def test_serving_through_triton_matches_hf_greedy(checkpoint, heads, algorithm, topk):
-    """The decode scheduler (overlap on) with both runners on Triton: plain, EAGLE chain, EAGLE3 tree."""
+    """The decode scheduler (overlap on) with both runners on Triton: plain, EAGLE chain, EAGLE3 tree,
+    every fixed-shape forward through the static buffers a CUDA graph replays (metadata from device
+    tensors only: what capture needs)."""
     path = checkpoint("llama")
     spec = None
     if algorithm:
         steps, tokens = (3, 4) if topk == 1 else (2, 4)
         spec = SpecArgs(algorithm, heads(path, algorithm), steps, topk, tokens)
-    pair = Pair(path, spec=spec, attention_backend="triton")
+    pair = Pair(path, spec=spec, attention_backend="triton", static_decode_buffers=True)
     out = _run(pair, PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
     for i, p in enumerate(PROMPTS):
         assert out[str(i)] == hf_greedy(path, p, 8), f"prompt {i}"
+    runner = pair.worker.runner
+    static = [runner.decode_graphs] if spec is None else [runner.verify_graphs, runner.draft.extend_graphs]
+    assert all(sum(g.runs.values()) > 0 for g in static)
     pair.close()

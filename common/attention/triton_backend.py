@@ -56,7 +56,9 @@ def check_usable(device: torch.device) -> None:
 
 
 class TritonBackend(AttentionBackend):
-    supports_cuda_graph = True  # decode and fixed-extend metadata from device tensors only (decode_graphs.py)
+    supports_cuda_graph = (
+        True  # decode, fixed-extend and verify-tree metadata from device tensors only (decode_graphs.py)
+    )
     fixed_decode_splits = False  # set while a graph is captured: the split count for the longest context
 
     def __init__(self, kv_pool, req_to_token_pool):
@@ -75,7 +77,7 @@ class TritonBackend(AttentionBackend):
             meta = KernelMeta(len(seq), 1, forward_batch.req_pool_indices, forward_batch.seq_lens)
             longest = self.req_to_token_pool.req_to_token.shape[1] if self.fixed_decode_splits else max(seq)
             self._splits = decode_splits(longest)
-        elif forward_batch.fixed_extend and forward_batch.tree_mask is None:
+        elif forward_batch.fixed_extend:  # a chain's verify, a tree's verify (with its mask), a draft extend
             meta = self._fixed_extend_meta(forward_batch)
         else:
             meta = KernelMeta(
@@ -97,7 +99,8 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def _fixed_extend_meta(fb: ForwardBatch) -> KernelMeta:
-        """L tokens per request after its committed KV (EAGLE's verify, draft extend), from the
+        """L tokens per request after its committed KV (EAGLE's verify, draft extend; a tree verify's
+        block is its L nodes, so seq_lens - L is the prefix there too), from the
         batch's device tensors only: a captured graph replays it with new lengths."""
         length, seq = fb.fixed_extend, fb.seq_lens.to(torch.int32)
         starts = torch.arange(fb.batch_size, device=seq.device, dtype=torch.int32) * length

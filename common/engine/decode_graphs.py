@@ -1,18 +1,19 @@
 """DecodeGraphs: a fixed-shape forward through static buffers, padded to a batch-size bucket, captured
 as one CUDA graph per bucket and replayed (SGLang's CudaGraphRunner; `--disable-cuda-graph`). Four use
-it: the target's decode step (logits, hidden), EAGLE's chain verify (S + 1 tokens per request:
-logits and features), and the head's chain draft steps (a hidden in, a hidden out) and draft extend
-(S + 1 tokens, the target's features in). Not through it: a tree's draft steps and verify (TREE
-forwards with a mask per request), which run eagerly.
+it: the target's decode step (logits, hidden), EAGLE's verify (a chain's S + 1 tokens per request, or
+a tree's M nodes with their ancestor mask: logits and features), and the head's chain draft steps (a
+hidden in, a hidden out) and draft extend (S + 1 tokens, the target's features in). Not through it:
+a tree's draft steps (TREE forwards whose block grows by K entries a depth), which run eagerly.
 
 1. Buckets: 1, 2, 4, 8, then every 8 up to `max_bs`; a batch of B runs in the first bucket >= B
    (larger batches run eagerly).
 2. Static buffers of the largest bucket: per token input ids, positions, out_cache_loc (and the
-   per-token input, e.g. the head's hidden); per request req_pool_indices and seq_lens (visible KV
-   length). A step copies its B rows in (device to device, no host sync) and resets the padding
-   rows [B, bucket): request row 0 and KV slot 0, the padding row and slot that no request owns,
-   at positions 0..L-1 seeing its own L keys, input zero. A padding row writes its K/V into slot 0
-   and reads slot 0 back: nowhere harmful.
+   per-token input, e.g. the head's hidden); per request req_pool_indices, seq_lens (visible KV
+   length) and, for a tree verify, the [L, L] ancestor mask. A step copies its B rows in (device to
+   device, no host sync) and resets the padding rows [B, bucket): request row 0 and KV slot 0, the
+   padding row and slot that no request owns, at positions 0..L-1 seeing its own L keys (a tree
+   row: itself only), input zero. A padding row writes its K/V into slot 0 and reads slot 0 back:
+   nowhere harmful.
 3. On CUDA, warm-up captures each bucket's forward (the attention backend must build its metadata
    from device tensors only: `triton`, for decode and fixed-length extends) and a step replays it;
    the outputs live in the graph's buffers and stay valid until the next replay, which the stream
@@ -41,10 +42,12 @@ class DecodeGraphs:
     """`forward(fb, inputs)` -> a tuple of tensors whose first dim is the batch's tokens; `inputs` is
     the static per-token input ([bucket * L, input_width]) or None; `backend` is the forward's
     attention backend. `tokens_per_row` L: 1 for a decode step, S + 1 for EAGLE's chain verify and
-    draft extend (ForwardBatch.extend_fixed: L new tokens after each request's committed KV)."""
+    draft extend (ForwardBatch.extend_fixed: L new tokens after each request's committed KV). `tree`:
+    the L tokens are a tree verify's nodes (ForwardBatch.tree over block positions 0..L-1), each
+    seeing the prefix and the block positions its [L, L] mask row allows."""
 
     def __init__(self, forward, backend, device, max_bs: int, capture: bool, input_width=None, dtype=None,
-                 tokens_per_row: int = 1):  # fmt: skip
+                 tokens_per_row: int = 1, tree: bool = False):  # fmt: skip
         self.forward, self.backend = forward, backend
         self.buckets = batch_buckets(max_bs)
         self.capture = capture
@@ -61,6 +64,9 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(t, **i64)
         self.pad_positions = torch.arange(tokens_per_row, **i64).repeat(n)  # a padding row's positions
         self.inputs = None if input_width is None else torch.zeros(t, input_width, dtype=dtype, device=device)
+        eye = torch.eye(tokens_per_row, dtype=torch.bool, device=device)
+        self.tree_mask = eye.repeat(n, 1, 1) if tree else None  # [n, L, L]
+        self.pad_tree_mask = self.tree_mask.clone() if tree else None  # a padding row sees itself only
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.runs: dict[int, int] = dict.fromkeys(self.buckets, 0)  # steps per bucket (tests, metrics)
@@ -79,13 +85,12 @@ class DecodeGraphs:
         fixed = self.per_row == 1 or (
             fb.fixed_extend == self.per_row and fb.logits_indices.numel() == fb.input_ids.numel()
         )
-        return (
-            fb.mode == self.mode
-            and fb.tree_mask is None
-            and fixed
-            and self.bucket(fb.batch_size) is not None
-            and shaped
+        tree = (
+            fb.tree_mask is None
+            if self.tree_mask is None
+            else (fb.tree_mask is not None and fb.tree_mask.shape[1:] == self.tree_mask.shape[1:])
         )
+        return fb.mode == self.mode and tree and fixed and self.bucket(fb.batch_size) is not None and shaped
 
     def _static_batch(self, bucket: int, committed: list[int], rows: list[int]) -> ForwardBatch:
         """The ForwardBatch over the first `bucket` static rows (host lists padded the same way)."""
@@ -102,6 +107,7 @@ class DecodeGraphs:
             extend_lens_cpu=[self.per_row] * bucket,
             req_pool_indices_cpu=list(rows) + [0] * pad,
             fixed_extend=0 if self.per_row == 1 else self.per_row,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[:bucket],
         )
 
     def _buffers(self):
@@ -112,12 +118,14 @@ class DecodeGraphs:
             (self.req_pool_indices, False, 0),
         ]
         pairs += [(self.seq_lens, False, self.per_row), (self.out_cache_loc, True, 0)]
+        pairs += [(self.tree_mask, False, self.pad_tree_mask)] if self.tree_mask is not None else []
         return pairs + ([(self.inputs, True, 0)] if self.inputs is not None else [])
 
     def _load(self, fb: ForwardBatch, inputs: torch.Tensor | None, bucket: int) -> None:
         b = fb.batch_size
-        values = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, inputs]
-        for (static, per_token, _), value in zip(self._buffers(), values):
+        values = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc]
+        values += [fb.tree_mask] if self.tree_mask is not None else []
+        for (static, per_token, _), value in zip(self._buffers(), values + [inputs]):
             static[: b * self.per_row if per_token else b].copy_(value, non_blocking=True)
         self._pad(b, bucket)
 

@@ -113,13 +113,14 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(forward, self.backend, self.device, max_bs, capture)
             if self.draft is not None:
                 self.draft.use_decode_graphs(max_bs, capture)
-                if args.spec.eagle_topk == 1:  # a chain's verify: S + 1 tokens per request (a tree's is TREE)
-                    verify = lambda fb, _: self._features_eager(fb, self.draft.capture)  # noqa: E731
-                    self.verify_graphs = DecodeGraphs(verify, self.backend, self.device, max_bs, capture,
-                                                      tokens_per_row=args.spec.num_steps + 1)  # fmt: skip
+                tree = args.spec.eagle_topk > 1  # a tree's verify: M nodes and their mask; a chain's: S + 1 tokens
+                per_row = args.spec.num_draft_tokens if tree else args.spec.num_steps + 1
+                verify = lambda fb, _: self._features_eager(fb, self.draft.capture)  # noqa: E731
+                self.verify_graphs = DecodeGraphs(verify, self.backend, self.device, max_bs, capture,
+                                                  tokens_per_row=per_row, tree=tree)  # fmt: skip
 
     def _graph_sets(self) -> list:
-        """Every static-buffer step runner with its name: target decode, chain verify, draft steps and extend."""
+        """Every static-buffer step runner with its name: target decode, verify, draft steps and extend."""
         sets = [(self.decode_graphs, "decode"), (self.verify_graphs, "verify")]
         if self.draft is not None:
             sets += [(self.draft.decode_graphs, "draft decode"), (self.draft.extend_graphs, "draft extend")]
