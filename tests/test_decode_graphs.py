@@ -85,40 +85,48 @@ def test_every_architecture_through_static_buffers_matches_hf_greedy(checkpoint,
     pair.close()
 
 
-def test_draft_steps_through_static_buffers_equal_eager(checkpoint, heads):
-    """The head's chain step (decode mode, a hidden in) through the padded buffers gives the eager
-    hidden for the real rows; padding rows write only draft slot 0."""
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_draft_steps_through_static_buffers_equal_eager(checkpoint, heads, shape):
+    """The head's draft step through the padded buffers gives the eager hidden for the real rows; the
+    padding row writes only draft slot 0. A chain's step is a decode (one token, a hidden in); a
+    tree's at depth 2 (K = 2) writes its 2 nodes after the depth-1 pair, over a block of 4 entries."""
     path = checkpoint("llama")
-    spec = SpecArgs("EAGLE", heads(path, "EAGLE"), 3, 1, 4)
-    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    spec = SpecArgs("EAGLE", heads(path, "EAGLE"), 3, *((1, 4) if shape == "chain" else (2, 4)))
+    rows_in = 3 if shape == "chain" else 6
+    hidden = torch.randn(rows_in, 64, generator=torch.Generator().manual_seed(0))
     outs = {}
     for static in (False, True):
         runner = ModelRunner(
             RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl", spec=spec,
                        static_decode_buffers=static)
         )  # fmt: skip
-        assert (runner.draft.decode_graphs is not None) == static
         table, rows, lens = runner.req_to_token_pool.req_to_token, [], [4, 9, 1]
         for n in lens:
             rows.append(runner.req_to_token_pool.alloc())
-            runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 1))
+            runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 4))
         before = runner.draft.kv_pool.k[0].clone()
-        fb = ForwardBatch.decode(table, torch.tensor(rows), lens, torch.tensor([11, 12, 13]))
+        if shape == "chain":
+            fb = ForwardBatch.decode(table, torch.tensor(rows), lens, torch.tensor([11, 12, 13]))
+        else:  # node j of depth 2 sees the depth-1 node it grew from (block entry j) and itself (2 + j)
+            seen = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool).expand(3, -1, -1)
+            depth = torch.ones(3, 2, dtype=torch.int64)
+            fb = ForwardBatch.tree(table, torch.tensor(rows), rows, lens, torch.arange(11, 17), depth, [2, 3], seen)
         out = runner.draft.forward(fb, hidden[:, : runner.config.hidden_size])
         changed = (runner.draft.kv_pool.k[0] != before).any(-1).any(-1).nonzero().flatten().tolist()
         outs[static] = out, changed, fb.out_cache_loc.tolist()
-    graphs = runner.draft.decode_graphs
-    assert graphs.runs[4] == 1 and graphs.inputs[3].abs().sum() == 0  # bucket 4; its padding row zeroed
+    graphs = runner.draft.decode_graphs if shape == "chain" else runner.draft.tree_graphs[1]
+    assert graphs.runs[4] == 1 and graphs.inputs[rows_in:].abs().sum() == 0  # bucket 4; its padding row zeroed
+    if shape == "tree":
+        assert graphs.seq_lens[3] == 4 and graphs.tree_mask[3].tolist() == [[0, 0, 1, 0], [0, 0, 0, 1]]
     torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-5, rtol=1e-5)
-    assert outs[True][0].shape[0] == 3 and set(outs[True][1]) <= {0, *outs[True][2]}
+    assert outs[True][0].shape[0] == rows_in and set(outs[True][1]) <= {0, *outs[True][2]}
 
 
 @pytest.mark.parametrize("spec_kind", ["EAGLE chain", "EAGLE3 chain", "EAGLE3 tree"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_eagle_through_static_buffers_matches_hf_greedy(checkpoint, heads, spec_kind, overlap):
-    """Chain draft steps, every verify (a chain's S + 1 tokens, a tree's M nodes with their mask) and
-    every draft extend run through static buffers; a tree's draft steps (TREE forwards whose block
-    grows by K a depth) still run eagerly."""
+    """Every draft step (a chain's; a tree's K nodes at each depth), every verify (a chain's S + 1
+    tokens, a tree's M nodes with their mask) and every draft extend run through static buffers."""
     algorithm, shape = spec_kind.split()
     path = checkpoint("qwen3" if algorithm == "EAGLE3" else "llama")
     topk, tokens = (1, 4) if shape == "chain" else (2, 6)
@@ -130,10 +138,12 @@ def test_eagle_through_static_buffers_matches_hf_greedy(checkpoint, heads, spec_
     for i, p in enumerate(PROMPTS[:4]):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 12), (spec_kind, i)
     runner = pair.worker.runner
-    draft_runs, extend_runs = (sum(g.runs.values()) for g in (runner.draft.decode_graphs, runner.draft.extend_graphs))
+    extend_runs = sum(runner.draft.extend_graphs.runs.values())
+    draft_runs = sum(runner.draft.decode_graphs.runs.values()) if shape == "chain" else 0
     assert extend_runs > 0 and sum(runner.verify_graphs.runs.values()) > 0  # through their buffers
     assert runner.verify_graphs.per_row == tokens and (runner.verify_graphs.tree_mask is not None) == (shape == "tree")
-    assert (draft_runs > 0) == (shape == "chain")  # a tree's draft steps are eager
+    tree_runs = [sum(g.runs.values()) for g in runner.draft.tree_graphs]  # one runner per depth 1..S-1
+    assert draft_runs > 0 if shape == "chain" else len(tree_runs) == 2 and min(tree_runs) > 0
     pair.close()
 
 

@@ -99,13 +99,14 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def _fixed_extend_meta(fb: ForwardBatch) -> KernelMeta:
-        """L tokens per request after its committed KV (EAGLE's verify, draft extend; a tree verify's
-        block is its L nodes, so seq_lens - L is the prefix there too), from the
-        batch's device tensors only: a captured graph replays it with new lengths."""
+        """L tokens per request after its committed KV (EAGLE's verify, draft extend; a tree's L nodes
+        end a block of E positions, so the prefix is seq_lens - E), from the batch's device tensors
+        only: a captured graph replays it with new lengths."""
         length, seq = fb.fixed_extend, fb.seq_lens.to(torch.int32)
+        block = length if fb.tree_mask is None else fb.tree_mask.shape[2]
         starts = torch.arange(fb.batch_size, device=seq.device, dtype=torch.int32) * length
         return KernelMeta(
-            fb.batch_size, length, fb.req_pool_indices, seq, seq - length, torch.full_like(seq, length), starts
+            fb.batch_size, length, fb.req_pool_indices, seq, seq - block, torch.full_like(seq, length), starts
         )
 
     def forward(self, q, k, v, layer, forward_batch, scale):

@@ -2,17 +2,17 @@
 as one CUDA graph per bucket and replayed (SGLang's CudaGraphRunner; `--disable-cuda-graph`). Four use
 it: the target's decode step (logits, hidden), EAGLE's verify (a chain's S + 1 tokens per request, or
 a tree's M nodes with their ancestor mask: logits and features), and the head's chain draft steps (a
-hidden in, a hidden out) and draft extend (S + 1 tokens, the target's features in). Not through it:
-a tree's draft steps (TREE forwards whose block grows by K entries a depth), which run eagerly.
+hidden in, a hidden out), a tree's draft steps (K nodes per request at each depth, one runner per depth since the
+block grows by K entries a depth) and the draft extend (S + 1 tokens, the target's features in).
 
 1. Buckets: 1, 2, 4, 8, then every 8 up to `max_bs`; a batch of B runs in the first bucket >= B
    (larger batches run eagerly).
 2. Static buffers of the largest bucket: per token input ids, positions, out_cache_loc (and the
    per-token input, e.g. the head's hidden); per request req_pool_indices, seq_lens (visible KV
-   length) and, for a tree verify, the [L, L] ancestor mask. A step copies its B rows in (device to
+   length) and, for tree forwards, the [L, E] mask over the block. A step copies its B rows in (device to
    device, no host sync) and resets the padding rows [B, bucket): request row 0 and KV slot 0, the
    padding row and slot that no request owns, at positions 0..L-1 seeing its own L keys (a tree
-   row: itself only), input zero. A padding row writes its K/V into slot 0 and reads slot 0 back:
+   row: only its own entry of the block), input zero. A padding row writes its K/V into slot 0 and reads slot 0 back:
    nowhere harmful.
 3. On CUDA, warm-up captures each bucket's forward (the attention backend must build its metadata
    from device tensors only: `triton`, for decode and fixed-length extends) and a step replays it;
@@ -42,12 +42,13 @@ class DecodeGraphs:
     """`forward(fb, inputs)` -> a tuple of tensors whose first dim is the batch's tokens; `inputs` is
     the static per-token input ([bucket * L, input_width]) or None; `backend` is the forward's
     attention backend. `tokens_per_row` L: 1 for a decode step, S + 1 for EAGLE's chain verify and
-    draft extend (ForwardBatch.extend_fixed: L new tokens after each request's committed KV). `tree`:
-    the L tokens are a tree verify's nodes (ForwardBatch.tree over block positions 0..L-1), each
-    seeing the prefix and the block positions its [L, L] mask row allows."""
+    draft extend (ForwardBatch.extend_fixed: L new tokens after each request's committed KV).
+    `tree_block` E: the L tokens are tree nodes written at the last L of E block positions after the
+    committed KV (a verify: E = L; a tree draft step at depth d: E = d * K), each seeing the prefix
+    and the block positions its [L, E] mask row allows."""
 
     def __init__(self, forward, backend, device, max_bs: int, capture: bool, input_width=None, dtype=None,
-                 tokens_per_row: int = 1, tree: bool = False):  # fmt: skip
+                 tokens_per_row: int = 1, tree_block: int | None = None):  # fmt: skip
         self.forward, self.backend = forward, backend
         self.buckets = batch_buckets(max_bs)
         self.capture = capture
@@ -60,13 +61,18 @@ class DecodeGraphs:
             torch.zeros(t, **i64),
         )
         self.req_pool_indices = torch.zeros(n, **i64)
-        self.seq_lens = torch.full((n,), tokens_per_row, **i64)
+        self.block = tree_block or tokens_per_row  # KV positions past the committed length a row sees
+        self.seq_lens = torch.full((n,), self.block, **i64)
         self.logits_indices = torch.arange(t, **i64)
         self.pad_positions = torch.arange(tokens_per_row, **i64).repeat(n)  # a padding row's positions
         self.inputs = None if input_width is None else torch.zeros(t, input_width, dtype=dtype, device=device)
-        eye = torch.eye(tokens_per_row, dtype=torch.bool, device=device)
-        self.tree_mask = eye.repeat(n, 1, 1) if tree else None  # [n, L, L]
-        self.pad_tree_mask = self.tree_mask.clone() if tree else None  # a padding row sees itself only
+        self.tree_mask = self.pad_tree_mask = None
+        if tree_block is not None:  # [n, L, E]; a padding row's token sees only its own entry
+            own = torch.eye(tokens_per_row, self.block, dtype=torch.bool, device=device).roll(
+                self.block - tokens_per_row, 1
+            )
+            self.tree_mask = own.repeat(n, 1, 1)
+            self.pad_tree_mask = self.tree_mask.clone()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.runs: dict[int, int] = dict.fromkeys(self.buckets, 0)  # steps per bucket (tests, metrics)
@@ -117,7 +123,7 @@ class DecodeGraphs:
             (self.positions, True, self.pad_positions),
             (self.req_pool_indices, False, 0),
         ]
-        pairs += [(self.seq_lens, False, self.per_row), (self.out_cache_loc, True, 0)]
+        pairs += [(self.seq_lens, False, self.block), (self.out_cache_loc, True, 0)]
         pairs += [(self.tree_mask, False, self.pad_tree_mask)] if self.tree_mask is not None else []
         return pairs + ([(self.inputs, True, 0)] if self.inputs is not None else [])
 

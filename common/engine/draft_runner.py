@@ -81,6 +81,7 @@ class DraftRunner:
         self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
         self.decode_graphs = self.extend_graphs = None  # DecodeGraphs, set by the target when it has them
+        self.tree_graphs: list[DecodeGraphs] = []  # a tree's draft step at depth d: tree_graphs[d - 1]
         # The draft vocabulary: the columns of the head's logits and the target id of each. EAGLE
         # drafts over the target's whole vocabulary (its lm_head) unless a token map narrows it to hot
         # ids (a far smaller lm_head per draft step); EAGLE3 over its own, mapped by d2t.
@@ -100,11 +101,19 @@ class DraftRunner:
         return self.config.aux_layer_ids
 
     def use_decode_graphs(self, max_bs: int, capture: bool) -> None:
-        """Chain draft steps (decode forwards, the head's hidden in) and the draft extend (S + 1 tokens
-        per request, the target's features in) through static buffers / graphs."""
+        """Draft steps (a chain's: decode forwards; a tree's: K nodes per request at each depth d < S,
+        over a block of d * K entries), the head's hidden in, and the draft extend (S + 1 tokens per
+        request, the target's features in) through static buffers / graphs."""
         width, dtype, device = self.target.config.hidden_size, self.target.dtype, self.target.device
         forward = lambda fb, hidden: (self.forward_eager(fb, hidden),)  # noqa: E731
-        self.decode_graphs = DecodeGraphs(forward, self.backend, device, max_bs, capture, width, dtype)
+        k = self.spec.eagle_topk
+        if k == 1:
+            self.decode_graphs = DecodeGraphs(forward, self.backend, device, max_bs, capture, width, dtype)
+        else:
+            self.tree_graphs = [
+                DecodeGraphs(forward, self.backend, device, max_bs, capture, width, dtype, k, tree_block=d * k)
+                for d in range(1, self.spec.num_steps)
+            ]
         features = width * max(1, len(self.capture))  # EAGLE: the final hidden; EAGLE3: the captured layers
         self.extend_graphs = DecodeGraphs(forward, self.backend, device, max_bs, capture, features, dtype,
                                           tokens_per_row=self.spec.num_steps + 1)  # fmt: skip
@@ -113,7 +122,7 @@ class DraftRunner:
     def forward(self, forward_batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Tokens of `forward_batch` are those at p+1; `hidden` [T, H or 3H] the features for p.
         Writes the draft KV at the batch's slots and returns the head's hidden for p+1 [T, H]."""
-        for graphs in (self.decode_graphs, self.extend_graphs):
+        for graphs in (self.decode_graphs, self.extend_graphs, *self.tree_graphs):
             if graphs is not None and graphs.can_run(forward_batch, hidden):
                 return graphs.run(forward_batch, hidden)[0]
         return self.forward_eager(forward_batch, hidden)

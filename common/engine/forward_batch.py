@@ -40,9 +40,7 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     req_pool_indices_cpu: list[int]  # host copy, so backends need no device sync
     tree_mask: torch.Tensor | None = None  # TREE: [B, Q, E] bool, query i may see block position j
-    fixed_extend: int = (
-        0  # EXTEND of exactly this many tokens per request after seq_lens - it (extend_fixed, a verify tree)
-    )
+    fixed_extend: int = 0  # EXTEND of this many tokens per request, the last of seq_lens (extend_fixed, trees)
 
     @property
     def batch_size(self) -> int:
@@ -69,7 +67,8 @@ class ForwardBatch:
         """Q = len(offsets) tokens per request written at block positions prefix + offsets, each at
         position prefix + depth (`depths` [B, Q], device); query i attends to the prefix and to the
         block positions j where tree_mask[b, i, j] ([B, Q, E]). Every token gets logits. A tree whose
-        tokens fill its block in order (a verify: offsets 0..Q-1, E = Q) is also a fixed extend of Q."""
+        tokens fill the last Q block positions in order (a verify: E = Q; a draft step: E = depth * Q)
+        is also a fixed extend of Q (`fixed_extend`): its KV length is the prefix + E."""
         device = req_to_token.device
         batch, q = len(prefix_lens), len(offsets)
         prefix = torch.tensor(prefix_lens, dtype=torch.int64)
@@ -87,7 +86,7 @@ class ForwardBatch:
             extend_lens_cpu=[q] * batch,
             req_pool_indices_cpu=list(req_pool_indices_cpu),
             tree_mask=to_device(tree_mask, device),
-            fixed_extend=q if list(offsets) == list(range(q)) and tree_mask.shape[2] == q else 0,
+            fixed_extend=q if list(offsets) == list(range(tree_mask.shape[2] - q, tree_mask.shape[2])) else 0,
         )
 
     @classmethod

@@ -116,14 +116,16 @@ class ModelRunner:
                 tree = args.spec.eagle_topk > 1  # a tree's verify: M nodes and their mask; a chain's: S + 1 tokens
                 per_row = args.spec.num_draft_tokens if tree else args.spec.num_steps + 1
                 verify = lambda fb, _: self._features_eager(fb, self.draft.capture)  # noqa: E731
+                block = per_row if tree else None
                 self.verify_graphs = DecodeGraphs(verify, self.backend, self.device, max_bs, capture,
-                                                  tokens_per_row=per_row, tree=tree)  # fmt: skip
+                                                  tokens_per_row=per_row, tree_block=block)  # fmt: skip
 
     def _graph_sets(self) -> list:
         """Every static-buffer step runner with its name: target decode, verify, draft steps and extend."""
         sets = [(self.decode_graphs, "decode"), (self.verify_graphs, "verify")]
         if self.draft is not None:
             sets += [(self.draft.decode_graphs, "draft decode"), (self.draft.extend_graphs, "draft extend")]
+            sets += [(g, f"draft tree depth {d}") for d, g in enumerate(self.draft.tree_graphs, 1)]
         return [(g, name) for g, name in sets if g is not None]
 
     def draft_linear_roots(self) -> tuple:
