@@ -13,6 +13,10 @@ For each batch size B:
    loopback, B concurrent streaming Generate calls from this process.
 For 2 and 3: TTFT = first token - submit; decode tok/s = the sum over requests of
 (tokens - 1) / (last token - first token); ITL p50/p99 over every gap between a request's tokens.
+Output tok/s (SGLang bench_serving's output_throughput) = every output token / (last token of the
+batch - submit), TTFT included (HF: B * N / time(N)): the pair streams each first token from the
+prefill service before the KV lands on decode, which lengthens its first gap and so lowers decode
+tok/s while it shortens TTFT; output tok/s counts both.
 Each measurement runs --repeats times, the three interleaved; the table reports each one's best run
 (the machine is noisy: single runs of the same thing differ by 10-20% here). Prints a markdown
 table and the ratios (pair / HF, pair / in-process).
@@ -58,7 +62,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def summarize(submitted: list[float], arrivals: list[list[float]]) -> dict:
-    """Per-request token arrival times -> TTFT (ms), decode tok/s, ITL p50/p99 (ms)."""
+    """Per-request token arrival times -> TTFT (ms), decode tok/s, output tok/s, ITL p50/p99 (ms)."""
     ttft = [a[0] - s for s, a in zip(submitted, arrivals)]
     decoding = [a for a in arrivals if len(a) > 1 and a[-1] > a[0]]
     rate = sum((len(a) - 1) / (a[-1] - a[0]) for a in decoding)
@@ -66,6 +70,7 @@ def summarize(submitted: list[float], arrivals: list[list[float]]) -> dict:
     return dict(
         ttft_ms=1e3 * statistics.median(ttft),
         tok_s=rate,
+        out_tok_s=sum(map(len, arrivals)) / (max(a[-1] for a in arrivals if a) - min(submitted)),
         itl_p50_ms=1e3 * _pct(gaps, 0.5),
         itl_p99_ms=1e3 * _pct(gaps, 0.99),
         decode_tokens=sum(len(a) - 1 for a in decoding),
@@ -97,7 +102,13 @@ def bench_hf(path: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
     t1, tn = run(1), run(new_tokens)
     decode = tn - t1
     itl = decode / (new_tokens - 1)
-    return dict(ttft_ms=1e3 * t1, tok_s=batch * (new_tokens - 1) / decode, itl_p50_ms=1e3 * itl, itl_p99_ms=1e3 * itl)
+    return dict(
+        ttft_ms=1e3 * t1,
+        tok_s=batch * (new_tokens - 1) / decode,
+        out_tok_s=batch * new_tokens / tn,
+        itl_p50_ms=1e3 * itl,
+        itl_p99_ms=1e3 * itl,
+    )
 
 
 def bench_inprocess(
@@ -295,7 +306,8 @@ def main(argv=None) -> None:
                         continue
                     r = fn()
                     print(
-                        f"  B={b:>3} {name:>9}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.1f} ms  "
+                        f"  B={b:>3} {name:>9}: {r['tok_s']:7.1f} tok/s  out {r['out_tok_s']:7.1f} tok/s  "
+                        f"ITL p50 {r['itl_p50_ms']:6.1f} ms  "
                         f"p99 {r['itl_p99_ms']:6.1f} ms  TTFT {r['ttft_ms']:7.1f} ms",
                         flush=True,
                     )
@@ -308,16 +320,17 @@ def main(argv=None) -> None:
             stop(p)
     print(
         "\n| B | HF tok/s | in-process tok/s | pair tok/s | pair ITL p50 / p99 (ms) | pair TTFT (ms) "
-        "| pair / HF | pair / in-process |"
+        "| pair / HF | pair / in-process | output tok/s HF / in-process / pair | output pair / HF |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    nan = dict(tok_s=float("nan"), itl_p50_ms=float("nan"), itl_p99_ms=float("nan"), ttft_ms=float("nan"))
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    nan = dict.fromkeys(("tok_s", "out_tok_s", "itl_p50_ms", "itl_p99_ms", "ttft_ms"), float("nan"))
     for b in batches:
         hf, ip, pr = (rows.get((n, b), nan) for n in ("hf", "inprocess", "pair"))
         print(
             f"| {b} | {hf['tok_s']:.1f} | {ip['tok_s']:.1f} | {pr['tok_s']:.1f} | {pr['itl_p50_ms']:.1f} / "
             f"{pr['itl_p99_ms']:.1f} | {pr['ttft_ms']:.0f} | {pr['tok_s'] / hf['tok_s']:.2f}x | "
-            f"{pr['tok_s'] / ip['tok_s']:.2f}x |"
+            f"{pr['tok_s'] / ip['tok_s']:.2f}x | {hf['out_tok_s']:.1f} / {ip['out_tok_s']:.1f} / "
+            f"{pr['out_tok_s']:.1f} | {pr['out_tok_s'] / hf['out_tok_s']:.2f}x |"
         )
 
 

@@ -252,16 +252,17 @@ class PrefillEngine:
                 self.runner.draft.spec.eagle_topk,
             )
             w.features = []
-            dpool = self.runner.draft.kv_pool
-            extra.update(draft_k=[dpool.k[0][loc].cpu()], draft_v=[dpool.v[0][loc].cpu()])
+            draft_k, draft_v = self.runner.draft.kv_pool.gather(loc)
+            extra.update(draft_k=[draft_k[0].cpu()], draft_v=[draft_v[0].cpu()])
+        k, v = pool.gather(loc)  # one copy-out per K and V, not one per layer
         return Handoff(
             rid=r.rid,
             prompt_ids=list(r.prompt_ids),
             params=r.params,
             seed=r.seed,
             first_token=w.first_token,
-            k=[k.cpu() for k in gather_kv_heads(tp, cfg, [k[loc] for k in pool.k])],
-            v=[v.cpu() for v in gather_kv_heads(tp, cfg, [v[loc] for v in pool.v])],
+            k=[t.cpu() for t in gather_kv_heads(tp, cfg, k)],
+            v=[t.cpu() for t in gather_kv_heads(tp, cfg, v)],
             first_position=r.first_position,
             cached_tokens=w.cached,
             **extra,

@@ -19,6 +19,24 @@ def test_slot_runs_coalesce_consecutive_slots():
     assert [(r.token_start, r.slot, r.length) for r in runs] == [(0, 7, 3), (3, 3, 2), (5, 11, 1)]
 
 
+def _covered(tensor, ptrs, lens) -> bool:
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    return any(p <= start and end <= p + n for p, n in zip(ptrs, lens))
+
+
+def test_registration_merges_the_layers_of_one_buffer_into_one_span():
+    """A pool's (or a handoff's) layers are views of one buffer: one span each for K and V, not one
+    per layer; a view inside a registered tensor adds nothing; every byte is covered once."""
+    from common.engine.kv_pool import KVPool
+
+    pool = KVPool(10, 3, 2, 4, torch.float32)
+    ptrs, lens = mooncake._spans(pool.k + pool.v)
+    assert len(ptrs) <= 2 and sum(lens) == pool.nbytes and all(_covered(t, ptrs, lens) for t in pool.k + pool.v)
+    whole = torch.zeros(8)
+    ptrs, lens = mooncake._spans([whole, whole[2:5]])
+    assert (ptrs, lens) == ([whole.data_ptr()], [32])
+
+
 def test_write_plan_addresses_every_token_of_every_layer_once():
     layers, n, shape = 2, 6, (2, 4)
     k = [torch.randn(n, *shape) for _ in range(layers)]

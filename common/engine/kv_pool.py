@@ -1,5 +1,5 @@
-"""KVPool: per-layer K and V buffers [num_slots + 1, kv_heads, head_dim]; slot 0 is the padding slot
-that padded lanes write to. Capacity is derived from a byte budget (`slots_for_budget`).
+"""KVPool: per-layer K and V buffers [num_slots + 1, kv_heads, head_dim] (views of one buffer each);
+slot 0 is the padding slot that padded lanes write to. Capacity is derived from a byte budget (`slots_for_budget`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,16 @@ class KVPool:
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        # one buffer per K and V, each layer a contiguous view: reading a request's slots out of every
+        # layer is one index_select (`gather`), not one per layer
+        self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+
+    def gather(self, loc: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V of KV slots `loc` in every layer (copies): ([layers] of [len(loc), kv_heads, head_dim]) x 2."""
+        return list(self.k_all.index_select(1, loc).unbind(0)), list(self.v_all.index_select(1, loc).unbind(0))
 
     @property
     def nbytes(self) -> int:

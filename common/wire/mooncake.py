@@ -91,10 +91,21 @@ def advertised_host(bind_host: str) -> str:
 
 
 def _spans(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(start, length) of the memory of the tensors, adjacent pieces merged into one span (a pool's
+    or a handoff's layers are views of one buffer: one registration, not one per layer)."""
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError("only contiguous tensors can be registered")
-    return [t.data_ptr() for t in tensors if t.numel()], [t.numel() * t.element_size() for t in tensors if t.numel()]
+    pieces = sorted({(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()})
+    ptrs: list[int] = []
+    lens: list[int] = []
+    for ptr, n in pieces:
+        if ptrs and ptrs[-1] + lens[-1] >= ptr:  # touches or overlaps the previous span
+            lens[-1] = max(lens[-1], ptr + n - ptrs[-1])
+        else:
+            ptrs.append(ptr)
+            lens.append(n)
+    return ptrs, lens
 
 
 def kv_region(k: list[torch.Tensor], v: list[torch.Tensor]) -> prefill_pb2.KvRegion:
