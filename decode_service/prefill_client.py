@@ -34,6 +34,8 @@ from decode_service.prefix_router import PrefixRouter
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_CHUNKS = 4  # per call: KV chunks handed to the scheduler and not yet written into the pool
+HEALTH_TIMEOUT_S = 1.0  # one health check's bound
+BUSY_GRACE_S = 5.0  # a replica that answered SERVING this recently and now only times out is busy, not down
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
@@ -46,20 +48,26 @@ class _Peer:
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.in_flight = 0  # our calls to this replica (guarded by the client's lock)
+        self.serving_at: float | None = None  # monotonic time of its last SERVING answer
 
     def serving(self, fresh: bool = False) -> bool:
         """Health over our channel; with `fresh`, over a new one, so a replica that just came up is
-        seen at once (our channel may still wait out its reconnect backoff, up to 1 s)."""
+        seen at once (our channel may still wait out its reconnect backoff, up to 1 s). A check that
+        only times out (a replica busy streaming KV on shared cores can take over a second to answer)
+        keeps a SERVING answer of the last BUSY_GRACE_S; a refused connection or NOT_SERVING does not.
+        A replica wedged past that is caught by the calls' progress watchdog."""
         channel = security.channel(self.address, channel_options(), self.credentials) if fresh else None
         health = health_pb2_grpc.HealthStub(channel) if fresh else self.health
         try:
-            reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
+            reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=HEALTH_TIMEOUT_S)
+            self.serving_at = time.monotonic() if reply.status == health_pb2.HealthCheckResponse.SERVING else None
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.serving_at = None
         finally:
             if channel is not None:
                 channel.close()
+        return self.serving_at is not None and time.monotonic() - self.serving_at < BUSY_GRACE_S
 
     def load(self) -> tuple[int, int]:
         """(running + waiting calls, KV pool size) from the replica's GetLoad."""

@@ -188,3 +188,49 @@ def test_re_prefill_continues_the_seeded_stream(checkpoint):
     for sent in range(4):
         [h] = engine.prefill([HandoffRequest("r", prompt + ref.output[:sent], params, 77, first_position=sent)])
         assert h.first_token == ref.output[sent] and h.first_position == sent and h.prompt_len == len(prompt) + sent
+
+
+class _Health:
+    """A stand-in health stub: answers SERVING / NOT_SERVING or raises an RpcError with a code."""
+
+    def __init__(self):
+        self.answer = "SERVING"
+
+    def Check(self, request, timeout):
+        from grpc_health.v1 import health_pb2
+
+        if isinstance(self.answer, grpc.StatusCode):
+            code = self.answer
+
+            class Failed(grpc.RpcError):
+                def code(self):
+                    return code
+
+            raise Failed()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.ServingStatus.Value(self.answer))
+
+
+def test_a_busy_replica_stays_serving_for_a_grace_but_a_refused_one_does_not():
+    """A health check that times out keeps the last SERVING answer for BUSY_GRACE_S (a replica busy
+    streaming KV on shared cores answered late, and every request picking it failed after 3 s);
+    a refused connection or NOT_SERVING ends it at once, and so does the grace running out."""
+    from decode_service import prefill_client
+
+    peer = prefill_client._Peer(f"127.0.0.1:{free_port()}")
+    peer.health = health = _Health()
+    try:
+        assert peer.serving()
+        health.answer = grpc.StatusCode.DEADLINE_EXCEEDED
+        assert peer.serving()  # busy: still serving
+        peer.serving_at -= prefill_client.BUSY_GRACE_S
+        assert not peer.serving()  # busy for longer than the grace: taken as down
+        health.answer = "SERVING"
+        assert peer.serving()
+        health.answer = grpc.StatusCode.UNAVAILABLE
+        assert not peer.serving()
+        health.answer = grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not peer.serving()  # a time-out after a refusal proves nothing
+        health.answer = "NOT_SERVING"
+        assert not peer.serving()
+    finally:
+        peer.channel.close()
