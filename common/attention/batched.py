@@ -111,8 +111,10 @@ class BatchedBackend(AttentionBackend):
         else:
             keys = torch.index_select(k_buf, 0, self._slots, out=self._scratch[0, :n])
             values = torch.index_select(v_buf, 0, self._slots, out=self._scratch[1, :n])
-        keys = keys.view(kv_shape).to(q.dtype).transpose(1, 2)
-        values = values.view(kv_shape).to(q.dtype).transpose(1, 2)
+        keys, values = keys.view(kv_shape), values.view(kv_shape)
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if self._flat is None:
             query = q.reshape(batch, q_max, heads, d)
         else:

@@ -51,5 +51,7 @@ class KVPool:
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] at KV slots `loc` [T] (index_copy_: ~10x cheaper than an
         indexed assignment on CPU; padded lanes may all write the padding slot 0, never read)."""
-        self.k[layer].index_copy_(0, loc, k.to(self.dtype))
-        self.v[layer].index_copy_(0, loc, v.to(self.dtype))
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        self.k[layer].index_copy_(0, loc, k)
+        self.v[layer].index_copy_(0, loc, v)

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.models.direct_call import DirectCall
+
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
 LAYOUTS = ("mkl", "onednn", "rowblock")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows r use the plan of the first bucket >= r (the last above)
@@ -69,6 +71,8 @@ class LinearWeight:
             self.packed = None  # its memory back: a second copy of the weight
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 2:  # the model's packed tokens: no reshapes
+            return self.run(self.plan[bucket_index(x.shape[0])], x, residual)
         x2 = x.reshape(-1, x.shape[-1])
         layout = self.plan[bucket_index(x2.shape[0])]
         out = self.run(layout, x2, None if residual is None else residual.reshape(x2.shape[0], -1))
@@ -82,6 +86,8 @@ class LinearWeight:
             # the add fused into the GEMM's epilogue (oneDNN binary post-op): bit-identical, one op fewer
             return torch.ops.mkldnn._linear_pointwise.binary(x2, residual.contiguous(), self.packed, self.bias, "add")
         if layout == "mkl":
+            if residual is not None and self.bias is None:  # the add inside the GEMM (beta = 1): one op fewer
+                return torch.addmm(residual, x2, self.weight.t())
             out = F.linear(x2, self.weight, self.bias)
         else:
             rows = x2.shape[0]
@@ -92,7 +98,7 @@ class LinearWeight:
         return out if residual is None else residual + out
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(DirectCall):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

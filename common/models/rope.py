@@ -56,5 +56,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [T, heads, head_dim] rotated by the half-split convention: HF's x * cos + rotate_half(x) * sin
     with rotate_half(x) = [-x2, x1], here [x2, x1] * the signed sin from `cos_sin` (bit-identical:
     negation is exact)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin  # roll by half: [x2, x1]
