@@ -43,7 +43,8 @@ def test_triton_decode_on_cuda_matches_hf_greedy(checkpoint, overlap, graphs):
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("topk,steps,nodes", [(1, 3, 4), (4, 3, 8)])
 def test_triton_eagle_on_cuda_matches_hf_greedy(checkpoint, tmp_path, topk, steps, nodes, graphs):
-    """With graphs: every verify (chain or tree), the chain's draft steps and every draft extend, replayed."""
+    """With graphs: every draft step (a chain's, or a tree's at each depth), every verify (chain or tree)
+    and every draft extend, replayed."""
     path = checkpoint("llama")
     spec = SpecArgs("EAGLE3", build_head(path, "EAGLE3", str(tmp_path / "head")), steps, topk, nodes)
     pair = Pair(path, device="cuda", dtype="float32", spec=spec, attention_backend="triton", cuda_graph=graphs)
@@ -52,8 +53,7 @@ def test_triton_eagle_on_cuda_matches_hf_greedy(checkpoint, tmp_path, topk, step
         assert out[str(i)] == hf_greedy(path, p, 20), f"prompt {i}"
     if graphs:
         runner = pair.worker.runner
-        replayed = [runner.draft.extend_graphs, runner.verify_graphs] + (
-            [runner.draft.decode_graphs] if topk == 1 else []
-        )
+        drafts = [runner.draft.decode_graphs] if topk == 1 else runner.draft.tree_graphs  # a tree: one per depth
+        replayed = [runner.draft.extend_graphs, runner.verify_graphs, *drafts]
         assert all(g.graphs and sum(g.runs.values()) > 0 for g in replayed)
     pair.close()
