@@ -1,21 +1,22 @@
 """DecodeGraphs: a fixed-shape forward through static buffers, padded to a batch-size bucket, captured
-as one CUDA graph per bucket and replayed (SGLang's CudaGraphRunner; `--disable-cuda-graph`). Four use
-it: the target's decode step (logits, hidden), EAGLE's verify (a chain's S + 1 tokens per request, or
-a tree's M nodes with their ancestor mask: logits and features), and the head's chain draft steps (a
-hidden in, a hidden out), a tree's draft steps (K nodes per request at each depth, one runner per depth since the
-block grows by K entries a depth) and the draft extend (S + 1 tokens, the target's features in).
+as one CUDA graph per bucket and replayed (SGLang's CudaGraphRunner; `--disable-cuda-graph`). Every
+fixed-shape forward of a step has one: the target's decode step (logits, hidden); EAGLE's verify (a
+chain's S + 1 tokens per request, or a tree's M nodes with their ancestor mask: logits and
+features); the head's draft steps (a chain's decode, or a tree's K nodes per request at each depth,
+one runner per depth since the block grows by K entries a depth: a hidden in, a hidden out); and
+the draft extend (S + 1 tokens, the target's features in).
 
 1. Buckets: 1, 2, 4, 8, then every 8 up to `max_bs`; a batch of B runs in the first bucket >= B
    (larger batches run eagerly).
 2. Static buffers of the largest bucket: per token input ids, positions, out_cache_loc (and the
    per-token input, e.g. the head's hidden); per request req_pool_indices, seq_lens (visible KV
-   length) and, for tree forwards, the [L, E] mask over the block. A step copies its B rows in (device to
-   device, no host sync) and resets the padding rows [B, bucket): request row 0 and KV slot 0, the
-   padding row and slot that no request owns, at positions 0..L-1 seeing its own L keys (a tree
-   row: only its own entry of the block), input zero. A padding row writes its K/V into slot 0 and reads slot 0 back:
-   nowhere harmful.
+   length) and, for tree forwards, the [L, E] mask over the block. A step copies its B rows in
+   (device to device, no host sync) and resets the padding rows [B, bucket): request row 0 and KV
+   slot 0, the padding row and slot that no request owns, at positions 0..L-1 seeing its own L keys
+   (a tree row: only its own entry of the block), input zero. A padding row writes its K/V into
+   slot 0 and reads slot 0 back: nowhere harmful.
 3. On CUDA, warm-up captures each bucket's forward (the attention backend must build its metadata
-   from device tensors only: `triton`, for decode and fixed-length extends) and a step replays it;
+   from device tensors only: `triton`, for decode, fixed-length extends and trees) and a step replays it;
    the outputs live in the graph's buffers and stay valid until the next replay, which the stream
    orders after every reader of this step. On CPU, or with `capture=False`, the same buffers and
    padding run eagerly: the parity tests go through this path, so the buffer discipline is tested
