@@ -14,8 +14,7 @@ from common.engine.host_copy import to_device
 def write_kv_chunk(pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list) -> None:
     """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots."""
     loc = to_device(kv_slots[token_start : token_start + k[0].shape[0]], pool.device)
-    for i, (kt, vt) in enumerate(zip(k, v)):
-        pool.write(layer_start + i, loc, to_device(kt, pool.device), to_device(vt, pool.device))
+    pool.write_layers(layer_start, loc, k, v)
 
 
 def submit_kv_chunk(
@@ -38,10 +37,7 @@ def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handof
     runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
     loc = to_device(kv_slots[: handoff.prompt_len], runner.device)
     if handoff.k is not None:
-        for layer in range(runner.config.num_layers):
-            runner.kv_pool.write(
-                layer, loc, to_device(handoff.k[layer], runner.device), to_device(handoff.v[layer], runner.device)
-            )
+        runner.kv_pool.write_layers(0, loc, handoff.k, handoff.v)
     dev_row = to_device(torch.tensor([req_pool_idx], dtype=torch.int64), fm.device)
     fm.reset_rows(dev_row)
     fm.stash_tokens(dev_row, to_device(torch.tensor([handoff.first_token], dtype=torch.int64), fm.device))

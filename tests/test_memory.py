@@ -116,3 +116,22 @@ def test_allocations_own_their_ids_and_freed_runs_come_back_whole():
     alloc.free(second)
     alloc.check_integrity()
     assert alloc.num_used == 8
+
+
+def test_kv_pool_layers_share_one_buffer_and_bulk_writes_and_gathers_match_per_layer_ones():
+    """Each layer's K/V is a view of one buffer; write_layers (a handoff chunk over several layers)
+    and gather (the prefill copy-out) equal the per-layer write and indexing they replace."""
+    g = torch.Generator().manual_seed(0)
+    bulk, single = KVPool(12, 4, 2, 3, torch.float32), KVPool(12, 4, 2, 3, torch.float32)
+    assert bulk.k[2].data_ptr() == bulk.k_all[2].data_ptr() and bulk.k[2].is_contiguous()
+    loc = torch.tensor([7, 2, 11])
+    k = [torch.randn(3, 2, 3, generator=g) for _ in range(3)]
+    v = [torch.randn(3, 2, 3, generator=g) for _ in range(3)]
+    bulk.write_layers(1, loc, k, v)  # layers 1..3
+    for i in range(3):
+        single.write(1 + i, loc, k[i], v[i])
+    assert torch.equal(bulk.k_all, single.k_all) and torch.equal(bulk.v_all, single.v_all)
+    assert bulk.k_all[0].abs().sum() == 0  # layer 0 untouched
+    gk, gv = bulk.gather(loc)
+    for layer in range(4):
+        assert torch.equal(gk[layer], bulk.k[layer][loc]) and torch.equal(gv[layer], bulk.v[layer][loc])

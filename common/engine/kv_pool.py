@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from common.engine.host_copy import to_device
+
 
 def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -39,6 +41,16 @@ class KVPool:
         self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+
+    def write_layers(self, layer_start: int, loc: torch.Tensor, k: list, v: list) -> None:
+        """write() for consecutive layers from layer_start: K and V each stacked, then one index_copy_
+        into the buffer (a handoff chunk's many small per-layer writes cost a dispatch each)."""
+        n = len(k)
+        if n == 1:
+            return self.write(layer_start, loc, k[0], v[0])
+        for whole, parts in ((self.k_all, k), (self.v_all, v)):
+            stacked = to_device(torch.stack(parts), self.device, self.dtype)  # one host-to-device copy
+            whole[layer_start : layer_start + n].index_copy_(1, loc, stacked)
 
     def gather(self, loc: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V of KV slots `loc` in every layer (copies): ([layers] of [len(loc), kv_heads, head_dim]) x 2."""
