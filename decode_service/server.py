@@ -231,7 +231,9 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 yield response
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except asyncio.CancelledError:  # the client went away (or the server stopped)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the server stopped)
+            # GeneratorExit: the cancel reached gRPC while it was sending a response this generator had
+            # yielded, so it is closed at that yield instead of cancelled at an await
             self.metrics.aborts.inc()
             raise
         finally:
