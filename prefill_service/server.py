@@ -232,7 +232,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             if sent is not None:
                 yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=sent))
             result = await answer
-        except asyncio.CancelledError:  # the caller went away (or the server stopped)
+        except (asyncio.CancelledError, GeneratorExit):  # the caller went away (closed at a yield) or we stop
             m.failures.inc()
             raise
         if call.cancelled.is_set() or isinstance(result, Exception):
