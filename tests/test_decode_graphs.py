@@ -26,29 +26,39 @@ def test_buckets_cover_every_batch_up_to_the_largest():
         assert buckets == sorted(set(buckets)) and buckets[-1] >= max_bs
 
 
+LENS = [4, 9, 1]  # committed lengths of the 3 requests in the padded-bucket tests (bucket 4)
+
+
+def _runner_with_rows(path, static: bool, spare: int, spec=None, prefill: bool = False):
+    """A runner (static buffers or eager) with 3 requests of LENS tokens and `spare` KV slots each
+    beyond them; with `prefill`, their prompt KV written. Returns (runner, table, rows)."""
+    runner = ModelRunner(
+        RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl", spec=spec or SpecArgs(),
+                   static_decode_buffers=static)
+    )  # fmt: skip
+    table, rows = runner.req_to_token_pool.req_to_token, []
+    for n in LENS:
+        rows.append(runner.req_to_token_pool.alloc())
+        runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + spare))
+    if prefill:
+        runner.forward(ForwardBatch.extend(table, rows, [0, 0, 0], [list(range(3, 3 + n)) for n in LENS]))
+    return runner, table, rows
+
+
 def test_padding_rows_write_only_the_padding_slot_and_real_rows_are_unchanged(checkpoint):
     """A batch of 3 in bucket 4: logits equal the eager forward; the padding row sits at request row 0,
     slot 0; no KV slot but 0 and the real rows' own is written."""
     path = checkpoint("qwen2")
-    eager = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl"))
-    static = ModelRunner(
-        RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl", static_decode_buffers=True)
-    )
     outs = {}
-    for name, runner in (("eager", eager), ("static", static)):
-        table = runner.req_to_token_pool.req_to_token
-        rows, lens = [], [4, 9, 1]
-        for n in lens:
-            rows.append(runner.req_to_token_pool.alloc())
-            runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 1))
-        runner.forward(ForwardBatch.extend(table, rows, [0, 0, 0], [list(range(3, 3 + n)) for n in lens]))
+    for name in ("eager", "static"):
+        runner, table, rows = _runner_with_rows(path, name == "static", 1, prefill=True)
         before = runner.kv_pool.k[0].clone()
-        fb = ForwardBatch.decode(table, torch.tensor(rows), lens, torch.tensor([11, 12, 13]))
+        fb = ForwardBatch.decode(table, torch.tensor(rows), LENS, torch.tensor([11, 12, 13]))
         logits, hidden = runner.forward(fb)
         assert logits.shape[0] == hidden.shape[0] == 3
         changed = (runner.kv_pool.k[0] != before).any(-1).any(-1).nonzero().flatten().tolist()
         outs[name] = logits, changed, fb.out_cache_loc.tolist()
-    graphs = static.decode_graphs
+    graphs = runner.decode_graphs  # the static runner (the last one)
     assert graphs.runs[4] == 1 and not graphs.graphs  # bucket 4, eagerly (CPU: nothing captured)
     assert graphs.req_pool_indices[3] == 0 and graphs.out_cache_loc[3] == 0 and graphs.seq_lens[3] == 1
     torch.testing.assert_close(outs["static"][0], outs["eager"][0], atol=1e-5, rtol=1e-5)
@@ -96,21 +106,14 @@ def test_draft_steps_through_static_buffers_equal_eager(checkpoint, heads, shape
     hidden = torch.randn(rows_in, 64, generator=torch.Generator().manual_seed(0))
     outs = {}
     for static in (False, True):
-        runner = ModelRunner(
-            RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl", spec=spec,
-                       static_decode_buffers=static)
-        )  # fmt: skip
-        table, rows, lens = runner.req_to_token_pool.req_to_token, [], [4, 9, 1]
-        for n in lens:
-            rows.append(runner.req_to_token_pool.alloc())
-            runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 4))
+        runner, table, rows = _runner_with_rows(path, static, 4, spec)
         before = runner.draft.kv_pool.k[0].clone()
         if shape == "chain":
-            fb = ForwardBatch.decode(table, torch.tensor(rows), lens, torch.tensor([11, 12, 13]))
+            fb = ForwardBatch.decode(table, torch.tensor(rows), LENS, torch.tensor([11, 12, 13]))
         else:  # node j of depth 2 sees the depth-1 node it grew from (block entry j) and itself (2 + j)
             seen = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool).expand(3, -1, -1)
             depth = torch.ones(3, 2, dtype=torch.int64)
-            fb = ForwardBatch.tree(table, torch.tensor(rows), rows, lens, torch.arange(11, 17), depth, [2, 3], seen)
+            fb = ForwardBatch.tree(table, torch.tensor(rows), rows, LENS, torch.arange(11, 17), depth, [2, 3], seen)
         out = runner.draft.forward(fb, hidden[:, : runner.config.hidden_size])
         changed = (runner.draft.kv_pool.k[0] != before).any(-1).any(-1).nonzero().flatten().tolist()
         outs[static] = out, changed, fb.out_cache_loc.tolist()
@@ -167,17 +170,9 @@ def test_a_padded_verify_equals_eager_and_writes_only_its_slots(checkpoint, head
     spec = SpecArgs("EAGLE3", heads(path, "EAGLE3"), 3, *((1, 4) if shape == "chain" else (2, 4)))
     outs = {}
     for static in (False, True):
-        runner = ModelRunner(
-            RunnerArgs(path, max_total_tokens=256, max_running_requests=6, linear_layout="mkl", spec=spec,
-                       static_decode_buffers=static)
-        )  # fmt: skip
-        table, rows, lens = runner.req_to_token_pool.req_to_token, [], [4, 9, 1]
-        for n in lens:
-            rows.append(runner.req_to_token_pool.alloc())
-            runner.req_to_token_pool.write(rows[-1], 0, runner.kv_allocator.alloc(n + 4))
-        runner.forward(ForwardBatch.extend(table, rows, [0, 0, 0], [list(range(3, 3 + n)) for n in lens]))
+        runner, table, rows = _runner_with_rows(path, static, 4, spec, prefill=True)
         before = runner.kv_pool.k[0].clone()
-        fb = _verify_batch(table, rows, lens, shape)
+        fb = _verify_batch(table, rows, LENS, shape)
         logits, features = runner.forward_features(fb)
         changed = (runner.kv_pool.k[0] != before).any(-1).any(-1).nonzero().flatten().tolist()
         outs[static] = logits, features, changed, fb.out_cache_loc.tolist()
