@@ -43,9 +43,7 @@ def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handof
     fm.stash_tokens(dev_row, to_device(torch.tensor([handoff.first_token], dtype=torch.int64), fm.device))
     if runner.draft is not None:
         if handoff.draft_k is not None:
-            runner.draft.kv_pool.write(
-                0, loc, to_device(handoff.draft_k[0], runner.device), to_device(handoff.draft_v[0], runner.device)
-            )
+            runner.draft.kv_pool.write_layers(0, loc, handoff.draft_k, handoff.draft_v)
         fm.stash_draft(
             dev_row,
             to_device(handoff.draft_topk_ids[:1], fm.device),

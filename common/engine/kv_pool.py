@@ -43,11 +43,10 @@ class KVPool:
         self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
 
     def write_layers(self, layer_start: int, loc: torch.Tensor, k: list, v: list) -> None:
-        """write() for consecutive layers from layer_start: K and V each stacked, then one index_copy_
-        into the buffer (a handoff chunk's many small per-layer writes cost a dispatch each)."""
+        """write() for consecutive layers from layer_start, from host or device tensors: K and V each
+        stacked, moved once, then one index_copy_ into the buffer (a handoff chunk's many small
+        per-layer writes cost a dispatch each, and on CUDA a copy each)."""
         n = len(k)
-        if n == 1:
-            return self.write(layer_start, loc, k[0], v[0])
         for whole, parts in ((self.k_all, k), (self.v_all, v)):
             stacked = to_device(torch.stack(parts), self.device, self.dtype)  # one host-to-device copy
             whole[layer_start : layer_start + n].index_copy_(1, loc, stacked)
