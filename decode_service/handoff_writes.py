@@ -11,15 +11,14 @@ from common.engine.handoff import Handoff
 from common.engine.host_copy import to_device
 
 
-def write_kv_chunk(pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list) -> None:
-    """Write one chunk into `pool` (the target's KV pool, or the EAGLE head's) at the request's slots."""
-    loc = to_device(kv_slots[token_start : token_start + k[0].shape[0]], pool.device)
+def write_kv_chunk(pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k, v) -> None:
+    """Write one chunk (K and V [layers, tokens, kv_heads, head_dim]) into `pool` (the target's KV
+    pool, or the EAGLE head's) at the request's slots."""
+    loc = to_device(kv_slots[token_start : token_start + k.shape[1]], pool.device)
     pool.write_layers(layer_start, loc, k, v)
 
 
-def submit_kv_chunk(
-    stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k: list, v: list, done=None
-) -> None:
+def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k, v, done=None) -> None:
     """write_kv_chunk on the stream; `done()` is called once the stream has taken the write (the
     sender's flow-control window)."""
 

@@ -40,13 +40,14 @@ class FirstTokenArrived:
 
 @dataclass
 class KvChunkArrived:
-    """K/V of tokens token_start.. for layers layer_start..; written into reserved slots."""
+    """K/V of tokens token_start.. for layers layer_start.. (each [layers, tokens, kv_heads, head_dim]);
+    written into reserved slots."""
 
     rid: str
     token_start: int
     layer_start: int
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    k: torch.Tensor
+    v: torch.Tensor
     draft: bool = False  # the EAGLE head's KV (its one layer) instead of the target's
     done: Callable[[], None] | None = None  # called once the chunk is written or dropped (flow control)
 
@@ -92,7 +93,14 @@ class Inbox:
         self.post(FirstTokenArrived(rid, token, position))
 
     def deliver_kv(
-        self, rid: str, token_start: int, layer_start: int, k: list, v: list, draft: bool = False, done=None
+        self,
+        rid: str,
+        token_start: int,
+        layer_start: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        draft: bool = False,
+        done=None,
     ) -> None:
         self.post(KvChunkArrived(rid, token_start, layer_start, k, v, draft, done))
 

@@ -39,8 +39,11 @@ from decode_service.worker_batch import BatchResult, WorkerBatch
 log = logging.getLogger(__name__)
 
 
-def _heads(tensors: list | None, heads: range) -> list | None:
-    """KV tensors [T, KV heads, D] cut to `heads` (copies: a rank's message holds only its part)."""
+def _heads(tensors, heads: range):
+    """KV cut to `heads` (copies: a rank's message holds only its part): a list of per-layer tensors
+    [T, KV heads, D], or a chunk's one tensor [layers, T, KV heads, D]."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors[:, :, heads.start : heads.stop].clone()
     return None if tensors is None else [t[:, heads.start : heads.stop].clone() for t in tensors]
 
 

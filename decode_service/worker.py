@@ -96,13 +96,13 @@ class DecodeWorker:
         kv_slots: torch.Tensor,
         token_start: int,
         layer_start: int,
-        k: list,
-        v: list,
+        k: torch.Tensor,
+        v: torch.Tensor,
         draft: bool = False,
         done: Callable[[], None] | None = None,
     ) -> None:
-        """One handed-over KV chunk into the target's pool (or with `draft` the EAGLE head's);
-        `done()` once the stream has taken it."""
+        """One handed-over KV chunk (K and V [layers, tokens, kv_heads, head_dim]) into the target's
+        pool (or with `draft` the EAGLE head's); `done()` once the stream has taken it."""
         pool = self.runner.draft.kv_pool if draft and self.runner.draft is not None else self.runner.kv_pool
         submit_kv_chunk(self.stream, pool, kv_slots, token_start, layer_start, k, v, done)
 

@@ -80,8 +80,25 @@ def write_handoff(
 
 def send_handoff(handoff: Handoff, max_bytes: int) -> Iterator[prefill_pb2.PrefillChunk]:
     """The gRPC path: the KV itself as bounded KvChunks (the head's after the target's)."""
-    for chunk in kv_chunks.split(handoff.k, handoff.v, max_bytes):
-        yield prefill_pb2.PrefillChunk(kv=chunk)
+    yield from kv_chunks.split(handoff.k, handoff.v, max_bytes)
     if handoff.draft_k is not None:
-        for chunk in kv_chunks.split(handoff.draft_k, handoff.draft_v, max_bytes, draft=True):
-            yield prefill_pb2.PrefillChunk(kv=chunk)
+        yield from kv_chunks.split(handoff.draft_k, handoff.draft_v, max_bytes, draft=True)
+
+
+class Outbox:
+    """A handoff's KV messages for a pool of worker threads, one `take` (one executor call) per
+    message. Each take builds the message after the one it returns, so the take that returns the last
+    message knows it and builds the record's draft seed too: a request's record never waits behind
+    other requests' chunks in the pool's queue, as a separate call for the end (or the seed) would."""
+
+    _UNSET = object()
+
+    def __init__(self, messages: Iterator[prefill_pb2.PrefillChunk], handoff: Handoff):
+        self._messages, self._handoff = messages, handoff
+        self._ahead = self._UNSET
+
+    def take(self) -> tuple[prefill_pb2.PrefillChunk | None, dict | None]:
+        """(the next message, or None if there was none; the draft seed once no message is left, else None)."""
+        message = next(self._messages, None) if self._ahead is self._UNSET else self._ahead
+        self._ahead = None if message is None else next(self._messages, None)
+        return message, (kv_chunks.encode_seed(self._handoff) if self._ahead is None else None)

@@ -51,7 +51,7 @@ from common.wire.servicer import add_servicer
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
-from prefill_service.kv_writer import send_handoff, write_handoff
+from prefill_service.kv_writer import Outbox, send_handoff, write_handoff
 from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler
 from prefill_service.tp_engine import TPPrefillEngine, follower_main
 
@@ -254,20 +254,22 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         else:  # the gRPC path (also the fallback for a decode side that named a destination)
             messages = send_handoff(result, max_bytes)
         loop = asyncio.get_running_loop()
+        outbox = Outbox(messages, result)
         count = 0
         nbytes = 0
+        draft_seed = None
         self.transfers_in_flight += 1
         try:
-            while True:
+            while draft_seed is None:  # the seed comes with the last message
                 try:
-                    message = await loop.run_in_executor(self._chunk_pool, next, messages, None)
+                    message, draft_seed = await loop.run_in_executor(self._chunk_pool, outbox.take)
                 except (ValueError, mooncake.TransferFailed) as e:
                     m.failures.inc()
                     m.kv_transfer_failures.inc()
                     logger.warning("KV transfer of %s failed: %s", request.request_id, e)
                     await context.abort(grpc.StatusCode.INTERNAL, f"KV transfer failed: {e}")
                 if message is None:
-                    break
+                    continue
                 if call.cancelled.is_set():
                     m.failures.inc()
                     return
@@ -288,7 +290,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     return
         finally:
             self.transfers_in_flight -= 1
-        draft_seed = await loop.run_in_executor(self._chunk_pool, kv_chunks.encode_seed, result)
         yield prefill_pb2.PrefillChunk(
             record=prefill_pb2.PrebuiltRecord(
                 prompt_len=len(result.prompt_ids),

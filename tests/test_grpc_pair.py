@@ -144,7 +144,7 @@ def test_large_handoff_is_chunked_within_the_bound(tmp_path):
             for c in stub.Prefill(prefill_pb2.PrefillRequest(request_id="x", input_ids=prompt))
             if c.WhichOneof("payload") == "kv"
         ]
-        sizes = [sum(len(t.data) for t in list(c.k) + list(c.v)) for c in chunks]
+        sizes = [len(c.k.data) + len(c.v.data) for c in chunks]
         assert sum(sizes) > 4 << 20 and len(chunks) >= 5 and max(sizes) <= bound
         ids, _ = pair.collect(pair.generate(prompt, 6, ignore_eos=True))
         assert ids == hf_greedy(path, prompt, 6)

@@ -120,7 +120,8 @@ def test_allocations_own_their_ids_and_freed_runs_come_back_whole():
 
 def test_kv_pool_layers_share_one_buffer_and_bulk_writes_and_gathers_match_per_layer_ones():
     """Each layer's K/V is a view of one buffer; write_layers (a handoff chunk over several layers)
-    and gather (the prefill copy-out) equal the per-layer write and indexing they replace."""
+    (per-layer lists, or a chunk's one [layers, tokens, heads, dim] tensor) and gather (the prefill
+    copy-out) equal the per-layer write and indexing they replace."""
     g = torch.Generator().manual_seed(0)
     bulk, single = KVPool(12, 4, 2, 3, torch.float32), KVPool(12, 4, 2, 3, torch.float32)
     assert bulk.k[2].data_ptr() == bulk.k_all[2].data_ptr() and bulk.k[2].is_contiguous()
@@ -128,7 +129,7 @@ def test_kv_pool_layers_share_one_buffer_and_bulk_writes_and_gathers_match_per_l
     k = [torch.randn(3, 2, 3, generator=g) for _ in range(3)]
     v = [torch.randn(3, 2, 3, generator=g) for _ in range(3)]
     bulk.write_layers(1, loc, k, v)  # layers 1..3
-    bulk.write_layers(0, loc[:2], [k[0][:2]], [v[0][:2]])  # one layer (the EAGLE head's pool has one)
+    bulk.write_layers(0, loc[:2], torch.stack([k[0][:2]]), torch.stack([v[0][:2]]))  # a wire chunk: one tensor
     for i in range(3):
         single.write(1 + i, loc, k[i], v[i])
     single.write(0, loc[:2], k[0][:2], v[0][:2])

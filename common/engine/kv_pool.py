@@ -42,13 +42,15 @@ class KVPool:
         self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
 
-    def write_layers(self, layer_start: int, loc: torch.Tensor, k: list, v: list) -> None:
+    def write_layers(self, layer_start: int, loc: torch.Tensor, k, v) -> None:
         """write() for consecutive layers from layer_start, from host or device tensors: K and V each
-        stacked, moved once, then one index_copy_ into the buffer (a handoff chunk's many small
-        per-layer writes cost a dispatch each, and on CUDA a copy each)."""
+        [layers, len(loc), kv_heads, head_dim] (or a list of per-layer tensors, stacked here), moved
+        once, then one index_copy_ into the buffer (a handoff chunk's many small per-layer writes cost
+        a dispatch each, and on CUDA a copy each)."""
         n = len(k)
         for whole, parts in ((self.k_all, k), (self.v_all, v)):
-            stacked = to_device(torch.stack(parts), self.device, self.dtype)  # one host-to-device copy
+            stacked = parts if isinstance(parts, torch.Tensor) else torch.stack(parts)
+            stacked = to_device(stacked, self.device, self.dtype)  # one host-to-device copy
             whole[layer_start : layer_start + n].index_copy_(1, loc, stacked)
 
     def gather(self, loc: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,7 +1,7 @@
 """Split a handoff's KV into bounded KvChunk messages, and check/assemble them on arrival.
 
-A chunk covers a token range and a layer range; its payload (K and V of those tokens and layers)
-is at most `max_bytes` unless a single (token, layer) pair is larger than that.
+A chunk covers a token range and a layer range; its payload (K and V of those tokens and layers,
+each one tensor) is at most `max_bytes` unless a single (token, layer) pair is larger than that.
 """
 
 from __future__ import annotations
@@ -40,27 +40,28 @@ def plan_by_layer(
 
 def split(
     k: list[torch.Tensor], v: list[torch.Tensor], max_bytes: int, draft: bool = False
-) -> Iterator[prefill_pb2.KvChunk]:
-    """Chunks of the target KV, or with `draft` of the EAGLE head's KV (its one layer)."""
+) -> Iterator[prefill_pb2.PrefillChunk]:
+    """The stream messages carrying the target KV, or with `draft` the EAGLE head's KV (its one
+    layer); a chunk's K (and V) is one tensor [layers, tokens, kv_heads, head_dim]. Each message is
+    filled in place: protobuf copies a submessage's bytes whenever one is assigned into another."""
     num_tokens = k[0].shape[0]
     per = 2 * k[0][:1].numel() * k[0].element_size()
     for t0, nt, l0, nl in plan(num_tokens, len(k), per, max_bytes):
-        yield prefill_pb2.KvChunk(
-            token_start=t0,
-            num_tokens=nt,
-            layer_start=l0,
-            draft=draft,
-            k=[tensor_codec.encode(k[i][t0 : t0 + nt]) for i in range(l0, l0 + nl)],
-            v=[tensor_codec.encode(v[i][t0 : t0 + nt]) for i in range(l0, l0 + nl)],
-        )
+        message = prefill_pb2.PrefillChunk()
+        chunk = message.kv
+        chunk.token_start, chunk.num_tokens, chunk.layer_start, chunk.draft = t0, nt, l0, draft
+        tensor_codec.encode_into(chunk.k, torch.stack([t[t0 : t0 + nt] for t in k[l0 : l0 + nl]]))
+        tensor_codec.encode_into(chunk.v, torch.stack([t[t0 : t0 + nt] for t in v[l0 : l0 + nl]]))
+        yield message
 
 
 def payload_bytes(chunk: prefill_pb2.KvChunk) -> int:
-    return sum(len(t.data) for t in list(chunk.k) + list(chunk.v))
+    return len(chunk.k.data) + len(chunk.v.data)
 
 
 class KvAssembler:
-    """Collects chunks into per-layer host tensors, checking bounds and coverage."""
+    """Checks chunks against the prompt's (layer, token) grid; with `store`, collects them into
+    per-layer host tensors."""
 
     def __init__(self, prompt_len: int, num_layers: int, kv_heads: int, head_dim: int, store: bool = True):
         self.prompt_len, self.num_layers, self.store = prompt_len, num_layers, store
@@ -70,27 +71,24 @@ class KvAssembler:
         self.covered = torch.zeros(num_layers, prompt_len, dtype=torch.int32)
         self.chunks = 0
 
-    def add(self, chunk: prefill_pb2.KvChunk) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Check and decode one chunk; returns its per-layer (k, v) tensors."""
+    def add(self, chunk: prefill_pb2.KvChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check and decode one chunk; returns its K and V, each [layers, tokens, kv_heads, head_dim]."""
         t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
-        if len(chunk.k) != len(chunk.v):
-            raise ValueError(f"KV chunk with {len(chunk.k)} K and {len(chunk.v)} V tensors")
-        self.cover(t0, nt, l0, len(chunk.k))
-        ks, vs = [], []
-        for i, (kt, vt) in enumerate(zip(chunk.k, chunk.v)):
-            k, v = tensor_codec.decode(kt), tensor_codec.decode(vt)
-            if tuple(k.shape) != (nt, *self.shape) or k.shape != v.shape:
-                raise ValueError(f"KV chunk tensor of shape {tuple(k.shape)}, expected {(nt, *self.shape)}")
-            ks.append(k), vs.append(v)
-            layer = l0 + i
-            if not self.store:
-                continue
-            if self.k[layer] is None:
-                self.k[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
-                self.v[layer] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
-            self.k[layer][t0 : t0 + nt] = k
-            self.v[layer][t0 : t0 + nt] = v
-        return ks, vs
+        k, v = tensor_codec.decode(chunk.k), tensor_codec.decode(chunk.v)
+        if k.dim() != 4 or tuple(k.shape[1:]) != (nt, *self.shape) or k.shape != v.shape:
+            raise ValueError(
+                f"KV chunk with K {tuple(k.shape)} and V {tuple(v.shape)}, expected [layers, {nt}, {self.shape[0]}, "
+                f"{self.shape[1]}] each"
+            )
+        self.cover(t0, nt, l0, k.shape[0])
+        if self.store:
+            for i in range(k.shape[0]):
+                if self.k[l0 + i] is None:
+                    self.k[l0 + i] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
+                    self.v[l0 + i] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
+                self.k[l0 + i][t0 : t0 + nt] = k[i]
+                self.v[l0 + i][t0 : t0 + nt] = v[i]
+        return k, v
 
     def cover(self, token_start: int, num_tokens: int, layer_start: int, num_layers: int) -> None:
         """Count one chunk (sent, or written into our slots by a transfer engine) covering this range."""

@@ -21,9 +21,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def encode(t: torch.Tensor) -> prefill_pb2.Tensor:
+    return encode_into(prefill_pb2.Tensor(), t)
+
+
+def encode_into(msg: prefill_pb2.Tensor, t: torch.Tensor) -> prefill_pb2.Tensor:
+    """Fill `msg` (a field of the message being built: building a Tensor apart and then assigning it
+    into another message copies its bytes once more)."""
     t = t.detach().contiguous().cpu()
     raw = t.view(_SAME_WIDTH_INT[t.element_size()]) if t.dtype.is_floating_point else t
-    return prefill_pb2.Tensor(dtype=dtype_name(t.dtype), shape=list(t.shape), data=raw.numpy().tobytes())
+    msg.dtype = dtype_name(t.dtype)
+    msg.shape[:] = list(t.shape)
+    msg.data = raw.numpy().tobytes()
+    return msg
 
 
 def decode(msg: prefill_pb2.Tensor) -> torch.Tensor:

@@ -107,20 +107,20 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("token_start", "num_tokens", "layer_start", "k", "v", "draft")
+    __slots__ = ("token_start", "num_tokens", "layer_start", "draft", "k", "v")
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FIELD_NUMBER: _ClassVar[int]
     token_start: int
     num_tokens: int
     layer_start: int
-    k: _containers.RepeatedCompositeFieldContainer[Tensor]
-    v: _containers.RepeatedCompositeFieldContainer[Tensor]
     draft: bool
-    def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., k: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., v: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., draft: _Optional[bool] = ...) -> None: ...
+    k: Tensor
+    v: Tensor
+    def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., draft: _Optional[bool] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class KvWritten(_message.Message):
     __slots__ = ("token_start", "num_tokens", "layer_start", "num_layers", "draft", "bytes")
