@@ -172,9 +172,11 @@ def start_pair(
     decode_flags: tuple = (),
     prefill_flags: tuple = (),
     replicas: int = 1,
+    tree: str | None = None,
 ) -> tuple[str, list[subprocess.Popen]]:
     """`replicas` prefill services and a decode service in front of them, as subprocesses on
-    loopback; (the decode address, the processes: decode first)."""
+    loopback; (the decode address, the processes: decode first). `tree`: run the services of that
+    checkout of this repo (another commit) instead of this one."""
     from common.tools.procs import free_port, wait_serving
 
     ports, dp = [free_port() for _ in range(replicas)], free_port()
@@ -188,11 +190,12 @@ def start_pair(
         "--max-total-tokens",
         str(tokens),
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"} | ({"PYTHONPATH": tree} if tree else {})
     prefills = [
         subprocess.Popen(
             [sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
             env=env,
+            cwd=tree,
             stderr=subprocess.DEVNULL,
         )
         for pp in ports
@@ -210,6 +213,7 @@ def start_pair(
             *decode_flags,
         ],
         env=env,
+        cwd=tree,
         stderr=subprocess.DEVNULL,
     )
     for pp, proc in zip(ports, prefills):
