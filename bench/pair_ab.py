@@ -70,9 +70,8 @@ def main(argv=None) -> None:
                 stop(p)
     for name, rows in results.items():
         tok_s, gap, later = (statistics.median(c) for c in zip(*rows))
-        print(
-            f"{name} ({[args.a, args.b]['AB'.index(name)]}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms"
-        )
+        tree = args.a if name == "A" else args.b
+        print(f"{name} ({tree}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms")
 
 
 if __name__ == "__main__":
