@@ -21,18 +21,8 @@ from bench import serving_bench
 
 def run(address: str, prompt: list[int], batch: int, new_tokens: int) -> tuple[float, float, float]:
     """(decode tok/s, mean first-to-second-token gap s, mean later ITL ms) of one batch."""
-    seen = {}
-
-    def keep(submitted, arrivals):
-        seen["arrivals"] = arrivals
-        return summarize(submitted, arrivals)
-
-    summarize, serving_bench.summarize = serving_bench.summarize, keep
-    try:
-        out = serving_bench.bench_pair(address, prompt, batch, new_tokens)
-    finally:
-        serving_bench.summarize = summarize
-    arrivals = seen["arrivals"]
+    submitted, arrivals = serving_bench.pair_arrivals(address, prompt, batch, new_tokens)
+    out = serving_bench.summarize(submitted, arrivals)
     gap = statistics.mean(a[1] - a[0] for a in arrivals)
     later = statistics.mean((a[-1] - a[1]) / (len(a) - 2) for a in arrivals)
     return out["tok_s"], gap, 1e3 * later

@@ -223,6 +223,13 @@ def start_pair(
 
 
 def bench_pair(address: str, prompt: list[int], batch: int, new_tokens: int) -> dict:
+    return summarize(*pair_arrivals(address, prompt, batch, new_tokens))
+
+
+def pair_arrivals(
+    address: str, prompt: list[int], batch: int, new_tokens: int
+) -> tuple[list[float], list[list[float]]]:
+    """B concurrent streaming Generate calls: (submit time of each, arrival time of each of its tokens)."""
     import grpc
     from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
     from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
@@ -256,7 +263,7 @@ def bench_pair(address: str, prompt: list[int], batch: int, new_tokens: int) -> 
     channel.close()
     if errors or any(len(a) != new_tokens for a in arrivals):
         raise RuntimeError(f"pair run failed: {errors[:1]} / token counts {[len(a) for a in arrivals][:8]}")
-    return summarize(submitted, arrivals)
+    return submitted, arrivals
 
 
 def main(argv=None) -> None:
