@@ -60,7 +60,11 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     runners = {
-        layout: ModelRunner(RunnerArgs(path, max_total_tokens=max(batches) * 128, linear_layout=layout))
+        layout: ModelRunner(
+            RunnerArgs(
+                path, max_running_requests=max(batches), max_total_tokens=max(batches) * 128, linear_layout=layout
+            )
+        )
         for layout in args.layouts.split(",")
     }
     results = {layout: [float("inf")] * len(batches) for layout in runners}

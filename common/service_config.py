@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from common.attention import BACKENDS
 from common.models.linear_tuning import CHOICES as LAYOUT_CHOICES
+from common.models.linear_tuning import GREEDY_CHOICES
 
 REQUIRED = MISSING
 
@@ -41,6 +42,12 @@ class ServiceConfig:
         "auto",
         "CPU fp32 linear layout: auto = fastest per shape and row count, timed once per host (retime: again)",
         choices=list(LAYOUT_CHOICES),
+    )
+    greedy_head: str = flag(
+        "auto",
+        "CPU fp32 greedy tokens through a bf16 lm_head pass that provably finds the fp32 argmax: "
+        "auto = where timed faster",
+        choices=list(GREEDY_CHOICES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     tp_size: int = flag(1, "tensor parallel ranks on this host: rank 0 serves, the others follow (gloo on CPU)")

@@ -21,7 +21,10 @@ def decode_step(runner, fm, batch: WorkerBatch) -> torch.Tensor:
         batch.seq_lens,
         req_pool_indices_cpu=batch.req_pool_indices_cpu,
     )
-    logits, _ = runner.forward(fb)
-    tokens = batch.sampling.sample(logits, batch.positions, runner.config.eos_token_ids)
+    if batch.sampling.argmax_only:  # the greedy head may skip the fp32 logits (common/models/greedy_head.py)
+        tokens = runner.forward_greedy(fb)
+    else:
+        logits, _ = runner.forward(fb)
+        tokens = batch.sampling.sample(logits, batch.positions, runner.config.eos_token_ids)
     fm.stash_tokens(indices, tokens)
     return tokens

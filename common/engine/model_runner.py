@@ -36,6 +36,7 @@ class RunnerArgs:
     context_length: int | None = None
     attention_backend: str = "batched"
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
+    greedy_head: str = "auto"  # CPU fp32: greedy tokens through a bf16 pass where measured faster (greedy_head.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
@@ -54,6 +55,7 @@ class RunnerArgs:
             context_length=config.context_length,
             attention_backend=config.attention_backend,
             linear_layout=config.linear_layout,
+            greedy_head=config.greedy_head,
             cuda_graph=not getattr(config, "disable_cuda_graph", True),  # a decode flag: prefill runs no decode
             cuda_graph_max_bs=getattr(config, "cuda_graph_max_bs", None),
             spec=SpecArgs(
@@ -75,9 +77,12 @@ class ModelRunner:
         self.linear_table = None
         if self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
+            head = self.model.greedy_head
             self.linear_table = intra_op.on_own_thread(
-                lambda: linear_tuning.tune_and_log(weights, args.linear_layout), threads
+                lambda: linear_tuning.tune_and_log(weights, args.linear_layout, head, args.greedy_head), threads
             )
+            if head is not None and not any(head.plan):
+                self.model.greedy_head = None  # never faster here: its bf16 copy's memory back
 
     def _build(self, args: RunnerArgs, config: ModelConfig | None) -> None:
         self.args = args
@@ -92,8 +97,10 @@ class ModelRunner:
         if args.linear_layout not in linear_tuning.CHOICES:
             raise ValueError(f"--linear-layout must be one of {linear_tuning.CHOICES}, got {args.linear_layout!r}")
         self.packs_linears = packed_linear.available(self.device, self.dtype)
+        if args.greedy_head not in linear_tuning.GREEDY_CHOICES:
+            raise ValueError(f"--greedy-head must be one of {linear_tuning.GREEDY_CHOICES}, got {args.greedy_head!r}")
         if self.packs_linears:
-            self.model.pack_for_cpu()
+            self.model.pack_for_cpu(greedy_head=args.greedy_head != "off")
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype
         )
@@ -150,6 +157,15 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(forward_batch):
             return self.decode_graphs.run(forward_batch)
         return self.forward_eager(forward_batch)
+
+    @torch.inference_mode()
+    def forward_greedy(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The greedy token of each logits row [len(logits_indices)]: what argmax(forward's logits)
+        gives, on CPU fp32 through the greedy head where it was measured faster."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(forward_batch):
+            return torch.argmax(self.decode_graphs.run(forward_batch)[0], dim=-1)
+        hidden = self.model(forward_batch, self.backend)
+        return self.model.greedy_tokens(hidden[forward_batch.logits_indices])
 
     @torch.inference_mode()
     def forward_eager(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,6 +117,11 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return not self.plain and not self.filtered
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is its logits' argmax (all greedy, no min_new_tokens mask)."""
+        return self.all_greedy and not self.holds_back
+
     def sample(self, logits: torch.Tensor, positions: list[int], eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """logits [B, V] (float32) -> token ids [B] (int64, same device); positions = output index
         of each row's token. Greedy rows take the argmax. Temperature-only rows draw by inverse CDF

@@ -126,6 +126,7 @@ class Backbone(nn.Module):
 
 class DecoderLM(nn.Module):
     tp = None  # a TPGroup once split: the embedding and lm_head hold a vocabulary shard
+    greedy_head = None  # CPU fp32: greedy tokens through a bf16 pass (common/models/greedy_head.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -158,12 +159,22 @@ class DecoderLM(nn.Module):
         """HF tensor name -> the parameter (or slice of a fused parameter) it loads into."""
         return split_fused(self, self.config)
 
-    def pack_for_cpu(self) -> None:
-        """After loading: every linear and the lm_head in the CPU fp32 layouts (common/models/packed_linear.py)."""
+    def pack_for_cpu(self, greedy_head: bool = True) -> None:
+        """After loading: every linear and the lm_head in the CPU fp32 layouts (common/models/packed_linear.py),
+        and the greedy head where the host has bf16 GEMMs (unless `greedy_head` is False, or under TP)."""
+        from common.models import greedy_head as gh
         from common.models.packed_linear import LinearWeight, pack_linears
 
         self._lm_head_cpu = LinearWeight(self.lm_head_weight)  # lm_head itself stays plain (tied: the embedding)
         pack_linears(self.model)
+        if greedy_head and self.tp is None and gh.available():
+            self.greedy_head = gh.GreedyHead(self._lm_head_cpu)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of the logits of the given rows of hidden states [R] (int64)."""
+        if self.greedy_head is not None and self.greedy_head.used_for(hidden.shape[0]):
+            return self.greedy_head.tokens(hidden)
+        return torch.argmax(self.compute_logits(hidden), dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given rows of hidden states."""

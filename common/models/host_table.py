@@ -77,6 +77,9 @@ def read(shapes, threads: int) -> dict | None:
         for _, plan in record["plans"]:
             if len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
                 raise ValueError(f"bad plan {plan}")
+        greedy = record.get("greedy_ms") or {}
+        if greedy and sorted(greedy) != ["bf16", "fp32"] or any(len(v) != len(ROW_BUCKETS) for v in greedy.values()):
+            raise ValueError(f"bad greedy head timing {greedy}")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -86,7 +89,9 @@ def read(shapes, threads: int) -> dict | None:
     return record
 
 
-def write(shapes, threads: int, plans: dict, ms: dict, chosen_ms: list[float]) -> str | None:
+def write(
+    shapes, threads: int, plans: dict, ms: dict, chosen_ms: list[float], greedy_ms: dict | None = None
+) -> str | None:
     """Store a timed table (write to a temporary file, then rename). Returns its path, None on failure."""
     k = key(shapes, threads)
     path = path_for(k)
@@ -96,6 +101,7 @@ def write(shapes, threads: int, plans: dict, ms: dict, chosen_ms: list[float]) -
         "plans": [[list(shape), list(plan)] for shape, plan in plans.items()],
         "ms": ms,
         "chosen_ms": chosen_ms,
+        "greedy_ms": greedy_ms or {},  # the greedy head's timing (linear_tuning.tune_greedy), if the model has one
     }
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

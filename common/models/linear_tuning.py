@@ -14,6 +14,9 @@
    they picked ran 13-16 tok/s against 17-20 with the best layout. `retime` times again and rewrites.
 A forced layout (`mkl`, `onednn`, `rowblock`) skips the timing. Only speed depends on the choice:
 every layout equals F.linear within fp32 rounding (tests/test_packed_linear.py).
+6. The greedy head (`common/models/greedy_head.py`), where the model has one, is timed per row bucket
+   against the fp32 lm_head plus argmax, after the layouts are set, and stored in the same table;
+   `--greedy-head on|off` forces it. With a forced layout it is timed alone, under the same lock.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import torch
 
 from common import host
 from common.models import host_table
+from common.models.greedy_head import GreedyHead
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight
 
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "retime") + LAYOUTS
+GREEDY_CHOICES = ("auto", "on", "off")
 ROUNDS = 3  # timed rounds per (shape, bucket); a round whose calls took over SLOW_S ends the timing early
 SLOW_S = 0.02
 CONTENDER = 1.3  # after the first round, only layouts within this factor of the fastest are timed again
@@ -47,6 +52,14 @@ class LayoutTable:
     chosen_ms: list[float] = field(default_factory=list)
     plans: dict[tuple[int, int, bool], tuple[str, ...]] = field(default_factory=dict)
     source: str = ""  # the host table file it was loaded from ("" when timed here)
+    greedy_ms: dict[str, list[float]] = field(default_factory=dict)  # "fp32" / "bf16" -> ms per bucket
+
+    @property
+    def greedy_plan(self) -> tuple[bool, ...]:
+        """Per row bucket: the greedy head beat the fp32 lm_head (all False when it was not timed)."""
+        if not self.greedy_ms:
+            return (False,) * len(ROW_BUCKETS)
+        return tuple(b < f for b, f in zip(self.greedy_ms["bf16"], self.greedy_ms["fp32"]))
 
     def lines(self) -> list[str]:
         if not self.ms:
@@ -57,6 +70,10 @@ class LayoutTable:
         for i, rows in enumerate(ROW_BUCKETS):
             cells = [self.ms[name][i] for name in LAYOUTS] + [self.chosen_ms[i]]
             out.append(f"  {rows:>4} " + "".join(f"{c:>10.2f}" for c in cells))
+        if self.greedy_ms:
+            out.append("  greedy token, ms: rows, fp32 lm_head + argmax, bf16 greedy head (used where faster)")
+            for i, rows in enumerate(ROW_BUCKETS):
+                out.append(f"  {rows:>4} {self.greedy_ms['fp32'][i]:>10.2f}{self.greedy_ms['bf16'][i]:>10.2f}")
         return out
 
 
@@ -116,18 +133,55 @@ def tune(weights: list[LinearWeight], mode: str = "auto", measure=measure) -> La
     return table
 
 
-def tune_and_log(weights: list[LinearWeight], mode: str) -> LayoutTable:
-    """Set every weight's plan: forced, loaded from the host's table, or timed now (and shared)."""
+def measure_greedy(head: GreedyHead, rows: int, timer=time_call) -> dict[str, float]:
+    """Seconds for the greedy tokens of `rows` random rows: fp32 lm_head + argmax, and the greedy
+    head's candidates and pick (the bound's fallback, rare on real hidden states, is not timed)."""
+    x = torch.randn(rows, head.lm_head.in_features)
+    calls = {"fp32": lambda: head.lm_head(x).argmax(dim=-1), "bf16": lambda: head.pick(x, head.candidates(x)[0])}
+    best = dict.fromkeys(calls, float("inf"))
+    for fn in calls.values():
+        fn()  # one-time set-up
+    for _ in range(ROUNDS):
+        for name, fn in calls.items():
+            best[name] = min(best[name], timer(fn))
+    return best
+
+
+def tune_greedy(head: GreedyHead, measure=measure_greedy) -> dict[str, list[float]]:
+    """ms per row bucket of each way to the greedy token (LayoutTable.greedy_ms)."""
+    ms = {"fp32": [], "bf16": []}
+    with torch.inference_mode():
+        for rows in ROW_BUCKETS:
+            for name, seconds in measure(head, rows).items():
+                ms[name].append(1e3 * seconds)
+    return ms
+
+
+def tune_and_log(
+    weights: list[LinearWeight], mode: str, greedy: GreedyHead | None = None, greedy_mode: str = "auto"
+) -> LayoutTable:
+    """Set every weight's plan (forced, loaded from the host's table, or timed now and shared), and
+    the greedy head's (forced by `greedy_mode`, else measured with the layouts)."""
+    if greedy_mode not in GREEDY_CHOICES:
+        raise ValueError(f"--greedy-head must be one of {GREEDY_CHOICES}, got {greedy_mode!r}")
     start = time.perf_counter()
     if mode in ("auto", "retime"):
         with host_table.host_wide_lock():
-            table = _load_host_table(weights) if mode == "auto" else None
+            table = _load_host_table(weights, greedy) if mode == "auto" else None
             if table is None:
                 table = tune(weights, mode)
+                if greedy is not None:
+                    table.greedy_ms = tune_greedy(greedy)
                 shapes = [w.shape_key for w in weights]
-                host_table.write(shapes, table.threads, table.plans, table.ms, table.chosen_ms)
+                host_table.write(shapes, table.threads, table.plans, table.ms, table.chosen_ms, table.greedy_ms)
     else:
         table = tune(weights, mode)
+        if greedy is not None and greedy_mode == "auto":
+            with host_table.host_wide_lock():
+                table.greedy_ms = tune_greedy(greedy)
+    if greedy is not None:
+        forced = {"on": (True,) * len(ROW_BUCKETS), "off": (False,) * len(ROW_BUCKETS)}
+        greedy.set_plan(forced.get(greedy_mode, table.greedy_plan))
     for line in table.lines():
         log.info("%s", line)
     if table.ms and not table.source:
@@ -136,11 +190,12 @@ def tune_and_log(weights: list[LinearWeight], mode: str) -> LayoutTable:
     return table
 
 
-def _load_host_table(weights: list[LinearWeight]) -> LayoutTable | None:
+def _load_host_table(weights: list[LinearWeight], greedy: GreedyHead | None) -> LayoutTable | None:
     record = host_table.read([w.shape_key for w in weights], torch.get_num_threads())
-    if record is None:
-        return None
+    if record is None or (greedy is not None and not record.get("greedy_ms")):
+        return None  # (a table timed without the greedy head: timed again, with it)
     table = LayoutTable("auto", torch.get_num_threads(), record["ms"], record["chosen_ms"])
+    table.greedy_ms = record.get("greedy_ms") or {}
     table.plans = {tuple(shape): tuple(plan) for shape, plan in record["plans"]}
     table.source = f"{record['path']}, timed {record['timed_at']}"
     for w in weights:
