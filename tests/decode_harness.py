@@ -83,9 +83,10 @@ def runners(
     attention_backend: str = "batched",
     static_decode_buffers: bool = False,
     cuda_graph: bool = False,
+    greedy_head: str = "auto",
 ):
     spec = spec or SpecArgs()
-    kw = dict(spec=spec, device=device, dtype=dtype, attention_backend=attention_backend)
+    kw = dict(spec=spec, device=device, dtype=dtype, attention_backend=attention_backend, greedy_head=greedy_head)
     prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
     decode = ModelRunner(
         RunnerArgs(

@@ -84,13 +84,16 @@ class GreedyHead:
         values, ids = torch.topk(approx, self.k, dim=1)
         first, kth = values[:, 0].float(), values[:, -1].float()
         c = 2.0**-8 / (1 - 2.0**-8)
+        margin = (first - c * first.abs()) - (kth + c * kth.abs())
+        return ids, margin > 2 * self.bound(hidden, low)  # False where anything is NaN or infinite
+
+    def bound(self, hidden: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """D per row [R]: |exact logit - the bf16 pass's logit before its output rounding| <= D."""
         low32 = low.float()
-        bound = self.weight_err * hidden.norm(dim=1) + self.low_norm * (
+        d = self.weight_err * hidden.norm(dim=1) + self.low_norm * (
             (hidden - low32).norm(dim=1) + self.gamma * low32.norm(dim=1)
         )
-        bound = bound * 1.001 + 1e-6  # the norms themselves in fp32
-        margin = (first - c * first.abs()) - (kth + c * kth.abs())
-        return ids, margin > 2 * bound  # False where anything is NaN or infinite
+        return d * 1.001 + 1e-6  # the norms themselves in fp32
 
     def pick(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The candidate with the largest fp32 logit, the lowest id among equals."""

@@ -62,14 +62,14 @@ class LayoutTable:
         return tuple(b < f for b, f in zip(self.greedy_ms["bf16"], self.greedy_ms["fp32"]))
 
     def lines(self) -> list[str]:
-        if not self.ms:
-            return [f"linear layout {self.mode} (forced) on {host.describe()}"]
-        how = f"loaded from {self.source}" if self.source else "timed now"
-        head = f"linear layouts on {host.describe()}, {self.threads} threads ({how}), ms per step for all linears:"
-        out = [head, "  rows " + "".join(f"{name:>10}" for name in (*LAYOUTS, "chosen"))]
-        for i, rows in enumerate(ROW_BUCKETS):
-            cells = [self.ms[name][i] for name in LAYOUTS] + [self.chosen_ms[i]]
-            out.append(f"  {rows:>4} " + "".join(f"{c:>10.2f}" for c in cells))
+        out = [f"linear layout {self.mode} (forced) on {host.describe()}"]
+        if self.ms:
+            how = f"loaded from {self.source}" if self.source else "timed now"
+            out = [f"linear layouts on {host.describe()}, {self.threads} threads ({how}), ms per step for all linears:"]
+            out.append("  rows " + "".join(f"{name:>10}" for name in (*LAYOUTS, "chosen")))
+            for i, rows in enumerate(ROW_BUCKETS):
+                cells = [self.ms[name][i] for name in LAYOUTS] + [self.chosen_ms[i]]
+                out.append(f"  {rows:>4} " + "".join(f"{c:>10.2f}" for c in cells))
         if self.greedy_ms:
             out.append("  greedy token, ms: rows, fp32 lm_head + argmax, bf16 greedy head (used where faster)")
             for i, rows in enumerate(ROW_BUCKETS):

@@ -1,0 +1,182 @@
+"""The greedy head (common/models/greedy_head.py): its bound holds, its tokens are the fp32 argmax
+(ties to the lowest id, the fallback where the bound cannot settle a row), its use is chosen by
+measurement (made-up timings here) or forced, and a decode with it on matches HF token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.engine.sampling import SamplingParams
+from common.models import greedy_head, host_table, linear_tuning, packed_linear
+from common.models.greedy_head import GreedyHead
+from common.models.packed_linear import ROW_BUCKETS, LinearWeight
+from tests.decode_harness import Pair
+from tests.oracle import hf_greedy
+
+pytestmark = pytest.mark.skipif(
+    not (greedy_head.available() and packed_linear.available(torch.device("cpu"), torch.float32)),
+    reason="needs oneDNN bf16 GEMMs on this CPU",
+)
+
+
+def _head(vocab=3000, hidden=64, seed=0, scale=0.2, candidates=greedy_head.CANDIDATES) -> GreedyHead:
+    g = torch.Generator().manual_seed(seed)
+    return GreedyHead(LinearWeight(torch.randn(vocab, hidden, generator=g) * scale), candidates)
+
+
+def _hidden(rows, hidden=64, seed=1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return F.rms_norm(torch.randn(rows, hidden, generator=g), (hidden,)) * 3
+
+
+def test_the_bound_covers_every_approximate_logit():
+    """D (the bound the safety test uses) is never exceeded by |bf16-pass logit - exact logit|."""
+    head, h = _head(), _hidden(64)
+    low = h.to(torch.bfloat16)
+    approx = torch.ops.mkldnn._linear_pointwise(low, head.packed, None, "none", [], "").float()
+    exact = (h.double() @ head.lm_head.weight.double().t()).float()
+    bound = head.bound(h, low)
+    err = (approx - exact).abs() - 2.0**-8 / (1 - 2.0**-8) * approx.abs()  # less the output's own rounding
+    assert (err <= bound[:, None]).all()
+    assert (err.max(dim=1).values > 0.05 * bound).all(), "the bound is not vacuous: errors reach a share of it"
+
+
+def test_the_bound_is_nearly_reached_by_a_row_along_the_weight_error():
+    """h exact in bf16 and along the rounding error of the row whose error is largest: the whole
+    error is the weight term, and it comes within a few percent of D."""
+    head = _head()
+    w = head.lm_head.weight
+    err_rows = (w.double() - w.to(torch.bfloat16).double()).norm(dim=1)
+    i = int(err_rows.argmax())
+    low = ((w[i] - w[i].to(torch.bfloat16).float()) * 1e4).to(torch.bfloat16)[None]
+    h = low.float()
+    approx = torch.ops.mkldnn._linear_pointwise(low, head.packed, None, "none", [], "").float()[0, i]
+    exact = float(w[i].double() @ h[0].double())
+    err = abs(float(approx) - exact) - 2.0**-8 / (1 - 2.0**-8) * abs(float(approx))
+    bound = float(head.bound(h, low))
+    assert 0.9 * bound < err <= bound
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_tokens_are_the_fp32_argmax(rows):
+    head, h = _head(), _hidden(rows)
+    assert torch.equal(head.tokens(h), F.linear(h, head.lm_head.weight).argmax(dim=-1))
+    assert head.fallback_rows == 0, "random rows are settled by the bound"
+
+
+def test_ties_go_to_the_lowest_id_as_argmax_does():
+    head = _head(vocab=500)
+    w = head.lm_head.weight
+    h = _hidden(4)
+    best = F.linear(h, w).argmax(dim=-1)
+    for row, b in enumerate(best.tolist()):  # a copy of each row's winner at a lower id: an exact tie
+        w[row * 7] = w[b]
+    head = GreedyHead(LinearWeight(w))
+    ref = F.linear(h, w).argmax(dim=-1)
+    assert ref.tolist() == [row * 7 for row in range(4)]
+    assert torch.equal(head.tokens(h), ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_within_bf16_noise_are_settled_in_fp32(seed):
+    """Twenty rows closer than bf16 can tell apart, and two candidates: the bf16 ranking of the twenty
+    is noise, so only the bound (which fails these rows) keeps the token the fp32 argmax."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(300, 64, generator=g) * 0.2
+    w[200:220] = w[7] + 1e-5 * torch.randn(20, 64, generator=g)
+    head = GreedyHead(LinearWeight(w), candidates=2)
+    h = w[7:8] * 40 + 0.01 * torch.randn(4, 64, generator=g)
+    ref = F.linear(h, w).argmax(dim=-1)
+    assert torch.equal(head.tokens(h), ref)
+    assert head.fallback_rows == 4
+
+
+def test_rows_the_bound_cannot_settle_take_the_fp32_lm_head():
+    """More near-equal logits than candidates: the bound fails and the row is computed in fp32;
+    a non-finite row too."""
+    w = torch.randn(400, 64) * 0.2
+    w[100:140] = w[3] + 1e-4 * torch.randn(40, 64)  # 41 rows within bf16 noise of each other
+    head = GreedyHead(LinearWeight(w), candidates=8)
+    h = _hidden(3)
+    h[0] = w[3] * 50  # row 0's winner is among the 41: the bound cannot separate 8 of them from the rest
+    h[2, 5] = float("nan")
+    ids, safe = head.candidates(h)
+    assert safe.tolist() == [False, True, False]
+    ref = F.linear(h, w).argmax(dim=-1)
+    assert torch.equal(head.tokens(h), ref) and head.fallback_rows == 2
+
+
+def test_the_plan_is_measured_or_forced(monkeypatch):
+    head = _head()
+    calls = []
+
+    def fake(h, rows):  # the greedy head wins from 8 rows on
+        calls.append(rows)
+        return {"fp32": 2.0, "bf16": 1.0 if rows >= 8 else 3.0}
+
+    ms = linear_tuning.tune_greedy(head, measure=fake)
+    assert calls == list(ROW_BUCKETS)
+    table = linear_tuning.LayoutTable("mkl", 1, greedy_ms=ms)
+    assert table.greedy_plan == tuple(r >= 8 for r in ROW_BUCKETS)
+    assert any("greedy" in line for line in table.lines())
+
+    monkeypatch.setattr(linear_tuning, "tune_greedy", lambda h: ms)
+    weights = [LinearWeight(torch.randn(16, 8))]
+    linear_tuning.tune_and_log(weights, "mkl", head, "auto")
+    assert head.plan == table.greedy_plan and not head.used_for(1) and head.used_for(8) and head.used_for(500)
+    linear_tuning.tune_and_log(weights, "mkl", head, "on")
+    assert all(head.plan)
+    linear_tuning.tune_and_log(weights, "mkl", head, "off")
+    assert not any(head.plan)
+    with pytest.raises(ValueError, match="greedy-head"):
+        linear_tuning.tune_and_log(weights, "mkl", head, "fastest")
+    seconds = linear_tuning.measure_greedy(head, 2)  # the real timer: both ways, in seconds
+    assert set(seconds) == {"fp32", "bf16"} and all(0 < s < 1 for s in seconds.values())
+
+
+def test_the_host_table_keeps_the_greedy_timing(tmp_path, monkeypatch):
+    """The greedy timing is stored with the layouts and loaded with them; a table stored without it
+    (no greedy head then) is timed again once a model has one."""
+    monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(linear_tuning, "measure", lambda ws, rows: {"mkl": 1.0, "onednn": 2.0, "rowblock": 3.0})
+    timed = []
+
+    def fake(h, rows):
+        timed.append(rows)
+        return {"fp32": 2.0, "bf16": 1.0}
+
+    monkeypatch.setattr(linear_tuning, "measure_greedy", fake)
+    monkeypatch.setattr(linear_tuning.tune_greedy, "__defaults__", (fake,))
+
+    def start(with_head: bool) -> GreedyHead | None:
+        lm_head = LinearWeight(torch.randn(3000, 64))
+        head = GreedyHead(lm_head) if with_head else None
+        table = linear_tuning.tune_and_log([lm_head], "auto", head, "auto")
+        return head, table
+
+    _, table = start(False)
+    assert not table.greedy_ms and not timed
+    head, table = start(True)
+    assert len(timed) == len(ROW_BUCKETS) and all(head.plan), "timed again: the stored table had no greedy timing"
+    head, table = start(True)
+    assert len(timed) == len(ROW_BUCKETS) and table.source and all(head.plan), "loaded, not timed"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-tied", "qwen3"])
+def test_decode_with_the_greedy_head_matches_hf(checkpoint, arch):
+    path = checkpoint(arch)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 384, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
+    pair = Pair(path, greedy_head="on")
+    try:
+        for i, p in enumerate(prompts):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        pair.wait([str(i) for i in range(len(prompts))])
+        head = pair.worker.runner.model.greedy_head
+    finally:
+        pair.close()
+    for i, p in enumerate(prompts):
+        assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
+    assert head is not None and head.fallback_rows < 4 * 15 // 2, "the bf16 pass decided most tokens"
