@@ -22,7 +22,7 @@ def decode_step(runner, fm, batch: WorkerBatch) -> torch.Tensor:
         req_pool_indices_cpu=batch.req_pool_indices_cpu,
     )
     if batch.sampling.argmax_only:  # the greedy head may skip the fp32 logits (common/models/greedy_head.py)
-        tokens = runner.forward_greedy(fb)
+        tokens, _ = runner.forward(fb, greedy=True)
     else:
         logits, _ = runner.forward(fb)
         tokens = batch.sampling.sample(logits, batch.positions, runner.config.eos_token_ids)

@@ -75,12 +75,17 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
     size, num_steps, proposed, draws = len(batch), chain.proposed.shape[1], chain.proposed, chain.draws
     verify_ids = torch.cat([chain.bonus[:, None], proposed], dim=1).flatten()
     fb = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, verify_ids, num_steps + 1)
-    logits, features = runner.forward_features(fb)  # 2. verify
-    window = torch.arange(num_steps + 1, device=indices.device).expand(size, -1)  # node j: output first + j
-    first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]
-    eos = runner.config.eos_token_ids
-    logits = batch.sampling.hold_back_stops_at(logits.view(size, num_steps + 1, -1), first, window, eos).flatten(0, 1)
-    target = logits.argmax(-1).view(size, num_steps + 1)
+    greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
+    logits, features = runner.forward_features(fb, greedy=greedy)  # 2. verify
+    if greedy:
+        target = logits.view(size, num_steps + 1)
+    else:
+        window = torch.arange(num_steps + 1, device=indices.device).expand(size, -1)  # node j: output first + j
+        first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]
+        eos = runner.config.eos_token_ids
+        held = batch.sampling.hold_back_stops_at(logits.view(size, num_steps + 1, -1), first, window, eos)
+        logits = held.flatten(0, 1)
+        target = logits.argmax(-1).view(size, num_steps + 1)
     accepted = (proposed == target[:, :num_steps]).to(torch.int64).cumprod(dim=1).sum(dim=1)  # 3.
     lanes = torch.arange(size, device=indices.device)
     if draws is not None:  # sampled lanes: their drafts, then the bonus at their accept point

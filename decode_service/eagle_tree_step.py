@@ -148,10 +148,14 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     size, m, steps = len(batch), node_tokens.shape[1], runner.draft.spec.num_steps
     device = indices.device
     fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
-    logits, features = runner.forward_features(fb)  # 3.
-    first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]  # node: output first + depth
-    held = batch.sampling.hold_back_stops_at(logits.view(size, m, -1), first, depth, runner.config.eos_token_ids)
-    target = held.argmax(-1)
+    greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
+    logits, features = runner.forward_features(fb, greedy=greedy)  # 3.
+    if greedy:
+        target = logits.view(size, m)
+    else:
+        first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]  # node: output first + depth
+        held = batch.sampling.hold_back_stops_at(logits.view(size, m, -1), first, depth, runner.config.eos_token_ids)
+        target = held.argmax(-1)
     lanes_t = torch.arange(size, device=device)
     reach = reached(node_tokens, parent, anc, target)  # 4.
     last = (reach * (depth + 1)).argmax(dim=1)

@@ -12,8 +12,10 @@ from common.engine.sampling import SamplingParams
 from common.models import greedy_head, host_table, linear_tuning, packed_linear
 from common.models.greedy_head import GreedyHead
 from common.models.packed_linear import ROW_BUCKETS, LinearWeight
-from tests.decode_harness import Pair
+from tests.decode_harness import Hooks, Pair
 from tests.oracle import hf_greedy
+from tests.test_eagle import PROMPTS, _planted, _run, _spec, heads  # noqa: F401 (fixture)
+from tests.test_eagle_tree import _tree_spec
 
 pytestmark = pytest.mark.skipif(
     not (greedy_head.available() and packed_linear.available(torch.device("cpu"), torch.float32)),
@@ -180,3 +182,25 @@ def test_decode_with_the_greedy_head_matches_hf(checkpoint, arch):
     for i, p in enumerate(prompts):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
     assert head is not None and head.fallback_rows < 4 * 15 // 2, "the bf16 pass decided most tokens"
+
+
+def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint, heads):
+    """EAGLE's verify takes the target's argmax from the greedy head too: planted chain drafts (so
+    runs of several tokens are accepted) and a random tree head, each token for token with HF."""
+    path = checkpoint("llama")
+    propose, _ = _planted(path)
+    chain = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=Hooks(propose=propose), greedy_head="on")
+    tree = Pair(path, spec=_tree_spec(heads(path, "EAGLE3"), "EAGLE3", 2, 3, 6), greedy_head="on")
+    for pair, per_request in ((chain, 4), (tree, 6)):  # verify rows per request: S + 1, or the tree's nodes
+        head, rows = pair.worker.runner.model.greedy_head, []
+        real = head.tokens
+        head.tokens = lambda h, rows=rows, real=real: rows.append(h.shape[0]) or real(h)
+        try:
+            out = _run(pair, PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+        finally:
+            pair.close()
+        for i, p in enumerate(PROMPTS):
+            assert out[str(i)] == hf_greedy(path, p, 20), f"prompt {i}"
+        assert rows and all(r % per_request == 0 for r in rows), "every verify went through the head"
+    accepted, proposed = chain.scheduler.spec_stats
+    assert accepted >= 0.8 * proposed, "the planted chains were accepted"

@@ -116,13 +116,13 @@ class ModelRunner:
         self.decode_graphs = self.verify_graphs = None
         if capture or args.static_decode_buffers:
             max_bs = args.cuda_graph_max_bs or args.max_running_requests
-            forward = lambda fb, _: self.forward_eager(fb)  # noqa: E731
+            forward = lambda fb, _: self._eager(fb, (), False)  # noqa: E731
             self.decode_graphs = DecodeGraphs(forward, self.backend, self.device, max_bs, capture)
             if self.draft is not None:
                 self.draft.use_decode_graphs(max_bs, capture)
                 tree = args.spec.eagle_topk > 1  # a tree's verify: M nodes and their mask; a chain's: S + 1 tokens
                 per_row = args.spec.num_draft_tokens if tree else args.spec.num_steps + 1
-                verify = lambda fb, _: self._features_eager(fb, self.draft.capture)  # noqa: E731
+                verify = lambda fb, _: self._eager(fb, self.draft.capture, False)  # noqa: E731
                 block = per_row if tree else None
                 self.verify_graphs = DecodeGraphs(verify, self.backend, self.device, max_bs, capture,
                                                   tokens_per_row=per_row, tree_block=block)  # fmt: skip
@@ -151,45 +151,38 @@ class ModelRunner:
         return runner
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, forward_batch: ForwardBatch, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one forward; returns (logits [len(logits_indices), V] float32, hidden [T, H]). Decode
-        forwards go through the static buffers (and captured graphs) when the runner has them."""
+        forwards go through the static buffers (and captured graphs) when the runner has them.
+        `greedy`: each logits row's argmax token [len(logits_indices)] instead of its logits (on CPU
+        fp32 the greedy head may find it without the fp32 lm_head: common/models/greedy_head.py)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(forward_batch):
-            return self.decode_graphs.run(forward_batch)
-        return self.forward_eager(forward_batch)
-
-    @torch.inference_mode()
-    def forward_greedy(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """The greedy token of each logits row [len(logits_indices)]: what argmax(forward's logits)
-        gives, on CPU fp32 through the greedy head where it was measured faster."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(forward_batch):
-            return torch.argmax(self.decode_graphs.run(forward_batch)[0], dim=-1)
-        hidden = self.model(forward_batch, self.backend)
-        return self.model.greedy_tokens(hidden[forward_batch.logits_indices])
-
-    @torch.inference_mode()
-    def forward_eager(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(forward_batch, self.backend)
-        return self.model.compute_logits(hidden[forward_batch.logits_indices]), hidden
+            logits, hidden = self.decode_graphs.run(forward_batch)
+            return (torch.argmax(logits, dim=-1) if greedy else logits), hidden
+        return self._eager(forward_batch, (), greedy)
 
     @torch.inference_mode()
     def forward_features(
-        self, forward_batch: ForwardBatch, capture: tuple[int, ...] | None = None
+        self, forward_batch: ForwardBatch, capture: tuple[int, ...] | None = None, greedy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like forward, but returns the draft head's input features for every token instead of the
         hidden: the final normed hidden (EAGLE) or the captured layers concatenated (EAGLE3). The
         layers are the draft head's unless `capture` names them (the fitting tool's data)."""
         if capture is None:
             if self.verify_graphs is not None and self.verify_graphs.can_run(forward_batch):
-                return self.verify_graphs.run(forward_batch)
+                logits, features = self.verify_graphs.run(forward_batch)
+                return (torch.argmax(logits, dim=-1) if greedy else logits), features
             capture = self.draft.capture if self.draft is not None else ()
-        return self._features_eager(forward_batch, capture)
+        return self._eager(forward_batch, capture, greedy)
 
-    def _features_eager(self, forward_batch: ForwardBatch, capture: tuple[int, ...]):
-        if not capture:
-            return self.forward(forward_batch)
-        hidden, aux = self.model(forward_batch, self.backend, capture=capture)
-        return self.model.compute_logits(hidden[forward_batch.logits_indices]), aux
+    def _eager(self, forward_batch: ForwardBatch, capture: tuple[int, ...], greedy: bool):
+        """(logits or greedy tokens of the logits rows, the hidden or the captured layers' features)."""
+        if capture:
+            hidden, features = self.model(forward_batch, self.backend, capture=capture)
+        else:
+            hidden = features = self.model(forward_batch, self.backend)
+        rows = hidden[forward_batch.logits_indices]
+        return (self.model.greedy_tokens(rows) if greedy else self.model.compute_logits(rows)), features
 
     @torch.inference_mode()
     def warmup(self, prompt_len: int = 16) -> None:
