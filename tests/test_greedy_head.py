@@ -204,3 +204,23 @@ def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint
         assert rows and all(r % per_request == 0 for r in rows), "every verify went through the head"
     accepted, proposed = chain.scheduler.spec_stats
     assert accepted >= 0.8 * proposed, "the planted chains were accepted"
+
+
+def test_the_model_routes_each_row_count_by_the_plan(checkpoint):
+    """greedy_tokens takes the head only for the row buckets its plan names, and equals argmax of
+    the fp32 logits either way; `--greedy-head off` builds no head (no bf16 copy held)."""
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+
+    path = checkpoint("qwen3")
+    model = ModelRunner(RunnerArgs(path, max_total_tokens=64, greedy_head="on")).model
+    head, calls = model.greedy_head, []
+    real = head.tokens
+    head.tokens = lambda h: calls.append(h.shape[0]) or real(h)
+    head.set_plan((True, False) + (True,) * (len(ROW_BUCKETS) - 2))
+    h = _hidden(3, hidden=model.config.hidden_size)
+    for rows in (1, 2, 3):
+        assert torch.equal(model.greedy_tokens(h[:rows]), model.compute_logits(h[:rows]).argmax(dim=-1))
+    assert calls == [1, 3], "2 rows are in the bucket the plan leaves to the fp32 lm_head"
+    assert ModelRunner(RunnerArgs(path, max_total_tokens=64, greedy_head="off")).model.greedy_head is None
+    with pytest.raises(ValueError, match="greedy-head"):
+        ModelRunner(RunnerArgs(path, max_total_tokens=64, greedy_head="fast"))
