@@ -53,8 +53,10 @@ class GreedyHead:
         self.k = min(candidates, weight.shape[0])
         low = weight.to(torch.bfloat16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(low, BATCH_HINT)
-        self.weight_err = float((weight.double() - low.double()).norm(dim=1).max())  # e
-        self.low_norm = float(low.double().norm(dim=1).max())  # b
+        self.weight_err = self.low_norm = 0.0  # e and b, in float64 a block of rows at a time
+        for w, lw in zip(weight.split(4096), low.split(4096)):
+            self.weight_err = max(self.weight_err, float((w.double() - lw.double()).norm(dim=1).max()))
+            self.low_norm = max(self.low_norm, float(lw.double().norm(dim=1).max()))
         self.gamma = 4 * weight.shape[1] * 2.0**-24
         self.plan = (False,) * len(ROW_BUCKETS)
         self.fallback_rows = 0  # rows the bound could not settle (they took the fp32 lm_head)
