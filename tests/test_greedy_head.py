@@ -185,8 +185,9 @@ def test_decode_with_the_greedy_head_matches_hf(checkpoint, arch):
 
 
 def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint, heads):
-    """EAGLE's verify takes the target's argmax from the greedy head too: planted chain drafts (so
-    runs of several tokens are accepted) and a random tree head, each token for token with HF."""
+    """EAGLE's verify takes the target's argmax from the greedy head too (and an EAGLE head without a
+    token map its drafts, through the target's lm_head): planted chain drafts (so runs of several
+    tokens are accepted) and a random tree head, each token for token with HF."""
     path = checkpoint("llama")
     propose, _ = _planted(path)
     chain = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=Hooks(propose=propose), greedy_head="on")
@@ -201,7 +202,7 @@ def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint
             pair.close()
         for i, p in enumerate(PROMPTS):
             assert out[str(i)] == hf_greedy(path, p, 20), f"prompt {i}"
-        assert rows and all(r % per_request == 0 for r in rows), "every verify went through the head"
+        assert any(r >= per_request and r % per_request == 0 for r in rows), "verifies went through the head"
     accepted, proposed = chain.scheduler.spec_stats
     assert accepted >= 0.8 * proposed, "the planted chains were accepted"
 
@@ -224,3 +225,18 @@ def test_the_model_routes_each_row_count_by_the_plan(checkpoint):
     assert ModelRunner(RunnerArgs(path, max_total_tokens=64, greedy_head="off")).model.greedy_head is None
     with pytest.raises(ValueError, match="greedy-head"):
         ModelRunner(RunnerArgs(path, max_total_tokens=64, greedy_head="fast"))
+
+
+def test_an_eagle_head_without_a_token_map_drafts_through_the_greedy_head(checkpoint, heads):
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+
+    path = checkpoint("llama")
+    runner = ModelRunner(
+        RunnerArgs(path, max_total_tokens=64, spec=_spec(heads(path, "EAGLE"), "EAGLE"), greedy_head="on")
+    )
+    head, calls = runner.model.greedy_head, []
+    real = head.tokens
+    head.tokens = lambda h: calls.append(h.shape[0]) or real(h)
+    h = _hidden(5, hidden=runner.config.hidden_size)
+    assert torch.equal(runner.draft.greedy(h), runner.draft.logits(h).argmax(dim=-1))
+    assert calls == [5]

@@ -159,6 +159,8 @@ class DraftRunner:
     @torch.inference_mode()
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's most likely next token [T] (a target id): the argmax of its logits (no softmax)."""
+        if self.config.algorithm != "EAGLE3" and self.vocab_lm_head is None:  # the target's lm_head itself
+            return self.target.model.greedy_tokens(hidden)  # (its greedy head, where it has one)
         return self.to_target_vocab(self.logits(hidden).argmax(dim=-1))
 
     @torch.inference_mode()
