@@ -123,6 +123,7 @@ def bench_inprocess(
     overlap: bool = True,
     runners: tuple | None = None,
     ignore_eos: bool = True,
+    greedy_head: str = "auto",
 ) -> dict:
     """Our decode scheduler + in-process prefill; with `spec` (SpecArgs) EAGLE is on, and `stats`
     receives (drafts accepted, drafts proposed). temperature > 0 samples (request i seeded with i).
@@ -142,6 +143,7 @@ def bench_inprocess(
         spec=spec,
         device=device,
         dtype=dtype,
+        greedy_head=greedy_head,
     )
     runners = runners or (ModelRunner(RunnerArgs(path, **args)), ModelRunner(RunnerArgs(path, **args)))
     arrivals: list[list[float]] = [[] for _ in range(batch)]
@@ -271,6 +273,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for HF, in-process and each service")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the best is reported")
     parser.add_argument("--linear-layout", default="auto", help="the services' --linear-layout (pair only)")
+    parser.add_argument("--greedy-head", default="auto", help="--greedy-head of the services and in-process runners")
     parser.add_argument("--prefill-threads", type=int, default=None, help="the prefill service's (default --threads)")
     parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
     parser.add_argument(
@@ -291,6 +294,7 @@ def main(argv=None) -> None:
     address, procs = (None, [])
     if "pair" not in skip:
         transfer = ("--disaggregation-transfer-backend", args.transfer_backend, "--linear-layout", args.linear_layout)
+        transfer += ("--greedy-head", args.greedy_head)
         address, procs = start_pair(
             args.model_path,
             args.threads,
@@ -299,6 +303,7 @@ def main(argv=None) -> None:
             decode_flags=transfer,
             prefill_flags=transfer + (("--torch-threads", str(args.prefill_threads)) if args.prefill_threads else ()),
         )
+    inprocess = functools.partial(bench_inprocess, args.model_path, greedy_head=args.greedy_head)
     try:
         for b in batches:
             if "pair" not in skip:
@@ -307,7 +312,7 @@ def main(argv=None) -> None:
                 hf = functools.partial(bench_hf, args.model_path, prompt, b, args.new_tokens)
                 for name, fn in (
                     ("hf", functools.partial(intra_op.on_own_thread, hf)),  # no OpenMP pool left on main
-                    ("inprocess", functools.partial(bench_inprocess, args.model_path, prompt, b, args.new_tokens)),
+                    ("inprocess", functools.partial(inprocess, prompt=prompt, batch=b, new_tokens=args.new_tokens)),
                     ("pair", functools.partial(bench_pair, address, prompt, b, args.new_tokens)),
                 ):
                     if name in skip:
