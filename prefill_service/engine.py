@@ -159,12 +159,13 @@ class PrefillEngine:
         `on_first_token(request, token)` hears each completed prompt's first token as soon as it is
         sampled, before its KV is copied out (and, with EAGLE, before the draft extend)."""
         spec = self.runner.draft is not None
-        finished, logits = prefill_step(
-            self.runner, self.running, self.chunk_size, self._keep_features if spec else None
+        greedy = all(w.request.params.greedy and not w.request.params.min_new_tokens for w in self.running)
+        finished, logits = prefill_step(  # greedy: the first tokens themselves (the greedy head's, on CPU)
+            self.runner, self.running, self.chunk_size, self._keep_features if spec else None, greedy=greedy
         )
         if not finished:
             return []
-        self._sample_first(finished, logits)
+        self._sample_first(finished, logits, greedy)
         if on_first_token is not None:
             for w in finished:
                 on_first_token(w.request, w.first_token)
@@ -217,14 +218,14 @@ class PrefillEngine:
             self.cache.unlock(w.node)
         self.runner.req_to_token_pool.free(w.req_pool_idx)
 
-    def _sample_first(self, done: list[_Running], logits: torch.Tensor) -> None:
-        tokens = sample(
-            logits,
-            [w.request.params for w in done],
-            [w.request.seed for w in done],
-            [w.request.first_position for w in done],
-            self.runner.config.eos_token_ids,
-        )
+    def _sample_first(self, done: list[_Running], logits: torch.Tensor, greedy: bool) -> None:
+        """The first token of each request: `logits` are already the argmax tokens when `greedy`."""
+        if greedy:
+            tokens = logits
+        else:
+            params, seeds = [w.request.params for w in done], [w.request.seed for w in done]
+            positions = [w.request.first_position for w in done]
+            tokens = sample(logits, params, seeds, positions, self.runner.config.eos_token_ids)
         for w, t in zip(done, tokens.tolist()):
             w.first_token = t
 

@@ -172,16 +172,20 @@ def test_decode_with_the_greedy_head_matches_hf(checkpoint, arch):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 384, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
     pair = Pair(path, greedy_head="on")
+    head, first = pair.worker.runner.model.greedy_head, pair.link.engine.runner.model.greedy_head
+    prefill_rows = []  # the prefill's first tokens come through its own runner's head
+    real = first.tokens
+    first.tokens = lambda h: prefill_rows.append(h.shape[0]) or real(h)
     try:
         for i, p in enumerate(prompts):
             pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
         pair.wait([str(i) for i in range(len(prompts))])
-        head = pair.worker.runner.model.greedy_head
     finally:
         pair.close()
     for i, p in enumerate(prompts):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
     assert head is not None and head.fallback_rows < 4 * 15 // 2, "the bf16 pass decided most tokens"
+    assert prefill_rows, "the first tokens came from the prefill runner's greedy head"
 
 
 def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint, heads):

@@ -45,8 +45,10 @@ def prefill_step(
     chunk_size: int,
     on_features: Callable[[list, object], None] | None = None,
     capture: tuple[int, ...] | None = None,
+    greedy: bool = False,
 ) -> tuple[list, object]:
-    """One extend forward under the budget; (requests completed in it, their last-position logits)."""
+    """One extend forward under the budget; (requests completed in it, their last-position logits,
+    or with `greedy` those logits' argmax tokens: ModelRunner.forward's greedy)."""
     plan = plan_chunk(reqs, chunk_size)
     if not plan:
         return [], None
@@ -57,7 +59,10 @@ def prefill_step(
         [start for _, start, _ in chunk],
         [ids for _, _, ids in chunk],
     )
-    logits, features = runner.forward_features(batch, capture) if on_features else runner.forward(batch)
+    if on_features:
+        logits, features = runner.forward_features(batch, capture, greedy=greedy)
+    else:
+        logits, features = runner.forward(batch, greedy=greedy)
     if on_features:
         on_features(chunk, features)
     done = []
