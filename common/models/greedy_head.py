@@ -20,7 +20,8 @@ The bound, per row h (u = 2^-8, bf16's unit roundoff; norms over the hidden dime
 - input: |sum bf16(w) (h - bf16(h))| <= b * |h - bf16(h)|, b = max over rows of |bf16(w)|;
 - fp32 accumulation of the bf16 products (exact in fp32): <= gamma * b * |bf16(h)|, gamma = 4 H 2^-24
   (the classic H * 2^-24, four times over);
-- output rounding to bf16: |a - a_fp32| <= c |a|, c = u / (1 - u).
+- output rounding to bf16: |a - a_fp32| <= c |a|, c = 2u / (1 - 2u): twice what rounding to nearest
+  gives, so a conversion that truncates is covered too.
 With D = e |h| + b (|h - bf16(h)| + gamma |bf16(h)|): the first candidate's exact logit is at least
 v1 - c|v1| - D, and any row outside the K at most vK + c|vK| + D (vK: the K-th approximate value).
 
@@ -85,7 +86,7 @@ class GreedyHead:
         approx = torch.ops.mkldnn._linear_pointwise(low, self.packed, None, "none", [], "")
         values, ids = torch.topk(approx, self.k, dim=1)
         first, kth = values[:, 0].float(), values[:, -1].float()
-        c = 2.0**-8 / (1 - 2.0**-8)
+        c = 2.0**-7 / (1 - 2.0**-7)  # the output's rounding (2u: see the module docstring)
         margin = (first - c * first.abs()) - (kth + c * kth.abs())
         return ids, margin > 2 * self.bound(hidden, low)  # False where anything is NaN or infinite
 
