@@ -98,8 +98,9 @@ def test_rows_within_bf16_noise_are_settled_in_fp32(seed):
 def test_rows_the_bound_cannot_settle_take_the_fp32_lm_head():
     """More near-equal logits than candidates: the bound fails and the row is computed in fp32;
     a non-finite row too."""
-    w = torch.randn(400, 64) * 0.2
-    w[100:140] = w[3] + 1e-4 * torch.randn(40, 64)  # 41 rows within bf16 noise of each other
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(400, 64, generator=g) * 0.2
+    w[100:140] = w[3] + 1e-4 * torch.randn(40, 64, generator=g)  # 41 rows within bf16 noise of each other
     head = GreedyHead(LinearWeight(w), candidates=8)
     h = _hidden(3)
     h[0] = w[3] * 50  # row 0's winner is among the 41: the bound cannot separate 8 of them from the rest
@@ -173,9 +174,9 @@ def test_decode_with_the_greedy_head_matches_hf(checkpoint, arch):
     prompts = [torch.randint(5, 384, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
     pair = Pair(path, greedy_head="on")
     head, first = pair.worker.runner.model.greedy_head, pair.link.engine.runner.model.greedy_head
-    prefill_rows = []  # the prefill's first tokens come through its own runner's head
-    real = first.tokens
-    first.tokens = lambda h: prefill_rows.append(h.shape[0]) or real(h)
+    decode_rows, prefill_rows = [], []  # the prefill's first tokens come through its own runner's head
+    for h, rows in ((head, decode_rows), (first, prefill_rows)):
+        h.tokens = lambda x, rows=rows, real=h.tokens: rows.append(x.shape[0]) or real(x)
     try:
         for i, p in enumerate(prompts):
             pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
@@ -186,6 +187,7 @@ def test_decode_with_the_greedy_head_matches_hf(checkpoint, arch):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
     assert head is not None and head.fallback_rows < 4 * 15 // 2, "the bf16 pass decided most tokens"
     assert prefill_rows, "the first tokens came from the prefill runner's greedy head"
+    assert sum(decode_rows) >= 4 * 15, "every decode step's tokens came from the head"
 
 
 def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint, heads):
@@ -194,9 +196,17 @@ def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint
     tokens are accepted) and a random tree head, each token for token with HF."""
     path = checkpoint("llama")
     propose, _ = _planted(path)
-    chain = Pair(path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=Hooks(propose=propose), greedy_head="on")
-    tree = Pair(path, spec=_tree_spec(heads(path, "EAGLE3"), "EAGLE3", 2, 3, 6), greedy_head="on")
-    for pair, per_request in ((chain, 4), (tree, 6)):  # verify rows per request: S + 1, or the tree's nodes
+    setups = (  # (a pair, verify rows per request: S + 1, or the tree's nodes), each built when its turn comes
+        (
+            lambda: Pair(
+                path, spec=_spec(heads(path, "EAGLE"), "EAGLE"), hooks=Hooks(propose=propose), greedy_head="on"
+            ),
+            4,
+        ),
+        (lambda: Pair(path, spec=_tree_spec(heads(path, "EAGLE3"), "EAGLE3", 2, 3, 6), greedy_head="on"), 6),
+    )
+    for make, per_request in setups:
+        pair = make()
         head, rows = pair.worker.runner.model.greedy_head, []
         real = head.tokens
         head.tokens = lambda h, rows=rows, real=real: rows.append(h.shape[0]) or real(h)
@@ -206,9 +216,11 @@ def test_eagle_chain_and_tree_verify_through_the_greedy_head_match_hf(checkpoint
             pair.close()
         for i, p in enumerate(PROMPTS):
             assert out[str(i)] == hf_greedy(path, p, 20), f"prompt {i}"
-        assert any(r >= per_request and r % per_request == 0 for r in rows), "verifies went through the head"
-    accepted, proposed = chain.scheduler.spec_stats
-    assert accepted >= 0.8 * proposed, "the planted chains were accepted"
+        verifies = [r for r in rows if r > len(PROMPTS)]  # (a head without a token map drafts B rows)
+        assert verifies and all(r % per_request == 0 for r in verifies), "verifies went through the head"
+        if per_request == 4:
+            accepted, proposed = pair.scheduler.spec_stats
+            assert accepted >= 0.8 * proposed, "the planted chains were accepted"
 
 
 def test_the_model_routes_each_row_count_by_the_plan(checkpoint):
@@ -244,3 +256,28 @@ def test_an_eagle_head_without_a_token_map_drafts_through_the_greedy_head(checkp
     h = _hidden(5, hidden=runner.config.hidden_size)
     assert torch.equal(runner.draft.greedy(h), runner.draft.logits(h).argmax(dim=-1))
     assert calls == [5]
+
+
+def test_a_head_over_the_whole_vocabulary_and_a_non_finite_lm_head():
+    """K as large as the vocabulary: nothing lies outside the candidates, so no fallback for finite
+    rows; an lm_head with a NaN gets no head at all (no bound holds for it)."""
+    head, h = _head(vocab=20, candidates=64), _hidden(3)
+    assert head.k == 20 and torch.equal(head.tokens(h), F.linear(h, head.lm_head.weight).argmax(dim=-1))
+    assert head.fallback_rows == 0
+    w = torch.randn(5000, 64)
+    w[4500, 3] = float("nan")
+    assert GreedyHead.build(LinearWeight(w)) is None
+    with pytest.raises(ValueError, match="non-finite"):
+        GreedyHead(LinearWeight(w))
+
+
+def test_a_malformed_greedy_timing_in_the_host_table_is_timed_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
+    shapes, ms = [(3000, 64, False)], {name: [1.0] * len(ROW_BUCKETS) for name in packed_linear.LAYOUTS}
+    plans = {shapes[0]: ("mkl",) * len(ROW_BUCKETS)}
+    good = {"fp32": [2.0] * len(ROW_BUCKETS), "bf16": [1.0] * len(ROW_BUCKETS)}
+    for bad in (["bf16", "fp32"], {"fp32": [None] * len(ROW_BUCKETS), "bf16": good["bf16"]}, {"fp32": [1.0]}):
+        host_table.write(shapes, 1, plans, ms, [1.0] * len(ROW_BUCKETS), bad)
+        assert host_table.read(shapes, 1) is None, bad
+    host_table.write(shapes, 1, plans, ms, [1.0] * len(ROW_BUCKETS), good)
+    assert host_table.read(shapes, 1)["greedy_ms"] == good

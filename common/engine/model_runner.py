@@ -206,7 +206,8 @@ class ModelRunner:
                     [n],
                     torch.zeros(1, dtype=torch.int64),
                     req_pool_indices_cpu=[row],
-                )
+                ),
+                greedy=self.model.greedy_head is not None,  # its oneDNN set-up too (the extend ran the lm_head)
             )
         finally:
             self.kv_allocator.free(slots)

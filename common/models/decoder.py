@@ -168,7 +168,7 @@ class DecoderLM(nn.Module):
         self._lm_head_cpu = LinearWeight(self.lm_head_weight)  # lm_head itself stays plain (tied: the embedding)
         pack_linears(self.model)
         if greedy_head and self.tp is None and gh.available():
-            self.greedy_head = gh.GreedyHead(self._lm_head_cpu)
+            self.greedy_head = gh.GreedyHead.build(self._lm_head_cpu)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax of the logits of the given rows of hidden states [R] (int64)."""

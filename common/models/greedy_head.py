@@ -32,9 +32,13 @@ fp32 lm_head and is not used.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from common.models.packed_linear import BATCH_HINT, ROW_BUCKETS, LinearWeight, bucket_index
+
+log = logging.getLogger(__name__)
 
 CANDIDATES = 32  # K: SmolLM2's decode rows needed 1-14 under the bound
 
@@ -53,14 +57,25 @@ class GreedyHead:
         weight = lm_head.weight
         self.k = min(candidates, weight.shape[0])
         low = weight.to(torch.bfloat16)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(low, BATCH_HINT)
         self.weight_err = self.low_norm = 0.0  # e and b, in float64 a block of rows at a time
         for w, lw in zip(weight.split(4096), low.split(4096)):
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError("the lm_head has non-finite weights: no bound holds")
             self.weight_err = max(self.weight_err, float((w.double() - lw.double()).norm(dim=1).max()))
             self.low_norm = max(self.low_norm, float(lw.double().norm(dim=1).max()))
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(low, BATCH_HINT)
         self.gamma = 4 * weight.shape[1] * 2.0**-24
         self.plan = (False,) * len(ROW_BUCKETS)
         self.fallback_rows = 0  # rows the bound could not settle (they took the fp32 lm_head)
+
+    @classmethod
+    def build(cls, lm_head: LinearWeight) -> GreedyHead | None:
+        """The head, or None (logged) for an lm_head it cannot bound."""
+        try:
+            return cls(lm_head)
+        except ValueError as e:
+            log.warning("no greedy head: %s", e)
+            return None
 
     def set_plan(self, plan: tuple[bool, ...]) -> None:
         if len(plan) != len(ROW_BUCKETS):
@@ -87,6 +102,8 @@ class GreedyHead:
         values, ids = torch.topk(approx, self.k, dim=1)
         first, kth = values[:, 0].float(), values[:, -1].float()
         c = 2.0**-7 / (1 - 2.0**-7)  # the output's rounding (2u: see the module docstring)
+        if self.k == approx.shape[1]:  # every row is a candidate: only non-finite rows need the fallback
+            return ids, torch.isfinite(first)
         margin = (first - c * first.abs()) - (kth + c * kth.abs())
         return ids, margin > 2 * self.bound(hidden, low)  # False where anything is NaN or infinite
 

@@ -78,7 +78,7 @@ def read(shapes, threads: int) -> dict | None:
             if len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
                 raise ValueError(f"bad plan {plan}")
         greedy = record.get("greedy_ms") or {}
-        if greedy and sorted(greedy) != ["bf16", "fp32"] or any(len(v) != len(ROW_BUCKETS) for v in greedy.values()):
+        if greedy and not _valid_greedy(greedy):
             raise ValueError(f"bad greedy head timing {greedy}")
     except FileNotFoundError:
         return None
@@ -87,6 +87,16 @@ def read(shapes, threads: int) -> dict | None:
         return None
     record["path"] = path
     return record
+
+
+def _valid_greedy(greedy) -> bool:
+    """{"bf16": [ms per bucket], "fp32": [ms per bucket]}, numbers only."""
+    return (
+        isinstance(greedy, dict)
+        and sorted(greedy) == ["bf16", "fp32"]
+        and all(isinstance(v, list) and len(v) == len(ROW_BUCKETS) for v in greedy.values())
+        and all(isinstance(x, (int, float)) for v in greedy.values() for x in v)
+    )
 
 
 def write(
