@@ -99,6 +99,15 @@ class _Metrics:
         gauge.set_function(read)
         return gauge
 
+    def watch_greedy_head(self, runner) -> None:
+        """A gauge of the greedy rows its model's greedy head could not settle (each took the fp32
+        lm_head as well: common/models/greedy_head.py); 0 while there is no head."""
+        self._gauge(
+            "greedy_head_fallback_rows",
+            "greedy rows the bf16 lm_head pass could not settle (they took the fp32 lm_head too)",
+            lambda: getattr(runner.model.greedy_head, "fallback_rows", 0),
+        )
+
     def _transfer_histograms(self) -> None:
         self.kv_transfer_latency = self._histogram(
             "kv_transfer_latency_ms", "one handoff's KV transfer: first message to record (ms)", TRANSFER_MS_BUCKETS

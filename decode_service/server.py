@@ -82,6 +82,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             open_streams=lambda: self._open,
             model_name=self.served_model_name,
         )
+        self.metrics.watch_greedy_head(self.runner)
         inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
         self.kv_receiver = None  # with mooncake: our pools registered, prefill writes KV into them
         if config.disaggregation_transfer_backend == "mooncake":

@@ -93,6 +93,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             cache_tokens=lambda: self.engine.cache.tree_size if self.engine.cache else 0,
             model_name=os.path.basename(os.path.abspath(config.model_path)),  # as decode's default name
         )
+        self.metrics.watch_greedy_head(self.runner)
         self.metrics_port: int | None = None
         self.open_calls = 0  # Prefill calls open (changed on the event loop only)
         self.transfers_in_flight = 0  # calls between their first token and their record (event loop only)

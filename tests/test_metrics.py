@@ -51,6 +51,7 @@ def test_metrics_move_with_traffic(checkpoint):
         assert d["disagg_handoff_bytes_total"] > 0 and d["disagg_open_streams"] == 0
         assert d["sglang:kv_transfer_speed_gb_s_count"] >= 3 and p["sglang:kv_transfer_speed_gb_s_count"] >= 3
         assert d["sglang:token_usage"] == 0 and d["sglang:num_running_reqs"] == 0
+        assert d["disagg_greedy_head_fallback_rows"] == p["disagg_greedy_head_fallback_rows"] == 0
         assert p["disagg_prefill_compute_seconds_count"] == 4 and p["disagg_prefill_requests_total"] >= 3
         assert p["disagg_handoff_bytes_total{backend=grpc}"] > 0 and p["disagg_handoff_transfer_seconds_count"] >= 3
         # m0..m2 share [6, 7] after their first token, which is not a prefix: no hits; "again" repeats m0
@@ -76,3 +77,23 @@ def test_services_run_without_prometheus_client_and_say_why_metrics_cannot():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "needs the prometheus-client package" in out.stdout, out.stderr
+
+
+def test_the_greedy_head_gauge_reads_the_heads_fallbacks():
+    pytest.importorskip("prometheus_client")
+    from types import SimpleNamespace
+
+    from common.metrics import DecodeMetrics
+
+    head = SimpleNamespace(fallback_rows=0)
+    runner = SimpleNamespace(model=SimpleNamespace(greedy_head=head))
+    m = DecodeMetrics(lambda: 0, lambda: 0, lambda: 0, lambda: 0, model_name="m")
+    m.watch_greedy_head(runner)
+
+    def value():
+        return m.registry.get_sample_value("disagg_greedy_head_fallback_rows", {"model_name": "m"})
+
+    head.fallback_rows = 5
+    assert value() == 5
+    runner.model.greedy_head = None  # no head (or dropped at start-up): 0
+    assert value() == 0
