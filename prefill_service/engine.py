@@ -159,7 +159,7 @@ class PrefillEngine:
         `on_first_token(request, token)` hears each completed prompt's first token as soon as it is
         sampled, before its KV is copied out (and, with EAGLE, before the draft extend)."""
         spec = self.runner.draft is not None
-        greedy = all(w.request.params.greedy and not w.request.params.min_new_tokens for w in self.running)
+        greedy = all(w.request.params.argmax_only for w in self.running)
         finished, logits = prefill_step(  # greedy: the first tokens themselves (the greedy head's, on CPU)
             self.runner, self.running, self.chunk_size, self._keep_features if spec else None, greedy=greedy
         )

@@ -157,8 +157,7 @@ class ModelRunner:
         `greedy`: each logits row's argmax token [len(logits_indices)] instead of its logits (on CPU
         fp32 the greedy head may find it without the fp32 lm_head: common/models/greedy_head.py)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(forward_batch):
-            logits, hidden = self.decode_graphs.run(forward_batch)
-            return (torch.argmax(logits, dim=-1) if greedy else logits), hidden
+            return _replayed(self.decode_graphs, forward_batch, greedy)
         return self._eager(forward_batch, (), greedy)
 
     @torch.inference_mode()
@@ -170,8 +169,7 @@ class ModelRunner:
         layers are the draft head's unless `capture` names them (the fitting tool's data)."""
         if capture is None:
             if self.verify_graphs is not None and self.verify_graphs.can_run(forward_batch):
-                logits, features = self.verify_graphs.run(forward_batch)
-                return (torch.argmax(logits, dim=-1) if greedy else logits), features
+                return _replayed(self.verify_graphs, forward_batch, greedy)
             capture = self.draft.capture if self.draft is not None else ()
         return self._eager(forward_batch, capture, greedy)
 
@@ -212,3 +210,9 @@ class ModelRunner:
         finally:
             self.kv_allocator.free(slots)
             self.req_to_token_pool.free(row)
+
+
+def _replayed(graphs: DecodeGraphs, forward_batch: ForwardBatch, greedy: bool):
+    """A static-buffer runner's (logits, hidden or features); with `greedy` the logits' argmax."""
+    logits, out = graphs.run(forward_batch)
+    return (torch.argmax(logits, dim=-1) if greedy else logits), out

@@ -54,6 +54,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def argmax_only(self) -> bool:
+        """Every token is the argmax of the logits: greedy, with no min_new_tokens mask."""
+        return self.greedy and not self.min_new_tokens
+
+    @property
     def filtered(self) -> bool:
         """top-k, top-p or min-p narrows the distribution (sampling must sort)."""
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
@@ -119,8 +124,8 @@ class SamplingBatch:
 
     @property
     def argmax_only(self) -> bool:
-        """Every row's token is its logits' argmax (all greedy, no min_new_tokens mask)."""
-        return self.all_greedy and not self.holds_back
+        """Every row's token is its logits' argmax (SamplingParams.argmax_only for all of them)."""
+        return all(p.argmax_only for p in self.params)
 
     def sample(self, logits: torch.Tensor, positions: list[int], eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """logits [B, V] (float32) -> token ids [B] (int64, same device); positions = output index
