@@ -10,8 +10,12 @@ there too; decode (Q_max = 1) and equal-length extends are plain views.
 Cost model per layer: one index_select of B * S_max KV rows each for k and v (on CPU into a scratch
 buffer reused by all layers and forwards, grown to the largest box seen), one SDPA over [B, heads,
 Q_max, S_max] (no mask in a decode without padding, else an additive mask built once per forward).
-On CPU the GQA heads are shared through `enable_gqa`; elsewhere (and on torch < 2.5) K/V are
-repeat_interleave'd, since on CUDA `enable_gqa` with a mask falls back to the math kernel.
+In a decode (Q_max = 1) the query heads that share a kv head become the query rows of one
+attention over it (`fold_group`: a view, no copy): one query block per kv head instead of one per
+head, each K/V read once. On CPU this halved SDPA's time (64 requests x 165 keys, SmolLM2's 9 heads
+over 3: 1.25 -> 0.66 ms per layer). Otherwise on CPU the GQA heads are shared through `enable_gqa`;
+elsewhere (and on torch < 2.5) K/V are repeat_interleave'd, since on CUDA `enable_gqa` with a mask
+falls back to the math kernel.
 Work and memory grow with the padded box B * Q_max * S_max, so very ragged batches waste compute
 on padding, but there is no Python loop over requests per layer.
 """
@@ -50,6 +54,16 @@ def sdpa(q, k, v, mask, scale):
     if group > 1:  # torch < 2.5, or CUDA, where enable_gqa with a mask silently takes the math kernel
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def fold_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale) -> torch.Tensor:
+    """Decode attention with the heads of each GQA group as query rows: q [B, heads, d] (one query per
+    request), k/v [B, kv_heads, S, d], mask [B, 1, 1, S] or None -> [B, heads, d]. Head h reads kv head
+    h // group (HF's repeat_kv order), so the view [B, kv_heads, group, d] lines each group up with
+    its kv head; every row sees the same keys, so one mask row serves all."""
+    batch, heads, d = q.shape
+    rows = q.view(batch, k.shape[1], heads // k.shape[1], d)
+    return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale).view(batch, heads, d)
 
 
 class BatchedBackend(AttentionBackend):
@@ -115,6 +129,8 @@ class BatchedBackend(AttentionBackend):
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        if q_max == 1 and self._flat is None:  # decode: [B, heads, d] in, the same out
+            return fold_group(q, keys, values, self._mask, scale)
         if self._flat is None:
             query = q.reshape(batch, q_max, heads, d)
         else:
