@@ -29,6 +29,10 @@ class DecodeConfig(ServiceConfig):
     cuda_graph_max_bs: int | None = flag(
         None, "largest decode batch captured as a CUDA graph (default: max_running_requests)", type=int
     )
+    enable_torch_compile: bool = flag(
+        False, "CPU: compile decode steps of small batches with torch.compile (faster steps; ~30-60 s more start-up)"
+    )
+    torch_compile_max_bs: int = flag(1, "with --enable-torch-compile: the largest decode batch compiled")
     max_queued_requests: int = flag(
         256, "Generate calls that may wait beyond max_running_requests (more: RESOURCE_EXHAUSTED)"
     )

@@ -84,9 +84,12 @@ def runners(
     static_decode_buffers: bool = False,
     cuda_graph: bool = False,
     greedy_head: str = "auto",
+    linear_layout: str = "auto",
+    torch_compile_max_bs: int = 0,
 ):
     spec = spec or SpecArgs()
     kw = dict(spec=spec, device=device, dtype=dtype, attention_backend=attention_backend, greedy_head=greedy_head)
+    kw["linear_layout"] = linear_layout
     prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
     decode = ModelRunner(
         RunnerArgs(
@@ -95,11 +98,12 @@ def runners(
             max_running_requests=decode_reqs,
             static_decode_buffers=static_decode_buffers,
             cuda_graph=cuda_graph,
+            torch_compile_max_bs=torch_compile_max_bs,
             **kw,
         )
     )
-    if cuda_graph:
-        decode.warmup()  # captures the decode graphs
+    if cuda_graph or torch_compile_max_bs:
+        decode.warmup()  # captures the decode graphs / compiles the decode steps
     return prefill, decode
 
 

@@ -18,7 +18,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
-from common.models import linear_tuning, packed_linear
+from common.models import compiled_layers, linear_tuning, packed_linear
 from common.models.config import ModelConfig, load_model_config
 from common.models.loader import load_model, resolve_dtype
 from common.parallel import tp_shard
@@ -41,6 +41,7 @@ class RunnerArgs:
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
     static_decode_buffers: bool = False  # without capture (CPU): decode through the graphs' static buffers
+    torch_compile_max_bs: int = 0  # CPU: decode batches up to this size through torch.compile (0 = off)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
 
     @classmethod
@@ -58,6 +59,7 @@ class RunnerArgs:
             greedy_head=config.greedy_head,
             cuda_graph=not getattr(config, "disable_cuda_graph", True),  # a decode flag: prefill runs no decode
             cuda_graph_max_bs=getattr(config, "cuda_graph_max_bs", None),
+            torch_compile_max_bs=config.torch_compile_max_bs if getattr(config, "enable_torch_compile", False) else 0,
             spec=SpecArgs(
                 config.speculative_algorithm,
                 config.speculative_draft_model_path,
@@ -71,7 +73,8 @@ class RunnerArgs:
 
 class ModelRunner:
     def __init__(self, args: RunnerArgs, config: ModelConfig | None = None):
-        threads = torch.get_num_threads()  # the computing thread's count: layouts are timed with it
+        threads = torch.get_num_threads()  # the computing thread's count: layouts are timed (and compiled) with it
+        self._threads = threads
         with intra_op.single_threaded():  # loading starts no OpenMP pool on this thread (intra_op.py)
             self._build(args, config)
         self.linear_table = None
@@ -101,6 +104,10 @@ class ModelRunner:
             raise ValueError(f"--greedy-head must be one of {linear_tuning.GREEDY_CHOICES}, got {args.greedy_head!r}")
         if self.packs_linears:
             self.model.pack_for_cpu(greedy_head=args.greedy_head != "off")
+        if args.torch_compile_max_bs:
+            compiled_layers.check_usable(self.device, args.attention_backend, args.tp.size)
+            max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
+            self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype
         )
@@ -190,6 +197,10 @@ class ModelRunner:
             self._warmup(prompt_len)
             for graphs, name in self._graph_sets():
                 graphs.capture_all(name)
+        compiled = self.model.compiled_layers
+        if compiled is not None:  # with the computing thread's count, which Inductor's kernels are built for
+            sizes = compiled_layers.warm_batches(compiled.max_bs)
+            intra_op.on_own_thread(lambda: compiled_layers.compile_logged(self._warm_compiled, sizes), self._threads)
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))
@@ -197,19 +208,44 @@ class ModelRunner:
         try:
             self.req_to_token_pool.write(row, 0, slots)
             self.forward(ForwardBatch.extend(self.req_to_token_pool.req_to_token, [row], [0], [[0] * n]))
+        finally:
+            self.kv_allocator.free(slots)
+            self.req_to_token_pool.free(row)
+        if self.model.compiled_layers is None:  # else warmup() compiles it, on the computing thread's count
+            self._warm_decode(1, n)
+
+    def _warm_compiled(self, batch: int) -> None:
+        """The decode forwards that compile `batch`'s graphs: equal KV lengths (no attention mask) and,
+        from 2 requests on, ragged ones (a mask)."""
+        self._warm_decode(batch)
+        if batch > 1:
+            self._warm_decode(batch, ragged=True)
+
+    def _warm_decode(self, batch: int, n: int = 16, ragged: bool = False) -> None:
+        """One decode forward of `batch` requests at KV length n + 1 (with `ragged`, every other one
+        a token shorter) on scratch slots (freed after)."""
+        n = max(1 + int(ragged), min(n, self.context_length - 1, self.kv_allocator.size // batch - 1))
+        rows, slots = [], []
+        try:
+            for _ in range(batch):
+                rows.append(self.req_to_token_pool.alloc())
+                slots.append(self.kv_allocator.alloc(n + 1))
+                self.req_to_token_pool.write(rows[-1], 0, slots[-1])
             self.forward(
                 ForwardBatch.decode(
                     self.req_to_token_pool.req_to_token,
-                    torch.tensor([row]),
-                    [n],
-                    torch.zeros(1, dtype=torch.int64),
-                    req_pool_indices_cpu=[row],
+                    torch.tensor(rows),
+                    [n - (ragged and i % 2) for i in range(batch)],
+                    torch.zeros(batch, dtype=torch.int64),
+                    req_pool_indices_cpu=rows,
                 ),
                 greedy=self.model.greedy_head is not None,  # its oneDNN set-up too (the extend ran the lm_head)
             )
         finally:
-            self.kv_allocator.free(slots)
-            self.req_to_token_pool.free(row)
+            for s in slots:
+                self.kv_allocator.free(s)
+            for r in rows:
+                self.req_to_token_pool.free(r)
 
 
 def _replayed(graphs: DecodeGraphs, forward_batch: ForwardBatch, greedy: bool):

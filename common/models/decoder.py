@@ -127,6 +127,7 @@ class Backbone(nn.Module):
 class DecoderLM(nn.Module):
     tp = None  # a TPGroup once split: the embedding and lm_head hold a vocabulary shard
     greedy_head = None  # CPU fp32: greedy tokens through a bf16 pass (common/models/greedy_head.py)
+    compiled_layers = None  # CPU, opt-in: small decode batches through torch.compile (compiled_layers.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -146,14 +147,21 @@ class DecoderLM(nn.Module):
         backend.init_forward_metadata(forward_batch)
         x = self.model.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary.cos_sin(forward_batch.positions, x.dtype)
+        if not capture:
+            compiled = self.compiled_layers
+            run = compiled if compiled is not None and compiled.used_for(forward_batch, capture) else self.run_layers
+            return self.model.norm(run(x, cos, sin, forward_batch, backend))
         captured = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, forward_batch, backend)
             if i in capture:
                 captured[i] = x
-        if capture:
-            return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
-        return self.model.norm(x)
+        return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
+
+    def run_layers(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, forward_batch, backend)
+        return x
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the parameter (or slice of a fused parameter) it loads into."""

@@ -41,8 +41,13 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def bucket_index(rows: int) -> int:
-    """Index into ROW_BUCKETS of the bucket that serves `rows` (1 -> 0, 3 -> 2, 1000 -> last)."""
-    return min(max(rows - 1, 0).bit_length(), len(ROW_BUCKETS) - 1)
+    """Index into ROW_BUCKETS of the bucket that serves `rows` (1 -> 0, 3 -> 2, 1000 -> last). Written as
+    comparisons so that torch.compile, tracing a symbolic row count, guards on the bucket's range
+    instead of specializing on the count (common/models/compiled_layers.py)."""
+    i = 0
+    while i < len(ROW_BUCKETS) - 1 and rows > ROW_BUCKETS[i]:
+        i += 1
+    return i
 
 
 class LinearWeight:
@@ -80,6 +85,8 @@ class LinearWeight:
 
     def run(self, layout: str, x2: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, out] through one layout (tuning times this)."""
+        if layout == "onednn" and torch.compiler.is_compiling():
+            layout = "mkl"  # Inductor lowers a packed oneDNN linear only for weights it froze (compiled_layers.py)
         if layout == "onednn":
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

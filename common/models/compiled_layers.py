@@ -1,0 +1,83 @@
+"""CompiledLayers: the decoder's layer stack through torch.compile for small decode batches (CPU, opt-in).
+
+At batch 1 a CPU decode step is the weights streamed once (~20 ms for SmolLM2-135M's fp32 linears
+on a 2-core Intel Xeon) plus ~7 ms of everything else: ~15 small torch ops per layer (norms, rotary,
+the KV write and gather, SDPA, SiLU) and the Python that calls them, a few microseconds each.
+torch.compile (Inductor) traces the 30 layers into one graph, fuses the elementwise and reduction
+ops into generated C++ kernels and leaves the GEMMs and SDPA as library calls: measured there,
+35.8 -> 27.6 ms per batch-1 step (`BENCHMARKS.md`).
+
+The price is start-up: tracing and compiling take ~25-60 s per row bucket on 2 cores (Inductor's
+cache on disk makes a restart on the same host faster), so it is opt-in, as in SGLang
+(`--enable-torch-compile`, `--torch-compile-max-bs`), and warm-up compiles every bucket up to the
+largest batch before the service reports SERVING. Used for decode forwards of at most `max_bs`
+requests without captured layers (EAGLE3's features) and not under tensor parallelism; every
+other forward runs eagerly. The generated kernels sum in another order than eager torch, so results
+equal eager within fp32 rounding (the parity tests run this path against HF).
+
+Inside the compiled graph a linear planned for the oneDNN-packed layout runs as `mkl` instead
+(`common/models/packed_linear.py`): Inductor lowers oneDNN's packed linear only for weights it
+froze itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from common.engine.forward_batch import ForwardBatch, ForwardMode
+
+log = logging.getLogger(__name__)
+_this_thread = threading.local()
+
+
+def check_usable(device: torch.device, attention_backend: str, tp_size: int) -> None:
+    """Refuse, at start-up, the set-ups this path has not been built or tested for."""
+    if device.type != "cpu":
+        raise ValueError("--enable-torch-compile is for CPU; on CUDA decode steps replay CUDA graphs")
+    if attention_backend not in ("batched", "torch"):
+        raise ValueError(f"--enable-torch-compile needs --attention-backend batched or torch, not {attention_backend!r}")
+    if tp_size > 1:
+        raise ValueError("--enable-torch-compile does not run under tensor parallelism (--tp-size > 1)")
+
+
+class CompiledLayers:
+    def __init__(self, run_layers, max_bs: int):
+        """`run_layers(x, cos, sin, forward_batch, backend) -> x`: the eager layer stack to compile."""
+        if max_bs < 1:
+            raise ValueError(f"torch compile needs a largest batch of at least 1, got {max_bs}")
+        self.max_bs = max_bs
+        self._fn = torch.compile(run_layers, dynamic=True)
+
+    def used_for(self, forward_batch: ForwardBatch, capture: tuple) -> bool:
+        return forward_batch.mode is ForwardMode.DECODE and forward_batch.batch_size <= self.max_bs and not capture
+
+    def __call__(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
+        if not getattr(_this_thread, "no_duck_shape", False):
+            # Sizes that happen to be equal when a graph is traced (the KV scratch and the slot list at
+            # warm-up) would otherwise be assumed equal for good, and a later step would compile again
+            # (20-40 s). torch's config overrides are per thread: set on each thread that compiles.
+            torch.fx.experimental._config.use_duck_shape = False
+            _this_thread.no_duck_shape = True
+        return self._fn(x, cos, sin, forward_batch, backend)
+
+
+def warm_batches(max_bs: int) -> list[int]:
+    """Batch sizes whose decode forward warm-up runs so each row bucket is compiled before serving:
+    one per bucket of `packed_linear.ROW_BUCKETS` up to `max_bs`, the bucket's largest size."""
+    from common.models.packed_linear import ROW_BUCKETS, bucket_index
+
+    sizes = {min(ROW_BUCKETS[bucket_index(b)], max_bs) for b in range(1, max_bs + 1)}
+    return sorted(sizes)
+
+
+def compile_logged(run_one, sizes: list[int]) -> None:
+    """Run `run_one(batch)` for each size, logging the time each compile took (the first call compiles)."""
+    for b in sizes:
+        start = time.perf_counter()
+        log.info("torch.compile: compiling the decode step for %d request(s) (once per start; ~30-60 s on 2 cores)", b)
+        run_one(b)
+        log.info("torch.compile: batch %d ready in %.1f s", b, time.perf_counter() - start)

@@ -1,0 +1,76 @@
+"""--enable-torch-compile (common/models/compiled_layers.py): small decode batches run the layer stack
+through torch.compile, token for token with HF; warm-up compiles every row bucket up to the largest
+batch, so serving compiles nothing more; larger batches and other forwards stay eager; set-ups it
+was not built for are refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.model_runner import RunnerArgs
+from common.engine.sampling import SamplingParams
+from common.models import compiled_layers
+from decode_service.config import DecodeConfig
+from prefill_service.config import PrefillConfig
+from tests.decode_harness import Pair
+from tests.oracle import hf_greedy
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("arch,layout", [("llama", "onednn"), ("qwen3", "auto")])
+def test_decode_through_torch_compile_matches_hf(checkpoint, arch, layout):
+    """Up to 2 requests decode through the compiled layers (a forced oneDNN layout runs as MKL
+    inside the graph), 3 eagerly; every answer equals HF's."""
+    path = checkpoint(arch)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 384, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    pair = Pair(path, torch_compile_max_bs=2, linear_layout=layout)
+    compiled = pair.worker.runner.model.compiled_layers
+    assert compiled.max_bs == 2
+    sizes, real = [], compiled._fn
+    compiled._fn = lambda x, *a: sizes.append(x.shape[0]) or real(x, *a)
+    graphs = _graphs_compiled()
+    try:
+        pair.submit("0", prompts[0], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        pair.wait(["0"])
+        for i, p in enumerate(prompts):
+            pair.submit(f"b{i}", p, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        pair.wait([f"b{i}" for i in range(3)])
+    finally:
+        pair.close()
+    assert pair.out.tokens["0"] == hf_greedy(path, prompts[0], 12)
+    for i, p in enumerate(prompts):
+        assert pair.out.tokens[f"b{i}"] == hf_greedy(path, p, 12), f"prompt {i}"
+    assert sizes.count(1) >= 11, "the lone request's steps ran compiled"
+    assert set(sizes) <= {1, 2}, "no batch above the largest compiled one"
+    assert _graphs_compiled() == graphs, "warm-up compiled every bucket: serving compiled nothing more"
+
+
+def test_warm_up_covers_each_row_bucket_once():
+    assert compiled_layers.warm_batches(1) == [1]
+    assert compiled_layers.warm_batches(3) == [1, 2, 3]
+    assert compiled_layers.warm_batches(8) == [1, 2, 4, 8]
+    assert compiled_layers.warm_batches(12) == [1, 2, 4, 8, 12]
+
+
+def test_unsupported_set_ups_are_refused():
+    cpu = torch.device("cpu")
+    compiled_layers.check_usable(cpu, "batched", 1)
+    for device, backend, tp in ((torch.device("cuda"), "batched", 1), (cpu, "triton", 1), (cpu, "batched", 2)):
+        with pytest.raises(ValueError, match="torch-compile"):
+            compiled_layers.check_usable(device, backend, tp)
+    with pytest.raises(ValueError, match="at least 1"):
+        compiled_layers.CompiledLayers(lambda *a: a[0], 0)
+
+
+def test_the_flags_reach_the_decode_runner_only():
+    on = DecodeConfig(model_path="m", enable_torch_compile=True, torch_compile_max_bs=4)
+    assert RunnerArgs.from_service_config(on).torch_compile_max_bs == 4
+    assert RunnerArgs.from_service_config(DecodeConfig(model_path="m")).torch_compile_max_bs == 0
+    assert RunnerArgs.from_service_config(PrefillConfig(model_path="m")).torch_compile_max_bs == 0
