@@ -2,9 +2,9 @@
 
     python -m bench.pair_ab --a ../old-checkout [--b .] [--batch 64] [--rounds 6] [--new-tokens 64]
 
-A and B are two checkouts of this repo (e.g. `git worktree add ../old-checkout <commit>`); each
-runs its own prefill and decode services (bench/serving_bench.py: `start_pair`) with the same
-flags, and the rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by
+A and B are two checkouts of this repo (e.g. `git worktree add ../old-checkout <commit>`), or one
+checkout twice with different decode flags (`--a . --b-decode-flags "--enable-torch-compile"`); each
+runs its own prefill and decode services (bench/serving_bench.py: `start_pair`), and the rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by
 10-20%) hits both alike. Per run: decode tok/s (as serving_bench), the mean wait between a request's
 first token (streamed by prefill) and its second (the first decode step after its KV landed), and
 the mean inter-token latency after that. Prints each run and the medians.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 
 from bench import serving_bench
@@ -36,6 +37,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--a-decode-flags", default="", help="extra flags of A's decode service")
+    parser.add_argument("--b-decode-flags", default="", help="extra flags of B's decode service")
     args = parser.parse_args(argv)
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (a gap and a later ITL)")
@@ -43,8 +46,13 @@ def main(argv=None) -> None:
     tokens = args.batch * (len(prompt) + args.new_tokens) + 64
     pairs, results = [], {"A": [], "B": []}
     try:
-        for tree in (args.a, args.b):
-            pairs.append(serving_bench.start_pair(path, args.threads, args.batch, tokens, tree=os.path.abspath(tree)))
+        for tree, flags in ((args.a, args.a_decode_flags), (args.b, args.b_decode_flags)):
+            decode_flags = tuple(shlex.split(flags))
+            pairs.append(
+                serving_bench.start_pair(
+                    path, args.threads, args.batch, tokens, decode_flags=decode_flags, tree=os.path.abspath(tree)
+                )
+            )
         for address, _ in pairs:
             serving_bench.bench_pair(address, prompt, args.batch, 4)  # warm-up
         for r in range(args.rounds):
@@ -60,8 +68,8 @@ def main(argv=None) -> None:
                 stop(p)
     for name, rows in results.items():
         tok_s, gap, later = (statistics.median(c) for c in zip(*rows))
-        tree = args.a if name == "A" else args.b
-        print(f"{name} ({tree}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms")
+        tree, flags = (args.a, args.a_decode_flags) if name == "A" else (args.b, args.b_decode_flags)
+        print(f"{name} ({tree} {flags}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms")
 
 
 if __name__ == "__main__":

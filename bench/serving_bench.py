@@ -219,7 +219,7 @@ def start_pair(
     )
     for pp, proc in zip(ports, prefills):
         wait_serving(f"127.0.0.1:{pp}", proc)
-    wait_serving(f"127.0.0.1:{dp}", decode)
+    wait_serving(f"127.0.0.1:{dp}", decode, timeout=600.0)  # --enable-torch-compile: ~1 min of compiling
     return f"127.0.0.1:{dp}", [decode, *prefills]
 
 
@@ -275,6 +275,12 @@ def main(argv=None) -> None:
     parser.add_argument("--linear-layout", default="auto", help="the services' --linear-layout (pair only)")
     parser.add_argument("--greedy-head", default="auto", help="--greedy-head of the services and in-process runners")
     parser.add_argument("--prefill-threads", type=int, default=None, help="the prefill service's (default --threads)")
+    parser.add_argument(
+        "--torch-compile-max-bs",
+        type=int,
+        default=0,
+        help="the pair's decode service with --enable-torch-compile up to this batch (0 = off; in-process stays eager)",
+    )
     parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
     parser.add_argument(
         "--transfer-backend", default="grpc", choices=["grpc", "mooncake"], help="the pair's KV data plane"
@@ -287,7 +293,7 @@ def main(argv=None) -> None:
     print(
         f"# {os.path.basename(args.model_path)}, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "
         f"{args.threads} torch threads, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"pair KV over {args.transfer_backend}",
+        f"pair KV over {args.transfer_backend}, pair decode torch.compile up to B={args.torch_compile_max_bs}",
         flush=True,
     )
     rows = {}
@@ -295,12 +301,15 @@ def main(argv=None) -> None:
     if "pair" not in skip:
         transfer = ("--disaggregation-transfer-backend", args.transfer_backend, "--linear-layout", args.linear_layout)
         transfer += ("--greedy-head", args.greedy_head)
+        compile_flags = ()
+        if args.torch_compile_max_bs:
+            compile_flags = ("--enable-torch-compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs))
         address, procs = start_pair(
             args.model_path,
             args.threads,
             max(batches),
             max(batches) * (len(prompt) + args.new_tokens) + 64,
-            decode_flags=transfer,
+            decode_flags=transfer + compile_flags,
             prefill_flags=transfer + (("--torch-threads", str(args.prefill_threads)) if args.prefill_threads else ()),
         )
     inprocess = functools.partial(bench_inprocess, args.model_path, greedy_head=args.greedy_head)
