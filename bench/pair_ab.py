@@ -3,9 +3,10 @@
     python -m bench.pair_ab --a ../old-checkout [--b .] [--batch 64] [--rounds 6] [--new-tokens 64]
 
 A and B are two checkouts of this repo (e.g. `git worktree add ../old-checkout <commit>`), or one
-checkout twice with different decode flags (`--a . --b-decode-flags "--enable-torch-compile"`); each
-runs its own prefill and decode services (bench/serving_bench.py: `start_pair`), and the rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by
-10-20%) hits both alike. Per run: decode tok/s (as serving_bench), the mean wait between a request's
+checkout twice with different decode flags (`--a . --b-decode-flags="--enable-torch-compile"`).
+Each runs its own prefill and decode services (bench/serving_bench.py: `start_pair`), and the
+rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by 10-20%)
+hits both alike. Per run: decode tok/s (as serving_bench), the mean wait between a request's
 first token (streamed by prefill) and its second (the first decode step after its KV landed), and
 the mean inter-token latency after that. Prints each run and the medians.
 """

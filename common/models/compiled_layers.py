@@ -39,7 +39,9 @@ def check_usable(device: torch.device, attention_backend: str, tp_size: int) -> 
     if device.type != "cpu":
         raise ValueError("--enable-torch-compile is for CPU; on CUDA decode steps replay CUDA graphs")
     if attention_backend not in ("batched", "torch"):
-        raise ValueError(f"--enable-torch-compile needs --attention-backend batched or torch, not {attention_backend!r}")
+        raise ValueError(
+            f"--enable-torch-compile needs --attention-backend batched or torch, not {attention_backend!r}"
+        )
     if tp_size > 1:
         raise ValueError("--enable-torch-compile does not run under tensor parallelism (--tp-size > 1)")
 
