@@ -5,12 +5,16 @@ was not built for are refused at start-up."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
+from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.models import compiled_layers
+from common.models.packed_linear import bucket_index
 from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
 from tests.decode_harness import Pair
@@ -24,9 +28,10 @@ def _graphs_compiled() -> int:
 
 
 @pytest.mark.parametrize("arch,layout", [("llama", "onednn"), ("qwen3", "auto")])
-def test_decode_through_torch_compile_matches_hf(checkpoint, arch, layout):
+def test_decode_through_torch_compile_matches_hf(checkpoint, arch, layout, monkeypatch):
     """Up to 2 requests decode through the compiled layers (a forced oneDNN layout runs as MKL
     inside the graph), 3 eagerly; every answer equals HF's."""
+    monkeypatch.setattr(compiled_layers, "KEEP_SLOWER", True)  # tiny models: the timing may go either way
     path = checkpoint(arch)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(5, 384, (n,), generator=g).tolist() for n in (3, 17, 9)]
@@ -50,6 +55,31 @@ def test_decode_through_torch_compile_matches_hf(checkpoint, arch, layout):
     assert sizes.count(1) >= 11, "the lone request's steps ran compiled"
     assert set(sizes) <= {1, 2}, "no batch above the largest compiled one"
     assert _graphs_compiled() == graphs, "warm-up compiled every bucket: serving compiled nothing more"
+
+
+def test_each_bucket_keeps_its_graph_only_where_timed_faster():
+    """Made-up timings: compiled is faster at 1 request and slower at 2-4, so only bucket 0 stays."""
+    compiled = compiled_layers.CompiledLayers(lambda *a: a[0], 4)
+    assert compiled.buckets == {0, 1, 2}
+    clock, compiles = [0.0], []
+
+    def time_one(batch):  # a forward costs 10 ms eager; compiled 8 ms at 1 request, 12 ms above
+        on = bucket_index(batch) in compiled.buckets
+        clock[0] += 0.010 if not on else (0.008 if batch == 1 else 0.012)
+
+    with patch.object(compiled_layers.time, "perf_counter", lambda: clock[0]):
+        compiled_layers.compile_and_time(compiled, compiles.append, time_one)
+    assert compiles == [1, 2, 4]
+    assert compiled.buckets == {0}
+    assert compiled.timings[1] == pytest.approx((10.0, 8.0)) and compiled.timings[4] == pytest.approx((10.0, 12.0))
+    assert compiled.used_for(_decode(1), ()) and not compiled.used_for(_decode(2), ())
+    assert not compiled.used_for(_decode(1), (1,)), "captured layers (EAGLE3) run eagerly"
+
+
+def _decode(batch: int) -> ForwardBatch:
+    table, rows = torch.zeros(8, 8, dtype=torch.int32), list(range(batch))
+    return ForwardBatch.decode(table, torch.tensor(rows), [1] * batch, torch.zeros(batch, dtype=torch.int64),
+                               req_pool_indices_cpu=rows)  # fmt: skip
 
 
 def test_warm_up_covers_each_row_bucket_once():

@@ -199,8 +199,10 @@ class ModelRunner:
                 graphs.capture_all(name)
         compiled = self.model.compiled_layers
         if compiled is not None:  # with the computing thread's count, which Inductor's kernels are built for
-            sizes = compiled_layers.warm_batches(compiled.max_bs)
-            intra_op.on_own_thread(lambda: compiled_layers.compile_logged(self._warm_compiled, sizes), self._threads)
+            intra_op.on_own_thread(
+                lambda: compiled_layers.compile_and_time(compiled, self._warm_compiled, self._warm_decode),
+                self._threads,
+            )
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))

@@ -23,15 +23,18 @@ froze itself.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 
 import torch
 
 from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.models.packed_linear import ROW_BUCKETS, bucket_index
 
 log = logging.getLogger(__name__)
 _this_thread = threading.local()
+KEEP_SLOWER = False  # tests: keep every compiled bucket, so parity runs through it whatever the timing
 
 
 def check_usable(device: torch.device, attention_backend: str, tp_size: int) -> None:
@@ -52,10 +55,18 @@ class CompiledLayers:
         if max_bs < 1:
             raise ValueError(f"torch compile needs a largest batch of at least 1, got {max_bs}")
         self.max_bs = max_bs
+        self.buckets = {bucket_index(b) for b in range(1, max_bs + 1)}  # the row buckets run compiled
+        self.timings: dict[int, tuple[float, float]] = {}  # batch -> (eager ms, compiled ms) at warm-up
         self._fn = torch.compile(run_layers, dynamic=True)
 
     def used_for(self, forward_batch: ForwardBatch, capture: tuple) -> bool:
-        return forward_batch.mode is ForwardMode.DECODE and forward_batch.batch_size <= self.max_bs and not capture
+        b = forward_batch.batch_size
+        return (
+            forward_batch.mode is ForwardMode.DECODE
+            and b <= self.max_bs
+            and bucket_index(b) in self.buckets
+            and not capture
+        )
 
     def __call__(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
         if not getattr(_this_thread, "no_duck_shape", False):
@@ -70,16 +81,35 @@ class CompiledLayers:
 def warm_batches(max_bs: int) -> list[int]:
     """Batch sizes whose decode forward warm-up runs so each row bucket is compiled before serving:
     one per bucket of `packed_linear.ROW_BUCKETS` up to `max_bs`, the bucket's largest size."""
-    from common.models.packed_linear import ROW_BUCKETS, bucket_index
-
     sizes = {min(ROW_BUCKETS[bucket_index(b)], max_bs) for b in range(1, max_bs + 1)}
     return sorted(sizes)
 
 
-def compile_logged(run_one, sizes: list[int]) -> None:
-    """Run `run_one(batch)` for each size, logging the time each compile took (the first call compiles)."""
-    for b in sizes:
+def compile_and_time(compiled: CompiledLayers, compile_one, time_one, rounds: int = 5) -> None:
+    """For each warm-up batch size: `compile_one(batch)` (its first compiled calls compile), then
+    `time_one(batch)` eagerly and compiled, interleaved `rounds` times; a bucket keeps its compiled
+    graph only where the median was faster (a host where the layouts that compiled graphs cannot
+    use win by more than the fusion gains runs that bucket eagerly). Logged."""
+    for b in warm_batches(compiled.max_bs):
         start = time.perf_counter()
         log.info("torch.compile: compiling the decode step for %d request(s) (once per start; ~30-60 s on 2 cores)", b)
-        run_one(b)
-        log.info("torch.compile: batch %d ready in %.1f s", b, time.perf_counter() - start)
+        compile_one(b)
+        bucket, times = bucket_index(b), {True: [], False: []}
+        for _ in range(rounds):
+            for on in (False, True):
+                (compiled.buckets.add if on else compiled.buckets.discard)(bucket)
+                t = time.perf_counter()
+                time_one(b)
+                times[on].append(1e3 * (time.perf_counter() - t))
+        eager, fast = statistics.median(times[False]), statistics.median(times[True])
+        compiled.timings[b] = (eager, fast)
+        if fast >= eager and not KEEP_SLOWER:
+            compiled.buckets.discard(bucket)
+        log.info(
+            "torch.compile: %d request(s) compiled in %.1f s; a decode forward %.1f ms eager, %.1f ms compiled: %s",
+            b,
+            time.perf_counter() - start,
+            eager,
+            fast,
+            "compiled" if bucket in compiled.buckets else "eager (not faster here)",
+        )
