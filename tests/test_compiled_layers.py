@@ -83,6 +83,16 @@ def _decode(batch: int) -> ForwardBatch:
                                req_pool_indices_cpu=rows)  # fmt: skip
 
 
+def test_a_failed_compile_stops_the_start_with_a_clear_error():
+    compiled = compiled_layers.CompiledLayers(lambda *a: a[0], 1)
+
+    def compile_one(batch):
+        raise OSError("no C++ compiler found")
+
+    with pytest.raises(RuntimeError, match="enable-torch-compile.*no C.. compiler found.*without the flag"):
+        compiled_layers.compile_and_time(compiled, compile_one, lambda b: None)
+
+
 def test_warm_up_covers_each_row_bucket_once():
     assert compiled_layers.warm_batches(1) == [1]
     assert compiled_layers.warm_batches(3) == [1, 2, 3]

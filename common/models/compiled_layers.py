@@ -98,7 +98,14 @@ def compile_and_time(compiled: CompiledLayers, compile_one, time_one, rounds: in
     for b in warm_batches(compiled.max_bs):
         start = time.perf_counter()
         log.info("torch.compile: compiling the decode step for %d request(s) (once per start; ~30-60 s on 2 cores)", b)
-        compile_one(b)
+        try:
+            compile_one(b)
+        except Exception as e:  # the service fails to start, saying why (Inductor on CPU needs g++)
+            raise RuntimeError(
+                f"--enable-torch-compile: compiling the decode step for {b} request(s) failed "
+                f"({type(e).__name__}: {str(e)[:300]}); Inductor needs a C++ compiler on CPU; "
+                "start without the flag to run eagerly"
+            ) from e
         bucket, times = bucket_index(b), {True: [], False: []}
         for _ in range(rounds):
             for on in (False, True):
