@@ -219,7 +219,7 @@ def start_pair(
     )
     for pp, proc in zip(ports, prefills):
         wait_serving(f"127.0.0.1:{pp}", proc)
-    wait_serving(f"127.0.0.1:{dp}", decode, timeout=600.0)  # --enable-torch-compile: ~1 min of compiling
+    wait_serving(f"127.0.0.1:{dp}", decode, timeout=600.0)  # --enable-torch-compile: minutes of compiling
     return f"127.0.0.1:{dp}", [decode, *prefills]
 
 
@@ -293,7 +293,8 @@ def main(argv=None) -> None:
     print(
         f"# {os.path.basename(args.model_path)}, prompt {len(prompt)} tokens, {args.new_tokens} new tokens, "
         f"{args.threads} torch threads, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"pair KV over {args.transfer_backend}, pair decode torch.compile up to B={args.torch_compile_max_bs}",
+        f"pair KV over {args.transfer_backend}"
+        + (f", pair decode torch.compile up to B={args.torch_compile_max_bs}" if args.torch_compile_max_bs else ""),
         flush=True,
     )
     rows = {}

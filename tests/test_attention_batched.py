@@ -147,3 +147,17 @@ def test_model_logits_match_reference_backend(checkpoint, variant):
     assert [t.shape for t in out] == [t.shape for t in ref]
     for step, (a, b) in enumerate(zip(out, ref)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"forward {step}: {m}")
+
+
+def test_the_decode_fold_takes_an_sdpa_output_of_any_strides(monkeypatch):
+    """CUDA's SDPA kernels may return [B, kv_heads, group, d] transposed in memory; the fold reshapes."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((3, 9, 8), (3, 3, 5, 8), (3, 3, 5, 8)))
+    want = batched.fold_group(q, k, v, None, 0.3)
+    real = batched.F.scaled_dot_product_attention
+
+    def transposed(*args, **kwargs):  # the same values, laid out [B, group, kv_heads, d] in memory
+        return real(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(batched.F, "scaled_dot_product_attention", transposed)
+    assert torch.equal(batched.fold_group(q, k, v, None, 0.3), want)

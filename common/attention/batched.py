@@ -63,7 +63,8 @@ def fold_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale) -
     its kv head; every row sees the same keys, so one mask row serves all."""
     batch, heads, d = q.shape
     rows = q.view(batch, k.shape[1], heads // k.shape[1], d)
-    return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale).view(batch, heads, d)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, d)  # a view where SDPA's output is contiguous (CPU); CUDA's may not be
 
 
 class BatchedBackend(AttentionBackend):

@@ -105,7 +105,7 @@ class ModelRunner:
         if self.packs_linears:
             self.model.pack_for_cpu(greedy_head=args.greedy_head != "off")
         if args.torch_compile_max_bs:
-            compiled_layers.check_usable(self.device, args.attention_backend, args.tp.size)
+            compiled_layers.check_usable(self.device, args.attention_backend, args.tp.size, args.static_decode_buffers)
             max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
             self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
         num_slots = args.max_total_tokens or slots_for_budget(
@@ -192,7 +192,9 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, prompt_len: int = 16) -> None:
         """One extend and one decode forward on scratch slots (freed after), so the first real request
-        does not pay one-time kernel and allocator set-up. Run before a service reports SERVING."""
+        does not pay one-time kernel and allocator set-up; captures the CUDA graphs, and with
+        --enable-torch-compile compiles and times each compiled bucket. Run before a service reports
+        SERVING."""
         with intra_op.single_threaded():
             self._warmup(prompt_len)
             for graphs, name in self._graph_sets():
@@ -206,8 +208,10 @@ class ModelRunner:
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))
-        row, slots = self.req_to_token_pool.alloc(), self.kv_allocator.alloc(n + 1)
+        row = self.req_to_token_pool.alloc()
+        slots = []
         try:
+            slots = self.kv_allocator.alloc(n + 1)
             self.req_to_token_pool.write(row, 0, slots)
             self.forward(ForwardBatch.extend(self.req_to_token_pool.req_to_token, [row], [0], [[0] * n]))
         finally:

@@ -38,40 +38,40 @@ from common.models.packed_linear import ROW_BUCKETS, bucket_index
 
 log = logging.getLogger(__name__)
 _this_thread = threading.local()
+COMPILE_TIME = "20-70 s for 1 request on 2 cores, 2-2.5 min for each larger bucket"
 MIN_GAIN = 0.02  # a bucket stays compiled only if warm-up timed it at least this much faster (noise)
 KEEP_SLOWER = False  # tests: keep every compiled bucket, so parity runs through it whatever the timing
 
 
-def check_usable(device: torch.device, attention_backend: str, tp_size: int) -> None:
+MAX_BS = 8  # graphs: 1 for one request, 2 per larger bucket; Dynamo's recompile limit (8) caps them
+
+
+def check_usable(device: torch.device, attention_backend: str, tp_size: int, static_buffers: bool) -> None:
     """Refuse, at start-up, the set-ups this path has not been built or tested for."""
     if device.type != "cpu":
         raise ValueError("--enable-torch-compile is for CPU; on CUDA decode steps replay CUDA graphs")
-    if attention_backend not in ("batched", "torch"):
-        raise ValueError(
-            f"--enable-torch-compile needs --attention-backend batched or torch, not {attention_backend!r}"
-        )
+    if attention_backend != "batched":  # the reference backend loops over requests: a graph per batch size
+        raise ValueError(f"--enable-torch-compile needs --attention-backend batched, not {attention_backend!r}")
     if tp_size > 1:
         raise ValueError("--enable-torch-compile does not run under tensor parallelism (--tp-size > 1)")
+    if static_buffers:
+        raise ValueError("--enable-torch-compile does not run through static decode buffers")
 
 
 class CompiledLayers:
     def __init__(self, run_layers, max_bs: int):
-        """`run_layers(x, cos, sin, forward_batch, backend) -> x`: the eager layer stack to compile."""
-        if max_bs < 1:
-            raise ValueError(f"torch compile needs a largest batch of at least 1, got {max_bs}")
+        """`run_layers(x, cos, sin, forward_batch, backend) -> x`: the eager layer stack to compile.
+        No bucket runs compiled until `compile_and_time` (warm-up) has compiled and timed it."""
+        if not 1 <= max_bs <= MAX_BS:
+            raise ValueError(f"--torch-compile-max-bs must be from 1 to {MAX_BS}, got {max_bs}")
         self.max_bs = max_bs
-        self.buckets = {bucket_index(b) for b in range(1, max_bs + 1)}  # the row buckets run compiled
+        self.buckets: set[int] = set()  # the row buckets that run compiled
         self.timings: dict[int, tuple[float, float]] = {}  # batch -> (eager ms, compiled ms) at warm-up
         self._fn = torch.compile(run_layers, dynamic=True)
 
-    def used_for(self, forward_batch: ForwardBatch, capture: tuple) -> bool:
+    def used_for(self, forward_batch: ForwardBatch) -> bool:
         b = forward_batch.batch_size
-        return (
-            forward_batch.mode is ForwardMode.DECODE
-            and b <= self.max_bs
-            and bucket_index(b) in self.buckets
-            and not capture
-        )
+        return forward_batch.mode is ForwardMode.DECODE and b <= self.max_bs and bucket_index(b) in self.buckets
 
     def __call__(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
         if not getattr(_this_thread, "no_duck_shape", False):
@@ -96,17 +96,18 @@ def compile_and_time(compiled: CompiledLayers, compile_one, time_one, rounds: in
     graph only where the median was at least MIN_GAIN faster (a host where the layouts that compiled graphs cannot
     use win by more than the fusion gains runs that bucket eagerly). Logged."""
     for b in warm_batches(compiled.max_bs):
-        start = time.perf_counter()
-        log.info("torch.compile: compiling the decode step for %d request(s) (once per start; ~30-60 s on 2 cores)", b)
+        start, bucket = time.perf_counter(), bucket_index(b)
+        log.info("torch.compile: compiling the decode step for %d request(s) (once per start: %s)", b, COMPILE_TIME)
+        compiled.buckets.add(bucket)
         try:
             compile_one(b)
-        except Exception as e:  # the service fails to start, saying why (Inductor on CPU needs g++)
+        except Exception as e:  # the service fails to start, saying why
             raise RuntimeError(
                 f"--enable-torch-compile: compiling the decode step for {b} request(s) failed "
-                f"({type(e).__name__}: {str(e)[:300]}); Inductor needs a C++ compiler on CPU; "
-                "start without the flag to run eagerly"
+                f"({type(e).__name__}: {str(e)[:300]}); start without the flag to run eagerly "
+                "(on CPU, Inductor needs a C++ compiler, e.g. g++)"
             ) from e
-        bucket, times = bucket_index(b), {True: [], False: []}
+        compile_s, times = time.perf_counter() - start, {True: [], False: []}
         for _ in range(rounds):
             for on in (False, True):
                 (compiled.buckets.add if on else compiled.buckets.discard)(bucket)
@@ -120,7 +121,7 @@ def compile_and_time(compiled: CompiledLayers, compile_one, time_one, rounds: in
         log.info(
             "torch.compile: %d request(s) compiled in %.1f s; a decode forward %.1f ms eager, %.1f ms compiled: %s",
             b,
-            time.perf_counter() - start,
+            compile_s,
             eager,
             fast,
             "compiled" if bucket in compiled.buckets else "eager (not faster here)",

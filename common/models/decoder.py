@@ -149,7 +149,7 @@ class DecoderLM(nn.Module):
         cos, sin = self.rotary.cos_sin(forward_batch.positions, x.dtype)
         if not capture:
             compiled = self.compiled_layers
-            run = compiled if compiled is not None and compiled.used_for(forward_batch, capture) else self.run_layers
+            run = compiled if compiled is not None and compiled.used_for(forward_batch) else self.run_layers
             return self.model.norm(run(x, cos, sin, forward_batch, backend))
         captured = {}
         for i, layer in enumerate(self.model.layers):
