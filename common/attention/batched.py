@@ -69,6 +69,7 @@ def fold_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale) -
 
 class BatchedBackend(AttentionBackend):
     _scratch = None  # CPU: [2, rows, kv_heads, d] gathered K/V, reused by every layer, grown as needed
+    mask_decodes_up_to = 1  # decodes of 2..N requests get a mask even without padding (torch compile)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         table = self.req_to_token_pool.req_to_token
@@ -82,7 +83,8 @@ class BatchedBackend(AttentionBackend):
         k_pos = torch.arange(s_max, device=device)
         in_seq = k_pos[None, :] < seq_t[:, None]  # [B, S]
         self._slots = torch.where(in_seq, table[rows, :s_max], 0).to(torch.int64).view(-1)  # [B*S]
-        if forward_batch.tree_mask is None and q_max == 1 and min(seq) == s_max:
+        even = min(seq) == s_max and not 1 < batch <= self.mask_decodes_up_to
+        if forward_batch.tree_mask is None and q_max == 1 and even:
             self._mask = None  # decode with no padding (batch 1 always): every key is visible
         else:  # additive, built once here (SDPA would convert a bool mask in every layer)
             allowed = self._allowed(forward_batch, prefix_t, in_seq, k_pos, q_max)

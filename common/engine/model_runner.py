@@ -104,10 +104,12 @@ class ModelRunner:
             raise ValueError(f"--greedy-head must be one of {linear_tuning.GREEDY_CHOICES}, got {args.greedy_head!r}")
         if self.packs_linears:
             self.model.pack_for_cpu(greedy_head=args.greedy_head != "off")
+        self._max_compiled_bs = 0
         if args.torch_compile_max_bs:
             compiled_layers.check_usable(self.device, args.attention_backend, args.tp.size, args.static_decode_buffers)
             max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
             self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
+            self._max_compiled_bs = max_bs
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype
         )
@@ -118,6 +120,8 @@ class ModelRunner:
             args.max_running_requests, self.context_length + args.spec.extra_slots, self.device
         )
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
+        if self._max_compiled_bs:  # one compiled graph per bucket: every decode of 2+ requests has a mask
+            self.backend.mask_decodes_up_to = self._max_compiled_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
         capture = args.cuda_graph and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graph", False)
         self.decode_graphs = self.verify_graphs = None
@@ -221,8 +225,8 @@ class ModelRunner:
             self._warm_decode(1, n)
 
     def _warm_compiled(self, batch: int) -> None:
-        """The decode forwards that compile `batch`'s graphs: equal KV lengths (no attention mask) and,
-        from 2 requests on, ragged ones (a mask)."""
+        """The decode forwards that compile `batch`'s graph: equal KV lengths and, from 2 requests on,
+        ragged ones (the same graph: such batches always have a mask, `mask_decodes_up_to`)."""
         self._warm_decode(batch)
         if batch > 1:
             self._warm_decode(batch, ragged=True)

@@ -8,9 +8,10 @@ ops into generated C++ kernels and leaves the GEMMs and SDPA as library calls: m
 a batch-1 forward went from 27.9 to 25.0 ms in a fast spell of the host and from 35.8 to 27.6 ms
 in a slow one (`BENCHMARKS.md`).
 
-The price is start-up: tracing and compiling take 20-70 s for batch 1 on 2 cores, and from 2
-requests on two graphs per row bucket (with and without an attention mask), 2-2.5 minutes each
-bucket (Inductor's cache on disk makes a restart on the same host faster). So it is opt-in, as in
+The price is start-up: tracing and compiling one graph take 20-70 s on 2 cores, one per row
+bucket (Inductor's cache on disk makes a restart on the same host faster). Decode batches of 2 or
+more requests that may run compiled always get an attention mask, so a bucket needs one graph,
+not one with and one without. So it is opt-in, as in
 SGLang (`--enable-torch-compile`, `--torch-compile-max-bs`, default 1 here), and warm-up compiles
 every bucket up to the largest batch before the service reports SERVING, then times each against
 eager and keeps it only where it is faster (on the Intel host: 26.5 -> 24.1 ms at 1 request,
@@ -38,12 +39,12 @@ from common.models.packed_linear import ROW_BUCKETS, bucket_index
 
 log = logging.getLogger(__name__)
 _this_thread = threading.local()
-COMPILE_TIME = "20-70 s for 1 request on 2 cores, 2-2.5 min for each larger bucket"
+COMPILE_TIME = "20-70 s per row bucket on 2 cores"
 MIN_GAIN = 0.02  # a bucket stays compiled only if warm-up timed it at least this much faster (noise)
 KEEP_SLOWER = False  # tests: keep every compiled bucket, so parity runs through it whatever the timing
 
 
-MAX_BS = 8  # graphs: 1 for one request, 2 per larger bucket; Dynamo's recompile limit (8) caps them
+MAX_BS = 8  # one graph per row bucket (4 up to 8 requests), well inside Dynamo's recompile limit (8)
 
 
 def check_usable(device: torch.device, attention_backend: str, tp_size: int, static_buffers: bool) -> None:
