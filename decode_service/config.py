@@ -32,7 +32,7 @@ class DecodeConfig(ServiceConfig):
     enable_torch_compile: bool = flag(
         False,
         "CPU: compile decode steps of small batches with torch.compile, each kept where timed faster "
-        "(start-up: 20-70 s per row bucket on 2 cores)",
+        "(start-up: 20-90 s per row bucket on 2 cores)",
     )
     torch_compile_max_bs: int = flag(1, "with --enable-torch-compile: the largest decode batch compiled (1-8)")
     max_queued_requests: int = flag(
