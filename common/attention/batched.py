@@ -132,7 +132,7 @@ class BatchedBackend(AttentionBackend):
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        if q_max == 1 and self._flat is None:  # decode: [B, heads, d] in, the same out
+        if q_max == 1:  # decode: [B, heads, d] in, the same out
             return fold_group(q, keys, values, self._mask, scale)
         if self._flat is None:
             query = q.reshape(batch, q_max, heads, d)

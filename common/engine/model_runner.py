@@ -104,12 +104,10 @@ class ModelRunner:
             raise ValueError(f"--greedy-head must be one of {linear_tuning.GREEDY_CHOICES}, got {args.greedy_head!r}")
         if self.packs_linears:
             self.model.pack_for_cpu(greedy_head=args.greedy_head != "off")
-        self._max_compiled_bs = 0
         if args.torch_compile_max_bs:
             compiled_layers.check_usable(self.device, args.attention_backend, args.tp.size, args.static_decode_buffers)
             max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
             self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
-            self._max_compiled_bs = max_bs
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype
         )
@@ -120,8 +118,8 @@ class ModelRunner:
             args.max_running_requests, self.context_length + args.spec.extra_slots, self.device
         )
         self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
-        if self._max_compiled_bs:  # one compiled graph per bucket: every decode of 2+ requests has a mask
-            self.backend.mask_decodes_up_to = self._max_compiled_bs
+        if self.model.compiled_layers is not None:  # one graph per bucket: decodes of 2+ requests have a mask
+            self.backend.mask_decodes_up_to = self.model.compiled_layers.max_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
         capture = args.cuda_graph and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graph", False)
         self.decode_graphs = self.verify_graphs = None
@@ -206,7 +204,7 @@ class ModelRunner:
         compiled = self.model.compiled_layers
         if compiled is not None:  # with the computing thread's count, which Inductor's kernels are built for
             intra_op.on_own_thread(
-                lambda: compiled_layers.compile_and_time(compiled, self._warm_compiled, self._warm_decode),
+                lambda: compiled_layers.compile_and_time(compiled, self._warm_decode, self._warm_decode),
                 self._threads,
             )
 
@@ -224,17 +222,11 @@ class ModelRunner:
         if self.model.compiled_layers is None:  # else warmup() compiles it, on the computing thread's count
             self._warm_decode(1, n)
 
-    def _warm_compiled(self, batch: int) -> None:
-        """The decode forwards that compile `batch`'s graph: equal KV lengths and, from 2 requests on,
-        ragged ones (the same graph: such batches always have a mask, `mask_decodes_up_to`)."""
-        self._warm_decode(batch)
-        if batch > 1:
-            self._warm_decode(batch, ragged=True)
-
-    def _warm_decode(self, batch: int, n: int = 16, ragged: bool = False) -> None:
-        """One decode forward of `batch` requests at KV length n + 1 (with `ragged`, every other one
-        a token shorter) on scratch slots (freed after)."""
-        n = max(1 + int(ragged), min(n, self.context_length - 1, self.kv_allocator.size // batch - 1))
+    def _warm_decode(self, batch: int, n: int = 16) -> None:
+        """One decode forward of `batch` requests at KV length n + 1 on scratch slots (freed after). With
+        torch compile it also serves ragged batches of that bucket: they run the same graph, since the
+        backend gives every decode of 2+ requests a mask (`mask_decodes_up_to`)."""
+        n = max(1, min(n, self.context_length - 1, self.kv_allocator.size // batch - 1))
         rows, slots = [], []
         try:
             for _ in range(batch):
@@ -245,7 +237,7 @@ class ModelRunner:
                 ForwardBatch.decode(
                     self.req_to_token_pool.req_to_token,
                     torch.tensor(rows),
-                    [n - (ragged and i % 2) for i in range(batch)],
+                    [n] * batch,
                     torch.zeros(batch, dtype=torch.int64),
                     req_pool_indices_cpu=rows,
                 ),

@@ -40,11 +40,9 @@ from common.models.packed_linear import ROW_BUCKETS, bucket_index
 log = logging.getLogger(__name__)
 _this_thread = threading.local()
 COMPILE_TIME = "20-90 s per row bucket on 2 cores"
+MAX_BS = 8  # one graph per row bucket (4 up to 8 requests), well inside Dynamo's recompile limit (8)
 MIN_GAIN = 0.02  # a bucket stays compiled only if warm-up timed it at least this much faster (noise)
 KEEP_SLOWER = False  # tests: keep every compiled bucket, so parity runs through it whatever the timing
-
-
-MAX_BS = 8  # one graph per row bucket (4 up to 8 requests), well inside Dynamo's recompile limit (8)
 
 
 def check_usable(device: torch.device, attention_backend: str, tp_size: int, static_buffers: bool) -> None:
@@ -94,8 +92,8 @@ def warm_batches(max_bs: int) -> list[int]:
 def compile_and_time(compiled: CompiledLayers, compile_one, time_one, rounds: int = 5) -> None:
     """For each warm-up batch size: `compile_one(batch)` (its first compiled calls compile), then
     `time_one(batch)` eagerly and compiled, interleaved `rounds` times; a bucket keeps its compiled
-    graph only where the median was at least MIN_GAIN faster (a host where the layouts that compiled graphs cannot
-    use win by more than the fusion gains runs that bucket eagerly). Logged."""
+    graph only where the median was at least MIN_GAIN faster (a host where the layouts that compiled
+    graphs cannot use win by more than the fusion gains runs that bucket eagerly). Logged."""
     for b in warm_batches(compiled.max_bs):
         start, bucket = time.perf_counter(), bucket_index(b)
         log.info("torch.compile: compiling the decode step for %d request(s) (once per start: %s)", b, COMPILE_TIME)
