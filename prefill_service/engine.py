@@ -169,11 +169,12 @@ class PrefillEngine:
         if on_first_token is not None:
             for w in finished:
                 on_first_token(w.request, w.first_token)
+        kv = self._copy_out(finished)  # still running: a failure here is fail_all's to free
         handoffs = []
-        for w in finished:
+        for w, (k, v) in zip(finished, kv):
             self.running.remove(w)
             try:
-                handoffs.append((w.request, self._to_handoff(w)))
+                handoffs.append((w.request, self._to_handoff(w, k, v)))
             except BaseException:
                 self._free(w)
                 raise
@@ -236,9 +237,21 @@ class PrefillEngine:
             w.features.append(features[start : start + len(ids)])
             start += len(ids)
 
-    def _to_handoff(self, w: _Running) -> Handoff:
-        pool, tp, cfg = self.runner.kv_pool, self.runner.tp, self.runner.config  # TP: every rank's heads
-        loc = w.kv_slots.to(pool.device)
+    def _copy_out(self, done: list[_Running]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """The target KV of each completed prompt as host tensors per layer [prompt_len, kv_heads,
+        head_dim], gathered for the whole step at once (`KVPool.gather_many`: 63 prompts finishing
+        together took 0.33 s as 126 small parallel regions on a host shared with decode)."""
+        tp, cfg = self.runner.tp, self.runner.config  # TP: every rank's heads
+        out = []
+        for k, v in self.runner.kv_pool.gather_many([w.kv_slots for w in done]):
+            k, v = (
+                [t.cpu() for t in gather_kv_heads(tp, cfg, list(x.unbind(0)))] if tp.size > 1 else list(x.cpu().unbind(0))
+                for x in (k, v)
+            )
+            out.append((k, v))
+        return out
+
+    def _to_handoff(self, w: _Running, k: list[torch.Tensor], v: list[torch.Tensor]) -> Handoff:
         r = w.request
         extra = {}
         if self.runner.draft is not None:
@@ -253,17 +266,16 @@ class PrefillEngine:
                 self.runner.draft.spec.eagle_topk,
             )
             w.features = []
-            draft_k, draft_v = self.runner.draft.kv_pool.gather(loc)
+            draft_k, draft_v = self.runner.draft.kv_pool.gather(w.kv_slots.to(self.runner.draft.kv_pool.device))
             extra.update(draft_k=[draft_k[0].cpu()], draft_v=[draft_v[0].cpu()])
-        k, v = pool.gather(loc)  # one copy-out per K and V, not one per layer
         return Handoff(
             rid=r.rid,
             prompt_ids=list(r.prompt_ids),
             params=r.params,
             seed=r.seed,
             first_token=w.first_token,
-            k=[t.cpu() for t in gather_kv_heads(tp, cfg, k)],
-            v=[t.cpu() for t in gather_kv_heads(tp, cfg, v)],
+            k=k,
+            v=v,
             first_position=r.first_position,
             cached_tokens=w.cached,
             **extra,

@@ -137,3 +137,7 @@ def test_kv_pool_layers_share_one_buffer_and_bulk_writes_and_gathers_match_per_l
     gk, gv = bulk.gather(loc)
     for layer in range(4):
         assert torch.equal(gk[layer], bulk.k[layer][loc]) and torch.equal(gv[layer], bulk.v[layer][loc])
+    locs = [loc, torch.tensor([3]), torch.tensor([11, 0, 5, 7])]  # a step's prompts at once (gather_many)
+    for (mk, mv), slots in zip(bulk.gather_many(locs), locs):
+        assert mk.shape == (4, len(slots), 2, 3) and mk.is_contiguous() and mv.is_contiguous()
+        assert torch.equal(mk, bulk.k_all[:, slots]) and torch.equal(mv, bulk.v_all[:, slots])

@@ -137,14 +137,14 @@ def test_the_first_token_is_sent_before_the_kv_is_copied_out(checkpoint):
     """DESIGN section 2 step 4: the first token goes out as soon as it is sampled; the KV copy-out
     (and with EAGLE the draft extend) follows. It used to wait for the whole copy-out."""
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
-    copying, latch, to_handoff = threading.Event(), threading.Event(), service.engine._to_handoff
+    copying, latch, copy_out = threading.Event(), threading.Event(), service.engine._copy_out
 
-    def held_copy_out(w):
+    def held_copy_out(done):
         copying.set()
         assert latch.wait(30), "the test never released the copy-out"
-        return to_handoff(w)
+        return copy_out(done)
 
-    service.engine._to_handoff = held_copy_out
+    service.engine._copy_out = held_copy_out
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         call = stub.Prefill(prefill_pb2.PrefillRequest(request_id="f", input_ids=[5, 6, 7, 8]), timeout=30)

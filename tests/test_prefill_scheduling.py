@@ -91,11 +91,11 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
     real = service.engine._to_handoff
     calls = {"n": 0}
 
-    def second_breaks(w):  # the step completes two prompts; building the second handoff fails
+    def second_breaks(w, k, v):  # the step completes two prompts; building the second handoff fails
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("copy-out failed")
-        return real(w)
+        return real(w, k, v)
 
     service.engine._to_handoff = second_breaks
     try:

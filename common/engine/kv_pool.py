@@ -57,6 +57,23 @@ class KVPool:
         """K and V of KV slots `loc` in every layer (copies): ([layers] of [len(loc), kv_heads, head_dim]) x 2."""
         return list(self.k_all.index_select(1, loc).unbind(0)), list(self.v_all.index_select(1, loc).unbind(0))
 
+    def gather_many(self, locs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """gather() for several requests at once, one index_select per K and V for all of them (each a
+        parallel region: on a host shared with another service, one per request waited for a core
+        each time). Per request (K, V), each [layers, len(loc), kv_heads, head_dim] and contiguous:
+        views into the one copy, request-major so that each request's KV is one block."""
+        layers, slots, *rest = self.k_all.shape
+        per_layer = torch.arange(layers, device=self.device)[:, None] * slots
+        index = torch.cat([(per_layer + loc.to(self.device)[None, :]).reshape(-1) for loc in locs])
+        k, v = (whole.view(layers * slots, *rest).index_select(0, index) for whole in (self.k_all, self.v_all))
+        out, start = [], 0
+        for loc in locs:
+            n = layers * len(loc)
+            shape = (layers, len(loc), *rest)
+            out.append((k[start : start + n].view(shape), v[start : start + n].view(shape)))
+            start += n
+        return out
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
