@@ -151,7 +151,7 @@ def main(argv=None) -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--transfer-backend", default="grpc", choices=["grpc", "mooncake"])
+    p.add_argument("--transfer-backend", default="grpc", choices=["grpc", "mooncake", "shm"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     rng = random.Random(args.seed)

@@ -283,7 +283,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--skip", default="", help="comma list of hf,inprocess,pair to leave out")
     parser.add_argument(
-        "--transfer-backend", default="grpc", choices=["grpc", "mooncake"], help="the pair's KV data plane"
+        "--transfer-backend", default="grpc", choices=["grpc", "mooncake", "shm"], help="the pair's KV data plane"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -69,10 +69,12 @@ class ServiceConfig:
     speculative_token_map: str | None = flag(None, "EAGLE: JSON list of hot token ids to draft from", type=str)
     disaggregation_transfer_backend: str = flag(
         "grpc",
-        "how KV moves from prefill to decode: grpc (bytes on the Prefill stream) or mooncake (the transfer engine "
-        "writes into decode's reserved slots; gRPC carries notices). A prefill replica without it falls back to grpc",
-        choices=["grpc", "mooncake"],
+        "how KV moves from prefill to decode: grpc (bytes on the Prefill stream), mooncake (the transfer engine "
+        "writes into decode's reserved slots; gRPC carries notices) or shm (same host, CPU: decode's KV pools are "
+        "files prefill maps and writes into). A prefill replica without it falls back to grpc",
+        choices=["grpc", "mooncake", "shm"],
     )
+    disaggregation_shm_dir: str = flag("/dev/shm", "shm backend: the shared-memory folder of decode's KV pool files")
     internal_api_key: str | None = flag(
         None, "key of the internal prefill API: prefill requires it, decode sends it", type=str, secret=True
     )

@@ -63,6 +63,11 @@ class DecodeConfig(ServiceConfig):
     def prefill_addrs(self) -> list[str]:
         return [a.strip() for a in self.prefill_addr.split(",") if a.strip()]
 
+    @property
+    def receives_kv_in_shm(self) -> bool:
+        """The shm handoff: our KV pools are files a prefill replica on this host writes into."""
+        return self.disaggregation_transfer_backend == "shm"
+
 
 def build_parser():
     return _build(DecodeConfig, PROG, DESCRIPTION)

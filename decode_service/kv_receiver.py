@@ -1,4 +1,4 @@
-"""The decode side of the transfer-engine data plane (--disaggregation-transfer-backend mooncake).
+"""The decode side of the transfer-engine data plane (--disaggregation-transfer-backend mooncake or shm).
 
 At start-up the KV pools (the target's, and the EAGLE head's, which shares slot indices) are
 registered once with a transfer engine; `destination` is what every Prefill call then names: the
@@ -13,22 +13,31 @@ from __future__ import annotations
 
 from common.engine.model_runner import ModelRunner
 from common.parallel.tp_shard import kv_heads_of
-from common.wire import mooncake
+from common.wire import mooncake, shm_transfer
 from common.wire.proto_gen import prefill_pb2
 
 
 class KvReceiver:
     @classmethod
-    def for_service(cls, runner: ModelRunner, config, tp=None) -> KvReceiver:
-        """The service's receiver; under TP every rank builds one at the same point (they join)."""
+    def for_service(cls, runner: ModelRunner, config, tp=None) -> KvReceiver | None:
+        """The service's receiver (None with the grpc backend); under TP every rank builds one at the
+        same point (they join)."""
+        if config.disaggregation_transfer_backend == "grpc":
+            return None
         receiver = cls(runner, config.host, config.disaggregation_protocol, config.disaggregation_ib_device)
         if tp is not None and tp.size > 1:
             join_ranks(tp, receiver, kv_heads_of(runner.config, tp.rank, tp.size))
         return receiver
 
     def __init__(self, runner: ModelRunner, bind_host: str, protocol: str = "tcp", device: str = ""):
-        self.engine = mooncake.TransferEngine(mooncake.advertised_host(bind_host), protocol, device)
+        """With pools in shared-memory files (the shm backend) the session names the files; else a
+        mooncake engine's (`protocol` tcp or rdma)."""
         pools = [runner.kv_pool] + ([runner.draft.kv_pool] if runner.draft is not None else [])
+        files = [f for pool in pools for f in pool.files]
+        if files:
+            self.engine = shm_transfer.ShmEndpoint(files)
+        else:
+            self.engine = mooncake.TransferEngine(mooncake.advertised_host(bind_host), protocol, device)
         for pool in pools:
             self.engine.register(pool.k + pool.v)
         self.destination = prefill_pb2.KvDestination(

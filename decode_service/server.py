@@ -84,9 +84,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         )
         self.metrics.watch_greedy_head(self.runner)
         inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
-        self.kv_receiver = None  # with mooncake: our pools registered, prefill writes KV into them
-        if config.disaggregation_transfer_backend == "mooncake":
-            self.kv_receiver = KvReceiver.for_service(self.runner, config, tp)
+        # with mooncake or shm: our pools registered (or shared), prefill writes KV into them
+        self.kv_receiver = KvReceiver.for_service(self.runner, config, tp)
         self.tracing = tracing.Tracing("decode", config.otlp_traces_endpoint)
         self.prefill = PrefillClient(
             config.prefill_addrs,

@@ -1,4 +1,5 @@
-"""Write one handoff's KV through the transfer engine into the decode side's reserved slots.
+"""Write one handoff's KV through the transfer engine (mooncake, or shared memory on one host:
+common/wire/shm_transfer.py) into the decode side's reserved slots.
 
 The KV part of a Prefill stream when the call names a `kv_destination` and this replica has a
 transfer engine: the handoff's host K and V are registered once, then chunk by chunk (whole layers
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from common.engine.handoff import Handoff
-from common.wire import kv_chunks, mooncake
+from common.wire import kv_chunks, mooncake, shm_transfer
 from common.wire.proto_gen import prefill_pb2
 
 
@@ -42,8 +43,17 @@ def _rank_parts(dest: prefill_pb2.KvDestination, handoff: Handoff) -> list[tuple
     return parts
 
 
+def can_write(engine, dest: prefill_pb2.KvDestination) -> bool:
+    """Whether `engine` (ours, or None) writes to `dest`: a shared-memory session needs our ShmWriter
+    (a decode side on this host), any other a mooncake engine; else the KV goes as gRPC bytes."""
+    if engine is None:
+        return False
+    session = dest.tp_ranks[0].session if dest.tp_ranks else dest.session
+    return session.startswith(shm_transfer.SESSION_PREFIX) == isinstance(engine, shm_transfer.ShmWriter)
+
+
 def write_handoff(
-    engine: mooncake.TransferEngine,
+    engine: mooncake.TransferEngine | shm_transfer.ShmWriter,
     dest: prefill_pb2.KvDestination,
     handoff: Handoff,
     max_bytes: int,

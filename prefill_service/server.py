@@ -44,14 +44,14 @@ from common.engine.sampling import SamplingParams
 from common.metrics import PrefillMetrics
 from common.parallel.launch import TPRanks, check_settings
 from common.request_rules import validate_prompt
-from common.wire import kv_chunks, mooncake, security
+from common.wire import kv_chunks, mooncake, security, shm_transfer
 from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from common.wire.servicer import add_servicer
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
-from prefill_service.kv_writer import Outbox, send_handoff, write_handoff
+from prefill_service.kv_writer import Outbox, can_write, send_handoff, write_handoff
 from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler
 from prefill_service.tp_engine import TPPrefillEngine, follower_main
 
@@ -101,11 +101,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self._chunk_pool = ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="kv-chunks", initializer=intra_op.pin_single
         )
-        self.transfer: mooncake.TransferEngine | None = None  # with --disaggregation-transfer-backend mooncake
+        self.transfer = None  # --disaggregation-transfer-backend mooncake or shm: writes into decode's slots
         if config.disaggregation_transfer_backend == "mooncake":
             self.transfer = mooncake.TransferEngine(
                 mooncake.advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device
             )
+        elif config.disaggregation_transfer_backend == "shm":
+            self.transfer = shm_transfer.ShmWriter(config.disaggregation_shm_dir)
         self.server = AioServer(
             config.host,
             config.port,
@@ -249,8 +251,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if fault:
             m.injected.labels(kind=fault).inc()
         backend = "grpc"
-        if request.HasField("kv_destination") and self.transfer is not None:  # straight into decode's slots
-            backend = "mooncake"
+        if request.HasField("kv_destination") and can_write(self.transfer, request.kv_destination):  # into decode's slots
+            backend = self.config.disaggregation_transfer_backend
             messages = write_handoff(self.transfer, request.kv_destination, result, max_bytes, call.cancelled.is_set)
         else:  # the gRPC path (also the fallback for a decode side that named a destination)
             messages = send_handoff(result, max_bytes)
@@ -264,7 +266,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             while draft_seed is None:  # the seed comes with the last message
                 try:
                     message, draft_seed = await loop.run_in_executor(self._chunk_pool, outbox.take)
-                except (ValueError, mooncake.TransferFailed) as e:
+                except (ValueError, mooncake.TransferFailed, shm_transfer.ShmTransferError) as e:
                     m.failures.inc()
                     m.kv_transfer_failures.inc()
                     logger.warning("KV transfer of %s failed: %s", request.request_id, e)

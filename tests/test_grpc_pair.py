@@ -20,7 +20,7 @@ def _prompts(n: int, seed: int = 21) -> list[list[int]]:
     return [torch.randint(5, 384, (int(k),), generator=g).tolist() for k in torch.randint(1, 60, (n,), generator=g)]
 
 
-TRANSFERS = ["grpc", pytest.param("mooncake", marks=needs_mooncake)]
+TRANSFERS = ["grpc", pytest.param("mooncake", marks=needs_mooncake), "shm"]
 
 
 @pytest.mark.parametrize("transfer", TRANSFERS)
@@ -40,7 +40,7 @@ def test_sixteen_concurrent_requests_match_hf(checkpoint, arch, overlap, transfe
             results = list(pool.map(run, range(16)))
     finally:
         pair.close()
-    assert (pair.prefill.kv_notices > 0) == (transfer == "mooncake")  # the KV took the data plane asked for
+    assert (pair.prefill.kv_notices > 0) == (transfer != "grpc")  # the KV took the data plane asked for
     for i, (ids, complete) in enumerate(results):
         assert ids == hf_greedy(path, prompts[i], 12 + i % 5), f"request {i}"
         assert complete.finish_reason == "length" and complete.completion_tokens == len(ids)

@@ -1,4 +1,5 @@
-"""The Mooncake data plane: its write plan, and aborts while a replica writes into reserved slots."""
+"""The transfer-engine data plane (mooncake, shm): its write plan, and aborts while a replica writes
+into reserved slots."""
 
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ def test_a_destination_that_does_not_match_is_refused():
         mooncake.check_destination(dest, dest.target, 3, 1, 64)
 
 
-@needs_mooncake
-def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoint):
+@pytest.mark.parametrize("transfer", [pytest.param("mooncake", marks=needs_mooncake), "shm"])
+def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoint, transfer):
     """Decode has room for one request only. A is aborted while its replica writes KV into its slots:
     the client hears "abort" at once, the slots stay reserved until the replica's call has ended (no
     late write can reach them), then B takes the same slots and is exact; nothing leaks."""
@@ -86,7 +87,7 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
         path,
         prefill_kw=dict(max_chunk_bytes=512, test_kv_chunk_delay_s=0.05),
         decode_kw=dict(max_total_tokens=48, max_running_requests=1),
-        transfer="mooncake",
+        transfer=transfer,
     )
     sched = pair.decode.scheduler
     try:

@@ -122,11 +122,20 @@ def test_a_bad_tp_size_is_refused_before_loading():
     )
 
 
-@needs_mooncake
-@pytest.mark.parametrize("prefill_tp,decode_tp,eagle", [(2, 2, False), (1, 2, True)])
-def test_tp_pairs_through_the_transfer_engine_match_hf_greedy(checkpoint, heads, prefill_tp, decode_tp, eagle):
-    """Mooncake under TP: prefill writes each decode rank's KV heads straight into that rank's pool
-    (and the head's KV into every rank's), one notice per chunk for all of them."""
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp,eagle,transfer",
+    [
+        pytest.param(2, 2, False, "mooncake", marks=needs_mooncake),
+        pytest.param(1, 2, True, "mooncake", marks=needs_mooncake),
+        (2, 2, False, "shm"),
+    ],
+)
+def test_tp_pairs_through_the_transfer_engine_match_hf_greedy(
+    checkpoint, heads, prefill_tp, decode_tp, eagle, transfer
+):
+    """A transfer engine under TP (mooncake, or shm: each rank's pools are its own files): prefill
+    writes each decode rank's KV heads straight into that rank's pool (and the head's KV into every
+    rank's), one notice per chunk for all of them."""
     path = checkpoint("qwen3")
     spec = {}
     if eagle:
@@ -134,14 +143,14 @@ def test_tp_pairs_through_the_transfer_engine_match_hf_greedy(checkpoint, heads,
                     speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)  # fmt: skip
     pair = GrpcPair(
         path,
-        transfer="mooncake",
+        transfer=transfer,
         prefill_kw=dict(tp_size=prefill_tp, linear_layout="mkl", **spec),
         decode_kw=dict(tp_size=decode_tp, linear_layout="mkl", **spec),
     )
     try:
         ranks = pair.decode.kv_receiver.destination.tp_ranks
         assert [(r.kv_head_start, r.kv_head_count) for r in ranks] == [(0, 1), (1, 1)]
-        assert ranks[0].session != ranks[1].session  # each rank's own engine
+        assert ranks[0].session != ranks[1].session  # each rank's own engine (or files)
         pair.check_against_oracle(path, PROMPTS, 10)
         assert pair.prefill.kv_notices > 0  # the KV went through the engine, not the stream
     finally:

@@ -76,7 +76,13 @@ class DraftRunner:
         if target.packs_linears:
             packed_linear.pack_linears(self.head)  # CPU fp32: the layouts of common/models/packed_linear.py
         self.kv_pool = KVPool(
-            target.kv_pool.num_slots, 1, layer.num_kv_heads, layer.head_dim, target.dtype, target.device
+            target.kv_pool.num_slots,
+            1,
+            layer.num_kv_heads,
+            layer.head_dim,
+            target.dtype,
+            target.device,
+            target.args.kv_shared_dir,
         )
         self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)

@@ -30,7 +30,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        shared_dir: str | None = None,
     ):
+        """`shared_dir` (CPU): each buffer is a file there that a prefill replica on this host maps
+        and writes handoffs into (common/wire/shm_transfer.py); `files` lists (path, buffer)."""
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.dtype = dtype
@@ -38,8 +41,17 @@ class KVPool:
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
         # one buffer per K and V, each layer a contiguous view: reading a request's slots out of every
         # layer is one index_select (`gather`), not one per layer
-        self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.files: list[tuple[str, torch.Tensor]] = []
+        if shared_dir is not None:
+            if self.device.type != "cpu":
+                raise ValueError("a KV pool in shared memory is for CPU pools (on GPUs use mooncake)")
+            from common.wire import shm_transfer
+
+            self.files = [shm_transfer.allocate(shared_dir, shape, dtype)[::-1] for _ in range(2)]
+            self.k_all, self.v_all = (t for _, t in self.files)
+        else:
+            self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
 
     def write_layers(self, layer_start: int, loc: torch.Tensor, k, v) -> None:

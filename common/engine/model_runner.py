@@ -42,6 +42,7 @@ class RunnerArgs:
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
     static_decode_buffers: bool = False  # without capture (CPU): decode through the graphs' static buffers
     torch_compile_max_bs: int = 0  # CPU: decode batches up to this size through torch.compile (0 = off)
+    kv_shared_dir: str | None = None  # CPU decode with the shm handoff: KV pools as files here (kv_pool.py)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
 
     @classmethod
@@ -60,6 +61,7 @@ class RunnerArgs:
             cuda_graph=not getattr(config, "disable_cuda_graph", True),  # a decode flag: prefill runs no decode
             cuda_graph_max_bs=getattr(config, "cuda_graph_max_bs", None),
             torch_compile_max_bs=config.torch_compile_max_bs if getattr(config, "enable_torch_compile", False) else 0,
+            kv_shared_dir=config.disaggregation_shm_dir if getattr(config, "receives_kv_in_shm", False) else None,
             spec=SpecArgs(
                 config.speculative_algorithm,
                 config.speculative_draft_model_path,
@@ -111,7 +113,9 @@ class ModelRunner:
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype
         )
-        self.kv_pool = KVPool(num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, args.kv_shared_dir
+        )
         self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
         # rows also cover the draft positions a speculative request writes past its context
         self.req_to_token_pool = ReqToTokenPool(

@@ -1,0 +1,197 @@
+"""Same-host KV handoff through shared memory (--disaggregation-transfer-backend shm).
+
+The decode service's KV pools live in files of a shared-memory folder (default /dev/shm, a tmpfs),
+so a prefill replica on the same host maps them and copies each handoff's K and V straight into
+the reserved slots: one memory copy per byte, where the gRPC path copies a handoff about eight
+times (stack, encode, serialize, transport, parse, decode, write) and runs them on the cores both
+services share. Everything else is the transfer-engine path (prefill_service/kv_writer.py): the
+same destination (per-layer addresses and slot runs), the same `KvWritten` notices and the same
+quiesce on early ends. `ShmEndpoint` and `ShmWriter` have the methods of
+`mooncake.TransferEngine` that path uses.
+
+- decode: `allocate` makes a pool's buffer a file `disagg-kv-<pid>-<random>` (mode 0600), unlinked
+  when the pool is collected or the process exits; a start sweeps files of processes that are gone
+  (a crash). `ShmEndpoint(tensors)` names the files and where they are mapped in its session:
+  `shm:` + JSON [[path, base address, bytes], ...].
+- prefill: `ShmWriter(folder)` maps a session's files on first use (only regular files of that
+  folder named as above, owned by this user, of the size the session says) and checks every write
+  lies inside one of them.
+Only the two processes' user can open the files. Separate containers need a shared /dev/shm
+(compose: `ipc: shareable` on decode, `ipc: "service:decode"` on prefill).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import weakref
+
+import torch
+
+PREFIX = "disagg-kv-"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
+SESSION_PREFIX = "shm:"
+_swept: set[str] = set()
+
+
+class ShmTransferError(RuntimeError):
+    """A session or a write that this writer refuses (the message says why)."""
+
+
+def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """A zeroed tensor whose memory is a new file in `folder`: (tensor, file path). The file is
+    removed when the tensor's storage is collected or at exit."""
+    folder = os.path.realpath(folder)
+    if folder not in _swept:
+        sweep(folder)
+        _swept.add(folder)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    try:
+        t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    except BaseException:
+        os.unlink(path)
+        raise
+    weakref.finalize(t.untyped_storage(), _unlink, path)
+    return t, path
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def sweep(folder: str) -> list[str]:
+    """Remove this user's pool files in `folder` whose process is gone; the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _NAME.match(name)
+        path = os.path.join(folder, name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class ShmEndpoint:
+    """The decode side: its pools' files as a session. `register` checks that tensors lie in them."""
+
+    def __init__(self, segments: list[tuple[str, torch.Tensor]]):
+        """`segments`: (file path, the whole tensor mapped from it) of each shared pool buffer."""
+        self.segments = [(path, t.data_ptr(), t.numel() * t.element_size()) for path, t in segments]
+        self.session = SESSION_PREFIX + json.dumps(self.segments)
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            start, n = t.data_ptr(), t.numel() * t.element_size()
+            if not any(base <= start and start + n <= base + size for _, base, size in self.segments):
+                raise ShmTransferError("a tensor to receive KV is not in a shared-memory pool file")
+
+    def unregister(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+
+class ShmWriter:
+    """The prefill side: writes local memory into the decode side's pool files, mapped on first use."""
+
+    def __init__(self, folder: str = "/dev/shm"):
+        self.folder = os.path.realpath(folder)
+        self._maps: dict[str, tuple[mmap.mmap, ctypes.c_char, int]] = {}  # path -> (map, its first byte, size)
+        self._lock = threading.Lock()
+
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+    def unregister(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+    def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        """Copy each piece (local address, decode-side address, bytes); returns once all landed."""
+        segments = [(base, size, self._map(path, size)) for path, base, size in self.parse(session)]
+        for src, dst, n in zip(srcs, dsts, lens):
+            for base, size, addr in segments:
+                if base <= dst and dst + n <= base + size:
+                    ctypes.memmove(addr + (dst - base), src, n)
+                    break
+            else:
+                raise ShmTransferError(f"a write of {n} bytes at {dst:#x} falls outside the session's pool files")
+
+    def parse(self, session: str) -> list[tuple[str, int, int]]:
+        if not session.startswith(SESSION_PREFIX):
+            raise ShmTransferError(f"not a shared-memory session: {session[:40]!r}")
+        try:
+            segments = [(str(p), int(b), int(s)) for p, b, s in json.loads(session[len(SESSION_PREFIX) :])]
+        except (ValueError, TypeError) as e:
+            raise ShmTransferError(f"malformed shared-memory session: {e}") from e
+        for path, _, size in segments:
+            if os.path.dirname(path) != self.folder or not _NAME.match(os.path.basename(path)) or size <= 0:
+                raise ShmTransferError(f"{path!r} is not a KV pool file of {self.folder}")
+        return segments
+
+    def _map(self, path: str, size: int) -> int:
+        """The address of `path` mapped here (checked: a regular file of ours, of `size` bytes)."""
+        with self._lock:
+            if path in self._maps and self._maps[path][2] == size:
+                return ctypes.addressof(self._maps[path][1])
+            for gone in [p for p in self._maps if p == path or not os.path.exists(p)]:
+                self._unmap(gone)  # a decode service that stopped: its pool's memory goes with our map
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError as e:
+                raise ShmTransferError(f"cannot open the decode side's pool file {path}: {e}") from e
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != size:
+                    raise ShmTransferError(f"{path} is not this user's pool file of {size} bytes")
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            first = ctypes.c_char.from_buffer(mm)
+            self._maps[path] = (mm, first, size)
+            return ctypes.addressof(first)
+
+    def _unmap(self, path: str) -> None:
+        mm, first, _ = self._maps.pop(path)
+        del first  # the map's export ends with its last reference
+        mm.close()
+
+    def close(self) -> None:
+        """Unmap every file (the decode side keeps its pools)."""
+        with self._lock:
+            for path in list(self._maps):
+                self._unmap(path)

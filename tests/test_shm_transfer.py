@@ -1,0 +1,124 @@
+"""The same-host shared-memory handoff (common/wire/shm_transfer.py): pool files, what a prefill
+replica agrees to map and write, and the choice between it, mooncake and gRPC bytes."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.engine.kv_pool import KVPool
+from common.wire import mooncake, shm_transfer
+from common.wire.proto_gen import prefill_pb2
+from prefill_service.kv_writer import can_write
+
+
+def _pool_files(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.startswith(shm_transfer.PREFIX))
+
+
+def test_a_shared_pool_is_private_zeroed_files_that_a_writer_fills_and_that_go_with_the_pool(tmp_path):
+    pool = KVPool(10, 3, 2, 4, torch.float32, shared_dir=str(tmp_path))
+    names = _pool_files(tmp_path)
+    assert len(names) == 2 and sorted(os.path.basename(p) for p, _ in pool.files) == names
+    assert {p for p, _ in pool.files} == {str(tmp_path / n) for n in names}
+    for path, buffer in pool.files:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.path.getsize(path) == buffer.numel() * 4
+    del buffer
+    assert not pool.k_all.any() and pool.k[1].data_ptr() == pool.k_all[1].data_ptr()
+
+    endpoint = shm_transfer.ShmEndpoint(pool.files)
+    endpoint.register(pool.k + pool.v)  # every layer lies in the files
+    with pytest.raises(shm_transfer.ShmTransferError, match="not in a shared-memory pool file"):
+        endpoint.register([torch.zeros(4)])
+
+    # the prefill side: layer 1, slots 3..4 of K, by the decode side's addresses
+    src = torch.arange(16, dtype=torch.float32).view(2, 2, 4)
+    dst = pool.k[1][3].data_ptr()
+    writer = shm_transfer.ShmWriter(str(tmp_path))
+    writer.write(endpoint.session, [src.data_ptr()], [dst], [src.numel() * 4])
+    assert torch.equal(pool.k_all[1, 3:5], src) and pool.k_all.sum() == src.sum()
+    writer.close()
+
+    del pool, endpoint
+    gc.collect()
+    assert _pool_files(tmp_path) == []  # unlinked with the pool
+
+
+def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(tmp_path):
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(folder))
+    session = shm_transfer.ShmEndpoint(pool.files).session
+    writer = shm_transfer.ShmWriter(str(folder))
+    (path, k_all), (_, v_all) = pool.files
+    src = torch.ones(4)
+    refused = {
+        "127.0.0.1:1234": "not a shared-memory session",
+        "shm:[[1, 2": "malformed",
+        "shm:" + json.dumps([[str(tmp_path / "x"), k_all.data_ptr(), 80]]): "is not a KV pool file",
+        "shm:" + json.dumps([[str(folder / "other-file"), k_all.data_ptr(), 80]]): "is not a KV pool file",
+        "shm:" + json.dumps([[path, k_all.data_ptr(), 64]]): "of 64 bytes",  # not the file's size
+    }
+    for bad, why in refused.items():
+        with pytest.raises(shm_transfer.ShmTransferError, match=why):
+            writer.write(bad, [src.data_ptr()], [k_all.data_ptr()], [16])
+    link = folder / f"{shm_transfer.PREFIX}{os.getpid()}-abc"
+    os.symlink(path, link)
+    with pytest.raises(shm_transfer.ShmTransferError, match="cannot open"):  # a link is not followed
+        writer.write("shm:" + json.dumps([[str(link), k_all.data_ptr(), 80]]), [src.data_ptr()], [k_all.data_ptr()], [16])
+    end = k_all.data_ptr() + k_all.numel() * 4
+    for dst, n in ((end - 8, 16), (v_all.data_ptr() - 4, 8), (k_all.data_ptr() - 16, 16)):
+        with pytest.raises(shm_transfer.ShmTransferError, match="falls outside"):
+            writer.write(session, [src.data_ptr()], [dst], [n])
+    assert not k_all.any() and not v_all.any()  # nothing was written
+    writer.write(session, [src.data_ptr()], [end - 16], [16])  # the last 16 bytes are in
+    assert k_all.view(-1)[-4:].tolist() == [1.0] * 4
+
+
+def test_a_writer_lets_go_of_a_stopped_decode_sides_files(tmp_path):
+    writer = shm_transfer.ShmWriter(str(tmp_path))
+    src = torch.ones(4)
+    old = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    writer.write(shm_transfer.ShmEndpoint(old.files).session, [src.data_ptr()], [old.k_all.data_ptr()], [16])
+    first = old.files[0][0]
+    assert first in writer._maps
+    del old
+    gc.collect()  # that decode service stopped: its files are gone, our map still holds the memory
+    new = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    writer.write(shm_transfer.ShmEndpoint(new.files).session, [src.data_ptr()], [new.k_all.data_ptr()], [16])
+    assert first not in writer._maps and set(writer._maps) == {p for p, _ in new.files}
+
+
+def test_a_start_sweeps_pool_files_left_by_processes_that_are_gone(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"{shm_transfer.PREFIX}{int(dead.stdout)}-00ff"
+    live = tmp_path / f"{shm_transfer.PREFIX}{os.getpid()}-00ff"
+    other = tmp_path / "someone-elses-file"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    assert shm_transfer.sweep(str(tmp_path)) == [str(stale)]
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+
+
+def test_shared_pools_are_for_cpu():
+    with pytest.raises(ValueError, match="CPU pools"):
+        KVPool(4, 1, 1, 4, torch.float32, device="meta", shared_dir="/dev/shm")
+
+
+def test_a_replica_writes_only_where_its_engine_reaches_else_sends_bytes(tmp_path):
+    shm = prefill_pb2.KvDestination(session='shm:[["/dev/shm/x", 1, 2]]')
+    other = prefill_pb2.KvDestination(session="127.0.0.1:1234")
+    tp_shm = prefill_pb2.KvDestination(tp_ranks=[prefill_pb2.KvRankDestination(session=shm.session)])
+    writer = shm_transfer.ShmWriter(str(tmp_path))
+    assert can_write(writer, shm) and can_write(writer, tp_shm) and not can_write(writer, other)
+    assert not can_write(None, shm) and not can_write(None, other)
+    if mooncake.available() is None:
+        engine = mooncake.TransferEngine()
+        assert can_write(engine, other) and not can_write(engine, shm)
