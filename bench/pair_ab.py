@@ -3,7 +3,8 @@
     python -m bench.pair_ab --a ../old-checkout [--b .] [--batch 64] [--rounds 6] [--new-tokens 64]
 
 A and B are two checkouts of this repo (e.g. `git worktree add ../old-checkout <commit>`), or one
-checkout twice with different decode flags (`--a . --b-decode-flags="--enable-torch-compile"`).
+checkout twice with different flags (`--a . --b-decode-flags="--enable-torch-compile"`, or for both
+services `--a . --b-flags="--disaggregation-transfer-backend shm"`).
 Each runs its own prefill and decode services (bench/serving_bench.py: `start_pair`), and the
 rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by 10-20%)
 hits both alike. Per run: decode tok/s (as serving_bench), the mean wait between a request's
@@ -40,6 +41,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--a-decode-flags", default="", help="extra flags of A's decode service")
     parser.add_argument("--b-decode-flags", default="", help="extra flags of B's decode service")
+    parser.add_argument("--a-flags", default="", help="extra flags of both of A's services")
+    parser.add_argument("--b-flags", default="", help="extra flags of both of B's services")
     args = parser.parse_args(argv)
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (a gap and a later ITL)")
@@ -47,11 +50,20 @@ def main(argv=None) -> None:
     tokens = args.batch * (len(prompt) + args.new_tokens) + 64
     pairs, results = [], {"A": [], "B": []}
     try:
-        for tree, flags in ((args.a, args.a_decode_flags), (args.b, args.b_decode_flags)):
-            decode_flags = tuple(shlex.split(flags))
+        for tree, flags, both in (
+            (args.a, args.a_decode_flags, args.a_flags),
+            (args.b, args.b_decode_flags, args.b_flags),
+        ):
+            both = tuple(shlex.split(both))
             pairs.append(
                 serving_bench.start_pair(
-                    path, args.threads, args.batch, tokens, decode_flags=decode_flags, tree=os.path.abspath(tree)
+                    path,
+                    args.threads,
+                    args.batch,
+                    tokens,
+                    decode_flags=both + tuple(shlex.split(flags)),
+                    prefill_flags=both,
+                    tree=os.path.abspath(tree),
                 )
             )
         for address, _ in pairs:
@@ -69,8 +81,12 @@ def main(argv=None) -> None:
                 stop(p)
     for name, rows in results.items():
         tok_s, gap, later = (statistics.median(c) for c in zip(*rows))
-        tree, flags = (args.a, args.a_decode_flags) if name == "A" else (args.b, args.b_decode_flags)
-        print(f"{name} ({tree} {flags}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms")
+        tree, flags = (
+            (args.a, f"{args.a_flags} {args.a_decode_flags}")
+            if name == "A"
+            else (args.b, f"{args.b_flags} {args.b_decode_flags}")
+        )
+        print(f"{name} ({tree} {flags.strip()}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms")
 
 
 if __name__ == "__main__":

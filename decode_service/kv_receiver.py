@@ -18,6 +18,15 @@ from common.wire.proto_gen import prefill_pb2
 
 
 class KvReceiver:
+    @staticmethod
+    def check(config) -> None:
+        """Refuse a backend that cannot work here: mooncake where the engine does not load, shm for
+        pools off the CPU (on GPUs the KV stays in device memory: use mooncake)."""
+        if config.disaggregation_transfer_backend == "mooncake":
+            mooncake.require()
+        if config.disaggregation_transfer_backend == "shm" and config.device != "cpu":
+            raise ValueError("--disaggregation-transfer-backend shm is for CPU services on one host (GPUs: mooncake)")
+
     @classmethod
     def for_service(cls, runner: ModelRunner, config, tp=None) -> KvReceiver | None:
         """The service's receiver (None with the grpc backend); under TP every rank builds one at the

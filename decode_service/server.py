@@ -40,7 +40,7 @@ from common.engine.model_runner import ModelRunner
 from common.metrics import DecodeMetrics
 from common.parallel.launch import TPRanks, check_settings
 from common.request_rules import REFUSED
-from common.wire import mooncake, security
+from common.wire import security
 from common.wire.aio_server import AioServer, answer_unimplemented
 from common.wire.servicer import add_servicer
 from decode_service.config import DecodeConfig
@@ -65,8 +65,7 @@ class _Reject(Exception):
 
 class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
     def __init__(self, config: DecodeConfig):
-        if config.disaggregation_transfer_backend == "mooncake":
-            mooncake.require()  # before the model loads: say at once what to install
+        KvReceiver.check(config)  # before the model loads: say at once what to install, or what cannot work
         self.config = config
         check_settings(config)  # --tp-size > 1: the follower ranks (common/parallel/launch.py)
         self.tp_ranks = TPRanks.start(config, follower_main, "decode") if config.tp_size > 1 else None

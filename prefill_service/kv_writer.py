@@ -44,12 +44,15 @@ def _rank_parts(dest: prefill_pb2.KvDestination, handoff: Handoff) -> list[tuple
 
 
 def can_write(engine, dest: prefill_pb2.KvDestination) -> bool:
-    """Whether `engine` (ours, or None) writes to `dest`: a shared-memory session needs our ShmWriter
-    (a decode side on this host), any other a mooncake engine; else the KV goes as gRPC bytes."""
+    """Whether `engine` (ours, or None) writes to `dest`: shared-memory sessions need our ShmWriter
+    and files it can map (a decode side on this host), any other a mooncake engine; else the KV
+    goes as gRPC bytes."""
     if engine is None:
         return False
-    session = dest.tp_ranks[0].session if dest.tp_ranks else dest.session
-    return session.startswith(shm_transfer.SESSION_PREFIX) == isinstance(engine, shm_transfer.ShmWriter)
+    sessions = [r.session for r in dest.tp_ranks] or [dest.session]
+    if not isinstance(engine, shm_transfer.ShmWriter):
+        return not any(s.startswith(shm_transfer.SESSION_PREFIX) for s in sessions)
+    return all(s.startswith(shm_transfer.SESSION_PREFIX) and engine.reaches(s) for s in sessions)
 
 
 def write_handoff(

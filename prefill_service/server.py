@@ -251,7 +251,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if fault:
             m.injected.labels(kind=fault).inc()
         backend = "grpc"
-        if request.HasField("kv_destination") and can_write(self.transfer, request.kv_destination):  # into decode's slots
+        if request.HasField("kv_destination") and can_write(self.transfer, request.kv_destination):  # into its slots
             backend = self.config.disaggregation_transfer_backend
             messages = write_handoff(self.transfer, request.kv_destination, result, max_bytes, call.cancelled.is_set)
         else:  # the gRPC path (also the fallback for a decode side that named a destination)

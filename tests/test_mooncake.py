@@ -109,10 +109,21 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
         pair.close()
 
 
-@needs_mooncake
-def test_a_replica_without_the_engine_falls_back_to_sending_bytes(checkpoint):
+@pytest.mark.parametrize(
+    "transfer,prefill_backend",
+    [
+        pytest.param("mooncake", "grpc", marks=needs_mooncake),
+        ("shm", "grpc"),
+        pytest.param("shm", "mooncake", marks=needs_mooncake),
+        ("shm", "shm-elsewhere"),  # a prefill replica whose shared-memory folder is not decode's
+    ],
+)
+def test_a_replica_without_the_engine_falls_back_to_sending_bytes(checkpoint, tmp_path, transfer, prefill_backend):
     path = checkpoint("qwen2")
-    pair = GrpcPair(path, prefill_kw=dict(disaggregation_transfer_backend="grpc"), transfer="mooncake")
+    prefill_kw = dict(disaggregation_transfer_backend=prefill_backend)
+    if prefill_backend == "shm-elsewhere":
+        prefill_kw = dict(disaggregation_transfer_backend="shm", disaggregation_shm_dir=str(tmp_path))
+    pair = GrpcPair(path, prefill_kw=prefill_kw, transfer=transfer)
     try:
         pair.check_against_oracle(path, [[5, 6, 7, 8], list(range(9, 40))], 6, rid="f")
         assert pair.prefill.kv_notices == 0 and pair.decode.kv_receiver is not None

@@ -72,7 +72,9 @@ def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(
     link = folder / f"{shm_transfer.PREFIX}{os.getpid()}-abc"
     os.symlink(path, link)
     with pytest.raises(shm_transfer.ShmTransferError, match="cannot open"):  # a link is not followed
-        writer.write("shm:" + json.dumps([[str(link), k_all.data_ptr(), 80]]), [src.data_ptr()], [k_all.data_ptr()], [16])
+        writer.write(
+            "shm:" + json.dumps([[str(link), k_all.data_ptr(), 80]]), [src.data_ptr()], [k_all.data_ptr()], [16]
+        )
     end = k_all.data_ptr() + k_all.numel() * 4
     for dst, n in ((end - 8, 16), (v_all.data_ptr() - 4, 8), (k_all.data_ptr() - 16, 16)):
         with pytest.raises(shm_transfer.ShmTransferError, match="falls outside"):
@@ -107,17 +109,28 @@ def test_a_start_sweeps_pool_files_left_by_processes_that_are_gone(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
 
 
-def test_shared_pools_are_for_cpu():
+def test_shared_pools_are_for_cpu(checkpoint):
+    from decode_service.config import DecodeConfig
+    from decode_service.server import DecodeService
+
     with pytest.raises(ValueError, match="CPU pools"):
         KVPool(4, 1, 1, 4, torch.float32, device="meta", shared_dir="/dev/shm")
+    config = DecodeConfig(checkpoint("qwen2"), port=0, device="cuda", disaggregation_transfer_backend="shm")
+    with pytest.raises(ValueError, match="for CPU services on one host"):  # before any model loads
+        DecodeService(config)
 
 
 def test_a_replica_writes_only_where_its_engine_reaches_else_sends_bytes(tmp_path):
-    shm = prefill_pb2.KvDestination(session='shm:[["/dev/shm/x", 1, 2]]')
+    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    session = shm_transfer.ShmEndpoint(pool.files).session
+    shm = prefill_pb2.KvDestination(session=session)
     other = prefill_pb2.KvDestination(session="127.0.0.1:1234")
-    tp_shm = prefill_pb2.KvDestination(tp_ranks=[prefill_pb2.KvRankDestination(session=shm.session)])
+    tp_shm = prefill_pb2.KvDestination(tp_ranks=[prefill_pb2.KvRankDestination(session=session)] * 2)
+    elsewhere = prefill_pb2.KvDestination(session=session.replace(shm_transfer.PREFIX, shm_transfer.PREFIX + "1"))
     writer = shm_transfer.ShmWriter(str(tmp_path))
     assert can_write(writer, shm) and can_write(writer, tp_shm) and not can_write(writer, other)
+    assert not can_write(writer, elsewhere)  # files this host does not have: decode gets bytes
+    assert not can_write(shm_transfer.ShmWriter(str(tmp_path / "other")), shm)  # not our folder
     assert not can_write(None, shm) and not can_write(None, other)
     if mooncake.available() is None:
         engine = mooncake.TransferEngine()

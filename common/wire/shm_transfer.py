@@ -15,7 +15,7 @@ quiesce on early ends. `ShmEndpoint` and `ShmWriter` have the methods of
   `shm:` + JSON [[path, base address, bytes], ...].
 - prefill: `ShmWriter(folder)` maps a session's files on first use (only regular files of that
   folder named as above, owned by this user, of the size the session says) and checks every write
-  lies inside one of them.
+  lies inside one of them. A session it cannot map (decode on another host) gets bytes instead.
 Only the two processes' user can open the files. Separate containers need a shared /dev/shm
 (compose: `ipc: shareable` on decode, `ipc: "service:decode"` on prefill).
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import mmap
 import os
 import re
@@ -34,6 +35,7 @@ import weakref
 
 import torch
 
+logger = logging.getLogger(__name__)
 PREFIX = "disagg-kv-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
 SESSION_PREFIX = "shm:"
@@ -133,12 +135,26 @@ class ShmWriter:
         self.folder = os.path.realpath(folder)
         self._maps: dict[str, tuple[mmap.mmap, ctypes.c_char, int]] = {}  # path -> (map, its first byte, size)
         self._lock = threading.Lock()
+        self._refused: set[str] = set()
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         pass
 
     def unregister(self, tensors: list[torch.Tensor]) -> None:
         pass
+
+    def reaches(self, session: str) -> bool:
+        """Whether this writer can map the session's files (a decode side on this host, in our folder);
+        if not, the call sends its KV as bytes. The first refusal of a session is logged."""
+        try:
+            for path, _, size in self.parse(session):
+                self._map(path, size)
+        except ShmTransferError as e:
+            if session not in self._refused:
+                self._refused.add(session)
+                logger.warning("shared-memory KV destination out of reach, sending bytes instead: %s", e)
+            return False
+        return True
 
     def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         """Copy each piece (local address, decode-side address, bytes); returns once all landed."""
