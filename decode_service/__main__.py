@@ -7,7 +7,7 @@ import os
 
 from common import omp_spin
 
-omp_spin.set_default()  # before anything below imports torch (and so loads libgomp)
+omp_spin.set_default("decode")  # before anything below imports torch (and so loads libgomp)
 
 from common.wire.grpc_server import wait_for_shutdown_signal
 from decode_service.config import parse_args
