@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from common.engine import kv_pool
 from common.engine.kv_pool import KVPool, bytes_per_slot, slots_for_budget
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import DoubleFree, IntegrityError, OutOfSlots, SlotAllocator
@@ -118,7 +119,7 @@ def test_allocations_own_their_ids_and_freed_runs_come_back_whole():
     assert alloc.num_used == 8
 
 
-def test_kv_pool_layers_share_one_buffer_and_bulk_writes_and_gathers_match_per_layer_ones():
+def test_kv_pool_layers_share_one_buffer_and_bulk_writes_and_gathers_match_per_layer_ones(monkeypatch):
     """Each layer's K/V is a view of one buffer; write_layers (a handoff chunk over several layers)
     (per-layer lists, or a chunk's one [layers, tokens, heads, dim] tensor) and gather (the prefill
     copy-out) equal the per-layer write and indexing they replace."""
@@ -137,7 +138,14 @@ def test_kv_pool_layers_share_one_buffer_and_bulk_writes_and_gathers_match_per_l
     gk, gv = bulk.gather(loc)
     for layer in range(4):
         assert torch.equal(gk[layer], bulk.k[layer][loc]) and torch.equal(gv[layer], bulk.v[layer][loc])
-    locs = [loc, torch.tensor([3]), torch.tensor([11, 0, 5, 7])]  # a step's prompts at once (gather_many)
-    for (mk, mv), slots in zip(bulk.gather_many(locs), locs):
-        assert mk.shape == (4, len(slots), 2, 3) and mk.is_contiguous() and mv.is_contiguous()
-        assert torch.equal(mk, bulk.k_all[:, slots]) and torch.equal(mv, bulk.v_all[:, slots])
+    locs = [loc, torch.tensor([3]), torch.tensor([11, 0, 5, 7]), torch.tensor([1, 2])]  # a step's prompts
+    token_bytes = 4 * 2 * 3 * 4  # one token's K over the 4 layers
+    for bound in (1 << 20, 4 * token_bytes, 1):  # one copy for all; groups [0, 1] [2] [3]; one per request
+        monkeypatch.setattr(kv_pool, "GATHER_BYTES", bound)
+        gathered = bulk.gather_many(locs)
+        assert len(gathered) == len(locs)
+        for (mk, mv), slots in zip(gathered, locs):
+            assert mk.shape == (4, len(slots), 2, 3) and mk.is_contiguous() and mv.is_contiguous()
+            assert torch.equal(mk, bulk.k_all[:, slots]) and torch.equal(mv, bulk.v_all[:, slots])
+        buffers = len({mk.untyped_storage().data_ptr() for mk, _ in gathered})
+        assert buffers == {1 << 20: 1, 4 * token_bytes: 3, 1: 4}[bound]

@@ -21,6 +21,9 @@ def slots_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head
     return n
 
 
+GATHER_BYTES = 16 << 20  # gather_many: the largest copy of one index_select
+
+
 class KVPool:
     def __init__(
         self,
@@ -70,20 +73,30 @@ class KVPool:
         return list(self.k_all.index_select(1, loc).unbind(0)), list(self.v_all.index_select(1, loc).unbind(0))
 
     def gather_many(self, locs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """gather() for several requests at once, one index_select per K and V for all of them (each a
-        parallel region: on a host shared with another service, one per request waited for a core
-        each time). Per request (K, V), each [layers, len(loc), kv_heads, head_dim] and contiguous:
-        views into the one copy, request-major so that each request's KV is one block."""
+        """gather() for several requests at once: per request (K, V), each [layers, len(loc), kv_heads,
+        head_dim], contiguous (request-major views into a shared copy). One index_select per K and V
+        for as many requests as fill GATHER_BYTES, not one per request: each is a parallel region,
+        and on a host shared with another service each region waited for a core. The bound keeps
+        each copy in glibc's heap, reused from one step to the next: a copy above glibc's mmap
+        threshold (32 MiB at most) is fresh pages every time, and faulting them in took 3/4 of the
+        time of 63 prompts' 72 MiB (23 ms against 6 ms in 16 MiB groups)."""
         layers, slots, *rest = self.k_all.shape
         per_layer = torch.arange(layers, device=self.device)[:, None] * slots
-        index = torch.cat([(per_layer + loc.to(self.device)[None, :]).reshape(-1) for loc in locs])
-        k, v = (whole.view(layers * slots, *rest).index_select(0, index) for whole in (self.k_all, self.v_all))
-        out, start = [], 0
-        for loc in locs:
-            n = layers * len(loc)
-            shape = (layers, len(loc), *rest)
-            out.append((k[start : start + n].view(shape), v[start : start + n].view(shape)))
-            start += n
+        token_bytes = layers * self.k_all[0, 0].numel() * self.k_all.element_size()
+        out, i = [], 0
+        while i < len(locs):
+            group, size = [], 0
+            while i < len(locs) and (not group or size + len(locs[i]) * token_bytes <= GATHER_BYTES):
+                group.append(locs[i])
+                size += len(locs[i]) * token_bytes
+                i += 1
+            index = torch.cat([(per_layer + loc.to(self.device)[None, :]).reshape(-1) for loc in group])
+            k, v = (whole.view(layers * slots, *rest).index_select(0, index) for whole in (self.k_all, self.v_all))
+            start = 0
+            for loc in group:
+                n, shape = layers * len(loc), (layers, len(loc), *rest)
+                out.append((k[start : start + n].view(shape), v[start : start + n].view(shape)))
+                start += n
         return out
 
     @property
