@@ -109,6 +109,19 @@ def test_a_start_sweeps_pool_files_left_by_processes_that_are_gone(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
 
 
+def test_a_pool_that_does_not_fit_the_folder_is_refused_at_once(tmp_path, monkeypatch):
+    """tmpfs hands out pages on first touch: a pool larger than its room would kill the service
+    (SIGBUS) on some later write, so the room is taken when the pool is made."""
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(shm_transfer.ShmTransferError, match="MiB free .*--shm-size"):
+        KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    assert _pool_files(tmp_path) == []
+
+
 def test_shared_pools_are_for_cpu(checkpoint):
     from decode_service.config import DecodeConfig
     from decode_service.server import DecodeService

@@ -60,7 +60,15 @@ def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tenso
     path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)  # now: a full tmpfs would otherwise kill us (SIGBUS) on a write
+    except OSError as e:
+        os.unlink(path)
+        st = os.statvfs(folder)
+        raise ShmTransferError(
+            f"the KV pool needs {nbytes >> 20} MiB in {folder}, which has {(st.f_bavail * st.f_frsize) >> 20} MiB "
+            f"free ({e.strerror}): give it more (docker: --shm-size), lower --max-total-tokens, or name another "
+            "--disaggregation-shm-dir"
+        ) from e
     finally:
         os.close(fd)
     try:
