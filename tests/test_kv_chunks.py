@@ -115,3 +115,16 @@ def test_outbox_of_an_eagle_handoff_carries_its_draft_seed():
 def test_outbox_over_no_messages_gives_only_the_seed():
     k, v = _kv()
     assert Outbox(iter(()), _handoff(k, v)).take() == (None, {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_a_tensor_decodes_the_same_read_only_or_as_a_writable_copy(dtype):
+    """A KV chunk decodes read-only, as a view of the payload's bytes (no second copy on its way into
+    the pool); everything else gets a copy it may write."""
+    source = (torch.arange(24) * 3).to(dtype).view(2, 3, 4)
+    msg = tensor_codec.encode(source)
+    view, copy = tensor_codec.decode(msg, readonly=True), tensor_codec.decode(msg)
+    assert view.dtype == copy.dtype == dtype and torch.equal(view, source) and torch.equal(copy, source)
+    copy += 1  # the copy is ours: the message is untouched
+    assert torch.equal(tensor_codec.decode(msg, readonly=True), source)
+    assert tensor_codec.decode(prefill_pb2.Tensor(dtype="float32", shape=[0, 4]), readonly=True).shape == (0, 4)

@@ -72,9 +72,10 @@ class KvAssembler:
         self.chunks = 0
 
     def add(self, chunk: prefill_pb2.KvChunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check and decode one chunk; returns its K and V, each [layers, tokens, kv_heads, head_dim]."""
+        """Check and decode one chunk; returns its K and V, each [layers, tokens, kv_heads, head_dim],
+        read-only (views of the message's bytes)."""
         t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
-        k, v = tensor_codec.decode(chunk.k), tensor_codec.decode(chunk.v)
+        k, v = tensor_codec.decode(chunk.k, readonly=True), tensor_codec.decode(chunk.v, readonly=True)
         if k.dim() != 4 or tuple(k.shape[1:]) != (nt, *self.shape) or k.shape != v.shape:
             raise ValueError(
                 f"KV chunk with K {tuple(k.shape)} and V {tuple(v.shape)}, expected [layers, {nt}, {self.shape[0]}, "

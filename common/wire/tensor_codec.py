@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 
@@ -35,7 +36,10 @@ def encode_into(msg: prefill_pb2.Tensor, t: torch.Tensor) -> prefill_pb2.Tensor:
     return msg
 
 
-def decode(msg: prefill_pb2.Tensor) -> torch.Tensor:
+def decode(msg: prefill_pb2.Tensor, readonly: bool = False) -> torch.Tensor:
+    """The tensor of `msg`. With `readonly` it is a view of the payload's bytes object, which must
+    not be written (a KV chunk on its way into the pool): reading a bytes field copies it once, and a
+    writable copy of those 1-2 MB cost 10x that again (fresh pages). Else a writable copy."""
     dtype = _BY_NAME.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"unknown tensor dtype {msg.dtype!r}")
@@ -44,11 +48,15 @@ def decode(msg: prefill_pb2.Tensor) -> torch.Tensor:
     expected = itemsize
     for n in shape:
         expected *= n
-    if expected != len(msg.data):
-        raise ValueError(f"tensor of shape {shape} {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
-    flat = (
-        torch.frombuffer(bytearray(msg.data), dtype=_SAME_WIDTH_INT[itemsize])
-        if expected
-        else torch.empty(0, dtype=_SAME_WIDTH_INT[itemsize])
-    )
+    data = msg.data  # a copy of the field each time it is read
+    if expected != len(data):
+        raise ValueError(f"tensor of shape {shape} {msg.dtype} needs {expected} bytes, got {len(data)}")
+    if not expected:
+        return torch.empty(shape, dtype=dtype)
+    if readonly:
+        with warnings.catch_warnings():  # torch warns that the buffer is not writable: we never write it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=_SAME_WIDTH_INT[itemsize])
+    else:
+        flat = torch.frombuffer(bytearray(data), dtype=_SAME_WIDTH_INT[itemsize])
     return flat.view(dtype).reshape(shape)
