@@ -1,5 +1,6 @@
-"""The same-host shared-memory handoff (common/wire/shm_transfer.py): pool files, what a prefill
-replica agrees to map and write, and the choice between it, mooncake and gRPC bytes."""
+"""The same-host shared-memory handoff (common/engine/shared_memory.py, common/wire/shm_transfer.py):
+pool files, what a prefill replica agrees to map and write, and the choice between it, mooncake and
+gRPC bytes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from common.engine import shared_memory
 from common.engine.kv_pool import KVPool
 from common.wire import mooncake, shm_transfer
 from common.wire.proto_gen import prefill_pb2
@@ -20,7 +22,7 @@ from prefill_service.kv_writer import can_write
 
 
 def _pool_files(folder) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n.startswith(shm_transfer.PREFIX))
+    return sorted(n for n in os.listdir(folder) if n.startswith(shared_memory.PREFIX))
 
 
 def test_a_shared_pool_is_private_zeroed_files_that_a_writer_fills_and_that_go_with_the_pool(tmp_path):
@@ -69,7 +71,7 @@ def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(
     for bad, why in refused.items():
         with pytest.raises(shm_transfer.ShmTransferError, match=why):
             writer.write(bad, [src.data_ptr()], [k_all.data_ptr()], [16])
-    link = folder / f"{shm_transfer.PREFIX}{os.getpid()}-abc"
+    link = folder / f"{shared_memory.PREFIX}{os.getpid()}-abc"
     os.symlink(path, link)
     with pytest.raises(shm_transfer.ShmTransferError, match="cannot open"):  # a link is not followed
         writer.write(
@@ -100,12 +102,12 @@ def test_a_writer_lets_go_of_a_stopped_decode_sides_files(tmp_path):
 
 def test_a_start_sweeps_pool_files_left_by_processes_that_are_gone(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f"{shm_transfer.PREFIX}{int(dead.stdout)}-00ff"
-    live = tmp_path / f"{shm_transfer.PREFIX}{os.getpid()}-00ff"
+    stale = tmp_path / f"{shared_memory.PREFIX}{int(dead.stdout)}-00ff"
+    live = tmp_path / f"{shared_memory.PREFIX}{os.getpid()}-00ff"
     other = tmp_path / "someone-elses-file"
     for f in (stale, live, other):
         f.write_bytes(b"x")
-    assert shm_transfer.sweep(str(tmp_path)) == [str(stale)]
+    assert shared_memory.sweep(str(tmp_path)) == [str(stale)]
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
 
 
@@ -117,7 +119,7 @@ def test_a_pool_that_does_not_fit_the_folder_is_refused_at_once(tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(shm_transfer.ShmTransferError, match="MiB free .*--shm-size"):
+    with pytest.raises(shared_memory.SharedMemoryFull, match="MiB free .*--shm-size"):
         KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
     assert _pool_files(tmp_path) == []
 
@@ -139,7 +141,7 @@ def test_a_replica_writes_only_where_its_engine_reaches_else_sends_bytes(tmp_pat
     shm = prefill_pb2.KvDestination(session=session)
     other = prefill_pb2.KvDestination(session="127.0.0.1:1234")
     tp_shm = prefill_pb2.KvDestination(tp_ranks=[prefill_pb2.KvRankDestination(session=session)] * 2)
-    elsewhere = prefill_pb2.KvDestination(session=session.replace(shm_transfer.PREFIX, shm_transfer.PREFIX + "1"))
+    elsewhere = prefill_pb2.KvDestination(session=session.replace(shared_memory.PREFIX, shared_memory.PREFIX + "1"))
     writer = shm_transfer.ShmWriter(str(tmp_path))
     assert can_write(writer, shm) and can_write(writer, tp_shm) and not can_write(writer, other)
     assert not can_write(writer, elsewhere)  # files this host does not have: decode gets bytes

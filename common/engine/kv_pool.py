@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from common.engine import shared_memory
 from common.engine.host_copy import to_device
 
 
@@ -36,7 +37,7 @@ class KVPool:
         shared_dir: str | None = None,
     ):
         """`shared_dir` (CPU): each buffer is a file there that a prefill replica on this host maps
-        and writes handoffs into (common/wire/shm_transfer.py); `files` lists (path, buffer)."""
+        and writes handoffs into (shared_memory.py); `files` lists (path, buffer)."""
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.dtype = dtype
@@ -48,9 +49,7 @@ class KVPool:
         if shared_dir is not None:
             if self.device.type != "cpu":
                 raise ValueError("a KV pool in shared memory is for CPU pools (on GPUs use mooncake)")
-            from common.wire import shm_transfer
-
-            self.files = [shm_transfer.allocate(shared_dir, shape, dtype)[::-1] for _ in range(2)]
+            self.files = [shared_memory.allocate(shared_dir, shape, dtype)[::-1] for _ in range(2)]
             self.k_all, self.v_all = (t for _, t in self.files)
         else:
             self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -9,9 +9,9 @@ same destination (per-layer addresses and slot runs), the same `KvWritten` notic
 quiesce on early ends. `ShmEndpoint` and `ShmWriter` have the methods of
 `mooncake.TransferEngine` that path uses.
 
-- decode: `allocate` makes a pool's buffer a file `disagg-kv-<pid>-<random>` (mode 0600), unlinked
-  when the pool is collected or the process exits; a start sweeps files of processes that are gone
-  (a crash). `ShmEndpoint(tensors)` names the files and where they are mapped in its session:
+- decode: its pools' buffers are files `disagg-kv-<pid>-<random>` (common/engine/shared_memory.py:
+  mode 0600, room taken at once, removed with the pool; a start sweeps those of processes that are
+  gone). `ShmEndpoint(files)` names the files and where they are mapped in its session:
   `shm:` + JSON [[path, base address, bytes], ...].
 - prefill: `ShmWriter(folder)` maps a session's files on first use (only regular files of that
   folder named as above, owned by this user, of the size the session says) and checks every write
@@ -27,95 +27,19 @@ import json
 import logging
 import mmap
 import os
-import re
-import secrets
 import stat
 import threading
-import weakref
 
 import torch
 
+from common.engine.shared_memory import NAME as _NAME
+
 logger = logging.getLogger(__name__)
-PREFIX = "disagg-kv-"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
 SESSION_PREFIX = "shm:"
-_swept: set[str] = set()
 
 
 class ShmTransferError(RuntimeError):
     """A session or a write that this writer refuses (the message says why)."""
-
-
-def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
-    """A zeroed tensor whose memory is a new file in `folder`: (tensor, file path). The file is
-    removed when the tensor's storage is collected or at exit."""
-    folder = os.path.realpath(folder)
-    if folder not in _swept:
-        sweep(folder)
-        _swept.add(folder)
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # now: a full tmpfs would otherwise kill us (SIGBUS) on a write
-    except OSError as e:
-        os.unlink(path)
-        st = os.statvfs(folder)
-        raise ShmTransferError(
-            f"the KV pool needs {nbytes >> 20} MiB in {folder}, which has {(st.f_bavail * st.f_frsize) >> 20} MiB "
-            f"free ({e.strerror}): give it more (docker: --shm-size), lower --max-total-tokens, or name another "
-            "--disaggregation-shm-dir"
-        ) from e
-    finally:
-        os.close(fd)
-    try:
-        t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-    except BaseException:
-        os.unlink(path)
-        raise
-    weakref.finalize(t.untyped_storage(), _unlink, path)
-    return t, path
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def sweep(folder: str) -> list[str]:
-    """Remove this user's pool files in `folder` whose process is gone; the removed paths."""
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        m = _NAME.match(name)
-        path = os.path.join(folder, name)
-        if m is None or _alive(int(m.group(1))):
-            continue
-        try:
-            if os.lstat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class ShmEndpoint:
