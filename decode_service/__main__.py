@@ -9,6 +9,7 @@ from common import omp_spin
 
 omp_spin.set_default("decode")  # before anything below imports torch (and so loads libgomp)
 
+from common.engine import shared_memory
 from common.wire.grpc_server import wait_for_shutdown_signal
 from decode_service.config import parse_args
 from decode_service.server import DecodeService
@@ -28,6 +29,7 @@ def main(argv=None) -> None:
     wait_for_shutdown_signal()
     logging.info("decode service stopping")
     service.shutdown(config.shutdown_grace_s)
+    shared_memory.release_all()  # the shm handoff's pool files: os._exit below runs no exit handlers
     logging.info("stopped")
     logging.shutdown()
     os._exit(0)  # everything is released: skip interpreter teardown (~1.5 s of torch and gRPC finalizers)

@@ -1,16 +1,18 @@
 """The decode side of the transfer-engine data plane (--disaggregation-transfer-backend mooncake or shm).
 
 At start-up the KV pools (the target's, and the EAGLE head's, which shares slot indices) are
-registered once with a transfer engine; `destination` is what every Prefill call then names: the
-engine's session and each pool's per-layer addresses (the prefill client adds the request's slot
-runs). The prefill replica writes K and V there and sends a notice per chunk; the scheduler reads a
-request's slots only after its record, i.e. after every notice (DESIGN section 3).
-With tensor parallelism every rank registers its own pools with its own engine; `for_ranks` joins
-their `rank_destination`s (each naming the KV heads it holds) into rank 0's destination.
+registered once with a transfer engine, or with shm were made as shared-memory files
+(common/engine/shared_memory.py); `destination` is what every Prefill call then names: the
+session (the engine's, or the files') and each pool's per-layer addresses (the prefill client adds
+the request's slot runs). The prefill replica writes K and V there and sends a notice per chunk;
+the scheduler reads a request's slots only after its record, i.e. after every notice (DESIGN
+section 3). With tensor parallelism every rank does so with its own pools; `join_ranks` joins their
+`rank_destination`s (each naming the KV heads it holds) into rank 0's destination.
 """
 
 from __future__ import annotations
 
+from common.engine import shared_memory
 from common.engine.model_runner import ModelRunner
 from common.parallel.tp_shard import kv_heads_of
 from common.wire import mooncake, shm_transfer
@@ -25,7 +27,7 @@ class KvReceiver:
         if config.disaggregation_transfer_backend == "mooncake":
             mooncake.require()
         if config.disaggregation_transfer_backend == "shm" and config.device != "cpu":
-            raise ValueError("--disaggregation-transfer-backend shm is for CPU services on one host (GPUs: mooncake)")
+            raise ValueError(shared_memory.CPU_ONLY)
 
     @classmethod
     def for_service(cls, runner: ModelRunner, config, tp=None) -> KvReceiver | None:

@@ -19,11 +19,16 @@ from common.wire import kv_chunks, mooncake, shm_transfer
 from common.wire.proto_gen import prefill_pb2
 
 
+def _ranks(dest: prefill_pb2.KvDestination) -> list:
+    """The write targets a destination names: each rank of a tensor-parallel decode side, or itself."""
+    return list(dest.tp_ranks) or [dest]
+
+
 def _rank_parts(dest: prefill_pb2.KvDestination, handoff: Handoff) -> list[tuple]:
     """(session, k, v, region, draft) of every write target: the one destination, or with a
     tensor-parallel decode side each rank with the KV heads it holds (copies of those heads) and,
     with EAGLE, the head's whole KV into every rank's draft pool."""
-    ranks = list(dest.tp_ranks) or [dest]
+    ranks = _ranks(dest)
     heads = handoff.k[0].shape[1]
     parts = []
     for r in ranks:
@@ -49,7 +54,7 @@ def can_write(engine, dest: prefill_pb2.KvDestination) -> bool:
     goes as gRPC bytes."""
     if engine is None:
         return False
-    sessions = [r.session for r in dest.tp_ranks] or [dest.session]
+    sessions = [r.session for r in _ranks(dest)]
     if not isinstance(engine, shm_transfer.ShmWriter):
         return not any(s.startswith(shm_transfer.SESSION_PREFIX) for s in sessions)
     return all(s.startswith(shm_transfer.SESSION_PREFIX) and engine.reaches(s) for s in sessions)

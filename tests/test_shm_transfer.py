@@ -8,8 +8,6 @@ import gc
 import json
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -100,15 +98,21 @@ def test_a_writer_lets_go_of_a_stopped_decode_sides_files(tmp_path):
     assert first not in writer._maps and set(writer._maps) == {p for p, _ in new.files}
 
 
-def test_a_start_sweeps_pool_files_left_by_processes_that_are_gone(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f"{shared_memory.PREFIX}{int(dead.stdout)}-00ff"
-    live = tmp_path / f"{shared_memory.PREFIX}{os.getpid()}-00ff"
+def test_a_start_sweeps_pool_files_that_no_process_holds(tmp_path):
+    """A live buffer's process holds a lock on its file; a crash leaves files nobody holds. The pid in
+    the name decides nothing (pids repeat across containers and restarts)."""
+    live = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    stale = tmp_path / f"{shared_memory.PREFIX}{os.getpid()}-00ff"  # our own pid, but nobody holds it
     other = tmp_path / "someone-elses-file"
-    for f in (stale, live, other):
+    for f in (stale, other):
         f.write_bytes(b"x")
+    held = [os.path.basename(p) for p, _ in live.files]
     assert shared_memory.sweep(str(tmp_path)) == [str(stale)]
-    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+    assert sorted(os.listdir(tmp_path)) == sorted([*held, other.name])
+    shared_memory.release_all()  # what a service ending with os._exit does: the files go, the pool stays
+    assert sorted(os.listdir(tmp_path)) == [other.name]
+    live.k_all += 1
+    assert live.k_all.sum() == live.k_all.numel()
 
 
 def test_a_pool_that_does_not_fit_the_folder_is_refused_at_once(tmp_path, monkeypatch):
@@ -128,7 +132,7 @@ def test_shared_pools_are_for_cpu(checkpoint):
     from decode_service.config import DecodeConfig
     from decode_service.server import DecodeService
 
-    with pytest.raises(ValueError, match="CPU pools"):
+    with pytest.raises(ValueError, match="for CPU services on one host"):
         KVPool(4, 1, 1, 4, torch.float32, device="meta", shared_dir="/dev/shm")
     config = DecodeConfig(checkpoint("qwen2"), port=0, device="cuda", disaggregation_transfer_backend="shm")
     with pytest.raises(ValueError, match="for CPU services on one host"):  # before any model loads
@@ -150,3 +154,42 @@ def test_a_replica_writes_only_where_its_engine_reaches_else_sends_bytes(tmp_pat
     if mooncake.available() is None:
         engine = mooncake.TransferEngine()
         assert can_write(engine, other) and not can_write(engine, shm)
+
+
+def test_a_malformed_or_oversized_session_is_a_refusal_not_a_crash(tmp_path):
+    writer = shm_transfer.ShmWriter(str(tmp_path))
+    for bad in ('shm:[["x", Infinity, 1]]', "shm:" + "[" * 100_000, "shm:" + "[" * 5000 + "]" * 5000, "shm:{}"):
+        with pytest.raises(shm_transfer.ShmTransferError):
+            writer.parse(bad)
+        assert not writer.reaches(bad)
+
+
+def test_a_hard_link_to_a_pool_file_is_not_a_pool_file(tmp_path):
+    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    (path, k_all), _ = pool.files
+    link = tmp_path / f"{shared_memory.PREFIX}1-abc"
+    os.link(path, link)
+    session = "shm:" + json.dumps([[str(link), k_all.data_ptr(), k_all.numel() * 4]])
+    assert not shm_transfer.ShmWriter(str(tmp_path)).reaches(session)
+
+
+def test_a_map_in_use_is_never_unmapped_under_a_write(tmp_path):
+    """A caller's session naming a mapped file with another size is refused without touching the map;
+    a file whose decode side went away is unmapped only once no write holds it."""
+    writer = shm_transfer.ShmWriter(str(tmp_path))
+    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    session = shm_transfer.ShmEndpoint(pool.files).session
+    (path, k_all), _ = pool.files
+    src = torch.full((4,), 7.0)
+    writer.write(session, [src.data_ptr()], [k_all.data_ptr()], [16])
+    wrong = "shm:" + json.dumps([[path, k_all.data_ptr(), 64]])
+    with pytest.raises(shm_transfer.ShmTransferError, match="mapped here with"):
+        writer.write(wrong, [src.data_ptr()], [k_all.data_ptr()], [16])
+    assert path in writer._maps
+    held = writer._acquire(session)  # a write in progress
+    del pool, k_all
+    gc.collect()  # the decode side went away: its files are removed
+    writer._release([])  # a prune while the write holds the maps
+    assert path in writer._maps
+    writer._release(held)
+    assert path not in writer._maps

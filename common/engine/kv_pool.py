@@ -48,7 +48,7 @@ class KVPool:
         self.files: list[tuple[str, torch.Tensor]] = []
         if shared_dir is not None:
             if self.device.type != "cpu":
-                raise ValueError("a KV pool in shared memory is for CPU pools (on GPUs use mooncake)")
+                raise ValueError(shared_memory.CPU_ONLY)
             self.files = [shared_memory.allocate(shared_dir, shape, dtype)[::-1] for _ in range(2)]
             self.k_all, self.v_all = (t for _, t in self.files)
         else:
@@ -78,7 +78,8 @@ class KVPool:
         and on a host shared with another service each region waited for a core. The bound keeps
         each copy in glibc's heap, reused from one step to the next: a copy above glibc's mmap
         threshold (32 MiB at most) is fresh pages every time, and faulting them in took 3/4 of the
-        time of 63 prompts' 72 MiB (23 ms against 6 ms in 16 MiB groups)."""
+        time of 63 prompts' 72 MiB (23 ms against 6 ms in 16 MiB groups). A group's copy lives as long
+        as any of its requests' views: a slow stream keeps its group's other KV (at most 16 MiB)."""
         layers, slots, *rest = self.k_all.shape
         per_layer = torch.arange(layers, device=self.device)[:, None] * slots
         token_bytes = layers * self.k_all[0, 0].numel() * self.k_all.element_size()

@@ -1,14 +1,19 @@
 """KV pool buffers as files of a shared-memory folder (the shm handoff, common/wire/shm_transfer.py).
 
 A buffer is a file `disagg-kv-<pid>-<random>` (mode 0600) mapped shared: a prefill replica on the
-same host maps the same file and writes handoffs straight into the pool. Its room is taken when it
-is made (tmpfs hands out pages on first touch: a full folder would kill the service with SIGBUS on
-some later write instead). The file is removed when the buffer is collected or at exit; the first
-buffer made in a folder removes this user's files there of processes that are gone (a crash).
+same host maps the same file and writes handoffs straight into the pool.
+- Its room is taken when it is made: tmpfs hands out pages on first touch, so a full folder would
+  otherwise kill the service with SIGBUS on some later write.
+- Its process holds a shared lock (flock) on it while the buffer lives. The first buffer made in a
+  folder removes this user's files there that nobody holds: left by a crash. A lock, not the pid in
+  the name, tells: pids repeat across containers and restarts.
+- The file is removed when the buffer is collected, at exit, or by `release_all()` (a service that
+  ends with os._exit, which skips exit handlers).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -17,8 +22,10 @@ import weakref
 import torch
 
 PREFIX = "disagg-kv-"
-NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+$")
+NAME = re.compile(rf"{PREFIX}[0-9]+-[0-9a-f]+")  # re.fullmatch
+CPU_ONLY = "--disaggregation-transfer-backend shm is for CPU services on one host (on GPUs: mooncake)"
 _swept: set[str] = set()
+_live: list[weakref.finalize] = []  # one per buffer made here: closes its lock, removes its file
 
 
 class SharedMemoryFull(RuntimeError):
@@ -26,8 +33,7 @@ class SharedMemoryFull(RuntimeError):
 
 
 def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
-    """A zeroed tensor whose memory is a new file in `folder`: (tensor, file path). The file is
-    removed when the tensor's storage is collected or at exit."""
+    """A zeroed tensor whose memory is a new file in `folder`: (tensor, file path)."""
     folder = os.path.realpath(folder)
     if folder not in _swept:
         sweep(folder)
@@ -39,59 +45,69 @@ def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tenso
     path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.posix_fallocate(fd, 0, nbytes)  # now: a full tmpfs would otherwise kill us (SIGBUS) on a write
-    except OSError as e:
-        os.unlink(path)
-        st = os.statvfs(folder)
-        raise SharedMemoryFull(
-            f"the KV pool needs {nbytes >> 20} MiB in {folder}, which has {(st.f_bavail * st.f_frsize) >> 20} MiB "
-            f"free ({e.strerror}): give it more (docker: --shm-size), lower --max-total-tokens, or name another "
-            "--disaggregation-shm-dir"
-        ) from e
-    finally:
-        os.close(fd)
-    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            raise SharedMemoryFull(
+                f"the KV pool needs {nbytes >> 20} MiB in {folder}, which has {_free_mib(folder)} MiB free "
+                f"({e.strerror}): give it more (docker: --shm-size), lower --max-total-tokens, or name another "
+                "--disaggregation-shm-dir"
+            ) from e
         t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
     except BaseException:
-        os.unlink(path)
+        _remove(path, fd)
         raise
-    weakref.finalize(t.untyped_storage(), _unlink, path)
+    _live.append(weakref.finalize(t.untyped_storage(), _remove, path, fd))
     return t, path
 
 
-def _unlink(path: str) -> None:
+def release_all() -> None:
+    """Remove every buffer file this process made (its tensors stay mapped until they go)."""
+    while _live:
+        _live.pop()()
+
+
+def _free_mib(folder: str) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return -1
+    return (st.f_bavail * st.f_frsize) >> 20
+
+
+def _remove(path: str, fd: int | None = None) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    if fd is not None:
+        os.close(fd)
 
 
 def sweep(folder: str) -> list[str]:
-    """Remove this user's pool files in `folder` whose process is gone; the removed paths."""
+    """Remove this user's buffer files in `folder` that no process holds; the removed paths."""
     removed = []
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return removed
     for name in names:
-        m = NAME.match(name)
+        if not NAME.fullmatch(name):
+            continue
         path = os.path.join(folder, name)
-        if m is None or _alive(int(m.group(1))):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
             continue
         try:
-            if os.lstat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(path)
-        except FileNotFoundError:
-            pass
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live buffer
+            continue
+        finally:
+            os.close(fd)
+        _remove(path)
+        removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

@@ -43,7 +43,8 @@ def _rank_main(follower, config, rank: int, port: int, name: str) -> None:
     """A follower rank's process: join the group, then `follower(config, tp)` until rank 0 stops it."""
     from common import omp_spin
 
-    omp_spin.set_default(name)
+    omp_spin.set_default(name)  # a no-op in effect: the rank inherits the service's environment (set
+    # before torch loaded there), and unpickling this target has loaded torch here already
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}-tp{rank} %(levelname)s %(message)s")
     tp = TPGroup.init(rank, config.tp_size, f"tcp://127.0.0.1:{port}", config.device)
     try:

@@ -56,7 +56,8 @@ def split(
 
 
 def payload_bytes(chunk: prefill_pb2.KvChunk) -> int:
-    return len(chunk.k.data) + len(chunk.v.data)
+    """K and V bytes of a chunk, from their shapes (a checked chunk's are its payload's length)."""
+    return tensor_codec.nbytes(chunk.k) + tensor_codec.nbytes(chunk.v)
 
 
 class KvAssembler:
@@ -73,7 +74,7 @@ class KvAssembler:
 
     def add(self, chunk: prefill_pb2.KvChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """Check and decode one chunk; returns its K and V, each [layers, tokens, kv_heads, head_dim],
-        read-only (views of the message's bytes)."""
+        read-only (views of a copy of the message's bytes: reading a bytes field copies it)."""
         t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
         k, v = tensor_codec.decode(chunk.k, readonly=True), tensor_codec.decode(chunk.v, readonly=True)
         if k.dim() != 4 or tuple(k.shape[1:]) != (nt, *self.shape) or k.shape != v.shape:

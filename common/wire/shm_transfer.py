@@ -42,6 +42,10 @@ class ShmTransferError(RuntimeError):
     """A session or a write that this writer refuses (the message says why)."""
 
 
+def _inside(base: int, size: int, start: int, n: int) -> bool:
+    return base <= start and start + n <= base + size
+
+
 class ShmEndpoint:
     """The decode side: its pools' files as a session. `register` checks that tensors lie in them."""
 
@@ -53,21 +57,42 @@ class ShmEndpoint:
     def register(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             start, n = t.data_ptr(), t.numel() * t.element_size()
-            if not any(base <= start and start + n <= base + size for _, base, size in self.segments):
+            if not any(_inside(base, size, start, n) for _, base, size in self.segments):
                 raise ShmTransferError("a tensor to receive KV is not in a shared-memory pool file")
 
     def unregister(self, tensors: list[torch.Tensor]) -> None:
         pass
 
 
+class _Mapped:
+    """One pool file mapped here; `users`: writes in progress (it is unmapped only at 0)."""
+
+    def __init__(self, mm: mmap.mmap, size: int, inode: int):
+        self.mm, self.size, self.inode, self.users = mm, size, inode, 0
+        self.first = ctypes.c_char.from_buffer(mm)  # held: the map cannot close under a write
+        self.addr = ctypes.addressof(self.first)
+
+    def close(self) -> None:
+        del self.first  # the export ends with its last reference
+        self.mm.close()
+
+
 class ShmWriter:
-    """The prefill side: writes local memory into the decode side's pool files, mapped on first use."""
+    """The prefill side: writes local memory into the decode side's pool files, mapped on first use
+    and kept while they exist. A file its decode side removed (it stopped) is unmapped once no write
+    uses it, within PRUNE_S: our map would otherwise keep its memory, and the room a restarted
+    decode side needs."""
+
+    PRUNE_S = 1.0
+    MAX_SESSION = 1 << 16  # bytes: a few paths, not more
 
     def __init__(self, folder: str = "/dev/shm"):
         self.folder = os.path.realpath(folder)
-        self._maps: dict[str, tuple[mmap.mmap, ctypes.c_char, int]] = {}  # path -> (map, its first byte, size)
+        self._maps: dict[str, _Mapped] = {}
         self._lock = threading.Lock()
-        self._refused: set[str] = set()
+        self._refused: set[str] = set()  # sessions whose refusal was logged (bounded)
+        self._closed = threading.Event()
+        self._pruner: threading.Thread | None = None
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         pass
@@ -77,12 +102,13 @@ class ShmWriter:
 
     def reaches(self, session: str) -> bool:
         """Whether this writer can map the session's files (a decode side on this host, in our folder);
-        if not, the call sends its KV as bytes. The first refusal of a session is logged."""
+        if not, the call sends its KV as bytes. A session's first refusal is logged."""
         try:
-            for path, _, size in self.parse(session):
-                self._map(path, size)
+            self._release(self._acquire(session))
         except ShmTransferError as e:
             if session not in self._refused:
+                if len(self._refused) >= 64:
+                    self._refused.clear()
                 self._refused.add(session)
                 logger.warning("shared-memory KV destination out of reach, sending bytes instead: %s", e)
             return False
@@ -90,56 +116,102 @@ class ShmWriter:
 
     def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         """Copy each piece (local address, decode-side address, bytes); returns once all landed."""
-        segments = [(base, size, self._map(path, size)) for path, base, size in self.parse(session)]
-        for src, dst, n in zip(srcs, dsts, lens):
-            for base, size, addr in segments:
-                if base <= dst and dst + n <= base + size:
-                    ctypes.memmove(addr + (dst - base), src, n)
-                    break
-            else:
-                raise ShmTransferError(f"a write of {n} bytes at {dst:#x} falls outside the session's pool files")
+        held = self._acquire(session)
+        try:
+            for src, dst, n in zip(srcs, dsts, lens):
+                for base, m in held:
+                    if _inside(base, m.size, dst, n):
+                        ctypes.memmove(m.addr + (dst - base), src, n)
+                        break
+                else:
+                    raise ShmTransferError(f"a write of {n} bytes at {dst:#x} falls outside the session's pool files")
+        finally:
+            self._release(held)
 
     def parse(self, session: str) -> list[tuple[str, int, int]]:
-        if not session.startswith(SESSION_PREFIX):
+        if not session.startswith(SESSION_PREFIX) or len(session) > self.MAX_SESSION:
             raise ShmTransferError(f"not a shared-memory session: {session[:40]!r}")
         try:
             segments = [(str(p), int(b), int(s)) for p, b, s in json.loads(session[len(SESSION_PREFIX) :])]
-        except (ValueError, TypeError) as e:
-            raise ShmTransferError(f"malformed shared-memory session: {e}") from e
-        for path, _, size in segments:
-            if os.path.dirname(path) != self.folder or not _NAME.match(os.path.basename(path)) or size <= 0:
+        except Exception as e:  # noqa: BLE001 (anything a caller's JSON can raise: a refusal, not a crash)
+            raise ShmTransferError(f"malformed shared-memory session: {e!r}"[:200]) from e
+        if not segments:
+            raise ShmTransferError("the shared-memory session names no pool file")
+        for path, base, size in segments:
+            if os.path.dirname(path) != self.folder or not _NAME.fullmatch(os.path.basename(path)):
                 raise ShmTransferError(f"{path!r} is not a KV pool file of {self.folder}")
+            if base < 0 or size <= 0:
+                raise ShmTransferError(f"{path!r}: bad extent {base}+{size}")
         return segments
 
-    def _map(self, path: str, size: int) -> int:
-        """The address of `path` mapped here (checked: a regular file of ours, of `size` bytes)."""
+    def _acquire(self, session: str) -> list[tuple[int, _Mapped]]:
+        """(decode-side base address, its map) of each of the session's files, each held by us."""
+        segments = self.parse(session)
+        held: list[tuple[int, _Mapped]] = []
         with self._lock:
-            if path in self._maps and self._maps[path][2] == size:
-                return ctypes.addressof(self._maps[path][1])
-            for gone in [p for p in self._maps if p == path or not os.path.exists(p)]:
-                self._unmap(gone)  # a decode service that stopped: its pool's memory goes with our map
             try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-            except OSError as e:
-                raise ShmTransferError(f"cannot open the decode side's pool file {path}: {e}") from e
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != size:
-                    raise ShmTransferError(f"{path} is not this user's pool file of {size} bytes")
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            first = ctypes.c_char.from_buffer(mm)
-            self._maps[path] = (mm, first, size)
-            return ctypes.addressof(first)
+                for path, base, size in segments:
+                    m = self._maps.get(path) or self._open(path, size)
+                    if m.size != size:  # refused, and the map stays: a write may be using it
+                        raise ShmTransferError(f"{path} is mapped here with {m.size} bytes, the session says {size}")
+                    m.users += 1
+                    held.append((base, m))
+            except BaseException:
+                self._release_locked(held)
+                raise
+        return held
 
-    def _unmap(self, path: str) -> None:
-        mm, first, _ = self._maps.pop(path)
-        del first  # the map's export ends with its last reference
-        mm.close()
+    def _release(self, held: list[tuple[int, _Mapped]]) -> None:
+        with self._lock:
+            self._release_locked(held)
+
+    def _release_locked(self, held: list[tuple[int, _Mapped]]) -> None:
+        for _, m in held:
+            m.users -= 1
+        self._prune_locked()
+
+    def _open(self, path: str, size: int) -> _Mapped:
+        """Map `path` (checked: a regular file of ours with one name, of `size` bytes); lock held."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as e:
+            raise ShmTransferError(f"cannot open the decode side's pool file {path}: {e}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1 or st.st_size != size:
+                raise ShmTransferError(f"{path} is not this user's pool file of {size} bytes")
+            m = _Mapped(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), size, st.st_ino)
+        finally:
+            os.close(fd)
+        self._maps[path] = m
+        if self._pruner is None:
+            self._pruner = threading.Thread(target=self._prune_loop, name="shm-prune", daemon=True)
+            self._pruner.start()
+        return m
+
+    def _prune_locked(self) -> None:
+        for path, m in list(self._maps.items()):
+            if m.users == 0 and _inode(path) != m.inode:  # its decode side removed it
+                del self._maps[path]
+                m.close()
+
+    def _prune_loop(self) -> None:
+        while not self._closed.wait(self.PRUNE_S):
+            with self._lock:
+                self._prune_locked()
 
     def close(self) -> None:
-        """Unmap every file (the decode side keeps its pools)."""
+        """Unmap every file no write is using (the decode side keeps its pools)."""
+        self._closed.set()
         with self._lock:
-            for path in list(self._maps):
-                self._unmap(path)
+            for path, m in list(self._maps.items()):
+                if m.users == 0:
+                    del self._maps[path]
+                    m.close()
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None

@@ -15,6 +15,9 @@ _BY_NAME = {
 }
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 assert sys.byteorder == "little", "the wire format is little-endian"
+# decode(readonly=True) views a bytes object, which torch calls non-writable: we never write it.
+# Filtered once here: warnings.catch_warnings around each call is not thread-safe.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -36,6 +39,15 @@ def encode_into(msg: prefill_pb2.Tensor, t: torch.Tensor) -> prefill_pb2.Tensor:
     return msg
 
 
+def nbytes(msg: prefill_pb2.Tensor) -> int:
+    """The payload's size as its dtype and shape say (reading `msg.data` would copy it)."""
+    dtype = _BY_NAME.get(msg.dtype)
+    n = torch.empty(0, dtype=dtype).element_size() if dtype is not None else 0
+    for d in msg.shape:
+        n *= d
+    return n
+
+
 def decode(msg: prefill_pb2.Tensor, readonly: bool = False) -> torch.Tensor:
     """The tensor of `msg`. With `readonly` it is a view of the payload's bytes object, which must
     not be written (a KV chunk on its way into the pool): reading a bytes field copies it once, and a
@@ -54,9 +66,7 @@ def decode(msg: prefill_pb2.Tensor, readonly: bool = False) -> torch.Tensor:
     if not expected:
         return torch.empty(shape, dtype=dtype)
     if readonly:
-        with warnings.catch_warnings():  # torch warns that the buffer is not writable: we never write it
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=_SAME_WIDTH_INT[itemsize])
+        flat = torch.frombuffer(data, dtype=_SAME_WIDTH_INT[itemsize])
     else:
         flat = torch.frombuffer(bytearray(data), dtype=_SAME_WIDTH_INT[itemsize])
     return flat.view(dtype).reshape(shape)
