@@ -10,12 +10,13 @@ quiesce on early ends. `ShmEndpoint` and `ShmWriter` have the methods of
 `mooncake.TransferEngine` that path uses.
 
 - decode: its pools' buffers are files `disagg-kv-<pid>-<random>` (common/engine/shared_memory.py:
-  mode 0600, room taken at once, removed with the pool; a start sweeps those of processes that are
-  gone). `ShmEndpoint(files)` names the files and where they are mapped in its session:
+  mode 0600, room taken at once, locked while alive, removed with the pool; a start sweeps those
+  nobody holds). `ShmEndpoint(files)` names the files and where they are mapped in its session:
   `shm:` + JSON [[path, base address, bytes], ...].
 - prefill: `ShmWriter(folder)` maps a session's files on first use (only regular files of that
-  folder named as above, owned by this user, of the size the session says) and checks every write
-  lies inside one of them. A session it cannot map (decode on another host) gets bytes instead.
+  folder named as above, with one link, owned by this user, of the size the session says), checks
+  every write lies inside one of them, and unmaps a file its decode side removed once no write
+  uses it. A session it cannot map (decode on another host) gets bytes instead.
 Only the two processes' user can open the files. Separate containers need a shared /dev/shm
 (compose: `ipc: shareable` on decode, `ipc: "service:decode"` on prefill).
 """
