@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 import time
 
@@ -42,6 +44,21 @@ MOONCAKE_MISSING = mooncake.available()  # None where the transfer engine loads 
 needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING is not None, reason=f"no transfer engine: {MOONCAKE_MISSING}")
 
 
+def _shm_dir() -> str:
+    """The shm backend's folder in tests: /dev/shm where it has room (a container's default is 64 MB),
+    else a temporary folder (file-backed maps: slower, the same code)."""
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= 1 << 30:
+            return "/dev/shm"
+    except OSError:
+        pass
+    return tempfile.mkdtemp(prefix="disagg-shm-")
+
+
+SHM_DIR = _shm_dir()
+
+
 class GrpcPair:
     """`transfer`: the KV data plane of both services (--disaggregation-transfer-backend)."""
 
@@ -53,8 +70,9 @@ class GrpcPair:
         decode_kw: dict | None = None,
         transfer: str = "grpc",
     ):
-        prefill_kw = {"disaggregation_transfer_backend": transfer, **(prefill_kw or {})}  # explicit flags win
-        decode_kw = {"disaggregation_transfer_backend": transfer, **(decode_kw or {})}
+        common = {"disaggregation_transfer_backend": transfer, "disaggregation_shm_dir": SHM_DIR}
+        prefill_kw = {**common, **(prefill_kw or {})}  # explicit flags win
+        decode_kw = {**common, **(decode_kw or {})}
         self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, **prefill_kw)).start()
         self.decode = DecodeService(
             DecodeConfig(
