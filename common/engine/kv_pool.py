@@ -49,7 +49,7 @@ class KVPool:
         if shared_dir is not None:
             if self.device.type != "cpu":
                 raise ValueError(shared_memory.CPU_ONLY)
-            self.files = [shared_memory.allocate(shared_dir, shape, dtype)[::-1] for _ in range(2)]
+            self.files = [shared_memory.allocate(shared_dir, shape, dtype) for _ in range(2)]
             self.k_all, self.v_all = (t for _, t in self.files)
         else:
             self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -83,13 +83,16 @@ class KVPool:
         layers, slots, *rest = self.k_all.shape
         per_layer = torch.arange(layers, device=self.device)[:, None] * slots
         token_bytes = layers * self.k_all[0, 0].numel() * self.k_all.element_size()
-        out, i = [], 0
-        while i < len(locs):
-            group, size = [], 0
-            while i < len(locs) and (not group or size + len(locs[i]) * token_bytes <= GATHER_BYTES):
-                group.append(locs[i])
-                size += len(locs[i]) * token_bytes
-                i += 1
+        groups: list[list[torch.Tensor]] = []
+        size = 0
+        for loc in locs:
+            if not groups or size + len(loc) * token_bytes > GATHER_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(loc)
+            size += len(loc) * token_bytes
+        out = []
+        for group in groups:
             index = torch.cat([(per_layer + loc.to(self.device)[None, :]).reshape(-1) for loc in group])
             k, v = (whole.view(layers * slots, *rest).index_select(0, index) for whole in (self.k_all, self.v_all))
             start = 0

@@ -32,8 +32,8 @@ class SharedMemoryFull(RuntimeError):
     """The folder has no room for the buffer (the message says what to change)."""
 
 
-def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
-    """A zeroed tensor whose memory is a new file in `folder`: (tensor, file path)."""
+def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    """A zeroed tensor whose memory is a new file in `folder`: (file path, tensor)."""
     folder = os.path.realpath(folder)
     if folder not in _swept:
         sweep(folder)
@@ -59,7 +59,7 @@ def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tenso
         _remove(path, fd)
         raise
     _live.append(weakref.finalize(t.untyped_storage(), _remove, path, fd))
-    return t, path
+    return path, t
 
 
 def release_all() -> None:

@@ -55,11 +55,7 @@ def decode(msg: prefill_pb2.Tensor, readonly: bool = False) -> torch.Tensor:
     dtype = _BY_NAME.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"unknown tensor dtype {msg.dtype!r}")
-    shape = tuple(msg.shape)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    expected = itemsize
-    for n in shape:
-        expected *= n
+    shape, itemsize, expected = tuple(msg.shape), torch.empty(0, dtype=dtype).element_size(), nbytes(msg)
     data = msg.data  # a copy of the field each time it is read
     if expected != len(data):
         raise ValueError(f"tensor of shape {shape} {msg.dtype} needs {expected} bytes, got {len(data)}")
