@@ -58,15 +58,30 @@ def throughput(address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: 
 
 
 def throughput_mooncake(
-    address: str, prompt: list[int], chunk_bytes: int, cfg, repeats: int, run: int = 0
+    address: str,
+    prompt: list[int],
+    chunk_bytes: int,
+    cfg,
+    repeats: int,
+    run: int = 0,
+    pool_device: str = "cpu",
+    dtype=torch.float32,
 ) -> tuple[float, int, int]:
-    """`run`: the reserved slots come in scattered runs of this many (0: one contiguous run)."""
+    """`run`: the reserved slots come in scattered runs of this many (0: one contiguous run);
+    `pool_device`: where decode's pool lives (cuda: the engine registers device memory, as a decode
+    service on a GPU does)."""
     from common.wire import mooncake
 
     engine = mooncake.TransferEngine()
     slots = 4 * len(prompt) + 1
-    k = [torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-    v = [torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    k = [
+        torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, device=pool_device, dtype=dtype)
+        for _ in range(cfg.num_layers)
+    ]
+    v = [
+        torch.zeros(slots, cfg.num_kv_heads, cfg.head_dim, device=pool_device, dtype=dtype)
+        for _ in range(cfg.num_layers)
+    ]
     engine.register(k + v)
     if run:
         blocks = torch.randperm(slots // run - 1, generator=torch.Generator().manual_seed(0)) + 1
@@ -91,6 +106,8 @@ def throughput_mooncake(
                 total += msg.written.bytes
             elif kind == "record":
                 best = max(best, total / (time.perf_counter() - first) / 1e9)
+    if not any(t.abs().sum() > 0 for t in k):
+        raise RuntimeError(f"mooncake reported {total} bytes written but the {pool_device} pool is still zero")
     engine.unregister(k + v)
     return best, total, count
 
@@ -165,12 +182,14 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-kib", default="256,1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backends", default="grpc,mooncake", help="data planes to measure")
+    parser.add_argument("--pool-device", default="cpu", help="mooncake: decode's pool on this device (cpu | cuda)")
     args = parser.parse_args(argv)
     backends = args.backends.split(",")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path or build(tmp, "llama", hidden_size=512, num_layers=16)
         cfg = load_model_config(path)
+        kv_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # the prefill's --dtype auto
         port = free_port()
         proc = subprocess.Popen(
             [
@@ -208,8 +227,10 @@ def main(argv=None) -> None:
                     gbps, total, count = throughput(address, prompt, kib << 10, cfg, args.repeats)
                     print(f"| grpc | {kib} KiB | {count} | {total / 1e6:.1f} MB | {gbps:.2f} |", flush=True)
                 for run in [0, 16] if "mooncake" in backends else []:
-                    gbps, total, count = throughput_mooncake(address, prompt, kib << 10, cfg, args.repeats, run)
-                    slots = f"runs of {run}" if run else "contiguous"
+                    gbps, total, count = throughput_mooncake(
+                        address, prompt, kib << 10, cfg, args.repeats, run, args.pool_device, kv_dtype
+                    )
+                    slots = f"{'runs of ' + str(run) if run else 'contiguous'}, {args.pool_device} pool"
                     print(
                         f"| mooncake, {slots} | {kib} KiB | {count} | {total / 1e6:.1f} MB | {gbps:.2f} |", flush=True
                     )

@@ -62,8 +62,9 @@ def generate(
     params = params if isinstance(params, list) else [params] * len(prompts)
     inbox = Inbox()
     max_batch = decode_runner.req_to_token_pool.allocator.num_free
+    engine = PrefillEngine(prefill_runner, chunk_size=chunk_size)
     peer = InProcessPrefill(
-        PrefillEngine(prefill_runner, chunk_size=chunk_size),
+        engine,
         inbox.deliver_handoff,
         inbox.fail_handoff,
         max_batch=max_batch,
@@ -78,6 +79,8 @@ def generate(
     finally:
         sched.stop()
         peer.close()
+        if engine.cache is not None:  # the runner outlives this engine: its prefix cache's slots go back
+            engine.cache.reset()
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     return outputs, tuple(sched.spec_stats)

@@ -44,6 +44,7 @@ def run(
     spec: SpecArgs,
     temperature: float,
     ignore_eos: bool,
+    runner_kw: dict | None = None,
 ) -> tuple[float, float]:
     """(decode tok/s, mean accept length) over every prompt, `batch` at a time, on runners loaded once."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
@@ -52,8 +53,11 @@ def run(
         max_running_requests=batch,
         spec=spec,
         max_total_tokens=batch * (max(map(len, prompts)) + new_tokens + spec.extra_slots) + 64,
+        **(runner_kw or {}),
     )
-    runners = ModelRunner(RunnerArgs(path, **size)), ModelRunner(RunnerArgs(path, **size))
+    decode = ModelRunner(RunnerArgs(path, **size))
+    decode.warmup()  # CUDA graphs are captured here, not inside the timed decode
+    runners = decode, ModelRunner(RunnerArgs(path, **{**size, "cuda_graph": False}))
     tokens = seconds = accepted = proposed = 0
     for i in range(0, len(prompts), batch):
         stats: list = []
@@ -90,7 +94,14 @@ def main(argv=None) -> None:
     p.add_argument("--model-path", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: speculative sampling (seeded)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="batched", help="batched | torch | triton")
+    p.add_argument("--cuda-graph", action="store_true", help="decode, draft and verify replay CUDA graphs (triton)")
     args = p.parse_args(argv)
+    runner_kw = dict(
+        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, cuda_graph=args.cuda_graph
+    )
     torch.set_num_threads(args.threads)
     args.model_path, chat = chat_prompt(args.model_path)
     spec = SpecArgs(
@@ -107,7 +118,8 @@ def main(argv=None) -> None:
         f"# {os.path.basename(args.model_path)}, head {args.head}, {args.algorithm} num_steps {args.num_steps}, "
         f"topk {spec.eagle_topk}, draft tokens {spec.num_draft_tokens}, token map {args.token_map}, "
         f"temperature {args.temperature}, prompts {args.prompts} ({len(prompts)}), up to {args.new_tokens} new "
-        f"tokens{'' if held_out else ' (EOS ignored)'}, {args.threads} threads",
+        f"tokens{'' if held_out else ' (EOS ignored)'}, {args.threads} threads, {args.device} {args.dtype}, "
+        f"attention {args.attention_backend}, CUDA graphs {'on' if args.cuda_graph else 'off'}",
         flush=True,
     )
     print("| B | plain tok/s | EAGLE tok/s | speed-up | mean accept length |\n| --- | --- | --- | --- | --- |")
@@ -117,9 +129,20 @@ def main(argv=None) -> None:
         for _ in range(args.repeats):
             best["plain"] = max(
                 best["plain"],
-                run(args.model_path, batch_prompts, b, args.new_tokens, SpecArgs(), args.temperature, not held_out)[0],
+                run(
+                    args.model_path,
+                    batch_prompts,
+                    b,
+                    args.new_tokens,
+                    SpecArgs(),
+                    args.temperature,
+                    not held_out,
+                    runner_kw,
+                )[0],
             )
-            rate, length = run(args.model_path, batch_prompts, b, args.new_tokens, spec, args.temperature, not held_out)
+            rate, length = run(
+                args.model_path, batch_prompts, b, args.new_tokens, spec, args.temperature, not held_out, runner_kw
+            )
             best["spec"] = max(best["spec"], rate)
         ratio = best["spec"] / best["plain"]
         print(f"| {b} | {best['plain']:.1f} | {best['spec']:.1f} | {ratio:.2f}x | {length:.2f} |", flush=True)
