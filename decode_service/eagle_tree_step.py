@@ -43,9 +43,11 @@ def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, t
     front_hidden = hidden.repeat_interleave(k, dim=0)  # [B*K, H]
     width = max(k, (num_steps - 1) * k)
     device = ids.device
-    ancestry = torch.zeros(batch, k, width, dtype=torch.bool, device=device)  # scratch entries seen
-    branches = torch.arange(k, device=device)
-    ancestry[:, branches, branches] = True
+    # scratch entries seen; slices or'ed with an identity, not `[:, branches, cols] = True`: on CUDA an
+    # indexed assignment of a Python scalar copies it from the host (a sync in the middle of the step)
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    ancestry = torch.zeros(batch, k, width, dtype=torch.bool, device=device)
+    ancestry[:, :, :k] |= eye
     offset = k  # candidates so far
     for depth in range(1, num_steps):
         fb = ForwardBatch.tree(
@@ -72,7 +74,7 @@ def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, t
         front_tok = t.view(batch, k * k).gather(1, pick)
         front_hidden = h.view(batch, k, -1).gather(1, branch[..., None].expand(-1, -1, h.shape[-1])).flatten(0, 1)
         ancestry = ancestry.gather(1, branch[..., None].expand(-1, -1, width)).clone()
-        ancestry[:, branches, depth * k + branches] = True
+        ancestry[:, :, depth * k : (depth + 1) * k] |= eye
         offset += k * k
     return torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
 

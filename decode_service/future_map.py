@@ -83,7 +83,7 @@ class FutureMap:
     def reset_rows(self, indices: torch.Tensor) -> None:
         """Clear the consume-once guard of rows (on release and when a prebuilt batch seeds them)."""
         for w in self._writes.values():
-            w[indices] = 0
+            w.index_fill_(0, indices, 0)  # not `w[indices] = 0`: on CUDA that copies a host scalar (a sync)
 
     # --- schedule side -------------------------------------------------------------------------
     def arm_publish(self, stream) -> PublishReady:
@@ -116,16 +116,18 @@ class FutureMap:
         values = buf[indices]
         if self.debug:
             writes = self._writes[name][indices]
-            valid = (values >= minimum).all() if minimum is not None else torch.tensor(True, device=self.device)
+            ok = (writes == 1).all()
+            if minimum is not None:
+                ok = ok & (values >= minimum).all()
             if self.device.type == "cuda":
-                torch._assert_async((writes == 1).all() & valid)
-            elif not bool((writes == 1).all()) or not bool(valid):
+                torch._assert_async(ok)
+            elif not bool(ok):
                 raise ConsumeOnceError(
                     f"{name}: rows {indices.tolist()} gathered with writes {writes.tolist()} "
                     f"(need exactly 1 since the last gather) and values {values.tolist()}"
                 )
-            self._writes[name][indices] = 0
-            buf[indices] = -1  # poison: a second gather without a write reads -1
+            self._writes[name].index_fill_(0, indices, 0)
+            buf.index_fill_(0, indices, -1)  # poison: a second gather without a write reads -1
         return values
 
 
