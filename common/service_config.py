@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-from common.attention import BACKENDS
+from common.attention import CHOICES as ATTENTION_CHOICES
 from common.models.linear_tuning import CHOICES as LAYOUT_CHOICES
 from common.models.linear_tuning import GREEDY_CHOICES
 
@@ -37,7 +37,9 @@ class ServiceConfig:
     max_total_tokens: int = flag(8192, "KV slots of this service's pool")
     max_running_requests: int = flag(16, "request slots (requests in flight at once)")
     context_length: int | None = flag(None, "cap on the model's context length", type=int)
-    attention_backend: str = flag("batched", "attention backend", choices=sorted(BACKENDS))
+    attention_backend: str = flag(
+        "auto", "attention backend: auto = triton on CUDA (with CUDA graphs), batched on CPU", choices=ATTENTION_CHOICES
+    )
     linear_layout: str = flag(
         "auto",
         "CPU fp32 linear layout: auto = fastest per shape and row count, timed once per host (retime: again)",

@@ -100,10 +100,20 @@ def test_backend_in_bfloat16_matches_reference():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_batched_is_the_default_and_torch_stays_registered():
+def test_auto_is_batched_on_cpu_and_triton_on_cuda(monkeypatch, checkpoint):
+    import importlib.util
+
+    from common.attention import resolve_backend
+
     assert BACKENDS["torch"] is TorchReferenceBackend and BACKENDS["batched"] is BatchedBackend
-    assert RunnerArgs("m").attention_backend == "batched"
-    assert ServiceConfig("m").attention_backend == "batched"
+    assert RunnerArgs("m").attention_backend == "auto" and ServiceConfig("m").attention_backend == "auto"
+    assert resolve_backend("auto", "cpu") == "batched" and resolve_backend("torch", "cuda") == "torch"
+    assert resolve_backend("auto", "cuda") == "triton"  # the pinned dev extras install triton
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no triton: the plain backend
+    assert resolve_backend("auto", "cuda") == "batched"
+    monkeypatch.undo()
+    runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64))  # the default, resolved at load
+    assert runner.attention_backend == "batched" and isinstance(runner.backend, BatchedBackend)
 
 
 def _model_logits(path: str, backend: str, prompts: list[list[int]], decode_steps: int = 3) -> list[torch.Tensor]:

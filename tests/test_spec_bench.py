@@ -16,3 +16,20 @@ def test_spec_bench_runs_plain_and_eagle_over_prompt_rounds(checkpoint, tmp_path
     spec = SpecArgs("EAGLE", build_head(target, "EAGLE", str(tmp_path / "head")), 3, 1, 4)
     rate, length = run(target, prompts, 2, 6, spec, 0.0, True)
     assert rate > 0 and 1.0 <= length <= 4.0
+
+
+def test_rounds_on_reused_runners_hand_every_prefill_slot_back(checkpoint):
+    """Each round builds a prefill engine (with its prefix cache) over runners loaded once; the round
+    must return every slot, so a pool sized for one prompt serves any number of rounds (the cache of
+    an engine that is gone used to keep its slots: the third round found no room)."""
+    from bench.serving_bench import bench_inprocess
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+
+    path = checkpoint("llama")
+    size = dict(max_running_requests=1, max_total_tokens=30 + 6 + 8)
+    runners = ModelRunner(RunnerArgs(path, **size)), ModelRunner(RunnerArgs(path, **size))
+    for i in range(4):
+        prompt = [(7 * i + j) % 300 + 5 for j in range(30)]
+        r = bench_inprocess(path, prompt, 1, 6, runners=runners)
+        assert r["decode_tokens"] == 5
+        assert runners[1].kv_allocator.num_used == 0 and runners[0].kv_allocator.num_used == 0

@@ -84,7 +84,7 @@ class DraftRunner:
             target.device,
             target.args.kv_shared_dir,
         )
-        self.backend = create_backend(target.args.attention_backend, self.kv_pool, target.req_to_token_pool)
+        self.backend = create_backend(target.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
         self.decode_graphs = self.extend_graphs = None  # DecodeGraphs, set by the target when it has them
         self.tree_graphs: list[DecodeGraphs] = []  # a tree's draft step at depth d: tree_graphs[d - 1]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.attention import create_backend
+from common.attention import create_backend, resolve_backend
 from common.engine import intra_op
 from common.engine.decode_graphs import DecodeGraphs
 from common.engine.draft_runner import DraftRunner, SpecArgs
@@ -34,7 +34,7 @@ class RunnerArgs:
     kv_budget_bytes: int = 256 << 20
     max_running_requests: int = 32
     context_length: int | None = None
-    attention_backend: str = "batched"
+    attention_backend: str = "auto"  # triton on CUDA, batched on CPU (common/attention/__init__.py)
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     greedy_head: str = "auto"  # CPU fp32: greedy tokens through a bf16 pass where measured faster (greedy_head.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
@@ -106,8 +106,9 @@ class ModelRunner:
             raise ValueError(f"--greedy-head must be one of {linear_tuning.GREEDY_CHOICES}, got {args.greedy_head!r}")
         if self.packs_linears:
             self.model.pack_for_cpu(greedy_head=args.greedy_head != "off")
+        self.attention_backend = resolve_backend(args.attention_backend, self.device)
         if args.torch_compile_max_bs:
-            compiled_layers.check_usable(self.device, args.attention_backend, args.tp.size, args.static_decode_buffers)
+            compiled_layers.check_usable(self.device, self.attention_backend, args.tp.size, args.static_decode_buffers)
             max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
             self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
         num_slots = args.max_total_tokens or slots_for_budget(
@@ -121,7 +122,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests, self.context_length + args.spec.extra_slots, self.device
         )
-        self.backend = create_backend(args.attention_backend, self.kv_pool, self.req_to_token_pool)
+        self.backend = create_backend(self.attention_backend, self.kv_pool, self.req_to_token_pool)
         if self.model.compiled_layers is not None:  # one graph per bucket: decodes of 2+ requests have a mask
             self.backend.mask_decodes_up_to = self.model.compiled_layers.max_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
