@@ -14,6 +14,17 @@ class InvalidRequest(ValueError):
     """The request is malformed or does not fit this model (INVALID_ARGUMENT)."""
 
 
+MAX_STOP_TOKEN_IDS = 64  # every output token is looked up in them on the scheduler thread
+
+
+def stop_token_ids(ids) -> tuple[int, ...]:
+    """A request's stop_token_ids as a tuple; InvalidRequest if there are more than MAX_STOP_TOKEN_IDS
+    (counted before they are copied). Their vocabulary range is SamplingParams.validate's check."""
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+    return tuple(ids)
+
+
 def validate_prompt(
     prompt: list[int], params: SamplingParams, vocab_size: int, context_length: int, kv_capacity: int | None = None
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
+from common import api_keys
 from common.attention import CHOICES as ATTENTION_CHOICES
 from common.models.linear_tuning import CHOICES as LAYOUT_CHOICES
 from common.models.linear_tuning import GREEDY_CHOICES
@@ -78,7 +79,16 @@ class ServiceConfig:
     )
     disaggregation_shm_dir: str = flag("/dev/shm", "shm backend: the shared-memory folder of decode's KV pool files")
     internal_api_key: str | None = flag(
-        None, "key of the internal prefill API: prefill requires it, decode sends it", type=str, secret=True
+        None,
+        "key of the internal prefill API: prefill requires it, decode sends it. Prefer --internal-api-key-file "
+        "or $DISAGG_INTERNAL_API_KEY: a value here shows in ps",
+        type=str,
+        secret=True,
+    )
+    internal_api_key_file: str | None = flag(
+        None,
+        "file holding the internal key (one line; refused if empty or other users may read it: chmod 600)",
+        type=str,
     )
     tls_cert_file: str | None = flag(None, "TLS: this server's certificate (PEM); with --tls-key-file", type=str)
     tls_key_file: str | None = flag(None, "TLS: this server's private key (PEM)", type=str)
@@ -90,6 +100,9 @@ class ServiceConfig:
     )
     disaggregation_protocol: str = flag("tcp", "mooncake transport: tcp (any host) or rdma (GPU nodes)")
     disaggregation_ib_device: str = flag("", "mooncake rdma: the InfiniBand device, e.g. mlx5_0 (empty: auto)")
+
+    def __post_init__(self):
+        api_keys.load_keys(self)  # the keys from their files or the environment (common/api_keys.py)
 
 
 def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
@@ -129,7 +142,10 @@ def parse_config(cls, prog: str, description: str, argv=None):
                 action.required = False
     args = vars(p.parse_args(argv))
     args.pop("config")
-    return cls(**args)
+    try:
+        return cls(**args)
+    except api_keys.KeySourceError as e:
+        p.error(str(e))
 
 
 def _config_file(p: argparse.ArgumentParser, path: str) -> dict:

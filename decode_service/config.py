@@ -40,9 +40,13 @@ class DecodeConfig(ServiceConfig):
     )
     api_key: str | None = flag(
         None,
-        "clients must send gRPC metadata authorization: Bearer <key> (health checks exempt)",
+        "clients must send gRPC metadata authorization: Bearer <key> (health checks exempt). Prefer --api-key-file "
+        "or $DISAGG_API_KEY: a value here shows in ps",
         type=str,
         secret=True,
+    )
+    api_key_file: str | None = flag(
+        None, "file holding the front door's key (one line; refused if empty or other users may read it)", type=str
     )
     prefill_tls_ca_file: str | None = flag(
         None, "talk TLS to prefill replicas, trusting this CA (PEM); our --tls-cert/key-file are our identity", type=str

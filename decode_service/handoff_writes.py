@@ -1,6 +1,9 @@
 """Stream work that lands a handoff in the decode pools: KV chunks as they arrive, then the prebuilt
 writes (req_to_token row, KV carried in the record, FutureMap seeds). Submitted on the forward
 stream, so it is ordered after every forward that could still read the slots (invariant 7).
+The `submit_*` functions check what a prefill peer sent against the pools first (on the caller's
+thread), so a malformed reply raises ValueError there, for its request alone, and never fails the
+stream (which would stop every request).
 """
 
 from __future__ import annotations
@@ -18,9 +21,30 @@ def write_kv_chunk(pool, kv_slots: torch.Tensor, token_start: int, layer_start: 
     pool.write_layers(layer_start, loc, k, v)
 
 
+def check_kv(pool, num_slots: int, token_start: int, layer_start: int, k, v) -> None:
+    """Raise ValueError unless K and V ([layers, tokens, kv_heads, head_dim] each, floating) fit `pool`
+    at positions token_start.. of a reservation of `num_slots` slots."""
+    per_slot = tuple(pool.k_all.shape[2:])
+    for name, t in (("K", k), ("V", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[2:]) != per_slot:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"KV chunk's {name} is {got}, expected [layers, tokens, {per_slot[0]}, {per_slot[1]}]")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"KV chunk's {name} is {t.dtype}, expected a floating dtype")
+    layers, tokens = k.shape[0], k.shape[1]
+    if k.shape != v.shape or not layers or not tokens:
+        raise ValueError(f"KV chunk with K {tuple(k.shape)} and V {tuple(v.shape)}: empty or unequal")
+    if token_start < 0 or layer_start < 0 or token_start + tokens > num_slots or layer_start + layers > pool.num_layers:
+        raise ValueError(
+            f"KV chunk out of range: tokens {token_start}+{tokens} of {num_slots}, layers {layer_start}+{layers} "
+            f"of {pool.num_layers}"
+        )
+
+
 def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k, v, done=None) -> None:
-    """write_kv_chunk on the stream; `done()` is called once the stream has taken the write (the
-    sender's flow-control window)."""
+    """write_kv_chunk on the stream, once checked (check_kv: ValueError, nothing submitted); `done()` is
+    called once the stream has taken the write (the sender's flow-control window)."""
+    check_kv(pool, len(kv_slots), token_start, layer_start, k, v)
 
     def write():
         write_kv_chunk(pool, kv_slots, token_start, layer_start, k, v)
@@ -51,6 +75,29 @@ def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handof
         fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))  # seed_seq_lens moves it
 
 
+def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+    """Raise ValueError unless what write_prebuilt writes fits: KV in the record (per layer [prompt_len,
+    kv_heads, head_dim]) and, with EAGLE, the seed's width (Handoff.check_draft checks its values)."""
+    n = handoff.prompt_len
+    if n > len(kv_slots):
+        raise ValueError(f"handoff {handoff.rid}: {n} prompt tokens, {len(kv_slots)} slots reserved")
+    kvs = [(runner.kv_pool, handoff.k, handoff.v)]
+    if runner.draft is not None:
+        kvs.append((runner.draft.kv_pool, handoff.draft_k, handoff.draft_v))
+        if handoff.draft_hidden is None or tuple(handoff.draft_hidden.shape) != tuple(fm.draft_hidden.shape[1:]):
+            raise ValueError(f"handoff {handoff.rid}: draft hidden does not match the head's width")
+    for pool, k, v in kvs:
+        if k is None:
+            continue
+        if len(k) != pool.num_layers or len(v) != pool.num_layers:
+            raise ValueError(f"handoff {handoff.rid}: KV for {len(k)}/{len(v)} layers, expected {pool.num_layers}")
+        for layer_k, layer_v in zip(k, v):
+            check_kv(pool, n, 0, 0, layer_k[None], layer_v[None])
+            if layer_k.shape[0] != n:
+                raise ValueError(f"handoff {handoff.rid}: KV of {layer_k.shape[0]} tokens, prompt has {n}")
+
+
 def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
-    """write_prebuilt on the stream."""
+    """write_prebuilt on the stream, once checked (check_prebuilt: ValueError, nothing submitted)."""
+    check_prebuilt(runner, fm, kv_slots, handoff)
     stream.submit(lambda: write_prebuilt(runner, fm, req_pool_idx, kv_slots, handoff))

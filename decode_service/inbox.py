@@ -56,6 +56,10 @@ class KvChunkArrived:
 class HandoffArrived:
     handoff: Handoff
 
+    @property
+    def rid(self) -> str:
+        return self.handoff.rid
+
 
 @dataclass
 class HandoffFailed:
@@ -64,6 +68,23 @@ class HandoffFailed:
 
 
 InboxMessage = Submit | Abort | FirstTokenArrived | KvChunkArrived | HandoffArrived | HandoffFailed
+
+
+def once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+    """`fn` made safe to call more than once (it runs the first time only): a chunk's flow-control
+    release, which a failure path may call after the stream did."""
+    if fn is None:
+        return None
+    lock, called = threading.Lock(), []
+
+    def call() -> None:
+        with lock:
+            if called:
+                return
+            called.append(True)
+        fn()
+
+    return call
 
 
 class Inbox:
@@ -102,7 +123,7 @@ class Inbox:
         draft: bool = False,
         done=None,
     ) -> None:
-        self.post(KvChunkArrived(rid, token_start, layer_start, k, v, draft, done))
+        self.post(KvChunkArrived(rid, token_start, layer_start, k, v, draft, once(done)))
 
     def deliver_handoff(self, handoff: Handoff) -> None:
         self.post(HandoffArrived(handoff))

@@ -8,6 +8,8 @@ the request's slot runs). The prefill replica writes K and V there and sends a n
 the scheduler reads a request's slots only after its record, i.e. after every notice (DESIGN
 section 3). With tensor parallelism every rank does so with its own pools; `join_ranks` joins their
 `rank_destination`s (each naming the KV heads it holds) into rank 0's destination.
+`keys` (one per rank) sign each call's destination (common/wire/kv_capability.py): the secret of the
+pool files with shm, a key derived from the internal API key with mooncake (None without one).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from common.engine import shared_memory
 from common.engine.model_runner import ModelRunner
 from common.parallel.tp_shard import kv_heads_of
-from common.wire import mooncake, shm_transfer
+from common.wire import kv_capability, mooncake, shm_transfer
 from common.wire.proto_gen import prefill_pb2
 
 
@@ -35,20 +37,36 @@ class KvReceiver:
         same point (they join)."""
         if config.disaggregation_transfer_backend == "grpc":
             return None
-        receiver = cls(runner, config.host, config.disaggregation_protocol, config.disaggregation_ib_device)
+        receiver = cls(
+            runner,
+            config.host,
+            config.disaggregation_protocol,
+            config.disaggregation_ib_device,
+            kv_capability.key_from_internal(config.internal_api_key),
+        )
         if tp is not None and tp.size > 1:
             join_ranks(tp, receiver, kv_heads_of(runner.config, tp.rank, tp.size))
         return receiver
 
-    def __init__(self, runner: ModelRunner, bind_host: str, protocol: str = "tcp", device: str = ""):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        bind_host: str,
+        protocol: str = "tcp",
+        device: str = "",
+        mooncake_key: bytes | None = None,
+    ):
         """With pools in shared-memory files (the shm backend) the session names the files; else a
-        mooncake engine's (`protocol` tcp or rdma)."""
+        mooncake engine's (`protocol` tcp or rdma), its destinations signed with `mooncake_key`."""
         pools = [runner.kv_pool] + ([runner.draft.kv_pool] if runner.draft is not None else [])
         files = [f for pool in pools for f in pool.files]
         if files:
             self.engine = shm_transfer.ShmEndpoint(files)
+            key = self.engine.key
         else:
             self.engine = mooncake.TransferEngine(mooncake.advertised_host(bind_host), protocol, device)
+            key = mooncake_key
+        self.keys: list[bytes] | None = None if key is None else [key]  # rank 0's: every rank's (join_ranks)
         for pool in pools:
             self.engine.register(pool.k + pool.v)
         self.destination = prefill_pb2.KvDestination(
@@ -69,8 +87,12 @@ class KvReceiver:
 
 
 def join_ranks(tp, receiver: KvReceiver, heads: range) -> None:
-    """Every rank calls this at the same point: rank 0's destination then names every rank's pools."""
-    mine = receiver.rank_destination(heads).SerializeToString()
-    ranks = tp.all_gather_object(mine)
+    """Every rank calls this at the same point: rank 0's destination then names every rank's pools,
+    and its `keys` hold every rank's key. Each rank sends bytes: its key's length (0: none), its key,
+    its destination."""
+    key = receiver.keys[0] if receiver.keys else b""
+    ranks = tp.all_gather_object(bytes([len(key)]) + key + receiver.rank_destination(heads).SerializeToString())
     if tp.rank == 0:
-        receiver.destination.tp_ranks.extend(prefill_pb2.KvRankDestination.FromString(r) for r in ranks)
+        keys = [r[1 : 1 + r[0]] for r in ranks]
+        receiver.destination.tp_ranks.extend(prefill_pb2.KvRankDestination.FromString(r[1 + r[0] :]) for r in ranks)
+        receiver.keys = keys if all(keys) else None

@@ -23,9 +23,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.engine import intra_op
-from common.engine.handoff import Handoff, HandoffRequest
+from common.engine.handoff import Handoff, HandoffRequest, check_token
 from common.request_rules import REFUSED
-from common.wire import kv_chunks, mooncake, security
+from common.wire import kv_capability, kv_chunks, mooncake, security
 from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
@@ -92,6 +92,7 @@ class PrefillClient:
         progress_timeout_s: float = 5.0,
         metrics=None,
         kv_destination: prefill_pb2.KvDestination | None = None,
+        kv_keys: list[bytes] | None = None,
         transfer_quiesce_s: float = 1.0,
         credentials=None,
         api_key: str | None = None,
@@ -102,8 +103,10 @@ class PrefillClient:
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
         deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. With `kv_destination` (this
         side's transfer engine session and registered pools) each call names its reserved slots and the
-        replica writes the KV there; a call that ends early is reported only `transfer_quiesce_s` later,
-        so a write still landing cannot reach slots the scheduler has handed to another request.
+        replica writes the KV there (each attempt's destination signed with `kv_keys`, one per rank, until
+        its deadline: common/wire/kv_capability.py); a call that ends early is reported only
+        `transfer_quiesce_s` later, so a write still landing cannot reach slots the scheduler has handed
+        to another request.
         `policy`: how a replica is chosen (prefix_router.py: follow the replicas' prefix caches, or
         least loaded). `addresses` may hold dns:///NAME:PORT entries, re-resolved every
         `resolve_interval_s` (prefill_discovery.py)."""
@@ -134,6 +137,7 @@ class PrefillClient:
         self.retries = 0  # calls retried on another replica since start
         self.metrics = metrics
         self.kv_destination = kv_destination
+        self.kv_keys = kv_keys
         self.transfer_quiesce_s = transfer_quiesce_s
         self.router = PrefixRouter(policy)
         self.tracing = tracing  # common.tracing.Tracing or None
@@ -328,6 +332,8 @@ class PrefillClient:
         if self.kv_destination is not None and request.kv_slots is not None:
             msg.kv_destination.CopyFrom(self.kv_destination)
             msg.kv_destination.runs.extend(mooncake.slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
+            if self.kv_keys is not None:  # prefill writes only where these say
+                kv_capability.sign(msg.kv_destination, request.rid, self.kv_keys, self.call_timeout_s)
         call = peer.stub.Prefill(msg, timeout=self.call_timeout_s, metadata=peer.metadata + trace_metadata)
         with self._lock:
             self._calls[request.rid] = [call, peer, None]
@@ -336,13 +342,18 @@ class PrefillClient:
         cfg, draft, n = self.config, self.draft_config, len(request.prompt_ids)
         assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
         draft_assembler = KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False) if draft else None
-        first, started, nbytes = None, None, 0
+        first, started, nbytes, handoff = None, None, 0, None
         window = threading.Semaphore(MAX_PENDING_CHUNKS)  # chunks delivered but not yet written
         for chunk in call:
             self._progress(request.rid)
             started = started or time.perf_counter()
             kind = chunk.WhichOneof("payload")
+            if handoff is not None:  # the record comes last: anything after it is a broken stream
+                raise ValueError(f"prefill stream sent {kind or 'an empty message'} after its record")
             if kind == "first_token":
+                if first is not None:
+                    raise ValueError("prefill stream sent a second first token")
+                check_token(request.rid, "first token", chunk.first_token.token_id, cfg.vocab_size)
                 first = chunk.first_token.token_id
                 if len(sent) == request.first_position:
                     sent.append(first)
@@ -382,7 +393,7 @@ class PrefillClient:
                     elapsed = time.perf_counter() - started
                     self.metrics.observe_transfer(elapsed, nbytes)
                     self.metrics.handoff_bytes.inc(nbytes)
-                return Handoff(
+                handoff = Handoff(
                     request.rid,
                     request.prompt_ids,
                     request.params,
@@ -394,4 +405,11 @@ class PrefillClient:
                     cached_tokens=rec.cached_tokens,
                     **decode_seed(rec),
                 )
-        raise ValueError("prefill stream ended without a record")
+                handoff.check_record(cfg.vocab_size)
+                if draft is not None:
+                    handoff.check_draft(cfg.hidden_size, cfg.vocab_size)
+            else:
+                raise ValueError(f"prefill stream sent an unknown message ({kind or 'empty'})")
+        if handoff is None:
+            raise ValueError("prefill stream ended without a record")
+        return handoff

@@ -4,6 +4,7 @@ Proto3 zeros are normalised (top_p 0 -> 1, top_k 0 -> -1, repetition_penalty 0 -
 temperature 0 means greedy). Every field this service does not honour is rejected by name when it
 is set, never silently ignored; fields that only shape text on the client side (skip_special_tokens,
 spaces_between_special_tokens, no_stop_trim, require_reasoning, timestamp, log_metrics) are accepted.
+stop_token_ids: at most MAX_STOP_TOKEN_IDS (64), each in the vocabulary.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 
 from common.engine.sampling import SamplingParams
-from common.request_rules import InvalidRequest, default_max_new_tokens, validate_prompt
+from common.request_rules import InvalidRequest, default_max_new_tokens, stop_token_ids, validate_prompt
 
 
 def _unsupported(req, sp) -> str | None:
@@ -68,7 +69,7 @@ def parse_generate(
         top_k=sp.top_k if sp.top_k != 0 else -1,
         top_p=sp.top_p if sp.top_p != 0 else 1.0,
         min_p=sp.min_p,
-        stop_token_ids=tuple(sp.stop_token_ids),
+        stop_token_ids=stop_token_ids(sp.stop_token_ids),  # at most MAX_STOP_TOKEN_IDS
         ignore_eos=sp.ignore_eos,
         min_new_tokens=sp.min_new_tokens,
     )

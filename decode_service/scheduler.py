@@ -14,6 +14,8 @@ Life of a request (queues named as in the code):
   3. the prefill side delivers to the inbox (first token, KV chunks written into the reserved slots
      as they arrive, then the handoff); the loop checks the handoff and queues it on `prebuilt`.
      A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
+     Whatever a prefill peer sent is checked where it enters (handoff_intake.py): anything wrong
+     with it, or any exception while handling it, is that request's error, never the scheduler's.
   4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
      maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token (and
      with EAGLE the draft seed and seq_lens; `worker.write_prebuilt`); the first token is streamed;
@@ -42,8 +44,10 @@ from collections.abc import Callable
 
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
+from common.engine.streams import StreamFailed
 from common.request_rules import InvalidRequest, check_fits_pool, finish_reason, validate_prompt
 from decode_service.finish_notes import FinishNotes
+from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
 from decode_service.req import DecodeReq, OutputCallback, ReqState
 from decode_service.schedule_batch import ScheduleBatch
@@ -52,7 +56,7 @@ from decode_service.step import InvariantError, LaunchedStep, SpecStats
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler:
+class DecodeScheduler(HandoffIntake):
     def __init__(
         self,
         worker,
@@ -193,7 +197,10 @@ class DecodeScheduler:
             handler = self._handlers.get(type(msg))
             if handler is None:
                 raise InvariantError(f"unknown inbox message {msg!r}")
-            handler(msg)
+            if isinstance(msg, (Submit, Abort)):
+                handler(msg)
+            else:  # a prefill reply: whatever goes wrong with it fails its request alone
+                self._apply_reply(handler, msg)
 
     def pop_preallocated(self) -> None:
         """Admission, in order: reserve a request slot and KV for each waiting request that fits,
@@ -222,8 +229,14 @@ class DecodeScheduler:
         for req in reqs:
             handoff = req.handoff
             req.handoff = None
+            try:  # checks what it writes before submitting anything (handoff_writes.check_prebuilt)
+                self.worker.write_prebuilt(req.req_pool_idx, req.kv_slots, handoff)
+            except (InvariantError, StreamFailed):
+                raise
+            except Exception as e:  # that request's error: nothing of it was submitted
+                self._finish(req, "error", bad_reply(req.rid, e))
+                continue
             self.notes.put_cached(req.rid, handoff.cached_tokens)  # the front door reports it (cached_tokens)
-            self.worker.write_prebuilt(req.req_pool_idx, req.kv_slots, handoff)
             new = []  # tokens streamed early (or resent on a retry) may already finish the request
             if len(req.output_ids) == handoff.first_position and (
                 not req.output_ids or self._finish_reason(req) is None
@@ -292,52 +305,6 @@ class DecodeScheduler:
         req = self.reqs.get(msg.rid)
         if req is not None and not req.finished:
             self._abort(req)
-
-    def _on_first_token(self, msg: FirstTokenArrived) -> None:
-        req = self.awaiting_handoff.get(msg.rid)
-        if req is None or req.finished or msg.position != len(req.output_ids):
-            return  # gone (or aborted), or a retry's resend of a token already streamed
-        if req.output_ids and self._finish_reason(req) is not None:
-            return  # never stream a token past a finish
-        req.output_ids.append(msg.token)
-        self._emit(req, [msg.token], None)
-
-    def _on_kv_chunk(self, msg: KvChunkArrived) -> None:
-        req = self.awaiting_handoff.get(msg.rid)
-        if req is None or req.finished:  # gone: drop it, but open the sender's window all the same
-            if msg.done is not None:
-                msg.done()
-            return
-        draft = msg.draft and self.spec is not None
-        self.worker.write_kv_chunk(req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v, draft, msg.done)
-
-    def _on_handoff(self, msg: HandoffArrived) -> None:
-        handoff = msg.handoff
-        req = self.awaiting_handoff.pop(handoff.rid, None)
-        if req is None:
-            return  # aborted or failed meanwhile: its reservation is already freed
-        if req.finished:  # aborted while its KV was being written: now nothing writes there any more
-            self._release(req)
-            return
-        try:
-            if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
-                handoff.check(self.info.num_layers)
-            if self.spec:
-                handoff.check_draft(self.info.hidden_size)
-            handoff.check_continues(req.prompt_ids, req.output_ids)
-        except ValueError as e:
-            self._finish(req, "error", str(e))
-            return
-        req.handoff = handoff
-        req.state = ReqState.PREBUILT
-        self.prebuilt.append(req)
-
-    def _on_handoff_failed(self, msg: HandoffFailed) -> None:
-        req = self.awaiting_handoff.pop(msg.rid, None)
-        if req is not None and req.finished:  # aborted earlier; its prefill has ended now
-            self._release(req)
-        elif req is not None:
-            self._finish(req, "error", msg.error)
 
     # ---- finishing ----------------------------------------------------------------------------------
     def _abort(self, req: DecodeReq) -> None:

@@ -20,6 +20,9 @@ Lifecycle of one Generate call:
 Shutdown (`shutdown(grace_s)`, on SIGTERM/SIGINT): stop admitting, report NOT_SERVING, let open
 calls finish for up to the grace period, abort the rest (their streams end with UNAVAILABLE), stop.
 HealthCheck answers from cached state (scheduler alive, a prefill peer serving, not draining).
+Liveness (grpc.health.v1, service `LIVENESS`, k8s' livenessProbe): SERVING while the scheduler (and
+every TP rank) lives, whatever the prefill replicas do: a restart mends a dead scheduler, not a
+missing prefill replica.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -55,6 +59,7 @@ from decode_service.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["SglangScheduler"]
+LIVENESS = "liveness"  # the grpc.health.v1 service name of decode's liveness (deploy/k8s/decode.yaml)
 
 
 class _Reject(Exception):
@@ -96,6 +101,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             draft_config=self.runner.draft.config.layer if self.runner.draft else None,
             metrics=self.metrics,
             kv_destination=self.kv_receiver.destination if self.kv_receiver else None,
+            kv_keys=self.kv_receiver.keys if self.kv_receiver else None,
             policy=config.prefill_policy,
             resolve_interval_s=config.prefill_resolve_interval_s,
             tracing=self.tracing,
@@ -148,6 +154,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self._watcher.start()
         self.server.start()
         self.server.set_serving(self.healthy())
+        self._set_live()
         return self
 
     def shutdown(self, grace_s: float) -> None:
@@ -191,12 +198,20 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
     def address(self) -> str:
         return self.server.address
 
+    def live(self) -> bool:
+        """The scheduler and every TP rank run (False: only a restart mends it)."""
+        return self.scheduler.alive and (self.tp_ranks is None or self.tp_ranks.alive())
+
     def healthy(self) -> bool:
-        tp_ok = self.tp_ranks is None or self.tp_ranks.alive()
-        return self.scheduler.alive and tp_ok and self._prefill_serving and not self._draining
+        return self.live() and self._prefill_serving and not self._draining
+
+    def _set_live(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self.live() else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.server.run(self.server.health.set(LIVENESS, status), timeout=5.0)
 
     def _watch_health(self) -> None:
         while not self._stop.wait(0.25):
+            self._set_live()  # first: a prefill replica slow to answer must not delay it
             self._prefill_serving = self.prefill.any_serving()
             if not self._stop.is_set():
                 self.server.set_serving(self.healthy())

@@ -18,7 +18,15 @@ class PrefillConfig(ServiceConfig):
     max_running_requests: int = flag(16, "prompts prefilled together at most")
     chunked_prefill_size: int = flag(512, "token budget of one extend forward")
     disable_radix_cache: bool = flag(False, "compute every prompt in full (no prefix cache between requests)")
-    max_chunk_bytes: int = flag(DEFAULT_MAX_CHUNK_BYTES, "bound on one KV chunk on the wire")
+    max_chunk_bytes: int = flag(
+        DEFAULT_MAX_CHUNK_BYTES,
+        "bound on one KV chunk on the wire (at most 32 MiB); a request may ask for its own within [256 KiB, 32 MiB]",
+    )
+    max_open_calls: int = flag(
+        256,
+        "Prefill calls open at once (queued, prefilling or sending KV), also counting calls still queued; "
+        "more: RESOURCE_EXHAUSTED",
+    )
     inject_faults: str | None = flag(
         None,
         "tests and drills: break or stall a fraction of handoffs, e.g. fail=0.05,stall=0.02[,seed=1] (default off)",

@@ -8,6 +8,8 @@ and a `KvWritten` notice follows it; the head's KV follows the target's with EAG
 decode side names every rank: each gets the KV heads it holds (and the head's whole KV), and one
 notice follows a chunk's writes to all of them. A cancelled call
 writes nothing more (a write already started completes). Runs on a worker thread: it blocks.
+Before anything is written, each target's capability must verify (common/wire/kv_capability.py): a
+caller cannot name pools, an engine or slots that decode did not sign for this request.
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ def can_write(engine, dest: prefill_pb2.KvDestination) -> bool:
     return all(s.startswith(shm_transfer.SESSION_PREFIX) and engine.reaches(s) for s in sessions)
 
 
+def authorize(engine, dest: prefill_pb2.KvDestination, request_id: str) -> None:
+    """CapabilityRefused (or ShmTransferError) unless decode signed every target of `dest` for this
+    request; a mooncake engine without a key (no internal API key) writes unsigned destinations."""
+    for rank in _ranks(dest):
+        key = engine.capability_key(rank.session)
+        if key is not None:
+            engine.capabilities.check(key, request_id, rank, dest.runs)
+
+
 def write_handoff(
     engine: mooncake.TransferEngine | shm_transfer.ShmWriter,
     dest: prefill_pb2.KvDestination,
@@ -68,6 +79,7 @@ def write_handoff(
     cancelled: Callable[[], bool],
 ) -> Iterator[prefill_pb2.PrefillChunk]:
     n = handoff.prompt_len
+    authorize(engine, dest, handoff.rid)
     parts = _rank_parts(dest, handoff)
     for _, k, _, region, _ in parts:
         mooncake.check_destination(dest, region, n, len(k), k[0][:1].numel() * k[0].element_size())

@@ -2,8 +2,9 @@
 
 Life of a call (queues named as in the code):
   1. submit(call): any thread hands in a validated PrefillCall; it goes on `inbox` and into
-     `pending` (every call not answered yet). After the loop has ended (stop, or a crash) a call is
-     answered at once with the reason instead.
+     `pending` (every call not answered yet, cancelled ones too until the loop drops them). With
+     `max_pending` calls pending already, submit raises QueueFull (the server: RESOURCE_EXHAUSTED).
+     After the loop has ended (stop, or a crash) a call is answered at once with the reason instead.
   2. process_input_requests(): the loop moves everything on `inbox` to `waiting` (arrival order).
   3. drop_cancelled(): one look at `call.cancelled` per call and stage: a cancelled call in
      `waiting` is answered "cancelled before prefill"; one in `running` is aborted (engine.abort
@@ -42,6 +43,10 @@ from prefill_service.engine import PrefillEngine
 logger = logging.getLogger(__name__)
 
 Answer = Handoff | Exception
+
+
+class QueueFull(RuntimeError):
+    """`max_pending` calls are not answered yet: retry later (the call was not taken)."""
 
 
 class PrefillCall:
@@ -83,9 +88,12 @@ class PrefillScheduler:
         debug_checks: bool = False,
         test_step_delay_s: float = 0.0,
         on_fatal: Callable[[BaseException], None] | None = None,
+        max_pending: int | None = None,
     ):
+        """`max_pending`: calls not answered yet at most (None: no bound)."""
         self.engine = engine
         self.max_running_requests = max_running_requests
+        self.max_pending = max_pending
         self.debug_checks = debug_checks
         self.test_step_delay_s = test_step_delay_s
         self.on_fatal = on_fatal
@@ -104,6 +112,8 @@ class PrefillScheduler:
     def submit(self, call: PrefillCall) -> None:
         with self._cv:
             closed = self._closed
+            if closed is None and self.max_pending is not None and len(self.pending) >= self.max_pending:
+                raise QueueFull(f"{len(self.pending)} prefill calls are queued or running (at most {self.max_pending})")
             if closed is None:
                 self.pending[id(call)] = call
                 self.inbox.append(call)

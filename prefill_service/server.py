@@ -7,7 +7,10 @@ answering at once. The scheduler thread hands a call's answer to its asyncio fut
 the loop nor a chunk's copies start another OpenMP pool (common/engine/intra_op.py).
 
 Lifecycle of one Prefill call:
-  1. validate the request (prompt ids, sampling params, fits the context): INVALID_ARGUMENT if not;
+  0. admission: with --max-open-calls calls open, or as many queued in the scheduler (cancelled ones
+     included until it drops them), RESOURCE_EXHAUSTED (decode tries another replica);
+  1. validate the request (prompt ids, sampling params with <= 64 stop ids, fits the context, max_chunk_bytes
+     0 or in [256 KiB, 32 MiB], tp_ranks in a decode layout of this model): INVALID_ARGUMENT if not;
      UNAVAILABLE if the scheduler is not running;
   2. submit a PrefillCall to the scheduler (scheduler.py: `inbox` -> `waiting` -> `running`, one
      chunked extend forward per step, short prompts first); in the step its prompt completes, its
@@ -43,16 +46,18 @@ from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from common.metrics import PrefillMetrics
 from common.parallel.launch import TPRanks, check_settings
-from common.request_rules import validate_prompt
-from common.wire import kv_chunks, mooncake, security, shm_transfer
+from common.request_rules import stop_token_ids, validate_prompt
+from common.wire import kv_capability, kv_chunks, mooncake, security, shm_transfer
 from common.wire.aio_server import AioServer
+from common.wire.grpc_server import MAX_CHUNK_BYTES
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from common.wire.servicer import add_servicer
+from prefill_service import request_bounds
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
 from prefill_service.kv_writer import Outbox, can_write, send_handoff, write_handoff
-from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler
+from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler, QueueFull
 from prefill_service.tp_engine import TPPrefillEngine, follower_main
 
 logger = logging.getLogger(__name__)
@@ -65,6 +70,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             mooncake.require()  # before the model loads: say at once what to install
         self.config = config
         check_settings(config)
+        if not 0 < config.max_chunk_bytes <= MAX_CHUNK_BYTES:  # a chunk's message stays under the receive limit
+            raise ValueError(f"--max-chunk-bytes must be within [1, {MAX_CHUNK_BYTES}], got {config.max_chunk_bytes}")
+        if config.max_open_calls < 1:
+            raise ValueError(f"--max-open-calls must be >= 1, got {config.max_open_calls}")
         self.tp_ranks = TPRanks.start(config, follower_main, "prefill") if config.tp_size > 1 else None
         tp = self.tp_ranks.tp if self.tp_ranks else None
         self.runner = ModelRunner.for_service(config, tp)
@@ -81,6 +90,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             debug_checks=config.debug_checks,
             test_step_delay_s=config.test_step_delay_s,
             on_fatal=self._scheduler_failed,
+            max_pending=config.max_open_calls,
         )
         self.faults = FaultInjector(FaultPlan.parse(config.inject_faults))
         kv = self.runner.kv_allocator
@@ -103,9 +113,18 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         )
         self.transfer = None  # --disaggregation-transfer-backend mooncake or shm: writes into decode's slots
         if config.disaggregation_transfer_backend == "mooncake":
+            key = kv_capability.key_from_internal(config.internal_api_key)  # signed destinations only
             self.transfer = mooncake.TransferEngine(
-                mooncake.advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device
+                mooncake.advertised_host(config.host),
+                config.disaggregation_protocol,
+                config.disaggregation_ib_device,
+                capability_key=key,
             )
+            if key is None:
+                logger.warning(
+                    "mooncake without --internal-api-key: KV destinations are unsigned, so any caller of this "
+                    "port can aim the KV writes; keep it on the private network of the Mooncake engines"
+                )
         elif config.disaggregation_transfer_backend == "shm":
             self.transfer = shm_transfer.ShmWriter(config.disaggregation_shm_dir)
         self.server = AioServer(
@@ -171,6 +190,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     # ---- RPCs ------------------------------------------------------------------------------------
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        if self.open_calls >= self.config.max_open_calls:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._busy(f"{self.open_calls} calls are open"))
         try:
             handoff_request = self._parse(request)
         except ValueError as e:
@@ -194,15 +215,22 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         context.add_done_callback(lambda _context: call.cancel())
         self.open_calls += 1
         try:
-            self.scheduler.submit(call)
+            try:
+                self.scheduler.submit(call)
+            except QueueFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._busy(str(e)))
             async for message in self._stream(request, call, answer, first, context):
                 yield message
         finally:
             self.open_calls -= 1
             call.cancel()  # a no-op once answered; otherwise the scheduler drops it
 
+    def _busy(self, why: str) -> str:
+        return f"prefill replica busy: {why} (--max-open-calls {self.config.max_open_calls}); retry later or elsewhere"
+
     def _parse(self, request: prefill_pb2.PrefillRequest) -> HandoffRequest:
         """The request as a HandoffRequest; ValueError naming what is wrong."""
+        request_bounds.check(request, self.config.max_chunk_bytes, self.runner.config)  # before any copy
         sp = request.sampling_params
         # prefill samples one token: validate against that, whatever the request's decode budget is
         params = SamplingParams(
@@ -212,7 +240,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             top_p=sp.top_p or 1.0,
             min_p=sp.min_p,
             seed=sp.seed,
-            stop_token_ids=tuple(sp.stop_token_ids),
+            stop_token_ids=stop_token_ids(sp.stop_token_ids),
         )
         prompt = list(request.input_ids)
         validate_prompt(
@@ -246,7 +274,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if sent is None:
             yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=result.first_token))
         sent_first = time.perf_counter()
-        max_bytes = request.max_chunk_bytes or self.config.max_chunk_bytes
+        max_bytes = kv_chunks.chunk_bound(request.max_chunk_bytes, self.config.max_chunk_bytes)  # checked in _parse
         fault = self.faults.draw()
         if fault:
             m.injected.labels(kind=fault).inc()

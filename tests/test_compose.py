@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import yaml
 
+from common import api_keys
 from common.tools import health_probe
 from decode_service.config import build_parser as decode_parser
+from decode_service.config import parse_args as parse_decode
 from prefill_service.config import build_parser as prefill_parser
+from prefill_service.config import parse_args as parse_prefill
 from tests.grpc_harness import GrpcPair
 from tests.test_smg_gateway import _smg_binary
 
@@ -26,7 +30,6 @@ def _expand(arg: str) -> str:
     return (
         arg.replace("${MODEL_NAME:-model}", "model")
         .replace("${TRANSFER_BACKEND:-grpc}", "grpc")
-        .replace("${INTERNAL_API_KEY:-}", "")
         .replace("${DECODE_TP_SIZE:-1}", "1")
         .replace("${PREFILL_TP_SIZE:-1}", "1")
     )
@@ -82,6 +85,49 @@ def test_dockerfile_installs_what_compose_runs():
     for part in ("common", "prefill_service", "decode_service", "pyproject.toml", "smg"):
         assert part in text
     assert _compose()["services"]["prefill"]["build"] == "."
+
+
+KEY_FLAGS = ("--api-key", "--internal-api-key")
+
+
+def _image_user() -> tuple[int, str]:
+    """The Dockerfile's USER (numeric) and HOME."""
+    text = open(os.path.join(ROOT, "Dockerfile")).read()
+    return int(re.findall(r"^USER (\d+)", text, re.M)[-1]), re.search(r"\bHOME=(\S+)", text).group(1)
+
+
+def test_keys_travel_as_secret_files_never_on_a_command_line(tmp_path):
+    compose = _compose()
+    uid, _ = _image_user()
+    for name, service in compose["services"].items():
+        command = service["command"]
+        assert not any(a in KEY_FLAGS or "KEY" in a for a in command), (name, command)  # nothing for ps to show
+        assert not any("KEY" in str(e) for e in service.get("environment", ())), name  # nor docker inspect
+    parsers = {"prefill": parse_prefill, "decode": parse_decode}
+    for name, parse in parsers.items():
+        service = compose["services"][name]
+        [mount] = service["secrets"]
+        secret = compose["secrets"][mount["source"]]
+        assert secret == {"environment": "INTERNAL_API_KEY"}  # compose copies it in, honouring uid and mode
+        assert int(mount["uid"]) == uid and int(str(mount["mode"]).replace("0o", ""), 8) == 0o400
+        command = service["command"]
+        path = command[command.index("--internal-api-key-file") + 1]
+        assert path == f"/run/secrets/{mount['target']}"
+        # the file as the service finds it (mode 0400, the key plus a newline) gives the key
+        local = tmp_path / name
+        local.write_text("k3y\n")
+        local.chmod(0o400)
+        args = [a.replace(path, str(local)) for a in map(_expand, command[3:])]
+        assert parse(args).internal_api_key == "k3y" == api_keys.read_key_file(str(local))
+
+
+def test_the_image_runs_as_an_unprivileged_user_with_a_writable_home():
+    text = open(os.path.join(ROOT, "Dockerfile")).read()
+    uid, home = _image_user()
+    assert uid != 0 and text.rindex("USER ") > text.rindex("RUN pip install")  # installs as root, runs as uid
+    assert f"--uid {uid}" in text and f"--home-dir {home}" in text and "--create-home" in text
+    for cache in ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert re.search(rf"\b{cache}={re.escape(home)}/", text), cache
 
 
 def test_health_probe_script(checkpoint):

@@ -70,3 +70,70 @@ def test_the_pieces_agree(tmp_path):
     assert f"grpc://decode:{decode.port}" in smg
     hpa = _by("HorizontalPodAutoscaler", "prefill")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "prefill"
+
+
+def _pod(name: str) -> dict:
+    return _by("Deployment", name)["spec"]["template"]["spec"]
+
+
+def test_keys_come_from_a_mounted_secret_never_a_command_line(tmp_path):
+    """Both services read the internal key from the Secret's file, mounted with a mode the key loader
+    accepts; no container carries a key value in its args or env."""
+    for name, parse in (("prefill", parse_prefill), ("decode", parse_decode)):
+        spec = _pod(name)
+        container = spec["containers"][0]
+        args = container["args"]
+        assert "--internal-api-key" not in args and "--api-key" not in args
+        assert not any("KEY" in e.get("name", "") and "value" in e for e in container.get("env", ()))
+        path = args[args.index("--internal-api-key-file") + 1]
+        [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        secret = volume["secret"]
+        assert secret["secretName"] == "disagg-keys" and mount.get("readOnly") is True
+        assert os.path.relpath(path, mount["mountPath"]) in [i["path"] for i in secret["items"]]
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]  # group read reaches us
+        local = tmp_path / name  # the file as the kubelet writes it: the key, defaultMode
+        local.write_text("k3y")
+        local.chmod(secret["defaultMode"])
+        config = tmp_path / "config.yaml"
+        config.write_text(_by("ConfigMap", "disagg-config")["data"][f"{name}.yaml"])
+        argv = [str(local) if a == path else str(config) if a.startswith("/etc/disagg/") else a for a in args[3:]]
+        assert parse(argv).internal_api_key == "k3y"
+
+
+def test_every_pod_runs_unprivileged_with_a_read_only_root():
+    for name in ("prefill", "decode", "smg"):
+        spec = _pod(name)
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for container in spec["containers"]:
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            scratch = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+            for path in ("/tmp", "/home/disagg"):  # /tmp, and HOME's caches (Triton, Inductor, layout table)
+                assert "emptyDir" in scratch[path], (name, path)
+
+
+def _reach(policy: dict, port: str) -> list:
+    """The `from` peers of the rules that open `port` (None: any peer)."""
+    peers = []
+    for rule in policy["spec"]["ingress"]:
+        if not rule.get("ports") or any(p["port"] == port for p in rule["ports"]):
+            peers.append(rule.get("from"))
+    return peers
+
+
+def test_network_policies_let_only_decode_reach_prefill_and_only_the_gateway_reach_decode():
+    for target, caller in (("prefill", "decode"), ("decode", "gateway")):
+        policy = _by("NetworkPolicy", f"{target}-ingress")
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        pods = _by("Deployment", target)["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pods.items()
+        [peers] = _reach(policy, "grpc")
+        assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers] == [caller]
+        assert None in _reach(policy, "metrics")  # the scraper, wherever it runs
+        ports = {p["name"] for p in _pod(target)["containers"][0]["ports"]}
+        assert {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]} <= ports

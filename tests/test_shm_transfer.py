@@ -29,7 +29,10 @@ def test_a_shared_pool_is_private_zeroed_files_that_a_writer_fills_and_that_go_w
     assert len(names) == 2 and sorted(os.path.basename(p) for p, _ in pool.files) == names
     assert {p for p, _ in pool.files} == {str(tmp_path / n) for n in names}
     for path, buffer in pool.files:
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.path.getsize(path) == buffer.numel() * 4
+        assert (
+            stat.S_IMODE(os.stat(path).st_mode) == 0o600
+            and os.path.getsize(path) == buffer.numel() * 4 + shared_memory.TRAILER
+        )
     del buffer
     assert not pool.k_all.any() and pool.k[1].data_ptr() == pool.k_all[1].data_ptr()
 

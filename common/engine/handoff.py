@@ -14,6 +14,14 @@ import torch
 
 from common.engine.sampling import SamplingParams
 
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def check_token(rid: str, what: str, token: int, vocab_size: int) -> None:
+    """Raise ValueError unless `token` (sent by a prefill peer) is an id of the vocabulary."""
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"handoff {rid}: {what} {token} is outside the vocabulary [0, {vocab_size})")
+
 
 @dataclass
 class HandoffRequest:
@@ -56,14 +64,39 @@ class Handoff:
             if t.shape[0] != self.prompt_len:
                 raise ValueError(f"handoff {self.rid}: KV of {t.shape[0]} tokens, prompt has {self.prompt_len}")
 
-    def check_draft(self, hidden_size: int) -> None:
-        """For a speculative receiver: the draft seed (and draft KV, when in the record) is present."""
-        if self.draft_topk_ids is None or self.draft_hidden is None:
-            raise ValueError(f"handoff {self.rid}: no draft seed, but speculative decoding is on here")
-        if tuple(self.draft_hidden.shape) != (hidden_size,):
+    def check_record(self, vocab_size: int) -> None:
+        """Raise ValueError unless the first token is in the vocabulary and the counts fit the prompt."""
+        check_token(self.rid, "first token", self.first_token, vocab_size)
+        if not 0 <= self.first_position <= self.prompt_len:
+            raise ValueError(f"handoff {self.rid}: first position {self.first_position} outside the prompt")
+        if not 0 <= self.cached_tokens <= self.prompt_len:
             raise ValueError(
-                f"handoff {self.rid}: draft hidden of shape {tuple(self.draft_hidden.shape)}, expected ({hidden_size},)"
+                f"handoff {self.rid}: {self.cached_tokens} cached tokens, but the prompt has {self.prompt_len}"
             )
+
+    def check_draft(self, hidden_size: int, vocab_size: int) -> None:
+        """For a speculative receiver: the draft seed (and draft KV, when in the record) is present and
+        sound: top-k ids in the vocabulary with as many finite probabilities, a finite hidden of the
+        target's width. Raise ValueError naming what is wrong."""
+        if self.draft_topk_ids is None or self.draft_topk_p is None or self.draft_hidden is None:
+            raise ValueError(f"handoff {self.rid}: no draft seed, but speculative decoding is on here")
+        ids, p, hidden = self.draft_topk_ids, self.draft_topk_p, self.draft_hidden
+        if ids.dim() != 1 or not len(ids) or ids.dtype not in _INT_DTYPES:
+            raise ValueError(f"handoff {self.rid}: draft top-k ids {ids.dtype} {tuple(ids.shape)}, expected int [k]")
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if len(bad):
+            raise ValueError(
+                f"handoff {self.rid}: draft top-k ids {bad.tolist()[:4]} outside the vocabulary [0, {vocab_size})"
+            )
+        if p.shape != ids.shape or not p.dtype.is_floating_point or not bool(torch.isfinite(p).all()):
+            raise ValueError(f"handoff {self.rid}: draft top-k probabilities must be {len(ids)} finite floats")
+        if tuple(hidden.shape) != (hidden_size,) or not hidden.dtype.is_floating_point:
+            raise ValueError(
+                f"handoff {self.rid}: draft hidden {hidden.dtype} of shape {tuple(hidden.shape)}, expected "
+                f"floating ({hidden_size},)"
+            )
+        if not bool(torch.isfinite(hidden).all()):
+            raise ValueError(f"handoff {self.rid}: draft hidden holds NaN or infinity")
         if self.draft_k is not None and any(t.shape[0] != self.prompt_len for t in self.draft_k + self.draft_v):
             raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt")
 

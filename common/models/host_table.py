@@ -3,10 +3,12 @@
 1. The key: the host's CPU (`common/host.py`), torch's version, the thread count and the model's
    weight shapes, with the row buckets and layouts; its hash names the file under
    `$DISAGG_LINEAR_TABLE_DIR` (default `~/.cache/disagg-serve/linear-layouts/`).
-2. `host_wide_lock()`: one service at a time reads, times or writes (a POSIX file lock), so the
-   second service to start loads what the first timed instead of timing under its load.
+2. `host_wide_lock()`: one service at a time reads, times or writes (a POSIX file lock in the user's
+   own `~/.cache/disagg-serve/`), so the second service to start loads what the first timed instead
+   of timing under its load.
 3. `read` returns the record (plans, ms per bucket, when it was timed) or None when there is none,
-   it is unreadable or it names other shapes: then the caller times and `write`s (atomically).
+   it is unreadable, malformed (logged as a warning) or it names other shapes: then the caller times
+   and `write`s (atomically). A bad file never stops start-up.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -49,20 +52,44 @@ def path_for(k: dict) -> str:
     return os.path.join(table_dir(), f"{digest}.json")
 
 
+def lock_path() -> str:
+    """The lock file, per user: in the user's own cache folder, never a fixed name in the shared temp folder
+    (where another local user could create it first and hold it)."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "disagg-serve", "linear-tuning.lock")
+
+
+def _open_lock(path: str) -> int:
+    """The lock file's descriptor: its folder made 0700, the file 0600, never through a symlink."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
+
+
 @contextmanager
 def host_wide_lock():
-    """One service at a time times, reads or writes the table on this host."""
+    """One service of this user at a time times, reads or writes the table on this host. Without a usable
+    lock file (a read-only home) the services go on unlocked: the lock only keeps their timings apart."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock
         yield
         return
-    with open(os.path.join(tempfile.gettempdir(), "disagg-serve-linear-tuning.lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    path, fd = lock_path(), None
+    try:
+        fd = _open_lock(path)
+    except OSError as e:
+        log.warning("linear layout lock %s unusable (%s): timing without it", path, e)
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def read(shapes, threads: int) -> dict | None:
@@ -72,31 +99,46 @@ def read(shapes, threads: int) -> dict | None:
     try:
         with open(path) as f:
             record = json.load(f)
+        if not isinstance(record, dict) or not isinstance(record.get("plans"), list):
+            raise ValueError("not a table (a JSON object with plans)")
         if record.get("key") != k or set(map(tuple, k["shapes"])) != {tuple(p[0]) for p in record["plans"]}:
             raise ValueError("the table names another host, torch or model")
         for _, plan in record["plans"]:
             if len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
                 raise ValueError(f"bad plan {plan}")
+        if not _valid_timings(record.get("ms"), LAYOUTS) or not _numbers(record.get("chosen_ms")):
+            raise ValueError("bad layout timings (ms, chosen_ms)")
+        if not isinstance(record.get("timed_at"), str):
+            raise ValueError("no timed_at")
         greedy = record.get("greedy_ms") or {}
         if greedy and not _valid_greedy(greedy):
             raise ValueError(f"bad greedy head timing {greedy}")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         log.warning("linear layout table %s unusable (%s): timing again", path, e)
         return None
     record["path"] = path
     return record
 
 
+def _numbers(values) -> bool:
+    """A list of one number per row bucket."""
+    return (
+        isinstance(values, list)
+        and len(values) == len(ROW_BUCKETS)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)
+    )
+
+
+def _valid_timings(table, names) -> bool:
+    """{name: [ms per bucket]} for exactly `names`."""
+    return isinstance(table, dict) and sorted(table) == sorted(names) and all(map(_numbers, table.values()))
+
+
 def _valid_greedy(greedy) -> bool:
     """{"bf16": [ms per bucket], "fp32": [ms per bucket]}, numbers only."""
-    return (
-        isinstance(greedy, dict)
-        and sorted(greedy) == ["bf16", "fp32"]
-        and all(isinstance(v, list) and len(v) == len(ROW_BUCKETS) for v in greedy.values())
-        and all(isinstance(x, (int, float)) for v in greedy.values() for x in v)
-    )
+    return _valid_timings(greedy, ["bf16", "fp32"])
 
 
 def write(

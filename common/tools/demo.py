@@ -6,7 +6,8 @@
    converted once into a checkpoint folder in the user cache (common.tools.smollm2); `--tiny` builds
    a tiny random-weight Llama instead (its answer is gibberish by design); `--model-path` any folder;
 2. start `python -m prefill_service` and `python -m decode_service` as subprocesses on free
-   loopback ports, and wait until both report SERVING (grpc.health.v1);
+   loopback ports, sharing a generated internal key (in their environment, not their command
+   lines; $DISAGG_INTERNAL_API_KEY if set), and wait until both report SERVING (grpc.health.v1);
 3. send the prompt through the client library (chat template, streaming, greedy), print the answer
    as it streams, then TTFT and decode tokens/s as the client saw them;
 4. stop both services with SIGTERM and wait for them to exit.
@@ -21,7 +22,24 @@ import sys
 import tempfile
 import time
 
+from common import api_keys
 from common.tools.procs import free_port, stop, wait_serving
+
+
+def start_pair(path: str, flags: list[str]) -> tuple[subprocess.Popen, subprocess.Popen, int, int]:
+    """Prefill and decode as subprocesses on free loopback ports, sharing a fresh internal key passed in
+    their environment (common/api_keys.py), never on their command lines. Returns (prefill, decode, ports)."""
+    prefill_port, decode_port = free_port(), free_port()
+    common = ["--model-path", path, "--host", "127.0.0.1", "--device", "cpu", *flags]
+    env = api_keys.generated_env({**os.environ, "PYTHONUNBUFFERED": "1"})
+    print(f"[demo] starting prefill on 127.0.0.1:{prefill_port} and decode on 127.0.0.1:{decode_port}", flush=True)
+    prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(prefill_port)], env=env)
+    decode = subprocess.Popen(
+        [sys.executable, "-m", "decode_service", *common, "--port", str(decode_port),
+         "--prefill-addr", f"127.0.0.1:{prefill_port}"],
+        env=env,
+    )  # fmt: skip
+    return prefill, decode, prefill_port, decode_port
 
 
 def main(argv=None) -> str:
@@ -47,32 +65,11 @@ def main(argv=None) -> str:
             from common.tools.smollm2 import ensure_smollm2
 
             path = ensure_smollm2()
-        prefill_port, decode_port = free_port(), free_port()
-        common = ["--model-path", path, "--host", "127.0.0.1", "--device", "cpu"]
-        if args.tiny:
-            common += ["--torch-threads", "1"]  # a tiny model gains nothing from more
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        print(f"[demo] starting prefill on 127.0.0.1:{prefill_port} and decode on 127.0.0.1:{decode_port}", flush=True)
-        prefill = subprocess.Popen(
-            [sys.executable, "-m", "prefill_service", *common, "--port", str(prefill_port)], env=env
-        )
-        decode = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "decode_service",
-                *common,
-                "--port",
-                str(decode_port),
-                "--prefill-addr",
-                f"127.0.0.1:{prefill_port}",
-            ],
-            env=env,
-        )
+        prefill, decode, prefill_port, decode_port = start_pair(path, ["--torch-threads", "1"] if args.tiny else [])
         try:
             wait_serving(f"127.0.0.1:{prefill_port}", prefill)
             wait_serving(f"127.0.0.1:{decode_port}", decode)
-            client = Client(f"127.0.0.1:{decode_port}")
+            client = Client(f"127.0.0.1:{decode_port}", api_key=os.environ.get(api_keys.ENV["api_key"]))
             _ = client.tokenizer  # loaded before the clock starts: TTFT is the service's, not the tokenizer's
             print(f"[demo] prompt: {args.prompt!r}\n[demo] answer: ", end="", flush=True)
             start, arrivals, pieces = time.perf_counter(), [], []

@@ -23,7 +23,9 @@ from common.wire.grpc_server import SERVER_OPTIONS, channel_options
 
 class AioServer:
     def __init__(self, host: str, port: int, service_names: list[str], interceptors: tuple = (), credentials=None):
-        """`interceptors` (e.g. the API-key check) and `credentials` (TLS; None: plaintext): security.py."""
+        """`interceptors` (e.g. the API-key check) and `credentials` (TLS; None: plaintext): security.py.
+        An interceptor sees a call's method and metadata before its body is read: a handler it swaps in
+        decides whether the body is read at all (security.py's refusal never reads it)."""
         self._interceptors = tuple(interceptors)
         self._credentials = credentials
         self.loop = asyncio.new_event_loop()

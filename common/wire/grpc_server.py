@@ -1,7 +1,9 @@
 """gRPC plumbing shared by both services: message limits, keepalive options, the shutdown signal.
 
 Message limits are set on purpose (never the 4 MiB default): KV chunks are bounded by
-`max_chunk_bytes` and the limit leaves headroom above it.
+`max_chunk_bytes` and the limit leaves headroom above it. A Prefill caller may ask for its own bound
+only within [MIN_REQUEST_CHUNK_BYTES, MAX_CHUNK_BYTES] (common/wire/kv_chunks.py `chunk_bound`): a
+tiny one would make one chunk per token and layer, a huge one messages over the receive limit.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import threading
 
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 64 << 20
+MIN_REQUEST_CHUNK_BYTES = 256 << 10  # the least a Prefill request may ask for (the operator's flag may go lower)
+MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES // 2  # the most anyone may set: a chunk's message stays under the limit
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, keepalive: bool = False) -> list[tuple[str, int]]:

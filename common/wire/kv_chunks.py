@@ -2,6 +2,8 @@
 
 A chunk covers a token range and a layer range; its payload (K and V of those tokens and layers,
 each one tensor) is at most `max_bytes` unless a single (token, layer) pair is larger than that.
+`max_bytes` is the server's flag, or the Prefill request's own bound when it names one within
+[MIN_REQUEST_CHUNK_BYTES, MAX_CHUNK_BYTES] (`chunk_bound`; outside: refused, never clamped).
 """
 
 from __future__ import annotations
@@ -11,7 +13,21 @@ from collections.abc import Iterator
 import torch
 
 from common.wire import tensor_codec
+from common.wire.grpc_server import MAX_CHUNK_BYTES, MIN_REQUEST_CHUNK_BYTES
 from common.wire.proto_gen import prefill_pb2
+
+
+def chunk_bound(requested: int, default: int) -> int:
+    """The payload bound of a call's chunks: `requested` (a Prefill request's max_chunk_bytes), or
+    `default` when it is 0; ValueError naming the field when the request asks outside the range."""
+    if requested == 0:
+        return default
+    if not MIN_REQUEST_CHUNK_BYTES <= requested <= MAX_CHUNK_BYTES:
+        raise ValueError(
+            f"max_chunk_bytes must be 0 (the server's default) or within [{MIN_REQUEST_CHUNK_BYTES}, "
+            f"{MAX_CHUNK_BYTES}], got {requested}"
+        )
+    return requested
 
 
 def plan(

@@ -7,6 +7,12 @@ the decode side's reserved slots; the gRPC stream only carries notices (`KvWritt
 - prefill: its own engine; `register` a handoff's host KV, `write_plan` the (source, destination,
   length) triples of one chunk (tokens x layers) and `write` them in one batch; a notice follows.
 The engine's P2P handshake needs no metadata server: a session is the peer's "host:rpc_port".
+With an internal API key decode signs each destination (session, regions, slot runs) and prefill
+writes only those that verify (common/wire/kv_capability.py): a caller cannot aim prefill at other
+slots or at another engine. The engine itself authenticates nobody: the pinned wheel
+(mooncake-transfer-engine-non-cuda 0.3.13.post1) listens on every interface whatever host it is given
+(its handshake port on 0.0.0.0, its TCP transport on all addresses; checked), and serves reads and
+writes of registered memory to any peer, so its hosts' network must be private to the two services.
 Protocol "tcp" works on any host; "rdma" (with `device`, e.g. "mlx5_0") is for GPU nodes, where
 registering device memory lets the engine use GPUDirect.
 """
@@ -17,6 +23,7 @@ import socket
 
 import torch
 
+from common.wire.kv_capability import Verifier
 from common.wire.proto_gen import prefill_pb2
 
 INSTALL_HINT = (
@@ -54,7 +61,11 @@ def require() -> None:
 
 
 class TransferEngine:
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
+    def __init__(
+        self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "", capability_key: bytes | None = None
+    ):
+        """`capability_key` (prefill: kv_capability.key_from_internal of the internal API key): the key
+        that destinations' capabilities must verify with; None writes unsigned destinations."""
         require()
         from mooncake.engine import TransferEngine as Engine
 
@@ -62,6 +73,12 @@ class TransferEngine:
         if self._engine.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
             raise MooncakeUnavailable(f"mooncake engine failed to start on {host} ({protocol}, device {device!r})")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
+        self._key = capability_key
+        self.capabilities = Verifier()
+
+    def capability_key(self, session: str) -> bytes | None:
+        """The key a destination at `session` is signed with (the same for every decode side), or None."""
+        return self._key
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         """Register the memory of contiguous tensors (a pool's layers, or a handoff's KV)."""

@@ -2,7 +2,9 @@
 
 - API keys: a server given a key admits a call only with gRPC metadata `authorization: Bearer <key>`
   (compared in constant time), else UNAUTHENTICATED; health checks (grpc.health.v1, and the
-  client API's HealthCheck, which gateways probe) stay open. The decode front door takes
+  client API's HealthCheck, which gateways probe) stay open. A call is judged on its metadata alone,
+  before its body is read: a refused call's body is never parsed, nor buffered past HTTP/2's flow
+  window (the refusing handler takes the request as a stream it never reads). The decode front door takes
   `--api-key` from clients; the prefill API takes `--internal-api-key`, which decode's prefill client
   sends. Keys never appear in logs or reprs.
 - TLS: `--tls-cert-file` and `--tls-key-file` make a server speak TLS; with `--tls-ca-file` it also
@@ -102,23 +104,21 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape that answers UNAUTHENTICATED."""
+    """A handler that answers UNAUTHENTICATED without reading the request: gRPC reads (and parses) a
+    unary request before its handler runs, but a streaming one only when the handler asks for it, so
+    the refusal takes the request as a stream, whatever the method's shape (the wire is the same)."""
 
-    async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-
-    async def refuse_stream(request, context):
+    async def refuse(requests, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
         yield  # never reached: makes this an async generator, as a streaming handler must be
 
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kw)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kw)
+    return grpc.stream_stream_rpc_method_handler(
+        refuse, request_deserializer=_never_parsed, response_serializer=handler.response_serializer
+    )
+
+
+def _never_parsed(data: bytes):
+    raise RuntimeError("the body of an unauthenticated call was read")
 
 
 def interceptors(key: str | None) -> tuple:

@@ -11,12 +11,15 @@ quiesce on early ends. `ShmEndpoint` and `ShmWriter` have the methods of
 
 - decode: its pools' buffers are files `disagg-kv-<pid>-<random>` (common/engine/shared_memory.py:
   mode 0600, room taken at once, locked while alive, removed with the pool; a start sweeps those
-  nobody holds). `ShmEndpoint(files)` names the files and where they are mapped in its session:
-  `shm:` + JSON [[path, base address, bytes], ...].
+  nobody holds; a trailer past the buffer holds the process's secret). `ShmEndpoint(files)` names
+  the files and where they are mapped in its session: `shm:` + JSON [[path, base address, bytes], ...];
+  its `key` (the files' secret) signs each call's destination (common/wire/kv_capability.py).
 - prefill: `ShmWriter(folder)` maps a session's files on first use (only regular files of that
-  folder named as above, with one link, owned by this user, of the size the session says), checks
-  every write lies inside one of them, and unmaps a file its decode side removed once no write
-  uses it. A session it cannot map (decode on another host) gets bytes instead.
+  folder named as above, with one link, owned by this user, of the size the session says plus the
+  trailer), checks every write lies inside one of them (the trailer is never mapped), and unmaps a
+  file its decode side removed once no write uses it. A session it cannot map (decode on another
+  host) gets bytes instead. `capability_key(session)` is the secret its files hold: the writer's
+  caller (prefill_service/kv_writer.py) checks each destination's capability with it before writing.
 Only the two processes' user can open the files. Separate containers need a shared /dev/shm
 (compose: `ipc: shareable` on decode, `ipc: "service:decode"` on prefill).
 """
@@ -33,7 +36,9 @@ import threading
 
 import torch
 
+from common.engine import shared_memory
 from common.engine.shared_memory import NAME as _NAME
+from common.wire.kv_capability import Verifier
 
 logger = logging.getLogger(__name__)
 SESSION_PREFIX = "shm:"
@@ -54,6 +59,7 @@ class ShmEndpoint:
         """`segments`: (file path, the whole tensor mapped from it) of each shared pool buffer."""
         self.segments = [(path, t.data_ptr(), t.numel() * t.element_size()) for path, t in segments]
         self.session = SESSION_PREFIX + json.dumps(self.segments)
+        self.key = _secret_of([(path, size) for path, _, size in self.segments])
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
@@ -68,8 +74,8 @@ class ShmEndpoint:
 class _Mapped:
     """One pool file mapped here; `users`: writes in progress (it is unmapped only at 0)."""
 
-    def __init__(self, mm: mmap.mmap, size: int, inode: int):
-        self.mm, self.size, self.inode, self.users = mm, size, inode, 0
+    def __init__(self, mm: mmap.mmap, size: int, inode: int, secret: bytes):
+        self.mm, self.size, self.inode, self.secret, self.users = mm, size, inode, secret, 0
         self.first = ctypes.c_char.from_buffer(mm)  # held: the map cannot close under a write
         self.addr = ctypes.addressof(self.first)
 
@@ -94,6 +100,7 @@ class ShmWriter:
         self._refused: set[str] = set()  # sessions whose refusal was logged (bounded)
         self._closed = threading.Event()
         self._pruner: threading.Thread | None = None
+        self.capabilities = Verifier()  # the capabilities of destinations in our decode sides' files
 
     def register(self, tensors: list[torch.Tensor]) -> None:
         pass
@@ -128,6 +135,17 @@ class ShmWriter:
                     raise ShmTransferError(f"a write of {n} bytes at {dst:#x} falls outside the session's pool files")
         finally:
             self._release(held)
+
+    def capability_key(self, session: str) -> bytes:
+        """The secret the session's files hold (their decode process's): the key of its capabilities."""
+        held = self._acquire(session)
+        try:
+            keys = {m.secret for _, m in held}
+        finally:
+            self._release(held)
+        if len(keys) != 1:
+            raise ShmTransferError("the session's pool files are not one decode process's (their secrets differ)")
+        return keys.pop()
 
     def parse(self, session: str) -> list[tuple[str, int, int]]:
         if not session.startswith(SESSION_PREFIX) or len(session) > self.MAX_SESSION:
@@ -179,9 +197,14 @@ class ShmWriter:
             raise ShmTransferError(f"cannot open the decode side's pool file {path}: {e}") from e
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1 or st.st_size != size:
+            whole = size + shared_memory.TRAILER
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1 or st.st_size != whole:
                 raise ShmTransferError(f"{path} is not this user's pool file of {size} bytes")
-            m = _Mapped(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), size, st.st_ino)
+            secret = shared_memory.read_secret(fd, size)
+            if secret is None:
+                raise ShmTransferError(f"{path} holds no decode secret: not a pool file of this version")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)  # the trailer stays out
+            m = _Mapped(mm, size, st.st_ino, secret)
         finally:
             os.close(fd)
         self._maps[path] = m
@@ -209,6 +232,20 @@ class ShmWriter:
                 if m.users == 0:
                     del self._maps[path]
                     m.close()
+
+
+def _secret_of(files: list[tuple[str, int]]) -> bytes:
+    """The secret that every one of these (path, buffer bytes) pool files holds."""
+    keys = set()
+    for path, size in files:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            keys.add(shared_memory.read_secret(fd, size))
+        finally:
+            os.close(fd)
+    if len(keys) != 1 or None in keys:
+        raise ShmTransferError("the pool files do not hold one secret (made by common/engine/shared_memory.py?)")
+    return keys.pop()
 
 
 def _inode(path: str) -> int | None:

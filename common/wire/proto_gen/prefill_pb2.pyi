@@ -73,32 +73,36 @@ class SlotRun(_message.Message):
     def __init__(self, token_start: _Optional[int] = ..., slot: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("session", "target", "draft", "runs", "tp_ranks")
+    __slots__ = ("session", "target", "draft", "runs", "tp_ranks", "capability")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     TP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     session: str
     target: KvRegion
     draft: KvRegion
     runs: _containers.RepeatedCompositeFieldContainer[SlotRun]
     tp_ranks: _containers.RepeatedCompositeFieldContainer[KvRankDestination]
-    def __init__(self, session: _Optional[str] = ..., target: _Optional[_Union[KvRegion, _Mapping]] = ..., draft: _Optional[_Union[KvRegion, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[SlotRun, _Mapping]]] = ..., tp_ranks: _Optional[_Iterable[_Union[KvRankDestination, _Mapping]]] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, session: _Optional[str] = ..., target: _Optional[_Union[KvRegion, _Mapping]] = ..., draft: _Optional[_Union[KvRegion, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[SlotRun, _Mapping]]] = ..., tp_ranks: _Optional[_Iterable[_Union[KvRankDestination, _Mapping]]] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class KvRankDestination(_message.Message):
-    __slots__ = ("session", "target", "draft", "kv_head_start", "kv_head_count")
+    __slots__ = ("session", "target", "draft", "kv_head_start", "kv_head_count", "capability")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     KV_HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     session: str
     target: KvRegion
     draft: KvRegion
     kv_head_start: int
     kv_head_count: int
-    def __init__(self, session: _Optional[str] = ..., target: _Optional[_Union[KvRegion, _Mapping]] = ..., draft: _Optional[_Union[KvRegion, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ...) -> None: ...
+    capability: bytes
+    def __init__(self, session: _Optional[str] = ..., target: _Optional[_Union[KvRegion, _Mapping]] = ..., draft: _Optional[_Union[KvRegion, _Mapping]] = ..., kv_head_start: _Optional[int] = ..., kv_head_count: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id",)

@@ -1,0 +1,111 @@
+"""HandoffIntake: how the decode scheduler takes in what a prefill peer sends (a mixin of DecodeScheduler).
+
+A prefill peer is trusted with nothing but its own request. Each reply is checked where it enters:
+the first token is an id of the vocabulary; a KV chunk fits the pools and the reservation
+(handoff_writes.check_kv, before anything is written); the handoff's record fits the request
+(first token, positions, cached tokens, `Handoff.check_continues`) and, with EAGLE, its seed is
+sound (top-k ids in the vocabulary, finite probabilities and hidden of the target's width). A reply
+that fails a check, or any exception while one is handled, ends that request with an error
+(`_fail_reply`: freed once, now or at the prefill's last word while a transfer engine may still
+write its slots); only our own books (InvariantError) or a failed stream stop the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from common.engine.handoff import check_token
+from common.engine.streams import StreamFailed
+from decode_service.inbox import FirstTokenArrived, HandoffArrived, HandoffFailed, KvChunkArrived
+from decode_service.req import ReqState
+from decode_service.step import InvariantError
+
+logger = logging.getLogger(__name__)
+
+
+def bad_reply(rid: str, e: Exception) -> str:
+    """A request's error for a bad prefill reply (a ValueError is a failed check; anything else is logged)."""
+    if not isinstance(e, ValueError):
+        logger.error("handling a prefill reply for %s failed", rid, exc_info=e)
+    return f"bad reply from prefill: {e}"
+
+
+class HandoffIntake:
+    """Reads and writes the scheduler's `awaiting_handoff`, `prebuilt`, `worker`, `info`, `spec`,
+    `notes`, `abort_waits_for_prefill` and its `_finish`, `_release`, `_emit`, `_finish_reason`."""
+
+    def _apply_reply(self, handler, msg) -> None:
+        """Run `handler(msg)` for a prefill reply; a failure is the request's, not the scheduler's."""
+        try:
+            handler(msg)
+        except (InvariantError, StreamFailed):
+            raise  # our own books or the device broke: that is the scheduler's
+        except Exception as e:
+            if isinstance(msg, KvChunkArrived) and msg.done is not None:
+                msg.done()  # open the sender's window (a no-op if the stream already did)
+            self._fail_reply(msg.rid, bad_reply(msg.rid, e), isinstance(msg, (HandoffArrived, HandoffFailed)))
+
+    def _on_first_token(self, msg: FirstTokenArrived) -> None:
+        req = self.awaiting_handoff.get(msg.rid)
+        if req is None or req.finished or msg.position != len(req.output_ids):
+            return  # gone (or aborted), or a retry's resend of a token already streamed
+        if req.output_ids and self._finish_reason(req) is not None:
+            return  # never stream a token past a finish
+        check_token(msg.rid, "first token", msg.token, self.info.vocab_size)  # ValueError: _fail_reply
+        req.output_ids.append(msg.token)
+        self._emit(req, [msg.token], None)
+
+    def _on_kv_chunk(self, msg: KvChunkArrived) -> None:
+        req = self.awaiting_handoff.get(msg.rid)
+        if req is None or req.finished:  # gone: drop it, but open the sender's window all the same
+            if msg.done is not None:
+                msg.done()
+            return
+        draft = msg.draft and self.spec is not None  # a ValueError (checked, nothing written): _fail_reply
+        self.worker.write_kv_chunk(req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v, draft, msg.done)
+
+    def _on_handoff(self, msg: HandoffArrived) -> None:
+        handoff = msg.handoff
+        req = self.awaiting_handoff.get(handoff.rid)
+        if req is None:
+            return  # aborted or failed meanwhile: its reservation is already freed
+        if req.finished:  # aborted while its KV was being written: now nothing writes there any more
+            del self.awaiting_handoff[handoff.rid]
+            self._release(req)
+            return
+        # a ValueError here (a malformed record) is this request's: _fail_reply frees it
+        handoff.check_record(self.info.vocab_size)
+        if handoff.k is not None:  # KV in the record (in-process); else it came as chunks
+            handoff.check(self.info.num_layers)
+        if self.spec:
+            handoff.check_draft(self.info.hidden_size, self.info.vocab_size)
+        handoff.check_continues(req.prompt_ids, req.output_ids)
+        del self.awaiting_handoff[handoff.rid]
+        req.handoff = handoff
+        req.state = ReqState.PREBUILT
+        self.prebuilt.append(req)
+
+    def _on_handoff_failed(self, msg: HandoffFailed) -> None:
+        req = self.awaiting_handoff.pop(msg.rid, None)
+        if req is not None and req.finished:  # aborted earlier; its prefill has ended now
+            self._release(req)
+        elif req is not None:
+            self._finish(req, "error", msg.error)
+
+    def _fail_reply(self, rid: str, detail: str, last_word: bool) -> None:
+        """A prefill reply for `rid` was bad: the request ends with an error, once. Its slots are freed
+        now, or, while a transfer engine may still write into them, at the prefill's last word on it
+        (its handoff or failure: `last_word` says this reply was that)."""
+        req = self.awaiting_handoff.get(rid)
+        if req is None:
+            return  # gone meanwhile: already freed
+        if last_word or not self.abort_waits_for_prefill:
+            del self.awaiting_handoff[rid]
+            if req.finished:
+                self._release(req)
+            else:
+                self._finish(req, "error", detail)
+        elif not req.finished:  # the client hears it now; _on_handoff(_failed) releases it later
+            req.finish_reason, req.error = "error", detail
+            self.notes.put_error(rid, detail)
+            self._emit(req, [], "error")
