@@ -19,7 +19,9 @@ RUN pip install . "smg>=1.13" "mooncake-transfer-engine==0.3.13.post1"
 # Triton's and TorchInductor's compiled kernels; /tmp is the other scratch place (an emptyDir each on
 # Kubernetes, where the root filesystem is read-only).
 RUN groupadd --gid 1000 disagg && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/disagg \
-    --shell /usr/sbin/nologin disagg
+    --shell /usr/sbin/nologin disagg \
+    && mkdir -p /var/lib/disagg-keys && chown 1000:1000 /var/lib/disagg-keys && chmod 0700 /var/lib/disagg-keys
+# (compose's `keys` volume takes that folder's owner and mode when first mounted: common/tools/keygen.py)
 ENV HOME=/home/disagg XDG_CACHE_HOME=/home/disagg/.cache TRITON_CACHE_DIR=/home/disagg/.cache/triton \
     TORCHINDUCTOR_CACHE_DIR=/home/disagg/.cache/torchinductor PYTHONDONTWRITEBYTECODE=1
 USER 1000:1000

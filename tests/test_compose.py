@@ -7,10 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from common import api_keys
 from common.tools import health_probe
+from common.tools import keygen as keygen_tool
 from decode_service.config import build_parser as decode_parser
 from decode_service.config import parse_args as parse_decode
 from prefill_service.config import build_parser as prefill_parser
@@ -37,7 +39,7 @@ def _expand(arg: str) -> str:
 
 def test_compose_structure():
     services = _compose()["services"]
-    assert set(services) == {"prefill", "decode", "smg"}
+    assert set(services) == {"keygen", "prefill", "decode", "smg"}
     for name in ("prefill", "decode"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
@@ -84,7 +86,9 @@ def test_dockerfile_installs_what_compose_runs():
     text = open(os.path.join(ROOT, "Dockerfile")).read()
     for part in ("common", "prefill_service", "decode_service", "pyproject.toml", "smg"):
         assert part in text
-    assert _compose()["services"]["prefill"]["build"] == "."
+    services = _compose()["services"]
+    assert services["keygen"]["build"] == "."  # the first service to start builds the image the others run
+    assert {s["image"] for s in services.values()} == {"disagg-serve:latest"}
 
 
 KEY_FLAGS = ("--api-key", "--internal-api-key")
@@ -96,29 +100,45 @@ def _image_user() -> tuple[int, str]:
     return int(re.findall(r"^USER (\d+)", text, re.M)[-1]), re.search(r"\bHOME=(\S+)", text).group(1)
 
 
-def test_keys_travel_as_secret_files_never_on_a_command_line(tmp_path):
+def test_keys_travel_as_files_never_on_a_command_line(tmp_path):
+    """keygen makes the internal key once into a volume only prefill and decode mount (read-only);
+    they read it with --internal-api-key-file; no key flag or variable anywhere for ps or inspect."""
     compose = _compose()
-    uid, _ = _image_user()
     for name, service in compose["services"].items():
         command = service["command"]
         assert not any(a in KEY_FLAGS or "KEY" in a for a in command), (name, command)  # nothing for ps to show
         assert not any("KEY" in str(e) for e in service.get("environment", ())), name  # nor docker inspect
-    parsers = {"prefill": parse_prefill, "decode": parse_decode}
-    for name, parse in parsers.items():
+    keygen = compose["services"]["keygen"]
+    assert keygen["command"][:3] == ["python", "-m", "common.tools.keygen"] and keygen["network_mode"] == "none"
+    [key_path] = keygen["command"][3:]
+    folder = os.path.dirname(key_path)
+    assert keygen["volumes"] == [f"keys:{folder}"] and "keys" in compose["volumes"]
+    assert "mkdir -p " + folder in open(os.path.join(ROOT, "Dockerfile")).read()  # the volume takes its owner
+    assert not any("keys:" in v for v in compose["services"]["smg"].get("volumes", ()))  # the gateway never sees it
+    local = tmp_path / "internal_api_key"
+    assert keygen_tool.main([str(local)]) == 0
+    for name, parse in {"prefill": parse_prefill, "decode": parse_decode}.items():
         service = compose["services"][name]
-        [mount] = service["secrets"]
-        secret = compose["secrets"][mount["source"]]
-        assert secret == {"environment": "INTERNAL_API_KEY"}  # compose copies it in, honouring uid and mode
-        assert int(mount["uid"]) == uid and int(str(mount["mode"]).replace("0o", ""), 8) == 0o400
+        assert f"keys:{folder}:ro" in service["volumes"], name
+        if name == "prefill":  # decode starts after prefill is healthy, so after keygen too
+            assert service["depends_on"] == {"keygen": {"condition": "service_completed_successfully"}}
         command = service["command"]
-        path = command[command.index("--internal-api-key-file") + 1]
-        assert path == f"/run/secrets/{mount['target']}"
-        # the file as the service finds it (mode 0400, the key plus a newline) gives the key
-        local = tmp_path / name
-        local.write_text("k3y\n")
-        local.chmod(0o400)
-        args = [a.replace(path, str(local)) for a in map(_expand, command[3:])]
-        assert parse(args).internal_api_key == "k3y" == api_keys.read_key_file(str(local))
+        assert command[command.index("--internal-api-key-file") + 1] == key_path
+        args = [a.replace(key_path, str(local)) for a in map(_expand, command[3:])]
+        assert parse(args).internal_api_key == api_keys.read_key_file(str(local))  # the file as keygen made it
+
+
+def test_keygen_makes_one_owner_only_key_and_keeps_it(tmp_path):
+    path = str(tmp_path / "k")
+    assert keygen_tool.ensure_key(path) is True
+    key = api_keys.read_key_file(path)
+    assert len(key) >= 32 and os.stat(path).st_mode & 0o777 == 0o400
+    assert keygen_tool.ensure_key(path) is False and api_keys.read_key_file(path) == key  # a restart keeps it
+    other = tmp_path / "bad"
+    other.write_text("")
+    other.chmod(0o600)
+    with pytest.raises(api_keys.KeySourceError, match="empty"):  # an unusable file in the way is an error
+        keygen_tool.ensure_key(str(other))
 
 
 def test_the_image_runs_as_an_unprivileged_user_with_a_writable_home():
