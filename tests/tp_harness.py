@@ -13,6 +13,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from common.parallel.tp_auth import new_key
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -20,14 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, fn, args, queue) -> None:
+def _rank_main(rank: int, size: int, port: int, key: str, fn, args, queue) -> None:
     import torch
 
     from common.parallel.tp_group import TPGroup
 
     torch.set_num_threads(1)
     try:
-        tp = TPGroup.init(rank, size, f"tcp://127.0.0.1:{port}", timeout_s=60)
+        tp = TPGroup.init(rank, size, f"tcp://127.0.0.1:{port}", timeout_s=60, key=key)
         # pickled to bytes here: through the queue itself, a tensor travels as a shared-memory file
         # descriptor that the parent fetches from this process, which may have exited by then
         result = pickle.dumps(fn(tp, *args))
@@ -40,8 +42,10 @@ def _rank_main(rank: int, size: int, port: int, fn, args, queue) -> None:
 def run_ranks(fn, size: int, *args, timeout_s: float = 180.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, fn, args, queue), daemon=True) for r in range(size)]
+    port, key = free_port(), new_key()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, size, port, key, fn, args, queue), daemon=True) for r in range(size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

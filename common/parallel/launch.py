@@ -2,9 +2,11 @@
 child processes that load their shard and follow rank 0 (decode_service/tp_worker.py,
 prefill_service/tp_engine.py).
 
-1. `TPRanks.start(config, follower, name)` picks the group's port on loopback (`--tp-port`, 0 = any
-   free one), spawns the followers (each runs `follower(config, tp)` after joining the group: a
-   top-level function, so the spawned process can import it), joins as rank 0 and returns;
+1. `TPRanks.start(config, follower, name)` listens on loopback (`--tp-port`, 0 = any free one; the
+   port is held from then on, no bind-and-release race), makes the launch's key (tp_auth.py: handed to
+   the followers through multiprocessing's pipe, never a command line or the environment), spawns the
+   followers (each runs `follower(config, tp)` after joining the group: a top-level function, so the
+   spawned process can import it), joins as rank 0 and returns;
 2. `watch(on_death)` calls `on_death(message)` once when a follower exits: the service then fails
    its work, so health turns NOT_SERVING and calls fail instead of hanging;
 3. `stop()` ends the followers (after rank 0 sent "stop"; killed if they do not exit).
@@ -18,17 +20,10 @@ import threading
 
 import torch.multiprocessing as mp
 
+from common.parallel import tp_auth
 from common.parallel.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_settings(config) -> None:
@@ -39,14 +34,14 @@ def check_settings(config) -> None:
         return
 
 
-def _rank_main(follower, config, rank: int, port: int, name: str) -> None:
+def _rank_main(follower, config, rank: int, port: int, name: str, key: str) -> None:
     """A follower rank's process: join the group, then `follower(config, tp)` until rank 0 stops it."""
     from common import omp_spin
 
     omp_spin.set_default(name)  # a no-op in effect: the rank inherits the service's environment (set
     # before torch loaded there), and unpickling this target has loaded torch here already
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}-tp{rank} %(levelname)s %(message)s")
-    tp = TPGroup.init(rank, config.tp_size, f"tcp://127.0.0.1:{port}", config.device)
+    tp = TPGroup.init(rank, config.tp_size, f"tcp://127.0.0.1:{port}", config.device, key=key)
     try:
         follower(config, tp)
         log.info("TP rank %d stopped", rank)
@@ -62,15 +57,25 @@ class TPRanks:
 
     @classmethod
     def start(cls, config, follower, name: str) -> TPRanks:
-        port = config.tp_port or _free_port()
+        listener = tp_auth.listen("127.0.0.1", config.tp_port)
+        port, key = listener.getsockname()[1], tp_auth.new_key()
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_rank_main, args=(follower, config, r, port, name), name=f"{name}-tp{r}", daemon=True)
+            ctx.Process(
+                target=_rank_main, args=(follower, config, r, port, name, key), name=f"{name}-tp{r}", daemon=True
+            )
             for r in range(1, config.tp_size)
         ]
-        for p in procs:
-            p.start()
-        tp = TPGroup.init(0, config.tp_size, f"tcp://127.0.0.1:{port}", config.device)
+        try:
+            for p in procs:
+                p.start()
+            tp = TPGroup.init(0, config.tp_size, f"tcp://127.0.0.1:{port}", config.device, key=key, listener=listener)
+        except BaseException:
+            listener.close()  # a no-op if the group took it
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise
         log.info("tensor parallel: %d ranks on port %d", config.tp_size, port)
         return cls(tp, procs)
 

@@ -1,8 +1,10 @@
 """TPGroup: the ranks one service's model is split across, and the collectives the model and the
 rank-0-leads protocol need.
 
-1. `TPGroup.init(rank, size, "tcp://HOST:PORT", device)`: rank 0 hosts a TCPStore there; every rank
-   joins a gloo group (control messages, and the tensors on CPU) and on CUDA an NCCL group (tensors).
+1. `TPGroup.init(rank, size, "tcp://HOST:PORT", device, key=...)`: rank 0 hosts a TCPStore there
+   (listening on HOST only); every rank proves the launch's key, then joins a gloo group bound to HOST
+   (control messages, and the tensors on CPU) and on CUDA an NCCL group (tensors). What the key
+   guards, and how: common/parallel/tp_auth.py.
    The groups are the service's own objects, not torch.distributed's process-wide default: two
    services in one process (tests) each keep their own. `TPGroup.single()` is TP 1: every collective
    is the identity.
@@ -12,20 +14,24 @@ rank-0-leads protocol need.
    parallel lm_head's logits: every rank holds the same logits and samples the same token) / every
    rank's tensor, in rank order.
 4. `broadcast_object(obj)` / `scatter_object(parts)`: rank 0's Python objects to every rank, the same
-   one or one each (a decode rank's part of a KV handoff), serialized with torch.save and loaded
-   onto the receiving rank's device.
+   one or one each (a decode rank's part of a KV handoff): tensors and plain data only (no pickled
+   code), each message tagged with the key, loaded onto the receiving rank's device.
 Collectives block until every rank joins: a rank that dies makes the others fail (gloo: the peer's
 socket closes), or time out after `timeout_s`.
 """
 
 from __future__ import annotations
 
-import io
-from dataclasses import dataclass
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from common.parallel import tp_auth, tp_codec
 
 
 def _parse(init_method: str) -> tuple[str, int]:
@@ -43,28 +49,64 @@ class TPGroup:
     device_group: object | None = None  # NCCL ProcessGroup on CUDA, else the gloo one
     device: torch.device = torch.device("cpu")
     store: object | None = None
+    key: bytes = field(default=b"", repr=False)  # the launch's key: tags every message
+    sent: int = 0  # object messages so far (the same count on every rank): part of each tag
 
     @classmethod
     def single(cls) -> TPGroup:
         return cls()
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str, device: str = "cpu", timeout_s: float = 60.0) -> TPGroup:
-        if not 0 <= rank < size:
-            raise ValueError(f"--tp-rank must be in [0, {size}), got {rank}")
-        if size == 1:
-            return cls.single()
-        host, port = _parse(init_method)
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
-        cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+    def init(
+        cls,
+        rank: int,
+        size: int,
+        init_method: str,
+        device: str = "cpu",
+        timeout_s: float = 60.0,
+        key: str = "",
+        listener: socket.socket | None = None,
+    ) -> TPGroup:
+        """Join (rank 0: host) the group. `key`: the launch's secret (tp_auth.new_key()), the same on
+        every rank. `listener`: rank 0's listening socket from tp_auth.listen (else it binds HOST:PORT
+        itself); the group owns it from this call on, and closes it on failure."""
+        try:
+            if not 0 <= rank < size:
+                raise ValueError(f"--tp-rank must be in [0, {size}), got {rank}")
+            if size == 1:
+                return cls.single()
+            if not key:
+                raise ValueError("a TP group of several ranks needs the launch's key (tp_auth.new_key()) on every rank")
+            host, port = _parse(init_method)
+            timeout = timedelta(seconds=timeout_s)
+            if rank == 0:
+                listener = listener or tp_auth.listen(host, port)
+                port = listener.getsockname()[1]
+                # from here the store owns the socket: it closes it, also when it fails to start
+                raw = dist.TCPStore(
+                    host, port, size, True, timeout, master_listen_fd=listener.detach(), use_libuv=False
+                )
+            else:
+                raw = dist.TCPStore(host, port, size, False, timeout)
+        finally:
+            if listener is not None:
+                listener.close()  # a no-op once detached
+        secret = key.encode()
+        store = tp_auth.AuthStore(raw, secret)
+        tp_auth.join(store, rank, size)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, options)
         dev = torch.device(device)
         group = cpu
         if dev.type == "cuda":
+            if _is_loopback(host):
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # NCCL's bootstrap on loopback too
             torch.cuda.set_device(rank)  # one GPU per rank of this host
             dev = torch.device("cuda", rank)
             group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
-        return cls(rank, size, cpu, group, dev, store)
+        return cls(rank, size, cpu, group, dev, store, secret)
 
     @property
     def is_leader(self) -> bool:
@@ -92,32 +134,50 @@ class TPGroup:
         opts.rootRank = 0
         self.cpu.broadcast([t], opts).wait()
 
+    def _label(self, src: int, dst: str) -> str:
+        return f"msg/{self.sent}/{src}/{dst}"
+
+    def _dump(self, obj, dst: str) -> bytearray:
+        return tp_auth.seal(self.key, self._label(self.rank, dst), tp_codec.dumps(obj))
+
+    def _load(self, buf: torch.Tensor, src: int, dst: str):
+        # buf is this message's own receive buffer: its CPU tensors may keep it (no copy)
+        return tp_codec.loads(tp_auth.unseal(self.key, self._label(src, dst), buf.numpy()), self.device)
+
+    # Each method below is one message number on every rank: counted once its collective ran (a
+    # sender's refusal to encode sends nothing and counts nothing).
     def broadcast_object(self, obj=None):
         if self.size == 1:
             return obj
-        data = _dump(obj) if self.rank == 0 else None
-        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-        self._bcast(n)
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if data is not None
-            else torch.empty(int(n), dtype=torch.uint8)
-        )
-        self._bcast(buf)
-        return obj if self.rank == 0 else _load(buf, self.device)
+        data = self._dump(obj, "all") if self.rank == 0 else None
+        try:
+            n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+            self._bcast(n)
+            buf = (
+                torch.frombuffer(data, dtype=torch.uint8)
+                if data is not None
+                else torch.empty(int(n), dtype=torch.uint8)
+            )
+            self._bcast(buf)
+            return obj if self.rank == 0 else self._load(buf, 0, "all")
+        finally:
+            self.sent += 1
 
     def all_gather_object(self, obj) -> list:
         """Every rank's object, in rank order, on every rank."""
         if self.size == 1:
             return [obj]
-        data = _dump(obj)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.cpu.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
-        width = int(max(s.item() for s in sizes))
-        mine = torch.frombuffer(bytearray(data) + bytearray(width - len(data)), dtype=torch.uint8)
-        parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
-        self.cpu.allgather([parts], [mine]).wait()
-        return [_load(p[: int(n)], self.device) for p, n in zip(parts, sizes)]
+        data = self._dump(obj, "all")
+        try:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+            self.cpu.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+            width = int(max(s.item() for s in sizes))
+            data += bytes(width - len(data))
+            parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+            self.cpu.allgather([parts], [torch.frombuffer(data, dtype=torch.uint8)]).wait()
+            return [self._load(p[: int(n)], r, "all") for r, (p, n) in enumerate(zip(parts, sizes))]
+        finally:
+            self.sent += 1
 
     def scatter_object(self, parts: list | None = None):
         """Rank 0 passes one object per rank and gets its own; the others pass None and get theirs."""
@@ -126,29 +186,30 @@ class TPGroup:
         sizes = torch.zeros(self.size, dtype=torch.int64)
         blobs = None
         if self.rank == 0:
-            blobs = [_dump(p) for p in parts]
+            blobs = [self._dump(p, str(r)) for r, p in enumerate(parts)]
             sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
-        self._bcast(sizes)
-        width = int(sizes.max())
-        out = torch.empty(width, dtype=torch.uint8)
-        opts = dist.ScatterOptions()
-        opts.rootRank = 0
-        inputs = []
-        if self.rank == 0:
-            padded = [bytearray(b) + bytearray(width - len(b)) for b in blobs]
-            inputs = [[torch.frombuffer(p, dtype=torch.uint8) for p in padded]]
-        self.cpu.scatter([out], inputs, opts).wait()
-        return parts[0] if self.rank == 0 else _load(out[: int(sizes[self.rank])], self.device)
+        try:
+            self._bcast(sizes)
+            width = int(sizes.max())
+            out = torch.empty(width, dtype=torch.uint8)
+            opts = dist.ScatterOptions()
+            opts.rootRank = 0
+            inputs = []
+            if self.rank == 0:
+                for b in blobs:
+                    b += bytes(width - len(b))
+                inputs = [[torch.frombuffer(b, dtype=torch.uint8) for b in blobs]]
+            self.cpu.scatter([out], inputs, opts).wait()
+            return parts[0] if self.rank == 0 else self._load(out[: int(sizes[self.rank])], 0, str(self.rank))
+        finally:
+            self.sent += 1
 
     def close(self) -> None:
         self.cpu = self.device_group = self.store = None  # the groups end with their last reference
 
 
-def _dump(obj) -> bytes:
-    f = io.BytesIO()
-    torch.save(obj, f)
-    return f.getvalue()
-
-
-def _load(buf: torch.Tensor, device: torch.device):
-    return torch.load(io.BytesIO(buf.numpy().tobytes()), map_location=device, weights_only=False)
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
