@@ -75,6 +75,17 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert all(r["hf_ms"] > 0 and r["ours_ms"] > 0 and r["floor_ms"] > 0 for r in summary["bench"])
 
 
+def test_gpu_check_fails_on_a_gpu_when_no_test_ran():
+    from bench.gpu_check import tests_ok
+
+    assert not tests_ok(0, "16 skipped, 2 deselected in 0.3s", on_gpu=True)  # CUDA not seen: not a pass
+    assert not tests_ok(5, "no tests ran in 0.01s", on_gpu=True)
+    assert not tests_ok(1, "1 failed, 15 passed in 21s", on_gpu=True)
+    assert tests_ok(0, "19 passed, 2 deselected in 24s", on_gpu=True)
+    assert tests_ok(0, "16 skipped, 2 deselected in 0.3s", on_gpu=False)  # the CPU rehearsal
+    assert not tests_ok(1, "1 failed, 16 skipped in 0.3s", on_gpu=False)
+
+
 def test_to_host_keeps_host_tensors_as_they_are():
     from common.engine.host_copy import to_host
 

@@ -141,13 +141,14 @@ def test_decode_step_launch_has_no_host_sync(checkpoint, tmp_path, mode, backend
         topk, nodes = (1, 4) if mode == "chain" else (4, 8)
         spec = SpecArgs("EAGLE3", build_head(path, "EAGLE3", str(tmp_path / "head")), 3, topk, nodes)
     pair = Pair(path, device="cuda", dtype="float32", spec=spec, attention_backend=backend, cuda_graph=graphs)
-    stream, errors, checking = pair.worker.stream, [], [False]
+    stream, errors, checking, checked = pair.worker.stream, [], [False], [0]
     real_submit = stream.submit
 
     def checked_submit(fn):
         def run():
             if not checking[0]:
                 return fn()
+            checked[0] += 1
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return fn()
@@ -170,6 +171,7 @@ def test_decode_step_launch_has_no_host_sync(checkpoint, tmp_path, mode, backend
     for e in errors[:1]:
         print(e)
     assert not errors, errors[0][-1500:]
+    assert checked[0] >= 20, checked[0]  # the checked window really held decode steps (>= 40 tokens each)
     assert all(len(pair.out.tokens[str(i)]) == [40, 60, 80, 100, 120][i] for i in range(len(PROMPTS)))
     pair.close()
 
