@@ -11,6 +11,7 @@ time, the time and bytes it streams, failures and injected faults. Gauges are re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 try:
@@ -178,6 +179,21 @@ class DecodeMetrics(_Metrics):
         self.spec_accepted = c("spec_accepted_tokens_total", "EAGLE: draft tokens accepted")
         self.spec_drafted = c("spec_draft_tokens_total", "EAGLE: draft tokens proposed")
         self._gauge("open_streams", "Generate calls open", open_streams)
+
+    def count_finish(self, reason: str, prompt_len: int, started: float, first_at: float, outputs: int) -> None:
+        """One finished Generate call: its reason, prompt tokens, and for a completed one its
+        end-to-end latency and time per output token (perf_counter times)."""
+        self.requests.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_len)
+        if reason == "abort":
+            self.aborts.inc()
+        elif reason == "error":
+            self.failures.inc()
+        else:
+            now = time.perf_counter()
+            self.e2e.observe(now - started)
+            if outputs > 1:
+                self.tpot.observe((now - first_at) / (outputs - 1))
 
 
 class PrefillMetrics(_Metrics):

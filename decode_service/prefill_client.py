@@ -25,11 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest, check_token
 from common.request_rules import REFUSED
-from common.wire import kv_capability, kv_chunks, mooncake, security
+from common.wire import kv_chunks, security
 from common.wire.grpc_server import channel_options
 from common.wire.kv_chunks import KvAssembler, decode_seed
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
-from decode_service import prefill_discovery
+from decode_service import prefill_discovery, prefill_request
 from decode_service.prefix_router import PrefixRouter
 
 logger = logging.getLogger(__name__)
@@ -312,28 +312,9 @@ class PrefillClient:
 
     def _stream(self, peer: _Peer, request: HandoffRequest, sent: list[int], trace_metadata: tuple = ()) -> Handoff:
         """One attempt. Tokens sampled by prefill are appended to `sent` as they are forwarded."""
-        p = request.params
-        msg = prefill_pb2.PrefillRequest(
-            request_id=request.rid,
-            input_ids=request.prompt_ids,
-            max_chunk_bytes=self.max_chunk_bytes,
-            first_output_position=request.first_position,
-            sampling_params=prefill_pb2.SamplingParams(
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                min_p=p.min_p,
-                seed=request.seed,
-                max_new_tokens=p.max_new_tokens,
-                min_new_tokens=p.min_new_tokens,
-                stop_token_ids=p.stop_token_ids,
-            ),
+        msg = prefill_request.build(
+            request, self.max_chunk_bytes, self.kv_destination, self.kv_keys, self.call_timeout_s
         )
-        if self.kv_destination is not None and request.kv_slots is not None:
-            msg.kv_destination.CopyFrom(self.kv_destination)
-            msg.kv_destination.runs.extend(mooncake.slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
-            if self.kv_keys is not None:  # prefill writes only where these say
-                kv_capability.sign(msg.kv_destination, request.rid, self.kv_keys, self.call_timeout_s)
         call = peer.stub.Prefill(msg, timeout=self.call_timeout_s, metadata=peer.metadata + trace_metadata)
         with self._lock:
             self._calls[request.rid] = [call, peer, None]

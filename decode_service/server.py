@@ -324,7 +324,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 m.generation_tokens.inc(len(tokens))
             all_ids.extend(tokens)
             if reason is not None:
-                self._count_finish(reason, len(ids), started, first_at, len(all_ids))
+                self.metrics.count_finish(reason, len(ids), started, first_at, len(all_ids))
                 if all_ids and self.tracing.enabled:
                     parent = self.prefill.traces.get(rid, (None,))[0]
                     self.tracing.record(
@@ -365,20 +365,6 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                     complete.matched_token_id = all_ids[-1]
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 return
-
-    def _count_finish(self, reason: str, prompt_len: int, started: float, first_at: float, outputs: int) -> None:
-        m = self.metrics
-        m.requests.labels(finish_reason=reason).inc()
-        m.prompt_tokens.inc(prompt_len)
-        if reason == "abort":
-            m.aborts.inc()
-        elif reason == "error":
-            m.failures.inc()
-        else:
-            now = time.perf_counter()
-            m.e2e.observe(now - started)
-            if outputs > 1:
-                m.tpot.observe((now - first_at) / (outputs - 1))
 
     def _error_detail(self, rid: str) -> str:
         return self.scheduler.notes.pop_error(rid) or repr(self.scheduler.fatal_error)

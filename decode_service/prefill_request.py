@@ -1,0 +1,37 @@
+"""The Prefill call's request message, built from a HandoffRequest: prompt, sampling parameters and,
+with a transfer engine, where prefill writes the KV (decode's pools and this request's slot runs,
+signed with the pools' keys so prefill writes nowhere else: common/wire/kv_capability.py)."""
+
+from __future__ import annotations
+
+from common.engine.handoff import HandoffRequest
+from common.wire import kv_capability, mooncake
+from common.wire.proto_gen import prefill_pb2
+
+
+def build(
+    request: HandoffRequest, max_chunk_bytes: int, kv_destination=None, kv_keys=None, ttl_s: float = 600.0
+) -> prefill_pb2.PrefillRequest:
+    p = request.params
+    msg = prefill_pb2.PrefillRequest(
+        request_id=request.rid,
+        input_ids=request.prompt_ids,
+        max_chunk_bytes=max_chunk_bytes,
+        first_output_position=request.first_position,
+        sampling_params=prefill_pb2.SamplingParams(
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=request.seed,
+            max_new_tokens=p.max_new_tokens,
+            min_new_tokens=p.min_new_tokens,
+            stop_token_ids=p.stop_token_ids,
+        ),
+    )
+    if kv_destination is not None and request.kv_slots is not None:
+        msg.kv_destination.CopyFrom(kv_destination)
+        msg.kv_destination.runs.extend(mooncake.slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
+        if kv_keys is not None:  # a capability per rank: valid for this call's lifetime, once
+            kv_capability.sign(msg.kv_destination, request.rid, kv_keys, ttl_s)
+    return msg
