@@ -47,3 +47,20 @@ def checkpoint(tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def fitted_head(checkpoint):
+    """fitted_head(name, algorithm) -> a draft head folder fitted to the tiny checkpoint `name` by the
+    fitting tool (bench.fit_eagle; a fixed step budget, seeded), cached on disk between sessions
+    (tests/fitted_heads.py: $DISAGG_TEST_HEADS, else ~/.cache/disagg-serve/test-heads/)."""
+    from tests.fitted_heads import fitted_head as fit
+
+    built: dict[tuple[str, str], str] = {}
+
+    def get(name: str, algorithm: str) -> str:
+        if (name, algorithm) not in built:
+            built[name, algorithm] = fit(checkpoint(name), algorithm)
+        return built[name, algorithm]
+
+    return get

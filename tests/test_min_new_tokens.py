@@ -10,7 +10,6 @@ from common.engine.sampling import SamplingBatch, SamplingParams
 from tests.decode_harness import Pair
 from tests.grpc_harness import GrpcPair
 from tests.oracle import hf_greedy, hf_model
-from tests.test_eagle import heads  # noqa: F401 (fixture)
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3, 4]]
 
@@ -84,18 +83,43 @@ def test_min_new_tokens_over_grpc_mask_the_prefill_token_too(checkpoint):
 
 
 @pytest.mark.parametrize("algorithm,topk", [("EAGLE", 1), ("EAGLE3", 2)])
-def test_min_new_tokens_with_eagle_match_hf(checkpoint, heads, algorithm, topk):
+def test_min_new_tokens_with_eagle_match_hf(checkpoint, fitted_head, algorithm, topk):
     """EAGLE chain and tree: the verify's target at each node is masked by the node's own output
-    position (drafts past the minimum may still stop the request)."""
+    position (drafts past the minimum may still stop the request). Fitted heads on chat prompts draft
+    the stop id itself below the minimum (a spy sees it), so the mask inside the verify decides."""
     from common.engine.draft_runner import SpecArgs
+    from tests.decode_harness import Hooks
+    from tests.test_eagle import chat_prompts
 
     path = checkpoint("llama")
+    cases = []  # the stop is greedy token k: k = 1 is always drafted from the first decode step's root
+    for p, k in zip(chat_prompts(path, 4), (0, 1, 2, 1)):
+        ref = hf_greedy(path, p, 10)
+        cases.append((p, ref[k], k + 3))
+    stops = {str(i): (stop, m) for i, (_, stop, m) in enumerate(cases)}
+    early = []  # (rid, output index) of every stop id drafted below its request's minimum
+
+    def spy(lanes, seq_lens, tokens, depth):
+        for lane, ((rid, prompt_len), n) in enumerate(zip(lanes, seq_lens)):
+            stop, m = stops[rid]
+            pos = n - prompt_len  # output index of the pending bonus token
+            early.extend((rid, pos + int(d)) for t, d in zip(tokens[lane], depth[lane]) if t == stop and pos + d < m)
+        return tokens
+
+    if topk == 1:
+        hooks = Hooks(
+            propose=lambda lanes, n, drafts: spy(
+                lanes, n, drafts, torch.arange(1, drafts.shape[1] + 1).expand_as(drafts)
+            )
+        )
+    else:
+        hooks = Hooks(propose_tree=lambda lanes, n, tokens, parent, depth: spy(lanes, n, tokens, depth))
     steps, nodes = (3, 4) if topk == 1 else (2, 4)
-    pair = Pair(path, spec=SpecArgs(algorithm, heads(path, algorithm), steps, topk, nodes))
-    cases = _cases(path)
+    pair = Pair(path, spec=SpecArgs(algorithm, fitted_head("llama", algorithm), steps, topk, nodes), hooks=hooks)
     for i, (p, stop, m) in enumerate(cases):
         pair.submit(str(i), p, SamplingParams(max_new_tokens=10, min_new_tokens=m, stop_token_ids=(stop,)))
     pair.wait([str(i) for i in range(len(cases))])
     for i, (p, stop, m) in enumerate(cases):
         assert pair.out.tokens[str(i)] == hf_min_tokens(path, p, stop, m, 10), f"prompt {i}"
+    assert early, "no stop id was drafted below the minimum: the verify's mask went untested"
     pair.close()

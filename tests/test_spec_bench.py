@@ -3,19 +3,21 @@ a few at a time, on runners loaded once, count every decoded token and report th
 
 from __future__ import annotations
 
-from bench.spec_bench import run
+from bench.spec_bench import held_out_prompts, run
 from common.engine.draft_runner import SpecArgs
-from common.tools.eagle_checkpoint import build as build_head
+from tests.test_eagle import FLOOR
 
 
-def test_spec_bench_runs_plain_and_eagle_over_prompt_rounds(checkpoint, tmp_path):
+def test_spec_bench_runs_plain_and_eagle_over_prompt_rounds(checkpoint, fitted_head):
+    """The bench's own prompts (held-out chat instructions) and a fitted head: the accept length it
+    reports clears the floor random heads fail (measured 1.7 here, random 1.0; 2026-11-27)."""
     target = checkpoint("llama")
-    prompts = [[5, 6, 7, 8, 9], list(range(10, 30)), [3, 4], list(range(40, 52)), [60]]
-    rate, length = run(target, prompts, 2, 6, SpecArgs(), 0.0, True)
+    prompts = held_out_prompts(target, 5)
+    rate, length = run(target, prompts, 2, 12, SpecArgs(), 0.0, True)
     assert rate > 0 and length == 1.0
-    spec = SpecArgs("EAGLE", build_head(target, "EAGLE", str(tmp_path / "head")), 3, 1, 4)
-    rate, length = run(target, prompts, 2, 6, spec, 0.0, True)
-    assert rate > 0 and 1.0 <= length <= 4.0
+    spec = SpecArgs("EAGLE", fitted_head("llama", "EAGLE"), 3, 1, 4)
+    rate, length = run(target, prompts, 2, 12, spec, 0.0, True)
+    assert rate > 0 and FLOOR["EAGLE"] <= length <= 4.0, length
 
 
 def test_rounds_on_reused_runners_hand_every_prefill_slot_back(checkpoint):
