@@ -138,3 +138,64 @@ class GrpcPair:
             self.channel.close()
             self.decode.stop()
             self.prefill.stop()
+
+
+def _client_rid(rid: str) -> str:
+    return rid.rsplit("#", 1)[0]  # decode's own id is the caller's request_id + "#n"
+
+
+class AttemptLog:
+    """Every prefill attempt of a decode service's PrefillClient, by the caller's request id: "ok" (the
+    handoff arrived whole) or what ended it (a gRPC status name, or "ValueError"). A request whose first
+    attempt failed and whose last is "ok" was retried successfully."""
+
+    def __init__(self, client):
+        self.attempts: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+        stream = client._stream
+
+        def logged(peer, request, *rest):
+            try:
+                handoff = stream(peer, request, *rest)
+            except grpc.RpcError as e:
+                self._add(request.rid, e.code().name)
+                raise
+            except ValueError:
+                self._add(request.rid, "ValueError")
+                raise
+            self._add(request.rid, "ok")
+            return handoff
+
+        client._stream = logged
+
+    def _add(self, rid: str, outcome: str) -> None:
+        with self._lock:
+            self.attempts.setdefault(_client_rid(rid), []).append(outcome)
+
+    def of(self, rid: str) -> list[str]:
+        with self._lock:
+            return list(self.attempts.get(rid, []))
+
+    def recovered(self) -> list[str]:
+        """Request ids whose first attempt failed and a later one delivered the handoff."""
+        with self._lock:
+            return [rid for rid, a in self.attempts.items() if a[0] != "ok" and a[-1] == "ok"]
+
+
+class FirstTokenTap:
+    """Runs `hooks[request_id](decode_rid)` on the prefill-call thread as the request's first token
+    arrives from its replica, before it is passed on: the replica serving it is known (`peer_of`) and
+    is mid-handoff (its KV follows the first token), so a test can stop or kill it at that event."""
+
+    def __init__(self, client):
+        self._sink, self.hooks = client.sink, {}
+        client.sink = self
+
+    def __getattr__(self, name):
+        return getattr(self._sink, name)
+
+    def deliver_first_token(self, rid, token, position):
+        hook = self.hooks.pop(_client_rid(rid), None)
+        if hook is not None:
+            hook(rid)
+        return self._sink.deliver_first_token(rid, token, position)

@@ -3,12 +3,10 @@ the batch's seq_lens mirror, event waits that poll with backoff and honour their
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
+from common.engine import streams
 from common.engine.forward_batch import ForwardBatch
 from common.engine.host_copy import to_device
 from common.engine.streams import poll_until
@@ -33,16 +31,37 @@ def test_decode_batch_positions_do_not_alias_the_callers_seq_lens():
     assert fb.out_cache_loc.tolist() == [3, 27] and fb.seq_lens.tolist() == [4, 8]
 
 
-def test_poll_until_backs_off_and_honours_the_timeout():
+class _FakeClock:
+    """time.monotonic / time.sleep for poll_until: a sleep advances the clock by exactly what was asked,
+    so the pauses and the timeout are checked without the machine's timing."""
+
+    def __init__(self):
+        self.now, self.pauses = 100.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert len(self.pauses) < 10_000, "poll_until never gave up"
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def test_poll_until_backs_off_and_honours_the_timeout(monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(streams, "time", clock)
     calls = []
     with pytest.raises(TimeoutError):
-        poll_until(lambda: calls.append(1) is not None, timeout=0.1)  # never true
-    assert 5 < len(calls) < 80, len(calls)  # 0.5 ms polling would have made ~200 calls
-    flag = threading.Event()
-    threading.Timer(0.02, flag.set).start()
-    started = time.monotonic()
-    poll_until(flag.is_set, timeout=5)
-    assert time.monotonic() - started < 0.5
+        poll_until(lambda: calls.append(clock.now) is not None, timeout=0.1)  # never true
+    backoff = [50e-6 * 2**i for i in range(6)]  # 50 us doubling up to the 2 ms cap
+    assert clock.pauses[:7] == pytest.approx(backoff + [2e-3]), clock.pauses[:8]
+    assert all(p == pytest.approx(2e-3) for p in clock.pauses[6:-1]) and 0 < clock.pauses[-1] <= 2e-3
+    assert clock.now == pytest.approx(100.1) and len(calls) == len(clock.pauses) + 1  # gave up at its timeout
+    assert 50 < len(calls) < 60, len(calls)  # 0.5 ms polling would have made ~200 calls
+    clock = _FakeClock()
+    monkeypatch.setattr(streams, "time", clock)
+    poll_until(lambda: clock.now >= 100.02, timeout=5)  # true 20 ms in: seen at the next poll
+    assert 100.02 <= clock.now <= 100.02 + 2e-3 and clock.pauses[-1] <= 2e-3
 
 
 def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):

@@ -25,7 +25,7 @@ from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.fault_injection import FaultPlan
 from prefill_service.server import PrefillService
-from tests.grpc_harness import needs_mooncake
+from tests.grpc_harness import AttemptLog, FirstTokenTap, needs_mooncake
 from tests.oracle import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +94,7 @@ def test_300_requests_with_injected_faults_and_cancels(checkpoint):
     refs = {i: hf_greedy(path, p, 24) for i, p in enumerate(prompts)}
     plan = [(rng.randrange(12), rng.randrange(4, 25), rng.random() < 0.5, rng.random() < 0.1) for _ in range(300)]
     stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+    attempts = AttemptLog(decode.prefill)
 
     def one(k):
         p, n, stream, cancel = plan[k]
@@ -112,9 +113,17 @@ def test_300_requests_with_injected_faults_and_cancels(checkpoint):
             outcomes = list(pool.map(one, range(300)))
         counts = {o: outcomes.count(o) for o in set(outcomes)}
         assert set(counts) <= {"ok", grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, counts
-        assert counts["ok"] >= 240, counts
+        for k, outcome in enumerate(outcomes):  # exact unless cancelled or every replica's attempt broke
+            tried = attempts.of(f"load{k}")
+            if outcome == grpc.StatusCode.UNAVAILABLE:
+                assert tried and "ok" not in tried, (k, tried)  # each replica it reached broke it
+            elif not plan[k][3]:  # never cancelled: a broken attempt was retried to an exact result
+                assert outcome == "ok" and tried[-1] == "ok", (k, outcome, tried)
+        recovered = [rid for rid in attempts.recovered() if outcomes[int(rid[4:])] == "ok"]
         injected = sum(sum(r.faults.injected.values()) for r in replicas)
-        assert injected >= 5 and decode.prefill.retries >= 5, (injected, decode.prefill.retries)
+        assert injected >= 5 and len(recovered) >= 5, (injected, recovered)  # retries that delivered, exactly
+        assert decode.prefill.retries >= len(recovered)
+        print(f"faults: {injected} injected, {len(recovered)} requests recovered by a retry, {counts}")
         _balanced(decode, replicas)
         assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
     finally:
@@ -161,15 +170,22 @@ def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint, transfer):
         decode = DecodeService(config).start()
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
         prompt = list(range(5, 45))
+        attempts, tap, stopped = AttemptLog(decode.prefill), FirstTokenTap(decode.prefill), []
+
+        def stop_its_replica(rid):  # as the first token arrives: its replica is mid-handoff (40 KV chunks follow)
+            port = int(decode.prefill.peer_of(rid).rsplit(":", 1)[1])
+            os.kill(procs[port].pid, signal.SIGSTOP)
+            stopped.append(port)
+
+        tap.hooks["wedge"] = stop_its_replica
         call = stub.Generate(_request(prompt, 8, "wedge"), timeout=60)
         first = next(call)
-        victim = int(decode.prefill.peer_of(next(iter(decode.scheduler.awaiting_handoff))).rsplit(":", 1)[1])
-        os.kill(procs[victim].pid, signal.SIGSTOP)
-        stopped_at = time.perf_counter()
         rest = _ids(call)
-        print("stopped replica: call done after", time.perf_counter() - stopped_at)
-        assert time.perf_counter() - stopped_at < 10.0, "the wedged replica held the call"
         assert list(first.chunk.token_ids) + rest == hf_greedy(path, prompt, 8)
+        # no clock bound: the wedged call was cancelled by the progress watchdog (CANCELLED, not the
+        # call's own deadline) and re-prefilled on the other replica
+        assert len(stopped) == 1 and attempts.of("wedge") == ["CANCELLED", "ok"], attempts.of("wedge")
+        assert decode.prefill.retries == 1
         _balanced(decode)
     finally:
         if decode is not None:
@@ -262,9 +278,11 @@ def test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period(checkpo
                 with urllib.request.urlopen(req, timeout=30) as resp:
                     for _ in resp:
                         pass
-            except OSError:
-                pass
-            ended["http"] = time.perf_counter()
+                ended["http"] = "closed"
+            except TimeoutError:  # nothing for 30 s: the gateway left the stream hanging
+                ended["http"] = "timed out"
+            except OSError as e:
+                ended["http"] = f"closed ({type(e).__name__})"
 
         reader = threading.Thread(target=http_stream)
         reader.start()
@@ -276,16 +294,17 @@ def test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period(checkpo
             assert time.time() < deadline, "the gateway's request never reached decode"
             time.sleep(0.05)
         decode.send_signal(signal.SIGTERM)
-        sent_at = time.perf_counter()
-        decode.wait(timeout=10)
-        assert time.perf_counter() - sent_at < 5.0, "decode took too long to exit"
+        # no clock bound: the open streams would take 35 s or more (70 KV chunks at 0.5 s each), so exiting
+        # while they are open (each ends UNAVAILABLE below) is what shows the 1 s grace was kept;
+        # this timeout only catches a decode that never exits
+        decode.wait(timeout=60)
         assert decode.returncode == 0, decode.stderr.read()
         for c in calls:  # each stream ended with a status, not silence
             with pytest.raises(grpc.RpcError) as err:
                 _ids(c)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        reader.join(15)
-        assert "http" in ended and ended["http"] - sent_at < 10.0, "the gateway's stream hung"
+        reader.join(60)  # its reads time out after 30 s at most
+        assert ended.get("http", "").startswith("closed"), f"the gateway's stream hung: {ended}"
         assert "Traceback" not in decode.stderr.read()
         prefill.send_signal(signal.SIGTERM)
         prefill.wait(timeout=10)

@@ -135,18 +135,26 @@ def test_4_in_place_seq_lens_bump_is_caught(checkpoint, monkeypatch):
 
 
 def test_5_seq_lens_sum_is_derived_from_seq_lens_cpu(checkpoint):
+    """After decode step k every running request has committed its prompt and k tokens; the batch's
+    seq_lens_sum follows through every bump and every filter (requests finish at different steps),
+    checked against that count, not against seq_lens_cpu (the definition)."""
     pair = ManualPair(checkpoint("qwen2"))
-    for i, n in enumerate([3, 7, 2]):
-        pair.submit(str(i), list(range(5, 5 + n)), SamplingParams(max_new_tokens=4 + i, ignore_eos=True))
+    prompts = {str(i): list(range(5, 5 + n)) for i, n in enumerate([3, 7, 2])}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        pair.submit(rid, prompt, SamplingParams(max_new_tokens=4 + i, ignore_eos=True))
     pair.scheduler.step()
     pair.prefill()
-    sums = []
+    sums, members, k = [], [], 0
     while not pair.scheduler.idle:
         pair.scheduler.step()
+        k += 1
         batch = pair.scheduler.running
-        assert batch.seq_lens_sum == int(batch.seq_lens_cpu.sum())
+        expected = sum(len(prompts[r.rid]) + k for r in batch.reqs)
+        assert batch.seq_lens_sum == expected, (k, [r.rid for r in batch.reqs], batch.seq_lens_sum, expected)
         sums.append(batch.seq_lens_sum)
+        members.append(len(batch))
     pair.close()
+    assert members[0] == 3 and members[-1] == 0 and len(set(members)) == 4, members  # filtered at 3 steps
     assert max(sums) > 0 and sums[-1] == 0
 
 

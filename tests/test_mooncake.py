@@ -3,6 +3,7 @@ into reserved slots."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.wire import mooncake
 from common.wire.proto_gen import prefill_pb2
+from prefill_service import server as prefill_server
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy
 
@@ -77,10 +79,23 @@ def test_a_destination_that_does_not_match_is_refused():
 
 
 @pytest.mark.parametrize("transfer", [pytest.param("mooncake", marks=needs_mooncake), "shm"])
-def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoint, transfer):
+def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoint, transfer, monkeypatch):
     """Decode has room for one request only. A is aborted while its replica writes KV into its slots:
     the client hears "abort" at once, the slots stay reserved until the replica's call has ended (no
     late write can reach them), then B takes the same slots and is exact; nothing leaks."""
+    mid_write, go_on = threading.Event(), threading.Event()
+
+    class HeldOutbox(prefill_server.Outbox):  # A's writes pause after the first ones until the test says
+        takes = 0
+
+        def take(self):
+            HeldOutbox.takes += 1
+            if HeldOutbox.takes == 2:
+                mid_write.set()
+                assert go_on.wait(60), "the test never let A's writes go on"
+            return super().take()
+
+    monkeypatch.setattr(prefill_server, "Outbox", HeldOutbox)
     path = checkpoint("llama")
     prompt_a, prompt_b = list(range(5, 45)), list(range(50, 90))
     pair = GrpcPair(
@@ -92,20 +107,22 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
     sched = pair.decode.scheduler
     try:
         call_a = pair.generate(prompt_a, 8, stream=True, rid="a", ignore_eos=True)
-        assert next(call_a).chunk.token_ids  # A's first token: its KV is being written now
-        assert pair.prefill.kv_notices < 20, "A's writes finished before the abort"
+        assert next(call_a).chunk.token_ids  # A's first token
+        assert mid_write.wait(30), "A's KV writes never began"  # held mid-way until after the abort
         reply = pair.stub.Abort(pb.AbortRequest(request_id="a"))
         assert reply.success
         _, complete = pair.collect(call_a)
         assert complete.finish_reason == "abort"
         [held] = sched.awaiting_handoff.values()  # finished for the client, its slots still reserved
         assert held.finished and held.kv_slots is not None
+        go_on.set()
         started = time.monotonic()
         ids, complete = pair.collect(pair.generate(prompt_b, 8, rid="b", ignore_eos=True))
         assert time.monotonic() - started >= pair.decode.prefill.transfer_quiesce_s * 0.9
         assert ids == hf_greedy(path, prompt_b, 8) and complete.finish_reason == "length"
         pair.wait_idle()
     finally:
+        go_on.set()
         pair.close()
 
 

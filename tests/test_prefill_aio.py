@@ -4,7 +4,6 @@ once however many calls wait; a dead scheduler answers every call and turns heal
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -17,13 +16,10 @@ from tests.grpc_harness import held_engine, wait_for
 
 HELD = 80  # open calls held at once: more than the 64 handler threads of the old sync server
 CANCELLED = 8  # of them cancelled while queued
-ANSWER_S = 0.2  # health and GetLoad answer within this with every call held
-
-
-def _timed(fn):
-    started = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - started
+# No clock bound on health and GetLoad: every call is held (the latched step or the queue) until the
+# test releases it, so an answer at all shows they do not wait behind the calls (the old sync server's
+# 64 threads would all be taken); this timeout only keeps a server that regressed from hanging the test.
+ANSWER_TIMEOUT_S = 30
 
 
 def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
@@ -49,12 +45,11 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
         assert len(sched.inbox) >= CANCELLED
 
         for _ in range(3):
-            reply, took = _timed(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5))
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=ANSWER_TIMEOUT_S)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            assert took < ANSWER_S, f"health Check took {took:.3f}s with {HELD} calls open"
-            load, took = _timed(lambda: stub.GetLoad(prefill_pb2.LoadRequest(), timeout=5))
-            assert took < ANSWER_S, f"GetLoad took {took:.3f}s with {HELD} calls open"
+            load = stub.GetLoad(prefill_pb2.LoadRequest(), timeout=ANSWER_TIMEOUT_S)
             assert (load.num_running_reqs, load.num_waiting_reqs) == (running, HELD - running)
+            assert service.open_calls == HELD and not latch.is_set(), "answered only once the calls were let go"
 
         queued = [c for c in sched.inbox][:CANCELLED]  # the loop is in its step: the inbox holds still
         for c in queued:

@@ -19,7 +19,7 @@ from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.server import PrefillService
-from tests.grpc_harness import needs_mooncake
+from tests.grpc_harness import AttemptLog, FirstTokenTap, needs_mooncake
 from tests.oracle import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,25 +129,34 @@ def test_killing_prefill_processes_mid_handoff(checkpoint, transfer):
             assert time.time() < deadline, "decode never saw the replicas serving"
             time.sleep(0.05)
         prompt = list(range(5, 25))
+        attempts, tap, killed = AttemptLog(decode.prefill), FirstTokenTap(decode.prefill), []
+
+        def kill_its_replica(rid):  # as the first token arrives: its replica is mid-handoff (20 KV chunks follow)
+            port = int(decode.prefill.peer_of(rid).rsplit(":", 1)[1])
+            procs[port].send_signal(signal.SIGKILL)
+            procs[port].wait()
+            killed.append(port)
+
         # 1. the replica serving the handoff dies after the first token: the other one finishes it
+        tap.hooks["survive"] = kill_its_replica
         call = _generate(stub, prompt, 10, "survive")
         first = next(call)
-        rid = next(iter(decode.scheduler.awaiting_handoff))
-        victim = int(decode.prefill.peer_of(rid).rsplit(":", 1)[1])
-        procs[victim].send_signal(signal.SIGKILL)
-        procs[victim].wait()
         rest, reason = _tokens(call)
         assert list(first.chunk.token_ids) + rest == hf_greedy(path, prompt, 10) and reason == "length"
+        [victim] = killed
+        outcomes = attempts.of("survive")  # the handoff was broken, then re-prefilled on the survivor
+        assert len(outcomes) == 2 and outcomes[0] != "ok" and outcomes[1] == "ok", outcomes
+        assert decode.prefill.retries == 1
         _wait_idle(decode)
         # 2. the last replica dies mid-handoff: UNAVAILABLE, nothing leaks, decode stays up
         survivor = next(p for p in ports if p != victim)
+        tap.hooks["orphan"] = kill_its_replica
         call = _generate(stub, prompt, 10, "orphan")
         next(call)
-        procs[survivor].send_signal(signal.SIGKILL)
-        procs[survivor].wait()
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no prefill replica left" in err.value.details()
+        assert killed == [victim, survivor] and "ok" not in attempts.of("orphan"), attempts.of("orphan")
         _wait_idle(decode)
         deadline = time.time() + 10
         while stub.HealthCheck(pb.HealthCheckRequest()).healthy:

@@ -149,7 +149,12 @@ def test_pool_books_balance_under_eviction_pressure_and_aborts(checkpoint):
     for req, handoff in done.values():
         ref = cold.prefill([_request(req.rid, req.prompt_ids)])[0]
         assert handoff.first_token == ref.first_token, req.rid
-        torch.testing.assert_close(handoff.k[0], ref.k[0], atol=1e-5, rtol=1e-5)
+        assert len(handoff.k) == len(handoff.v) == len(ref.k) == len(ref.v) == engine.runner.config.num_layers, req.rid
+        for name, got, want in (("K", handoff.k, ref.k), ("V", handoff.v, ref.v)):  # every layer's K and V
+            for layer, (a, b) in enumerate(zip(got, want)):
+                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5), (
+                    f"{req.rid}: {name}{layer} differs"
+                )
     engine.cache.reset()
     assert engine.runner.kv_allocator.num_used == 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -64,12 +65,29 @@ def test_decode_is_unhealthy_without_a_prefill_peer_and_says_unavailable(checkpo
     path = checkpoint("qwen2")
     decode = DecodeService(DecodeConfig(path, prefill_addr="127.0.0.1:1", port=0, prefill_wait_s=0.5)).start()
     try:
-        time.sleep(0.3)
-        assert _health(decode.address) == health_pb2.HealthCheckResponse.NOT_SERVING
-        stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
-        start = time.time()
-        reply = stub.HealthCheck(pb.HealthCheckRequest())
-        assert not reply.healthy and "prefill" in reply.message and time.time() - start < 1
+        wait_for(
+            "grpc.health.v1 never said NOT_SERVING",
+            lambda: _health(decode.address) == health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        # HealthCheck answers from the cached state: asked while a probe of the replicas hangs (a replica
+        # slow to answer), it still answers before the probe is let go (no clock bound needed)
+        probing, release, any_serving = threading.Event(), threading.Event(), decode.prefill.any_serving
+
+        def hanging_probe(fresh=False):
+            probing.set()
+            release.wait(60)
+            return any_serving(fresh)
+
+        decode.prefill.any_serving = hanging_probe
+        try:
+            assert probing.wait(20), "the health watcher never probed the replicas"
+            stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))
+            reply = stub.HealthCheck(pb.HealthCheckRequest(), timeout=30)  # a timeout only against a hang
+            assert not release.is_set()  # answered while the probe hung
+        finally:
+            decode.prefill.any_serving = any_serving
+            release.set()
+        assert not reply.healthy and "prefill" in reply.message
         with pytest.raises(grpc.RpcError) as err:
             list(
                 stub.Generate(
