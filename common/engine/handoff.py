@@ -83,19 +83,22 @@ class Handoff:
         ids, p, hidden = self.draft_topk_ids, self.draft_topk_p, self.draft_hidden
         if ids.dim() != 1 or not len(ids) or ids.dtype not in _INT_DTYPES:
             raise ValueError(f"handoff {self.rid}: draft top-k ids {ids.dtype} {tuple(ids.shape)}, expected int [k]")
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        # values are checked where they came off the wire (host tensors); a device seed is our own
+        # engine's (in-process), and reading its values here would stall the host on the device
+        wire = ids.device.type == "cpu"
+        bad = ids[(ids < 0) | (ids >= vocab_size)] if wire else ids[:0]
         if len(bad):
             raise ValueError(
                 f"handoff {self.rid}: draft top-k ids {bad.tolist()[:4]} outside the vocabulary [0, {vocab_size})"
             )
-        if p.shape != ids.shape or not p.dtype.is_floating_point or not bool(torch.isfinite(p).all()):
+        if p.shape != ids.shape or not p.dtype.is_floating_point or (wire and not bool(torch.isfinite(p).all())):
             raise ValueError(f"handoff {self.rid}: draft top-k probabilities must be {len(ids)} finite floats")
         if tuple(hidden.shape) != (hidden_size,) or not hidden.dtype.is_floating_point:
             raise ValueError(
                 f"handoff {self.rid}: draft hidden {hidden.dtype} of shape {tuple(hidden.shape)}, expected "
                 f"floating ({hidden_size},)"
             )
-        if not bool(torch.isfinite(hidden).all()):
+        if wire and not bool(torch.isfinite(hidden).all()):
             raise ValueError(f"handoff {self.rid}: draft hidden holds NaN or infinity")
         if self.draft_k is not None and any(t.shape[0] != self.prompt_len for t in self.draft_k + self.draft_v):
             raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt")
