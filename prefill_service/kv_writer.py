@@ -17,20 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from common.engine.handoff import Handoff
-from common.wire import kv_chunks, mooncake, shm_transfer
+from common.wire import kv_capability, kv_chunks, mooncake, shm_transfer
 from common.wire.proto_gen import prefill_pb2
-
-
-def _ranks(dest: prefill_pb2.KvDestination) -> list:
-    """The write targets a destination names: each rank of a tensor-parallel decode side, or itself."""
-    return list(dest.tp_ranks) or [dest]
 
 
 def _rank_parts(dest: prefill_pb2.KvDestination, handoff: Handoff) -> list[tuple]:
     """(session, k, v, region, draft) of every write target: the one destination, or with a
     tensor-parallel decode side each rank with the KV heads it holds (copies of those heads) and,
     with EAGLE, the head's whole KV into every rank's draft pool."""
-    ranks = _ranks(dest)
+    ranks = kv_capability.ranks(dest)
     heads = handoff.k[0].shape[1]
     parts = []
     for r in ranks:
@@ -56,7 +51,7 @@ def can_write(engine, dest: prefill_pb2.KvDestination) -> bool:
     goes as gRPC bytes."""
     if engine is None:
         return False
-    sessions = [r.session for r in _ranks(dest)]
+    sessions = [r.session for r in kv_capability.ranks(dest)]
     if not isinstance(engine, shm_transfer.ShmWriter):
         return not any(s.startswith(shm_transfer.SESSION_PREFIX) for s in sessions)
     return all(s.startswith(shm_transfer.SESSION_PREFIX) and engine.reaches(s) for s in sessions)
@@ -65,7 +60,7 @@ def can_write(engine, dest: prefill_pb2.KvDestination) -> bool:
 def authorize(engine, dest: prefill_pb2.KvDestination, request_id: str) -> None:
     """CapabilityRefused (or ShmTransferError) unless decode signed every target of `dest` for this
     request; a mooncake engine without a key (no internal API key) writes unsigned destinations."""
-    for rank in _ranks(dest):
+    for rank in kv_capability.ranks(dest):
         key = engine.capability_key(rank.session)
         if key is not None:
             engine.capabilities.check(key, request_id, rank, dest.runs)
