@@ -1,16 +1,23 @@
 """Service configuration, declared once: each field of a config dataclass is one CLI flag.
 
-`flag(default, help)` declares a field with its help text; `build_parser(cls)` turns the dataclass
-into an argparse parser (`model_path` -> `--model-path`; bools are switches; a field without a
-default is required), and `parse_config(cls, argv)` returns the dataclass. `ServiceConfig` holds the
-flags both services share (same names, same meaning); each service subclasses it, overriding a
-default where its role differs.
+`flag(default, help)` declares a field with its help text. Fields come in small groups, one per
+concern (`ModelFlags`, `SecurityFlags`, ...): each a keyword-only dataclass deriving from
+`FlagGroup` with a `title`, its docstring saying what the group is for. A service's config
+inherits the groups it takes, so its fields stay flat (`config.port`, `DecodeConfig(path, port=0)`;
+only `model_path` may be given by position) and may override a group's default in its own body.
+
+`build_parser(cls)` turns a config into an argparse parser with one section per group
+(`model_path` -> `--model-path`; bools are switches; a field without a default is required), and
+`parse_config(cls, argv)` returns the config. `ServiceConfig` holds the groups both services share
+(same names, same meaning). `flag_sections(cls)` is what the parser and docs/flags.md
+(`python -m common.tools.flags_doc`) are both made from.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+import inspect
+from dataclasses import MISSING, Field, dataclass, field, fields
 
 from common import api_keys
 from common.attention import CHOICES as ATTENTION_CHOICES
@@ -20,23 +27,57 @@ from common.models.linear_tuning import GREEDY_CHOICES
 REQUIRED = MISSING
 
 
-def flag(default=REQUIRED, help: str = "", type=None, choices=None, hidden: bool = False, secret: bool = False):
-    """A config field that is also a command-line flag (`secret`: left out of the config's repr)."""
+def flag(
+    default=REQUIRED,
+    help: str = "",
+    type=None,
+    choices=None,
+    hidden: bool = False,
+    secret: bool = False,
+    positional: bool = False,
+):
+    """A config field that is also a command-line flag (`secret`: left out of the config's repr;
+    `positional`: the constructor also takes it by position, as the first argument)."""
     meta = {"help": argparse.SUPPRESS if hidden else help, "type": type, "choices": choices}
+    kw_only = False if positional else MISSING  # MISSING: as the class says (groups are keyword-only)
     if default is REQUIRED:
-        return field(metadata=meta, repr=not secret)
-    return field(default=default, metadata=meta, repr=not secret)
+        return field(metadata=meta, repr=not secret, kw_only=kw_only)
+    return field(default=default, metadata=meta, repr=not secret, kw_only=kw_only)
 
 
-@dataclass
-class ServiceConfig:
-    model_path: str = flag(help="Hugging Face checkpoint folder")
-    host: str = flag("127.0.0.1", "address to bind (loopback unless told otherwise)")
-    port: int = flag(0, "port to bind (0 = any free port)")
+class FlagGroup:
+    """Base of the flag groups: `class XFlags(FlagGroup, title="x")` makes the flags the class
+    declares one section of `--help` and of docs/flags.md, described by the class's docstring."""
+
+    def __init_subclass__(cls, title: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if title is not None:
+            cls._flag_section = (title, inspect.cleandoc(cls.__doc__ or ""))
+
+
+def flag_sections(cls) -> list[tuple[str, str, list[Field]]]:
+    """[(title, description, fields)] of a config class: one per group, in the order its bases
+    list them, each field in the group that first declared it (overrides in a subclass stay there)."""
+    order = {klass: i for i, klass in enumerate(cls.__mro__)}
+    sections: dict[type, list[Field]] = {}
+    for f in fields(cls):
+        owner = next(k for k in reversed(cls.__mro__) if f.name in getattr(k, "__dataclass_fields__", {}))
+        if "_flag_section" not in vars(owner):
+            raise TypeError(f"{cls.__name__}.{f.name}: declared in {owner.__name__}, which is no titled FlagGroup")
+        sections.setdefault(owner, []).append(f)
+    titles = [vars(owner)["_flag_section"][0] for owner in sections]
+    if len(set(titles)) != len(titles):
+        raise TypeError(f"{cls.__name__}: two flag groups share a title: {sorted(titles)}")
+    return [(*vars(owner)["_flag_section"], fs) for owner, fs in sorted(sections.items(), key=lambda s: order[s[0]])]
+
+
+@dataclass(kw_only=True)
+class ModelFlags(FlagGroup, title="model"):
+    """The checkpoint and how this host runs it."""
+
+    model_path: str = flag(help="Hugging Face checkpoint folder", positional=True)
     device: str = flag("cpu", "where the model runs", choices=["cpu", "cuda"])
     dtype: str = flag("auto", "model dtype: auto = float32 on CPU, bfloat16 on CUDA")
-    max_total_tokens: int = flag(8192, "KV slots of this service's pool")
-    max_running_requests: int = flag(16, "request slots (requests in flight at once)")
     context_length: int | None = flag(None, "cap on the model's context length", type=int)
     attention_backend: str = flag(
         "auto", "attention backend: auto = triton on CUDA (with CUDA graphs), batched on CPU", choices=ATTENTION_CHOICES
@@ -53,15 +94,39 @@ class ServiceConfig:
         choices=list(GREEDY_CHOICES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
-    tp_size: int = flag(1, "tensor parallel ranks on this host: rank 0 serves, the others follow (gloo on CPU)")
-    tp_port: int = flag(0, "loopback port of the tensor-parallel group (0 = any free port)")
+
+
+@dataclass(kw_only=True)
+class ServerFlags(FlagGroup, title="server"):
+    """Where the service listens and how it stops."""
+
+    host: str = flag("127.0.0.1", "address to bind (loopback unless told otherwise)")
+    port: int = flag(0, "port to bind (0 = any free port)")
     shutdown_grace_s: float = flag(
         30.0, "on SIGTERM/SIGINT: how long open calls may finish before they are aborted (a typical answer's time)"
     )
-    metrics_port: int | None = flag(
-        None, "serve Prometheus metrics on this port (0 = any free port; default off)", type=int
-    )
-    debug_checks: bool = flag(False, "debug invariant checks: FutureMap consume-once guard, pool integrity when idle")
+
+
+@dataclass(kw_only=True)
+class CapacityFlags(FlagGroup, title="capacity"):
+    """The KV pool and the request slots."""
+
+    max_total_tokens: int = flag(8192, "KV slots of this service's pool")
+    max_running_requests: int = flag(16, "request slots (requests in flight at once)")
+
+
+@dataclass(kw_only=True)
+class ParallelFlags(FlagGroup, title="parallel"):
+    """Tensor parallelism on this host."""
+
+    tp_size: int = flag(1, "tensor parallel ranks on this host: rank 0 serves, the others follow (gloo on CPU)")
+    tp_port: int = flag(0, "loopback port of the tensor-parallel group (0 = any free port)")
+
+
+@dataclass(kw_only=True)
+class SpeculativeFlags(FlagGroup, title="speculative"):
+    """EAGLE / EAGLE3 speculative decoding; both services take the same values."""
+
     speculative_algorithm: str | None = flag(
         None, "EAGLE speculative decoding (same on both services)", type=str, choices=["EAGLE", "EAGLE3"]
     )
@@ -70,6 +135,12 @@ class ServiceConfig:
     speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting; > 1: a tree, greedy only)")
     speculative_num_draft_tokens: int = flag(4, "tokens one verify covers (num_steps + 1 for a chain; tree nodes)")
     speculative_token_map: str | None = flag(None, "EAGLE: JSON list of hot token ids to draft from", type=str)
+
+
+@dataclass(kw_only=True)
+class TransferFlags(FlagGroup, title="transfer"):
+    """How the KV cache moves from prefill to decode; both services take the same backend."""
+
     disaggregation_transfer_backend: str = flag(
         "grpc",
         "how KV moves from prefill to decode: grpc (bytes on the Prefill stream), mooncake (the transfer engine "
@@ -78,6 +149,14 @@ class ServiceConfig:
         choices=["grpc", "mooncake", "shm"],
     )
     disaggregation_shm_dir: str = flag("/dev/shm", "shm backend: the shared-memory folder of decode's KV pool files")
+    disaggregation_protocol: str = flag("tcp", "mooncake transport: tcp (any host) or rdma (GPU nodes)")
+    disaggregation_ib_device: str = flag("", "mooncake rdma: the InfiniBand device, e.g. mlx5_0 (empty: auto)")
+
+
+@dataclass(kw_only=True)
+class SecurityFlags(FlagGroup, title="security"):
+    """The internal key between the services, and TLS."""
+
     internal_api_key: str | None = flag(
         None,
         "key of the internal prefill API: prefill requires it, decode sends it. Prefer --internal-api-key-file "
@@ -95,11 +174,33 @@ class ServiceConfig:
     tls_ca_file: str | None = flag(
         None, "mutual TLS: callers must present a certificate signed by this CA (PEM)", type=str
     )
+
+
+@dataclass(kw_only=True)
+class ObservabilityFlags(FlagGroup, title="observability"):
+    """Metrics, traces and debug checks."""
+
+    metrics_port: int | None = flag(
+        None, "serve Prometheus metrics on this port (0 = any free port; default off)", type=int
+    )
     otlp_traces_endpoint: str | None = flag(
         None, "export OpenTelemetry traces over OTLP/gRPC to HOST:PORT (default: off)", type=str
     )
-    disaggregation_protocol: str = flag("tcp", "mooncake transport: tcp (any host) or rdma (GPU nodes)")
-    disaggregation_ib_device: str = flag("", "mooncake rdma: the InfiniBand device, e.g. mlx5_0 (empty: auto)")
+    debug_checks: bool = flag(False, "debug invariant checks: FutureMap consume-once guard, pool integrity when idle")
+
+
+@dataclass(kw_only=True)
+class ServiceConfig(
+    ModelFlags,
+    ServerFlags,
+    CapacityFlags,
+    ParallelFlags,
+    SpeculativeFlags,
+    TransferFlags,
+    SecurityFlags,
+    ObservabilityFlags,
+):
+    """The groups both services take; each service adds its own and may override a default."""
 
     def __post_init__(self):
         api_keys.load_keys(self)  # the keys from their files or the environment (common/api_keys.py)
@@ -107,22 +208,28 @@ class ServiceConfig:
 
 def build_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
-    for f in fields(cls):
-        name = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
-        if f.default is MISSING:
-            p.add_argument(name, required=True, type=meta["type"] or str, help=meta["help"])
-        elif isinstance(f.default, bool):
-            p.add_argument(name, action="store_true", help=meta["help"])
-        else:
-            p.add_argument(
-                name,
-                default=f.default,
-                type=meta["type"] or type(f.default),
-                choices=meta["choices"],
-                help=meta["help"] if meta["help"] == argparse.SUPPRESS else f"{meta['help']} (default: %(default)s)",
-            )
+    for title, about, group_fields in flag_sections(cls):
+        section = p.add_argument_group(title, about)
+        for f in group_fields:
+            _add_flag(section, f)
     return p
+
+
+def _add_flag(section, f: Field) -> None:
+    name = "--" + f.name.replace("_", "-")
+    meta = dict(f.metadata)
+    if f.default is MISSING:
+        section.add_argument(name, required=True, type=meta["type"] or str, help=meta["help"])
+    elif isinstance(f.default, bool):
+        section.add_argument(name, action="store_true", help=meta["help"])
+    else:
+        section.add_argument(
+            name,
+            default=f.default,
+            type=meta["type"] or type(f.default),
+            choices=meta["choices"],
+            help=meta["help"] if meta["help"] == argparse.SUPPRESS else f"{meta['help']} (default: %(default)s)",
+        )
 
 
 def parse_config(cls, prog: str, description: str, argv=None):

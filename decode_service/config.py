@@ -1,53 +1,29 @@
-"""Decode service configuration: every flag and its default, declared once (sized for a small CPU machine)."""
+"""Decode service configuration: every flag and its default, declared once (sized for a small CPU machine).
+
+The shared groups (common/service_config.py) and decode's own: the prefill client, the scheduler,
+decode steps (graphs, compile) and the front door."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.service_config import ServiceConfig, flag, parse_config
+from common.service_config import FlagGroup, ServiceConfig, flag, parse_config
 from common.service_config import build_parser as _build
 
 PROG = "python -m decode_service"
 DESCRIPTION = "The decode service: the client-facing front door (gRPC SglangScheduler)."
 
 
-@dataclass
-class DecodeConfig(ServiceConfig):
+@dataclass(kw_only=True)
+class PrefillClientFlags(FlagGroup, title="prefill client"):
+    """The prefill replicas decode calls, how one is chosen and how long a call may take."""
+
     prefill_addr: str = flag(
         "127.0.0.1:30001",
         "prefill replicas, comma-separated: HOST:PORT, or dns:///NAME:PORT (every address NAME resolves to, "
         "re-resolved)",
     )
     prefill_resolve_interval_s: float = flag(5.0, "how often dns:/// prefill addresses are resolved again")
-    port: int = flag(30000, "port to bind (0 = any free port)")
-    max_total_tokens: int = flag(16384, "KV slots of the decode pool")
-    max_running_requests: int = flag(32, "request slots (requests decoding or awaiting a handoff)")
-    default_max_new_tokens: int = flag(128, "used when a request gives none (clamped to the context)")
-    served_model_name: str | None = flag(None, "model id reported to clients (default: folder name)", type=str)
-    disable_overlap_schedule: bool = flag(False, "process each step's results before launching the next")
-    disable_cuda_graph: bool = flag(False, "CUDA: run decode steps eagerly instead of replaying captured graphs")
-    cuda_graph_max_bs: int | None = flag(
-        None, "largest decode batch captured as a CUDA graph (default: max_running_requests)", type=int
-    )
-    enable_torch_compile: bool = flag(
-        False,
-        "CPU: compile decode steps of small batches with torch.compile, each kept where timed faster "
-        "(start-up: 20-90 s per row bucket on 2 cores)",
-    )
-    torch_compile_max_bs: int = flag(1, "with --enable-torch-compile: the largest decode batch compiled (1-8)")
-    max_queued_requests: int = flag(
-        256, "Generate calls that may wait beyond max_running_requests (more: RESOURCE_EXHAUSTED)"
-    )
-    api_key: str | None = flag(
-        None,
-        "clients must send gRPC metadata authorization: Bearer <key> (health checks exempt). Prefer --api-key-file "
-        "or $DISAGG_API_KEY: a value here shows in ps",
-        type=str,
-        secret=True,
-    )
-    api_key_file: str | None = flag(
-        None, "file holding the front door's key (one line; refused if empty or other users may read it)", type=str
-    )
     prefill_tls_ca_file: str | None = flag(
         None, "talk TLS to prefill replicas, trusting this CA (PEM); our --tls-cert/key-file are our identity", type=str
     )
@@ -67,10 +43,70 @@ class DecodeConfig(ServiceConfig):
     def prefill_addrs(self) -> list[str]:
         return [a.strip() for a in self.prefill_addr.split(",") if a.strip()]
 
+
+@dataclass(kw_only=True)
+class SchedulerFlags(FlagGroup, title="scheduler"):
+    """Admission and the decode loop."""
+
+    default_max_new_tokens: int = flag(128, "used when a request gives none (clamped to the context)")
+    max_queued_requests: int = flag(
+        256, "Generate calls that may wait beyond max_running_requests (more: RESOURCE_EXHAUSTED)"
+    )
+    disable_overlap_schedule: bool = flag(False, "process each step's results before launching the next")
+
+
+@dataclass(kw_only=True)
+class DecodeStepFlags(FlagGroup, title="decode steps"):
+    """How decode steps run: captured CUDA graphs, or torch.compile of small CPU batches."""
+
+    disable_cuda_graph: bool = flag(False, "CUDA: run decode steps eagerly instead of replaying captured graphs")
+    cuda_graph_max_bs: int | None = flag(
+        None, "largest decode batch captured as a CUDA graph (default: max_running_requests)", type=int
+    )
+    enable_torch_compile: bool = flag(
+        False,
+        "CPU: compile decode steps of small batches with torch.compile, each kept where timed faster "
+        "(start-up: 20-90 s per row bucket on 2 cores)",
+    )
+    torch_compile_max_bs: int = flag(1, "with --enable-torch-compile: the largest decode batch compiled (1-8)")
+
+
+@dataclass(kw_only=True)
+class FrontDoorFlags(FlagGroup, title="front door"):
+    """What clients see: the model's name and the key they must send."""
+
+    served_model_name: str | None = flag(None, "model id reported to clients (default: folder name)", type=str)
+    api_key: str | None = flag(
+        None,
+        "clients must send gRPC metadata authorization: Bearer <key> (health checks exempt). Prefer --api-key-file "
+        "or $DISAGG_API_KEY: a value here shows in ps",
+        type=str,
+        secret=True,
+    )
+    api_key_file: str | None = flag(
+        None, "file holding the front door's key (one line; refused if empty or other users may read it)", type=str
+    )
+
+
+@dataclass(kw_only=True)
+class DecodeConfig(ServiceConfig, PrefillClientFlags, SchedulerFlags, DecodeStepFlags, FrontDoorFlags):
+    port: int = flag(30000, "port to bind (0 = any free port)")
+    max_total_tokens: int = flag(16384, "KV slots of the decode pool")
+    max_running_requests: int = flag(32, "request slots (requests decoding or awaiting a handoff)")
+
     @property
     def receives_kv_in_shm(self) -> bool:
         """The shm handoff: our KV pools are files a prefill replica on this host writes into."""
         return self.disaggregation_transfer_backend == "shm"
+
+    def decode_step_args(self) -> dict:
+        """The RunnerArgs of decode steps: captured graphs, compiled small batches, KV pools as shm files."""
+        return dict(
+            cuda_graph=not self.disable_cuda_graph,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
+            torch_compile_max_bs=self.torch_compile_max_bs if self.enable_torch_compile else 0,
+            kv_shared_dir=self.disaggregation_shm_dir if self.receives_kv_in_shm else None,
+        )
 
 
 def build_parser():

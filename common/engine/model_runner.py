@@ -47,7 +47,8 @@ class RunnerArgs:
 
     @classmethod
     def from_service_config(cls, config) -> RunnerArgs:
-        """The runner part of a prefill/decode service config (same flag names on both)."""
+        """The runner part of a prefill/decode service config (same flag names on both; the decode
+        steps' part from the config's `decode_step_args()`)."""
         return cls(
             config.model_path,
             device=config.device,
@@ -58,10 +59,7 @@ class RunnerArgs:
             attention_backend=config.attention_backend,
             linear_layout=config.linear_layout,
             greedy_head=config.greedy_head,
-            cuda_graph=not getattr(config, "disable_cuda_graph", True),  # a decode flag: prefill runs no decode
-            cuda_graph_max_bs=getattr(config, "cuda_graph_max_bs", None),
-            torch_compile_max_bs=config.torch_compile_max_bs if getattr(config, "enable_torch_compile", False) else 0,
-            kv_shared_dir=config.disaggregation_shm_dir if getattr(config, "receives_kv_in_shm", False) else None,
+            **config.decode_step_args(),  # graphs, compile, shm KV: decode's flags; prefill runs no decode steps
             spec=SpecArgs(
                 config.speculative_algorithm,
                 config.speculative_draft_model_path,
