@@ -8,6 +8,7 @@ when the file differs from what this writes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from dataclasses import MISSING, Field
@@ -20,12 +21,18 @@ DEFAULT_PATH = os.path.join(
 )
 
 
-def services() -> list[tuple[str, type]]:
-    """(prog, config class) of each service, the order the document takes them in."""
-    from decode_service import config as decode
-    from prefill_service import config as prefill
+SERVICE_CONFIGS = ("prefill_service.config:PrefillConfig", "decode_service.config:DecodeConfig")
 
-    return [(prefill.PROG, prefill.PrefillConfig), (decode.PROG, decode.DecodeConfig)]
+
+def services() -> list[tuple[str, type]]:
+    """(prog, config class) of each service, the order the document takes them in. Named by module
+    path, as the demo names the services it runs: common/ imports no service module."""
+    out = []
+    for name in SERVICE_CONFIGS:
+        module, cls = name.split(":")
+        m = importlib.import_module(module)
+        out.append((m.PROG, getattr(m, cls)))
+    return out
 
 
 def _default(f: Field) -> str:
