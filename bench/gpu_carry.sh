@@ -54,7 +54,8 @@ run() {
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
   lscpu | grep "Model name"
   for s in $steps; do case $s in
-    check) PYTEST_ADDOPTS=--timeout=120 step check 260 python3 -m bench.gpu_check --out-dir "$OUT/check" --shapes llama-3.2-1b;;
+    check) PYTHONPATH=$PYTHONPATH:/tmp/mc/site LD_LIBRARY_PATH=/tmp/mclib PYTEST_ADDOPTS=--timeout=120 step check 260 \
+      python3 -m bench.gpu_check --out-dir "$OUT/check" --shapes llama-3.2-1b;;  # the engine too: the Mooncake GPU tests
     triton) step triton 120 python3 -m bench.gpu_bench --shapes llama-3.2-1b --attention-backend triton --cuda-graph;;
     spec) step spec 90 python3 -m bench.spec_bench --model-path .gpu/tiny --head .gpu/tiny-head --algorithm EAGLE3 \
       --num-prompts 16 --batch-sizes 1,16 --repeats 2 --new-tokens 48 --device cuda --dtype float32 \

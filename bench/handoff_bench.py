@@ -70,7 +70,7 @@ def throughput_mooncake(
     """`run`: the reserved slots come in scattered runs of this many (0: one contiguous run);
     `pool_device`: where decode's pool lives (cuda: the engine registers device memory, as a decode
     service on a GPU does)."""
-    from common.wire import mooncake
+    from common.kv_transfer import mooncake, plan
 
     engine = mooncake.TransferEngine()
     slots = 4 * len(prompt) + 1
@@ -88,8 +88,8 @@ def throughput_mooncake(
         order = [int(b) * run + j for b in blocks for j in range(run)][: len(prompt)]
     else:
         order = list(range(1, len(prompt) + 1))
-    dest = prefill_pb2.KvDestination(session=engine.session, target=mooncake.kv_region(k, v))
-    dest.runs.extend(mooncake.slot_runs(order))
+    dest = prefill_pb2.KvDestination(session=engine.session, target=plan.kv_region(k, v))
+    dest.runs.extend(plan.slot_runs(order))
     stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address, options=channel_options()))
     best, total, count = 0.0, 0, 0
     for _ in range(repeats):

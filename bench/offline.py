@@ -16,6 +16,7 @@ from collections.abc import Callable
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
 from decode_service.inbox import Inbox
+from decode_service.output import RequestOutput
 from decode_service.scheduler import DecodeScheduler
 from decode_service.worker import DecodeWorker
 from prefill_service.engine import PrefillEngine
@@ -40,12 +41,14 @@ def generate(
     failed: list[str] = []
     lock, done, finished, start = threading.Lock(), threading.Event(), [0], time.monotonic()
 
-    def on_output(rid, tokens, reason):
+    def on_output(out: RequestOutput):
+        rid, tokens = out.rid, out.new_token_ids
         outputs[int(rid)].extend(tokens)
         if on_tokens is not None and tokens:
             on_tokens(int(rid), tokens)
-        if reason is None:
+        if out.finish is None:
             return
+        reason = out.finish.reason
         with lock:
             if reason not in ("stop", "length"):
                 failed.append(f"{rid}: {reason}")

@@ -94,18 +94,15 @@ class DecodeConfig(ServiceConfig, PrefillClientFlags, SchedulerFlags, DecodeStep
     max_total_tokens: int = flag(16384, "KV slots of the decode pool")
     max_running_requests: int = flag(32, "request slots (requests decoding or awaiting a handoff)")
 
-    @property
-    def receives_kv_in_shm(self) -> bool:
-        """The shm handoff: our KV pools are files a prefill replica on this host writes into."""
-        return self.disaggregation_transfer_backend == "shm"
-
     def decode_step_args(self) -> dict:
         """The RunnerArgs of decode steps: captured graphs, compiled small batches, KV pools as shm files."""
+        from common.kv_transfer.receiver import pool_folder as kv_pool_folder  # here: config loads without protobuf
+
         return dict(
             cuda_graph=not self.disable_cuda_graph,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
             torch_compile_max_bs=self.torch_compile_max_bs if self.enable_torch_compile else 0,
-            kv_shared_dir=self.disaggregation_shm_dir if self.receives_kv_in_shm else None,
+            kv_shared_dir=kv_pool_folder(self),  # the KV transport says where our pools live (shm: files)
         )
 
 

@@ -32,7 +32,7 @@ def bad_reply(rid: str, e: Exception) -> str:
 
 class HandoffIntake:
     """Reads and writes the scheduler's `awaiting_handoff`, `prebuilt`, `worker`, `info`, `spec`,
-    `notes`, `abort_waits_for_prefill` and its `_finish`, `_release`, `_emit`, `_finish_reason`."""
+    `abort_waits_for_prefill` and its `_finish`, `_release`, `_emit`, `_finish_reason`."""
 
     def _apply_reply(self, handler, msg) -> None:
         """Run `handler(msg)` for a prefill reply; a failure is the request's, not the scheduler's."""
@@ -107,5 +107,4 @@ class HandoffIntake:
                 self._finish(req, "error", detail)
         elif not req.finished:  # the client hears it now; _on_handoff(_failed) releases it later
             req.finish_reason, req.error = "error", detail
-            self.notes.put_error(rid, detail)
             self._emit(req, [], "error")

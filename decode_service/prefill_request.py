@@ -5,7 +5,8 @@ signed with the pools' keys so prefill writes nowhere else: common/wire/kv_capab
 from __future__ import annotations
 
 from common.engine.handoff import HandoffRequest
-from common.wire import kv_capability, mooncake
+from common.kv_transfer.plan import slot_runs
+from common.wire import kv_capability
 from common.wire.proto_gen import prefill_pb2
 
 
@@ -31,7 +32,7 @@ def build(
     )
     if kv_destination is not None and request.kv_slots is not None:
         msg.kv_destination.CopyFrom(kv_destination)
-        msg.kv_destination.runs.extend(mooncake.slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
+        msg.kv_destination.runs.extend(slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
         if kv_keys is not None:  # a capability per rank: valid for this call's lifetime, once
             kv_capability.sign(msg.kv_destination, request.rid, kv_keys, ttl_s)
     return msg

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.sampling import SamplingParams
-
-# on_output(rid, new_token_ids, finish_reason or None); called on the scheduler thread.
-OutputCallback = Callable[[str, list[int], "str | None"], None]
+from decode_service.output import OutputCallback
 
 
 class ReqState(enum.Enum):
@@ -39,6 +36,8 @@ class DecodeReq:
     handoff: object = None  # the Handoff while PREBUILT
     spec_accepted: int = 0  # EAGLE: drafts accepted / proposed for this request
     spec_drafted: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache (from the handoff)
+    trace: tuple | None = None  # (parent span context, submission ns) from the front door; opaque here
     submitted_at: float = field(default_factory=time.monotonic)
 
     @property

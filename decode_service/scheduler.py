@@ -31,6 +31,8 @@ Life of a request (queues named as in the code):
      asks for (KV, req_to_token, FutureMap) is worker stream work, so slot reuse is ordered after
      in-flight reads (invariant 7).
   7. abort(): in `waiting`, `awaiting_handoff`, `prebuilt` or running; finish_reason "abort".
+Results leave through each request's `on_output` as RequestOutput records (output.py): the new ids
+of a step, and with the last one a Finish carrying everything the front door reports about the end.
 `overlap=False` runs the same steps, processing each step's results right after its launch.
 """
 
@@ -46,10 +48,10 @@ from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
 from common.request_rules import InvalidRequest, check_fits_pool, finish_reason, validate_prompt
-from decode_service.finish_notes import FinishNotes
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
-from decode_service.req import DecodeReq, OutputCallback, ReqState
+from decode_service.output import Finish, OutputCallback, RequestOutput
+from decode_service.req import DecodeReq, ReqState
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.step import InvariantError, LaunchedStep, SpecStats
 
@@ -91,7 +93,6 @@ class DecodeScheduler(HandoffIntake):
         self.reqs: dict[str, DecodeReq] = {}
         self.step_count = 0
         self.fatal_error: Exception | None = None
-        self.notes = FinishNotes()  # errors, cached tokens, EAGLE stats of finished requests, for the front door
         self._handlers = {
             Submit: self._on_submit,
             Abort: self._on_abort,
@@ -106,13 +107,21 @@ class DecodeScheduler(HandoffIntake):
 
     # ---- API (any thread) -----------------------------------------------------------------------
     def submit(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, on_output: OutputCallback | None = None
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_output: OutputCallback | None = None,
+        trace: tuple | None = None,
     ) -> None:
+        """Queue a request; `on_output` gets its RequestOutputs, `trace` (the caller's span context and
+        submission ns) rides on the request to the prefill call."""
         validate_prompt(prompt_ids, params, self.info.vocab_size, self.info.context_length)
         check_fits_pool(len(prompt_ids), params.max_new_tokens, self.worker.kv_allocator.size, self._extra)
         if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
             raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
-        self.inbox.post(Submit(DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output)))
+        req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace)
+        self.inbox.post(Submit(req))
 
     @property
     def kv_room(self) -> int:
@@ -219,7 +228,9 @@ class DecodeScheduler(HandoffIntake):
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
             req.state = ReqState.AWAITING_HANDOFF
             self.awaiting_handoff[req.rid] = req
-            self.prefill_fn(HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed, kv_slots=req.kv_slots))
+            self.prefill_fn(
+                HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed, kv_slots=req.kv_slots, trace=req.trace)
+            )
 
     def get_new_prebuilt_batch(self) -> ScheduleBatch:
         """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
@@ -236,7 +247,7 @@ class DecodeScheduler(HandoffIntake):
             except Exception as e:  # that request's error: nothing of it was submitted
                 self._finish(req, "error", bad_reply(req.rid, e))
                 continue
-            self.notes.put_cached(req.rid, handoff.cached_tokens)  # the front door reports it (cached_tokens)
+            req.cached_tokens = handoff.cached_tokens  # the front door reports it with the finish
             new = []  # tokens streamed early (or resent on a retry) may already finish the request
             if len(req.output_ids) == handoff.first_position and (
                 not req.output_ids or self._finish_reason(req) is None
@@ -281,8 +292,6 @@ class DecodeScheduler(HandoffIntake):
                 reason = self._finish_reason(req)
                 if reason is not None:
                     break  # tokens past a finish are dropped
-            if reason is not None and self.spec:  # read by the front door with the finish
-                self.notes.put_spec(req.rid, req.spec_accepted, req.spec_drafted)
             self._emit(req, new, reason)
             if reason is not None:
                 self._finish(req, reason, emit=False)
@@ -326,9 +335,7 @@ class DecodeScheduler(HandoffIntake):
 
     def _finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
         req.finish_reason = reason
-        req.error = detail
-        if detail is not None:  # read (and popped) by the front door to explain the failure
-            self.notes.put_error(req.rid, detail)
+        req.error = detail  # travels in the Finish
         if emit:
             self._emit(req, [], reason)
         self._release(req)
@@ -346,10 +353,21 @@ class DecodeScheduler(HandoffIntake):
         self.reqs.pop(req.rid, None)
 
     def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None) -> None:
+        """Hand `req`'s consumer a RequestOutput: `tokens` gained now, and a Finish when `reason` is set."""
         if req.on_output is None:
             return
+        finish = None
+        if reason is not None:
+            finish = Finish(
+                reason,
+                req.output_ids[-1] if reason == "stop" and req.output_ids else None,
+                req.cached_tokens,
+                req.spec_accepted,
+                req.spec_drafted,
+                req.error if reason == "error" else None,
+            )
         try:
-            req.on_output(req.rid, tokens, reason)
+            req.on_output(RequestOutput(req.rid, tokens, finish))
         except Exception:  # a broken consumer must not take the scheduler down: drop the request
             logger.exception("output callback of %s failed; aborting it", req.rid)
             req.on_output = None

@@ -41,6 +41,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common import tracing
 from common.engine.model_runner import ModelRunner
+from common.kv_transfer import receiver as kv_transport
 from common.metrics import DecodeMetrics
 from common.parallel.launch import TPRanks, check_settings
 from common.request_rules import REFUSED
@@ -50,7 +51,6 @@ from common.wire.servicer import add_servicer
 from decode_service.config import DecodeConfig
 from decode_service.inbox import Inbox
 from decode_service.info_rpcs import InfoRpcs
-from decode_service.kv_receiver import KvReceiver
 from decode_service.prefill_client import PrefillClient
 from decode_service.request_validation import InvalidRequest, parse_generate
 from decode_service.scheduler import DecodeScheduler
@@ -70,7 +70,7 @@ class _Reject(Exception):
 
 class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
     def __init__(self, config: DecodeConfig):
-        KvReceiver.check(config)  # before the model loads: say at once what to install, or what cannot work
+        kv_transport.check(config)  # before the model loads: say at once what to install, or what cannot work
         self.config = config
         check_settings(config)  # --tp-size > 1: the follower ranks (common/parallel/launch.py)
         self.tp_ranks = TPRanks.start(config, follower_main, "decode") if config.tp_size > 1 else None
@@ -88,8 +88,9 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         )
         self.metrics.watch_greedy_head(self.runner)
         inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
-        # with mooncake or shm: our pools registered (or shared), prefill writes KV into them
-        self.kv_receiver = KvReceiver.for_service(self.runner, config, tp)
+        # the KV transport's decode side: with mooncake or shm our pools registered (or shared) and named
+        # in each call, prefill writes KV into them; with grpc no destination (KV comes as bytes)
+        self.kv_receiver = kv_transport.make_receiver(self.runner, config, tp)
         self.tracing = tracing.Tracing("decode", config.otlp_traces_endpoint)
         self.prefill = PrefillClient(
             config.prefill_addrs,
@@ -100,8 +101,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             progress_timeout_s=config.prefill_progress_timeout_s,
             draft_config=self.runner.draft.config.layer if self.runner.draft else None,
             metrics=self.metrics,
-            kv_destination=self.kv_receiver.destination if self.kv_receiver else None,
-            kv_keys=self.kv_receiver.keys if self.kv_receiver else None,
+            kv_destination=self.kv_receiver.destination,
+            kv_keys=self.kv_receiver.keys,
             policy=config.prefill_policy,
             resolve_interval_s=config.prefill_resolve_interval_s,
             tracing=self.tracing,
@@ -124,7 +125,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             overlap=not config.disable_overlap_schedule,
             debug=config.debug_checks,
             metrics=self.metrics,
-            abort_waits_for_prefill=self.kv_receiver is not None,
+            abort_waits_for_prefill=self.kv_receiver.destination is not None,
         )
         self.metrics_port: int | None = None
         self._ids = itertools.count()
@@ -231,16 +232,13 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self._live[request.request_id] = rid
         finished = False
         span = self.tracing.start("generate", self.tracing.extract(context.invocation_metadata()), rid=rid)
-        if span is not None:  # the prefill client hangs its spans (and the replica's) under it
-            self.prefill.traces[rid] = (self.tracing.context_of(span), time.time_ns())
+        # rides on the request: the prefill client hangs its spans (and the replica's) under it
+        trace = (self.tracing.context_of(span), time.time_ns()) if span is not None else None
         try:
             self.scheduler.submit(
-                rid,
-                ids,
-                params,
-                lambda _rid, toks, reason: loop.call_soon_threadsafe(outputs.put_nowait, (toks, reason)),
+                rid, ids, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), trace=trace
             )
-            async for response in self._responses(request, rid, ids, outputs, context):
+            async for response in self._responses(request, ids, outputs, context, trace):
                 finished = response.HasField("complete")
                 yield response
         except InvalidRequest as e:
@@ -252,7 +250,6 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             raise
         finally:
             if span is not None:
-                self.prefill.traces.pop(rid, None)
                 span.set_attribute("finished", finished)
                 span.end()
             self._open_rids.discard(rid)
@@ -297,19 +294,22 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self._recheck = asyncio.get_running_loop().run_in_executor(None, self.prefill.any_serving, True)
         self._prefill_serving = await asyncio.shield(self._recheck)
 
-    async def _responses(self, request, rid, ids, outputs, context):
+    async def _responses(self, request, ids, outputs, context, trace):
+        """The call's responses, from the scheduler's RequestOutputs (decode_service/output.py)."""
         all_ids: list[int] = []
         m, started = self.metrics, time.perf_counter()
         last = first_at = started
         while True:
             try:
-                tokens, reason = await asyncio.wait_for(outputs.get(), timeout=1.0)
+                out = await asyncio.wait_for(outputs.get(), timeout=1.0)
             except asyncio.TimeoutError:  # never wait forever on a scheduler that died
                 if not self.scheduler.alive:
                     await context.abort(
                         grpc.StatusCode.INTERNAL, f"decode scheduler failed: {self.scheduler.fatal_error!r}"
                     )
                 continue
+            tokens, finish = out.new_token_ids, out.finish
+            reason = finish.reason if finish is not None else None
             if tokens:
                 now = time.perf_counter()
                 if not all_ids:
@@ -326,12 +326,12 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             if reason is not None:
                 self.metrics.count_finish(reason, len(ids), started, first_at, len(all_ids))
                 if all_ids and self.tracing.enabled:
-                    parent = self.prefill.traces.get(rid, (None,))[0]
+                    parent = trace[0] if trace is not None else None
                     self.tracing.record(
                         "decode", parent, tracing.wall_ns(first_at), time.time_ns(), tokens=len(all_ids)
                     )
             if reason == "error":
-                detail = self._error_detail(rid)
+                detail = finish.error or repr(self.scheduler.fatal_error)
                 code = grpc.StatusCode.INTERNAL if not self.scheduler.alive else grpc.StatusCode.UNAVAILABLE
                 if detail.startswith(REFUSED):  # not retryable: the client must change the request
                     code = grpc.StatusCode.INVALID_ARGUMENT
@@ -345,9 +345,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                         token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids)
                     ),
                 )
-            if reason is not None:
-                accepted, drafted = self.scheduler.notes.pop_spec(rid)
-                cached = self.scheduler.notes.pop_cached(rid)
+            if finish is not None:
+                accepted, drafted = finish.spec_accepted, finish.spec_drafted
                 if drafted:
                     m.spec_accepted.inc(accepted)
                     m.spec_drafted.inc(drafted)
@@ -357,17 +356,14 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                     finish_reason=reason,
                     prompt_tokens=len(ids),
                     completion_tokens=len(all_ids),
-                    cached_tokens=cached,
+                    cached_tokens=finish.cached_tokens,
                     spec_accepted_tokens=accepted,
                     spec_draft_tokens=drafted,
                 )
-                if reason == "stop" and all_ids:
-                    complete.matched_token_id = all_ids[-1]
+                if finish.matched_stop is not None:
+                    complete.matched_token_id = finish.matched_stop
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 return
-
-    def _error_detail(self, rid: str) -> str:
-        return self.scheduler.notes.pop_error(rid) or repr(self.scheduler.fatal_error)
 
     def _abort_internal(self, rid: str) -> None:
         self.scheduler.abort(rid)

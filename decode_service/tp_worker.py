@@ -135,10 +135,10 @@ def follower_main(config, tp: TPGroup) -> None:
     from common.engine.model_runner import ModelRunner
 
     runner = ModelRunner.for_service(config, tp)
-    from decode_service.kv_receiver import KvReceiver
+    from common.kv_transfer.receiver import make_receiver
 
     # mooncake or shm: this rank's pools registered (or shared), named in rank 0's destination
-    receiver = KvReceiver.for_service(runner, config, tp)
+    receiver = make_receiver(runner, config, tp)
     follow(DecodeWorker(runner, debug=config.debug_checks), tp)
     del receiver  # kept registered until the follower stops
 

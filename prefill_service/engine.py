@@ -12,7 +12,9 @@ Lifecycle of a request:
   3. in the step where its prompt completes: sample the first token (output position
      `first_position` of the request's seeded stream); with EAGLE on, the draft extend over the
      prompt (its features were kept during 2) gives the draft KV and the draft seed (draft_prefill.py);
-  4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included),
+  4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included), in
+     the memory the KV transport stages it in (`staging`: the host, or the pool's device for an
+     engine that reads device memory; then without waiting for the device: `Handoff.kv_ready`),
      insert the prompt into the radix cache (its own slots that duplicate cached ones are freed),
      unlock its prefix and free its request slot, exactly once, and return the Handoff from that
      step, so its first token goes out while longer prompts are still computing;
@@ -30,6 +32,7 @@ import torch
 
 from common.engine.chunked_prefill import plan_chunk, prefill_step
 from common.engine.handoff import Handoff, HandoffRequest
+from common.engine.host_copy import to_device
 from common.engine.model_runner import ModelRunner
 from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample
@@ -52,9 +55,17 @@ class _Running:
 
 
 class PrefillEngine:
-    def __init__(self, runner: ModelRunner, chunk_size: int = 256, radix_cache: bool = True):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        chunk_size: int = 256,
+        radix_cache: bool = True,
+        staging: torch.device | str = "cpu",
+    ):
+        """`staging`: where handoffs' KV is copied out to (the KV sender's `staging_device`)."""
         self.runner = runner
         self.chunk_size = chunk_size
+        self.staging = torch.device(staging)
         self.running: list[_Running] = []  # admitted, prompt not complete yet (oldest first)
         self.cache = RadixCache(runner.kv_allocator.free) if radix_cache else None
         self.stats = CacheStats()
@@ -238,16 +249,17 @@ class PrefillEngine:
             start += len(ids)
 
     def _copy_out(self, done: list[_Running]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """The target KV of each completed prompt as host tensors per layer [prompt_len, kv_heads,
-        head_dim], gathered for the whole step in a few copies (`KVPool.gather_many`; one per request
-        took 0.33 s for 63 prompts finishing together, on cores shared with decode)."""
-        tp, cfg = self.runner.tp, self.runner.config
+        """The target KV of each completed prompt per layer [prompt_len, kv_heads, head_dim] on the
+        staging device, gathered for the whole step in a few copies (`KVPool.gather_many`; one per
+        request took 0.33 s for 63 prompts finishing together, on cores shared with decode). Staged
+        on the pool's own device it stays the gather's copy: nothing waits for the device here."""
+        tp, cfg, to = self.runner.tp, self.runner.config, self.staging
 
-        def host_layers(x: torch.Tensor) -> list[torch.Tensor]:  # TP: every rank's heads, gathered on device
-            return [t.cpu() for t in gather_kv_heads(tp, cfg, list(x.unbind(0)))] if tp.size > 1 else list(x.cpu())
+        def staged(x: torch.Tensor) -> list[torch.Tensor]:  # TP: every rank's heads, gathered on device
+            return [t.to(to) for t in gather_kv_heads(tp, cfg, list(x.unbind(0)))] if tp.size > 1 else list(x.to(to))
 
         gathered = self.runner.kv_pool.gather_many([w.kv_slots for w in done])
-        return [(host_layers(k), host_layers(v)) for k, v in gathered]
+        return [(staged(k), staged(v)) for k, v in gathered]
 
     def _to_handoff(self, w: _Running, k: list[torch.Tensor], v: list[torch.Tensor]) -> Handoff:
         r = w.request
@@ -264,8 +276,8 @@ class PrefillEngine:
                 self.runner.draft.spec.eagle_topk,
             )
             w.features = []
-            draft_k, draft_v = self.runner.draft.kv_pool.gather(w.kv_slots.to(self.runner.draft.kv_pool.device))
-            extra.update(draft_k=[draft_k[0].cpu()], draft_v=[draft_v[0].cpu()])
+            draft_k, draft_v = self.runner.draft.kv_pool.gather(to_device(w.kv_slots, self.runner.draft.kv_pool.device))
+            extra.update(draft_k=[draft_k[0].to(self.staging)], draft_v=[draft_v[0].to(self.staging)])
         return Handoff(
             rid=r.rid,
             prompt_ids=list(r.prompt_ids),
@@ -276,5 +288,16 @@ class PrefillEngine:
             v=v,
             first_position=r.first_position,
             cached_tokens=w.cached,
+            kv_ready=_recorded(self.staging),
             **extra,
         )
+
+
+def _recorded(device: torch.device):
+    """On CUDA an event recorded on the current stream, after a handoff's copy-out (whoever reads the
+    KV elsewhere waits for it); None on the host, where the copies are done when they return."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

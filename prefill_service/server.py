@@ -17,8 +17,9 @@ Lifecycle of one Prefill call:
      first token is sampled and handed to the call at once, then its KV is copied out (with EAGLE
      after the draft extend) and its slots freed, and the call gets its Handoff (or an error:
      INTERNAL);
-  3. stream: FirstToken as soon as it is sampled (before the copy-out), then KvChunks (or, with a
-     transfer engine, KvWritten notices after each chunk's writes) bounded by max_chunk_bytes (with EAGLE the head's KV
+  3. stream: FirstToken as soon as it is sampled (before the copy-out), then the KV part that the
+     KV sender makes (common/kv_transfer/sender.py): KvChunks, or KvWritten notices after each
+     chunk's writes into decode's slots, bounded by max_chunk_bytes (with EAGLE the head's KV
      follows, marked `draft`), then the PrebuiltRecord (prompt length, first token, chunk count,
      and with EAGLE the draft seed);
   4. a cancelled call (the caller went away) is dropped while queued, its slots freed if it was
@@ -44,10 +45,12 @@ from common.engine import intra_op
 from common.engine.handoff import HandoffRequest
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling import SamplingParams
+from common.kv_transfer.errors import KvTransferError
+from common.kv_transfer.sender import make_sender
 from common.metrics import PrefillMetrics
 from common.parallel.launch import TPRanks, check_settings
 from common.request_rules import stop_token_ids, validate_prompt
-from common.wire import kv_capability, kv_chunks, mooncake, security, shm_transfer
+from common.wire import kv_chunks, security
 from common.wire.aio_server import AioServer
 from common.wire.grpc_server import MAX_CHUNK_BYTES
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
@@ -56,7 +59,7 @@ from prefill_service import request_bounds
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
 from prefill_service.fault_injection import STALL_MAX_S, FaultInjector, FaultPlan
-from prefill_service.kv_writer import Outbox, can_write, send_handoff, write_handoff
+from prefill_service.outbox import Outbox
 from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler, QueueFull
 from prefill_service.tp_engine import TPPrefillEngine, follower_main
 
@@ -66,8 +69,8 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, config: PrefillConfig):
-        if config.disaggregation_transfer_backend == "mooncake":
-            mooncake.require()  # before the model loads: say at once what to install
+        # the KV transport's prefill side, before the model loads: a backend that cannot work says so at once
+        self.sender = make_sender(config)
         self.config = config
         check_settings(config)
         if not 0 < config.max_chunk_bytes <= MAX_CHUNK_BYTES:  # a chunk's message stays under the receive limit
@@ -79,10 +82,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.runner = ModelRunner.for_service(config, tp)
         self.tracing = tracing.Tracing("prefill", config.otlp_traces_endpoint)
         cache = not config.disable_radix_cache
+        staging = self.sender.staging_device(self.runner.device)  # where handoffs' KV is copied out to
         self.engine = (
-            TPPrefillEngine(self.runner, tp, config.chunked_prefill_size, cache)
+            TPPrefillEngine(self.runner, tp, config.chunked_prefill_size, cache, staging)
             if tp
-            else PrefillEngine(self.runner, config.chunked_prefill_size, cache)
+            else PrefillEngine(self.runner, config.chunked_prefill_size, cache, staging)
         )
         self.scheduler = PrefillScheduler(
             self.engine,
@@ -111,22 +115,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self._chunk_pool = ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="kv-chunks", initializer=intra_op.pin_single
         )
-        self.transfer = None  # --disaggregation-transfer-backend mooncake or shm: writes into decode's slots
-        if config.disaggregation_transfer_backend == "mooncake":
-            key = kv_capability.key_from_internal(config.internal_api_key)  # signed destinations only
-            self.transfer = mooncake.TransferEngine(
-                mooncake.advertised_host(config.host),
-                config.disaggregation_protocol,
-                config.disaggregation_ib_device,
-                capability_key=key,
-            )
-            if key is None:
-                logger.warning(
-                    "mooncake without --internal-api-key: KV destinations are unsigned, so any caller of this "
-                    "port can aim the KV writes; keep it on the private network of the Mooncake engines"
-                )
-        elif config.disaggregation_transfer_backend == "shm":
-            self.transfer = shm_transfer.ShmWriter(config.disaggregation_shm_dir)
         self.server = AioServer(
             config.host,
             config.port,
@@ -278,12 +266,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         fault = self.faults.draw()
         if fault:
             m.injected.labels(kind=fault).inc()
-        backend = "grpc"
-        if request.HasField("kv_destination") and can_write(self.transfer, request.kv_destination):  # into its slots
-            backend = self.config.disaggregation_transfer_backend
-            messages = write_handoff(self.transfer, request.kv_destination, result, max_bytes, call.cancelled.is_set)
-        else:  # the gRPC path (also the fallback for a decode side that named a destination)
-            messages = send_handoff(result, max_bytes)
+        dest = request.kv_destination if request.HasField("kv_destination") else None
+        # into decode's slots where this replica reaches them, else bytes on the stream
+        backend, messages = self.sender.messages(request.request_id, dest, result, max_bytes, call.cancelled.is_set)
         loop = asyncio.get_running_loop()
         outbox = Outbox(messages, result)
         count = 0
@@ -294,7 +279,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             while draft_seed is None:  # the seed comes with the last message
                 try:
                     message, draft_seed = await loop.run_in_executor(self._chunk_pool, outbox.take)
-                except (ValueError, mooncake.TransferFailed, shm_transfer.ShmTransferError) as e:
+                except KvTransferError as e:
                     m.failures.inc()
                     m.kv_transfer_failures.inc()
                     logger.warning("KV transfer of %s failed: %s", request.request_id, e)

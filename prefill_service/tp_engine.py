@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 class TPPrefillEngine(PrefillEngine):
     """Rank 0's engine: every state change broadcast to the follower ranks first."""
 
-    def __init__(self, runner, tp: TPGroup, chunk_size: int = 256, radix_cache: bool = True):
-        super().__init__(runner, chunk_size, radix_cache)
+    def __init__(self, runner, tp: TPGroup, chunk_size: int = 256, radix_cache: bool = True, staging="cpu"):
+        super().__init__(runner, chunk_size, radix_cache, staging)
         self.tp = tp
         self.dead: str | None = None
 
@@ -76,7 +76,8 @@ def follower_main(config, tp: TPGroup) -> None:
     from common.engine.model_runner import ModelRunner
 
     runner = ModelRunner.for_service(config, tp)
-    follow(PrefillEngine(runner, config.chunked_prefill_size, not config.disable_radix_cache), tp)
+    # a follower's handoffs go nowhere (rank 0 sends the KV): they stay where the pool is, no host copy
+    follow(PrefillEngine(runner, config.chunked_prefill_size, not config.disable_radix_cache, runner.device), tp)
 
 
 def follow(engine: PrefillEngine, tp: TPGroup) -> None:

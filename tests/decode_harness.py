@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from common.engine.draft_runner import SpecArgs
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from decode_service.inbox import Inbox
+from decode_service.output import Finish, RequestOutput
 from decode_service.scheduler import DecodeScheduler
 from decode_service.worker import DecodeWorker
 from prefill_service.engine import PrefillEngine
@@ -62,15 +63,19 @@ class HookedWorker(DecodeWorker):
 
 
 class Outputs:
+    """Collects RequestOutputs: ids per request, and each finished request's reason and Finish."""
+
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}
+        self.finishes: dict[str, Finish] = {}
 
-    def __call__(self, rid, tokens, reason):
-        assert rid not in self.reasons, f"{rid}: output after finish"
-        self.tokens.setdefault(rid, []).extend(tokens)
-        if reason is not None:
-            self.reasons[rid] = reason
+    def __call__(self, out: RequestOutput):
+        assert out.rid not in self.reasons, f"{out.rid}: output after finish"
+        self.tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        if out.finish is not None:
+            self.reasons[out.rid] = out.finish.reason
+            self.finishes[out.rid] = out.finish
 
 
 def runners(

@@ -207,7 +207,7 @@ def test_failing_consumer_is_aborted_and_stop_frees_live_requests(checkpoint):
     pair = ManualPair(checkpoint("qwen2"))
     sched = pair.scheduler
 
-    def broken(rid, tokens, reason):
+    def broken(out):
         raise OSError("client went away")
 
     sched.submit("broken", [5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True), broken)

@@ -299,4 +299,4 @@ def test_broken_draft_handoff_and_aborts_free_everything_once(checkpoint, heads)
     pair.close()  # idle, integrity, nothing used
     assert pair.out.reasons == {"broken": "error", "aborted": "abort", "ok": "length"}
     assert pair.out.tokens["ok"] == hf_greedy(path, PROMPTS[3], 30)
-    assert "draft seed" in pair.scheduler.notes.pop_error("broken")
+    assert "draft seed" in pair.out.finishes["broken"].error

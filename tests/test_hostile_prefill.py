@@ -57,7 +57,7 @@ def _in_process(pair: ManualPair, path: str, spoil) -> str:
     pair.close()  # runs to idle (a scheduler-fatal error raises here), checks integrity
     assert pair.scheduler.alive and pair.out.reasons == {"bad": "error", "good": "length"}
     assert pair.out.tokens["good"] == hf_greedy(path, GOOD, PARAMS.max_new_tokens)
-    return pair.scheduler.notes.pop_error("bad")
+    return pair.out.finishes["bad"].error
 
 
 def _vocab(pair) -> int:

@@ -1,4 +1,5 @@
-"""Prefill writes KV only where decode asked (common/wire/kv_capability.py): a caller that names
+"""Prefill writes KV only where decode asked (common/wire/kv_capability.py, checked by the address-writing
+senders of common/kv_transfer/): a caller that names
 decode's real pool files or regions with another request's slots, without decode's capability for
 exactly those (none, a guessed key, one issued for other slots or another request, a replay, an
 expired one), is refused and the victim's KV stays as it was."""
@@ -13,11 +14,13 @@ import torch
 
 from common.engine.handoff import Handoff
 from common.engine.kv_pool import KVPool
-from common.wire import kv_capability, mooncake, shm_transfer
+from common.kv_transfer import mooncake, plan, shm
+from common.kv_transfer.address_writes import PoolReceiver
+from common.kv_transfer.errors import KvTransferError
+from common.kv_transfer.receiver import join_ranks
+from common.wire import kv_capability
 from common.wire.kv_capability import CapabilityRefused
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
-from decode_service.kv_receiver import KvReceiver, join_ranks
-from prefill_service.kv_writer import write_handoff
 from tests.grpc_harness import GrpcPair
 
 VICTIM = [1, 2, 3]
@@ -28,15 +31,17 @@ def _handoff(rid: str, value: float, layers: int = 2) -> Handoff:
     return Handoff(rid, list(range(len(VICTIM))), None, 0, 0, kv, [t.clone() for t in kv])
 
 
-def _write(engine, dest, handoff) -> None:
-    for _ in write_handoff(engine, dest, handoff, 1 << 20, lambda: False):
+def _write(sender, dest, handoff) -> None:
+    label, messages = sender.messages(handoff.rid, dest, handoff, 1 << 20, lambda: False)
+    assert label == sender.label  # the sender reaches the destination: it writes, or refuses
+    for _ in messages:
         pass
 
 
 def _dest(base, rid: str, slots: list[int], keys: list[bytes] | None, ttl_s: float = 60.0):
     d = prefill_pb2.KvDestination()
     d.CopyFrom(base)
-    d.runs.extend(mooncake.slot_runs(slots))
+    d.runs.extend(plan.slot_runs(slots))
     if keys is not None:
         kv_capability.sign(d, rid, keys, ttl_s)
     return d
@@ -58,27 +63,28 @@ def _attacks(base, key: bytes, victim) -> list[tuple]:
     ]
 
 
-def _check_refused_and_untouched(engine, base, key: bytes, pool: KVPool) -> None:
+def _check_refused_and_untouched(sender, base, key: bytes, pool: KVPool) -> None:
     victim = _dest(base, "victim", VICTIM, [key])
-    _write(engine, victim, _handoff("victim", 1.0))  # the honest handoff lands
+    _write(sender, victim, _handoff("victim", 1.0))  # the honest handoff lands
     assert pool.k_all[:, VICTIM].eq(1.0).all() and pool.v_all[:, VICTIM].eq(1.0).all()
     before = pool.k_all.clone(), pool.v_all.clone()
     for dest, handoff, why in _attacks(base, key, victim):
-        with pytest.raises(CapabilityRefused, match=why):
-            _write(engine, dest, handoff)
+        with pytest.raises(KvTransferError, match=why) as refused:  # the transport's one error type
+            _write(sender, dest, handoff)
+        assert isinstance(refused.value.__cause__, CapabilityRefused)
     assert torch.equal(pool.k_all, before[0]) and torch.equal(pool.v_all, before[1])
-    _write(engine, _dest(base, "next", [5, 6, 7], [key]), _handoff("next", 2.0))  # decode's next request does land
+    _write(sender, _dest(base, "next", [5, 6, 7], [key]), _handoff("next", 2.0))  # decode's next request does land
     assert pool.k_all[:, 5:8].eq(2.0).all() and torch.equal(pool.k_all[:, VICTIM], before[0][:, VICTIM])
 
 
 def test_shm_a_caller_without_decodes_capability_cannot_write_into_its_pool_files(tmp_path):
     pool = KVPool(8, 2, 1, 4, torch.float32, shared_dir=str(tmp_path))
-    endpoint = shm_transfer.ShmEndpoint(pool.files)
-    base = prefill_pb2.KvDestination(session=endpoint.session, target=mooncake.kv_region(pool.k, pool.v))
-    writer = shm_transfer.ShmWriter(str(tmp_path))
+    endpoint = shm.ShmEndpoint(pool.files)
+    base = prefill_pb2.KvDestination(session=endpoint.session, target=plan.kv_region(pool.k, pool.v))
+    writer = shm.ShmWriter(str(tmp_path))
     try:
         assert writer.capability_key(endpoint.session) == endpoint.key  # read from the files' trailers
-        _check_refused_and_untouched(writer, base, endpoint.key, pool)
+        _check_refused_and_untouched(shm.ShmSender(writer), base, endpoint.key, pool)
     finally:
         writer.close()
 
@@ -86,13 +92,13 @@ def test_shm_a_caller_without_decodes_capability_cannot_write_into_its_pool_file
 def test_shm_pool_files_hold_the_secret_past_what_a_writer_maps(tmp_path):
     """The key is in the files (mode 0600), not in anything a caller sees, and no write reaches it."""
     pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
-    endpoint = shm_transfer.ShmEndpoint(pool.files)
+    endpoint = shm.ShmEndpoint(pool.files)
     assert endpoint.key.hex() not in endpoint.session and endpoint.key not in endpoint.session.encode()
     (path, k_all), _ = pool.files
     end = k_all.data_ptr() + k_all.numel() * 4
-    writer = shm_transfer.ShmWriter(str(tmp_path))
+    writer = shm.ShmWriter(str(tmp_path))
     src = torch.zeros(16)
-    with pytest.raises(shm_transfer.ShmTransferError, match="falls outside"):
+    with pytest.raises(shm.ShmTransferError, match="falls outside"):
         writer.write(endpoint.session, [src.data_ptr()], [end], [16])  # the trailer's place
     assert writer.capability_key(endpoint.session) == endpoint.key
     writer.close()
@@ -104,12 +110,13 @@ def test_mooncake_a_caller_without_the_internal_key_cannot_aim_prefills_writes()
     pool = KVPool(8, 2, 1, 4, torch.float32)
     decode.register(pool.k + pool.v)
     prefill = mooncake.TransferEngine("127.0.0.1", capability_key=key)
-    base = prefill_pb2.KvDestination(session=decode.session, target=mooncake.kv_region(pool.k, pool.v))
-    _check_refused_and_untouched(prefill, base, key, pool)
+    base = prefill_pb2.KvDestination(session=decode.session, target=plan.kv_region(pool.k, pool.v))
+    sender = mooncake.MooncakeSender(prefill)
+    _check_refused_and_untouched(sender, base, key, pool)
     elsewhere = _dest(base, "other", [5, 6, 7], [key])  # decode's capability, aimed at another engine
     elsewhere.session = prefill.session
-    with pytest.raises(CapabilityRefused, match="does not verify"):
-        _write(prefill, elsewhere, _handoff("other", 3.0))
+    with pytest.raises(KvTransferError, match="does not verify"):
+        _write(sender, elsewhere, _handoff("other", 3.0))
     assert kv_capability.key_from_internal(None) is None and kv_capability.key_from_internal("other") != key
 
 
@@ -123,7 +130,7 @@ def test_tensor_parallel_ranks_send_their_keys_to_rank_0():
             other = bytes([32]) + b"k" * 32 + prefill_pb2.KvRankDestination(session="shm:1").SerializeToString()
             return [mine, other]
 
-    receiver = KvReceiver.__new__(KvReceiver)
+    receiver = PoolReceiver.__new__(PoolReceiver)
     receiver.destination = prefill_pb2.KvDestination(session="shm:0")
     receiver.keys = [b"j" * 32]
     join_ranks(Rank0(), receiver, range(0, 1))
@@ -149,7 +156,7 @@ def test_a_stranger_calling_prefill_with_decodes_pool_files_is_refused(checkpoin
         before = pool.k_all.clone(), pool.v_all.clone()
         dest = prefill_pb2.KvDestination()
         dest.CopyFrom(pair.decode.kv_receiver.destination)
-        dest.runs.extend(mooncake.slot_runs([1, 2, 3, 4]))
+        dest.runs.extend(plan.slot_runs([1, 2, 3, 4]))
         stub = prefill_pb2_grpc.PrefillStub(channel)
         request = prefill_pb2.PrefillRequest(request_id="stranger", input_ids=[5, 6, 7, 8], kv_destination=dest)
         with pytest.raises(grpc.RpcError) as refused:
@@ -170,7 +177,7 @@ def test_a_mooncake_pair_with_an_internal_key_signs_every_destination(checkpoint
     pair = GrpcPair(path, transfer="mooncake", prefill_kw=keyed, decode_kw=keyed)
     try:
         key = kv_capability.key_from_internal("internal-key")
-        assert pair.prefill.transfer.capability_key("any") == key and pair.decode.kv_receiver.keys == [key]
+        assert pair.prefill.sender.engine.capability_key("any") == key and pair.decode.kv_receiver.keys == [key]
         pair.check_against_oracle(path, [[5, 6, 7, 8], list(range(9, 40))], 6)
         assert pair.prefill.kv_notices > 0  # written through the engine, each write's destination verified
     finally:

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from common.engine.handoff import Handoff
+from common.kv_transfer.grpc_bytes import kv_messages as send_handoff
 from common.wire import kv_chunks, tensor_codec
 from common.wire.proto_gen import prefill_pb2
-from prefill_service.kv_writer import Outbox, send_handoff
+from prefill_service.outbox import Outbox
 
 LAYERS, TOKENS, HEADS, DIM = 5, 37, 2, 4
 PER_TOKEN_LAYER = 2 * HEADS * DIM * 4  # K and V, fp32

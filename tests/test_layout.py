@@ -17,6 +17,7 @@ ENGINE_FILES = [
     "decode_service/future_map.py",
     "decode_service/schedule_batch.py",
     "decode_service/req.py",
+    "decode_service/output.py",
     "decode_service/step.py",
     "decode_service/inbox.py",
     "decode_service/decode_step.py",

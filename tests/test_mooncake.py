@@ -1,5 +1,5 @@
-"""The transfer-engine data plane (mooncake, shm): its write plan, and aborts while a replica writes
-into reserved slots."""
+"""The address-writing KV backends (mooncake, shm; common/kv_transfer/): the neutral write plan, the
+engine's registration spans, and aborts while a replica writes into reserved slots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.wire import mooncake
+from common.kv_transfer import mooncake, plan
 from common.wire.proto_gen import prefill_pb2
 from prefill_service import server as prefill_server
 from tests.grpc_harness import GrpcPair, needs_mooncake
@@ -18,7 +18,7 @@ from tests.oracle import hf_greedy
 
 
 def test_slot_runs_coalesce_consecutive_slots():
-    runs = mooncake.slot_runs([7, 8, 9, 3, 4, 11])
+    runs = plan.slot_runs([7, 8, 9, 3, 4, 11])
     assert [(r.token_start, r.slot, r.length) for r in runs] == [(0, 7, 3), (3, 3, 2), (5, 11, 1)]
 
 
@@ -46,12 +46,12 @@ def test_write_plan_addresses_every_token_of_every_layer_once():
     v = [torch.randn(n, *shape) for _ in range(layers)]
     pool_k = [torch.zeros(16, *shape) for _ in range(layers)]
     pool_v = [torch.zeros(16, *shape) for _ in range(layers)]
-    region = mooncake.kv_region(pool_k, pool_v)
+    region = plan.kv_region(pool_k, pool_v)
     slots = [7, 8, 9, 3, 4, 11]
-    runs = mooncake.slot_runs(slots)
+    runs = plan.slot_runs(slots)
     written = []
     for t0, nt in ((0, 4), (4, 2)):  # two chunks of tokens, all layers
-        srcs, dsts, lens = mooncake.write_plan(k, v, region, runs, t0, nt, 0, layers)
+        srcs, dsts, lens = plan.write_plan(k, v, region, runs, t0, nt, 0, layers)
         for src, dst, length in zip(srcs, dsts, lens):  # stand in for the engine: copy bytes by address
             ctypes_copy(dst, src, length)
             written.append(length)
@@ -68,14 +68,14 @@ def ctypes_copy(dst: int, src: int, length: int) -> None:
 
 def test_a_destination_that_does_not_match_is_refused():
     dest = prefill_pb2.KvDestination(session="x:1", target=prefill_pb2.KvRegion(k_ptrs=[1], v_ptrs=[2], slot_bytes=32))
-    dest.runs.extend(mooncake.slot_runs([5, 6, 7]))
-    mooncake.check_destination(dest, dest.target, 3, 1, 32)
+    dest.runs.extend(plan.slot_runs([5, 6, 7]))
+    plan.check_destination(dest, dest.target, 3, 1, 32)
     with pytest.raises(ValueError, match="covers 3 tokens"):
-        mooncake.check_destination(dest, dest.target, 4, 1, 32)
+        plan.check_destination(dest, dest.target, 4, 1, 32)
     with pytest.raises(ValueError, match="layers"):
-        mooncake.check_destination(dest, dest.target, 3, 2, 32)
+        plan.check_destination(dest, dest.target, 3, 2, 32)
     with pytest.raises(ValueError, match="layers"):
-        mooncake.check_destination(dest, dest.target, 3, 1, 64)
+        plan.check_destination(dest, dest.target, 3, 1, 64)
 
 
 @pytest.mark.parametrize("transfer", [pytest.param("mooncake", marks=needs_mooncake), "shm"])
@@ -165,10 +165,8 @@ def test_both_services_refuse_mooncake_where_the_engine_cannot_load(checkpoint, 
     "tokens,layers,per,bound", [(480, 16, 2048, 4 << 20), (480, 16, 2048, 256 << 10), (7, 2, 100, 250)]
 )
 def test_the_layer_first_plan_covers_every_cell_once_within_the_bound(tokens, layers, per, bound):
-    from common.wire.kv_chunks import plan_by_layer
-
     cells = []
-    for t0, nt, l0, nl in plan_by_layer(tokens, layers, per, bound):
+    for t0, nt, l0, nl in plan.plan_by_layer(tokens, layers, per, bound):
         assert nt * nl * per <= max(bound, per)
         assert nl == 1 or nt == tokens  # several layers only with every token: one piece per layer and run
         cells += [(t, layer) for t in range(t0, t0 + nt) for layer in range(l0, l0 + nl)]

@@ -14,6 +14,7 @@ import torch
 
 from common.engine.draft_runner import SpecArgs
 from common.engine.sampling import SamplingParams
+from decode_service.output import Finish, RequestOutput
 from decode_service.scheduler import DecodeScheduler
 from tests.fake_worker import EOS, FakeWorker, token_of
 
@@ -28,16 +29,18 @@ class Driver:
         self.pending = {}
         self.tokens: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}
+        self.finishes: dict[str, Finish] = {}
         self.sched = DecodeScheduler(self.worker, self._prefill, overlap=overlap, debug=True)
 
     def _prefill(self, request):
         self.pending[request.rid] = request
 
-    def _out(self, rid, tokens, reason):
-        assert rid not in self.reasons, f"{rid}: output after its finish"
-        self.tokens.setdefault(rid, []).extend(tokens)
-        if reason is not None:
-            self.reasons[rid] = reason
+    def _out(self, out: RequestOutput):
+        assert out.rid not in self.reasons, f"{out.rid}: output after its finish"
+        self.tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        if out.finish is not None:
+            self.reasons[out.rid] = out.finish.reason
+            self.finishes[out.rid] = out.finish
 
     def submit(self, rid: str, prompt_len: int = 4, max_new: int = 6, **params):
         prompt = list(range(20, 20 + prompt_len))
@@ -119,6 +122,25 @@ def test_finish_on_eos_and_stop_tokens_drops_what_follows(overlap):
     assert d.tokens["ignore"] == [token_of("ignore", 0), EOS, token_of("ignore", 2)]
 
 
+def test_the_finish_record_carries_what_the_front_door_reports():
+    """The last RequestOutput of a request carries its Finish: the reason, the stop id it matched and
+    the prompt tokens the handoff took from a prefix cache; a trace given at submit rides on to the
+    prefill request."""
+    d = Driver(overrides={("stop", 1): 77})
+    d.submit("stop", max_new=8, stop_token_ids=(77,))
+    d.submit("length", max_new=3)
+    d.sched.submit("traced", [5, 6], SamplingParams(max_new_tokens=2), d._out, trace=("parent", 123))
+    d.step()
+    assert d.pending["traced"].trace == ("parent", 123) and d.pending["stop"].trace is None
+    for request in [d.pending.pop(rid) for rid in list(d.pending)]:
+        handoff = d.worker.handoff(request)
+        handoff.cached_tokens = 2
+        d.sched.inbox.deliver_handoff(handoff)
+    d.run()
+    assert d.finishes["stop"] == Finish("stop", matched_stop=77, cached_tokens=2)
+    assert d.finishes["length"] == d.finishes["traced"] == Finish("length", cached_tokens=2)
+
+
 def test_abort_in_every_stage_frees_exactly_once():
     d = Driver(req_slots=3)
     for rid in ["running", "prebuilt", "awaiting", "waiting"]:
@@ -154,8 +176,8 @@ def test_a_failed_or_malformed_handoff_fails_the_request_once():
     d.pending.pop("failed")
     d.step()
     assert d.reasons == {"failed": "error", "bad": "error"}
-    assert d.sched.notes.pop_error("failed") == "peer went away"
-    assert "prefilled ids differ" in d.sched.notes.pop_error("bad")
+    assert d.finishes["failed"].error == "peer went away"
+    assert "prefilled ids differ" in d.finishes["bad"].error
     d.check_free()
 
 
@@ -163,7 +185,7 @@ def test_duplicate_request_id_is_refused_without_touching_the_first():
     d = Driver()
     d.submit("x", max_new=3)
     seen = []
-    d.sched.submit("x", [5, 6], SamplingParams(max_new_tokens=2), lambda rid, toks, reason: seen.append(reason))
+    d.sched.submit("x", [5, 6], SamplingParams(max_new_tokens=2), lambda out: seen.append(out.finish.reason))
     d.run()
     assert seen == ["abort"] and d.tokens["x"] == d.expected("x", 3)
 
@@ -232,6 +254,7 @@ def test_a_failed_step_fails_every_live_request_and_the_loop():
             time.sleep(0.002)
         assert d.reasons == {"a": "error", "b": "error"} and not d.sched.alive
         assert "step 2 broke" in repr(d.sched.fatal_error)
+        assert "step 2 broke" in d.finishes["a"].error  # the detail travels in the Finish
     finally:
         d.sched.stop()
 
@@ -254,6 +277,17 @@ def test_eagle_commits_accept_len_tokens_and_resolves_published_lengths(overlap)
     accepted, drafted = d.sched.spec_stats
     steps = drafted // EAGLE.num_steps  # lanes whose results counted (overlap also runs wasted lanes)
     assert drafted % EAGLE.num_steps == 0 and steps <= sum(calls.values()) and 0 < accepted < drafted
+
+
+def test_eagle_finish_counts_each_requests_own_drafts():
+    d = Driver(spec=EAGLE, accept=lambda rid, step: 1 if rid == "a" else 2)
+    d.submit("a", max_new=9)
+    d.submit("b", max_new=9)
+    d.run()
+    a, b = d.finishes["a"], d.finishes["b"]
+    assert a.spec_drafted and a.spec_accepted * EAGLE.num_steps == a.spec_drafted
+    assert b.spec_drafted and b.spec_accepted * EAGLE.num_steps == 2 * b.spec_drafted
+    assert (a.spec_accepted + b.spec_accepted, a.spec_drafted + b.spec_drafted) == tuple(d.sched.spec_stats)
 
 
 def test_eagle_reserves_the_draft_window_past_prompt_and_max_new_tokens():

@@ -1,6 +1,6 @@
-"""The same-host shared-memory handoff (common/engine/shared_memory.py, common/wire/shm_transfer.py):
-pool files, what a prefill replica agrees to map and write, and the choice between it, mooncake and
-gRPC bytes."""
+"""The same-host shared-memory handoff (common/engine/shared_memory.py, common/kv_transfer/shm.py):
+pool files, what a prefill replica agrees to map and write, and each sender's choice between writing
+and gRPC bytes (`reaches`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import torch
 
 from common.engine import shared_memory
 from common.engine.kv_pool import KVPool
-from common.wire import mooncake, shm_transfer
+from common.kv_transfer import grpc_bytes, mooncake, shm
 from common.wire.proto_gen import prefill_pb2
-from prefill_service.kv_writer import can_write
 
 
 def _pool_files(folder) -> list[str]:
@@ -36,15 +35,15 @@ def test_a_shared_pool_is_private_zeroed_files_that_a_writer_fills_and_that_go_w
     del buffer
     assert not pool.k_all.any() and pool.k[1].data_ptr() == pool.k_all[1].data_ptr()
 
-    endpoint = shm_transfer.ShmEndpoint(pool.files)
+    endpoint = shm.ShmEndpoint(pool.files)
     endpoint.register(pool.k + pool.v)  # every layer lies in the files
-    with pytest.raises(shm_transfer.ShmTransferError, match="not in a shared-memory pool file"):
+    with pytest.raises(shm.ShmTransferError, match="not in a shared-memory pool file"):
         endpoint.register([torch.zeros(4)])
 
     # the prefill side: layer 1, slots 3..4 of K, by the decode side's addresses
     src = torch.arange(16, dtype=torch.float32).view(2, 2, 4)
     dst = pool.k[1][3].data_ptr()
-    writer = shm_transfer.ShmWriter(str(tmp_path))
+    writer = shm.ShmWriter(str(tmp_path))
     writer.write(endpoint.session, [src.data_ptr()], [dst], [src.numel() * 4])
     assert torch.equal(pool.k_all[1, 3:5], src) and pool.k_all.sum() == src.sum()
     writer.close()
@@ -58,8 +57,8 @@ def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(
     folder = tmp_path / "shm"
     folder.mkdir()
     pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(folder))
-    session = shm_transfer.ShmEndpoint(pool.files).session
-    writer = shm_transfer.ShmWriter(str(folder))
+    session = shm.ShmEndpoint(pool.files).session
+    writer = shm.ShmWriter(str(folder))
     (path, k_all), (_, v_all) = pool.files
     src = torch.ones(4)
     refused = {
@@ -70,17 +69,17 @@ def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(
         "shm:" + json.dumps([[path, k_all.data_ptr(), 64]]): "of 64 bytes",  # not the file's size
     }
     for bad, why in refused.items():
-        with pytest.raises(shm_transfer.ShmTransferError, match=why):
+        with pytest.raises(shm.ShmTransferError, match=why):
             writer.write(bad, [src.data_ptr()], [k_all.data_ptr()], [16])
     link = folder / f"{shared_memory.PREFIX}{os.getpid()}-abc"
     os.symlink(path, link)
-    with pytest.raises(shm_transfer.ShmTransferError, match="cannot open"):  # a link is not followed
+    with pytest.raises(shm.ShmTransferError, match="cannot open"):  # a link is not followed
         writer.write(
             "shm:" + json.dumps([[str(link), k_all.data_ptr(), 80]]), [src.data_ptr()], [k_all.data_ptr()], [16]
         )
     end = k_all.data_ptr() + k_all.numel() * 4
     for dst, n in ((end - 8, 16), (v_all.data_ptr() - 4, 8), (k_all.data_ptr() - 16, 16)):
-        with pytest.raises(shm_transfer.ShmTransferError, match="falls outside"):
+        with pytest.raises(shm.ShmTransferError, match="falls outside"):
             writer.write(session, [src.data_ptr()], [dst], [n])
     assert not k_all.any() and not v_all.any()  # nothing was written
     writer.write(session, [src.data_ptr()], [end - 16], [16])  # the last 16 bytes are in
@@ -88,16 +87,16 @@ def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(
 
 
 def test_a_writer_lets_go_of_a_stopped_decode_sides_files(tmp_path):
-    writer = shm_transfer.ShmWriter(str(tmp_path))
+    writer = shm.ShmWriter(str(tmp_path))
     src = torch.ones(4)
     old = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
-    writer.write(shm_transfer.ShmEndpoint(old.files).session, [src.data_ptr()], [old.k_all.data_ptr()], [16])
+    writer.write(shm.ShmEndpoint(old.files).session, [src.data_ptr()], [old.k_all.data_ptr()], [16])
     first = old.files[0][0]
     assert first in writer._maps
     del old
     gc.collect()  # that decode service stopped: its files are gone, our map still holds the memory
     new = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
-    writer.write(shm_transfer.ShmEndpoint(new.files).session, [src.data_ptr()], [new.k_all.data_ptr()], [16])
+    writer.write(shm.ShmEndpoint(new.files).session, [src.data_ptr()], [new.k_all.data_ptr()], [16])
     assert first not in writer._maps and set(writer._maps) == {p for p, _ in new.files}
 
 
@@ -144,25 +143,26 @@ def test_shared_pools_are_for_cpu(checkpoint):
 
 def test_a_replica_writes_only_where_its_engine_reaches_else_sends_bytes(tmp_path):
     pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
-    session = shm_transfer.ShmEndpoint(pool.files).session
-    shm = prefill_pb2.KvDestination(session=session)
+    session = shm.ShmEndpoint(pool.files).session
+    local = prefill_pb2.KvDestination(session=session)
     other = prefill_pb2.KvDestination(session="127.0.0.1:1234")
-    tp_shm = prefill_pb2.KvDestination(tp_ranks=[prefill_pb2.KvRankDestination(session=session)] * 2)
+    tp_local = prefill_pb2.KvDestination(tp_ranks=[prefill_pb2.KvRankDestination(session=session)] * 2)
     elsewhere = prefill_pb2.KvDestination(session=session.replace(shared_memory.PREFIX, shared_memory.PREFIX + "1"))
-    writer = shm_transfer.ShmWriter(str(tmp_path))
-    assert can_write(writer, shm) and can_write(writer, tp_shm) and not can_write(writer, other)
-    assert not can_write(writer, elsewhere)  # files this host does not have: decode gets bytes
-    assert not can_write(shm_transfer.ShmWriter(str(tmp_path / "other")), shm)  # not our folder
-    assert not can_write(None, shm) and not can_write(None, other)
+    sender = shm.ShmSender(shm.ShmWriter(str(tmp_path)))
+    assert sender.reaches(local) and sender.reaches(tp_local) and not sender.reaches(other)
+    assert not sender.reaches(elsewhere)  # files this host does not have: decode gets bytes
+    assert not shm.ShmSender(shm.ShmWriter(str(tmp_path / "other"))).reaches(local)  # not our folder
+    assert not grpc_bytes.BytesSender().reaches(local) and not grpc_bytes.BytesSender().reaches(other)
+    assert mooncake.is_session("127.0.0.1:1234") and mooncake.is_session("::1:80") and not mooncake.is_session(session)
     if mooncake.available() is None:
-        engine = mooncake.TransferEngine()
-        assert can_write(engine, other) and not can_write(engine, shm)
+        engine = mooncake.MooncakeSender(mooncake.TransferEngine())
+        assert engine.reaches(other) and not engine.reaches(local) and not engine.reaches(tp_local)
 
 
 def test_a_malformed_or_oversized_session_is_a_refusal_not_a_crash(tmp_path):
-    writer = shm_transfer.ShmWriter(str(tmp_path))
+    writer = shm.ShmWriter(str(tmp_path))
     for bad in ('shm:[["x", Infinity, 1]]', "shm:" + "[" * 100_000, "shm:" + "[" * 5000 + "]" * 5000, "shm:{}"):
-        with pytest.raises(shm_transfer.ShmTransferError):
+        with pytest.raises(shm.ShmTransferError):
             writer.parse(bad)
         assert not writer.reaches(bad)
 
@@ -173,20 +173,20 @@ def test_a_hard_link_to_a_pool_file_is_not_a_pool_file(tmp_path):
     link = tmp_path / f"{shared_memory.PREFIX}1-abc"
     os.link(path, link)
     session = "shm:" + json.dumps([[str(link), k_all.data_ptr(), k_all.numel() * 4]])
-    assert not shm_transfer.ShmWriter(str(tmp_path)).reaches(session)
+    assert not shm.ShmWriter(str(tmp_path)).reaches(session)
 
 
 def test_a_map_in_use_is_never_unmapped_under_a_write(tmp_path):
     """A caller's session naming a mapped file with another size is refused without touching the map;
     a file whose decode side went away is unmapped only once no write holds it."""
-    writer = shm_transfer.ShmWriter(str(tmp_path))
+    writer = shm.ShmWriter(str(tmp_path))
     pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
-    session = shm_transfer.ShmEndpoint(pool.files).session
+    session = shm.ShmEndpoint(pool.files).session
     (path, k_all), _ = pool.files
     src = torch.full((4,), 7.0)
     writer.write(session, [src.data_ptr()], [k_all.data_ptr()], [16])
     wrong = "shm:" + json.dumps([[path, k_all.data_ptr(), 64]])
-    with pytest.raises(shm_transfer.ShmTransferError, match="mapped here with"):
+    with pytest.raises(shm.ShmTransferError, match="mapped here with"):
         writer.write(wrong, [src.data_ptr()], [k_all.data_ptr()], [16])
     assert path in writer._maps
     held = writer._acquire(session)  # a write in progress

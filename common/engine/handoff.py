@@ -1,9 +1,10 @@
 """The handoff record: one prefilled request, as the prefill side hands it to the decode side.
 
 Transport-independent: the gRPC layer streams it as first token, KV chunks and a final record;
-in-process tests pass the object. KV is per layer [prompt_len, kv_heads, head_dim] on the host, in
-the model dtype. `HandoffRequest` is what the decode side asks a prefill peer for (the wire's
-message of the same content is `disagg.v1.PrefillRequest`).
+in-process tests pass the object. KV is per layer [prompt_len, kv_heads, head_dim] in the model
+dtype, on the host, or on the pool's device where the KV transport stages it (`kv_ready`).
+`HandoffRequest` is what the decode side asks a prefill peer for (the wire's message of the same
+content is `disagg.v1.PrefillRequest`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class HandoffRequest:
     seed: int
     first_position: int = 0  # output index of the token this prefill samples (= tokens resent)
     kv_slots: torch.Tensor | None = None  # the decode side's reserved slots (a transfer engine writes there)
+    trace: tuple | None = None  # (parent span context, submission ns) of the caller's trace; opaque here
 
 
 @dataclass
@@ -51,6 +53,9 @@ class Handoff:
     draft_topk_ids: torch.Tensor | None = None
     draft_topk_p: torch.Tensor | None = None
     draft_hidden: torch.Tensor | None = None
+    # KV staged on a device (a transfer engine reads it there): a CUDA event recorded after its
+    # copy-out, which whoever reads the KV on another thread waits for; None when it is ready now
+    kv_ready: object | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -93,7 +93,7 @@ class KVPool:
             size += len(loc) * token_bytes
         out = []
         for group in groups:
-            index = torch.cat([(per_layer + loc.to(self.device)[None, :]).reshape(-1) for loc in group])
+            index = torch.cat([(per_layer + to_device(loc, self.device)[None, :]).reshape(-1) for loc in group])
             k, v = (whole.view(layers * slots, *rest).index_select(0, index) for whole in (self.k_all, self.v_all))
             start = 0
             for loc in group:

@@ -1,4 +1,4 @@
-"""KV pool buffers as files of a shared-memory folder (the shm handoff, common/wire/shm_transfer.py).
+"""KV pool buffers as files of a shared-memory folder (the shm handoff, common/kv_transfer/shm.py).
 
 A buffer is a file `disagg-kv-<pid>-<random>` (mode 0600) mapped shared: a prefill replica on the
 same host maps the same file and writes handoffs straight into the pool.

@@ -41,19 +41,6 @@ def plan(
             yield t0, min(tokens, num_tokens - t0), l0, min(layers, num_layers - l0)
 
 
-def plan_by_layer(
-    num_tokens: int, num_layers: int, bytes_per_token_layer: int, max_bytes: int
-) -> Iterator[tuple[int, int, int, int]]:
-    """Like `plan`, but whole layers first: every token of as many layers as fit, so a transfer
-    engine writes each layer's run of slots in one piece (pieces of a few KiB cost it ~50 us each)."""
-    layer_bytes = num_tokens * bytes_per_token_layer
-    layers = max(1, min(num_layers, max_bytes // layer_bytes))
-    tokens = num_tokens if layers > 1 or layer_bytes <= max_bytes else max(1, max_bytes // bytes_per_token_layer)
-    for l0 in range(0, num_layers, layers):
-        for t0 in range(0, num_tokens, tokens):
-            yield t0, min(tokens, num_tokens - t0), l0, min(layers, num_layers - l0)
-
-
 def split(
     k: list[torch.Tensor], v: list[torch.Tensor], max_bytes: int, draft: bool = False
 ) -> Iterator[prefill_pb2.PrefillChunk]:

@@ -1,25 +1,25 @@
-"""Same-host KV handoff through shared memory (--disaggregation-transfer-backend shm).
+"""The shared-memory backend (--disaggregation-transfer-backend shm): a same-host, CPU-only KV handoff.
 
 The decode service's KV pools live in files of a shared-memory folder (default /dev/shm, a tmpfs),
 so a prefill replica on the same host maps them and copies each handoff's K and V straight into
 the reserved slots: one memory copy per byte, where the gRPC path copies a handoff about eight
 times (stack, encode, serialize, transport, parse, decode, write) and runs them on the cores both
-services share. Everything else is the transfer-engine path (prefill_service/kv_writer.py): the
+services share. Everything else is the address-writing path (address_writes.py, plan.py): the
 same destination (per-layer addresses and slot runs), the same `KvWritten` notices and the same
-quiesce on early ends. `ShmEndpoint` and `ShmWriter` have the methods of
-`mooncake.TransferEngine` that path uses.
+quiesce on early ends. The KV is staged in host memory (memmove reads it).
 
-- decode: its pools' buffers are files `disagg-kv-<pid>-<random>` (common/engine/shared_memory.py:
-  mode 0600, room taken at once, locked while alive, removed with the pool; a start sweeps those
-  nobody holds; a trailer past the buffer holds the process's secret). `ShmEndpoint(files)` names
-  the files and where they are mapped in its session: `shm:` + JSON [[path, base address, bytes], ...];
-  its `key` (the files' secret) signs each call's destination (common/wire/kv_capability.py).
-- prefill: `ShmWriter(folder)` maps a session's files on first use (only regular files of that
-  folder named as above, with one link, owned by this user, of the size the session says plus the
-  trailer), checks every write lies inside one of them (the trailer is never mapped), and unmaps a
-  file its decode side removed once no write uses it. A session it cannot map (decode on another
-  host) gets bytes instead. `capability_key(session)` is the secret its files hold: the writer's
-  caller (prefill_service/kv_writer.py) checks each destination's capability with it before writing.
+- decode (`ShmReceiver`): its pools' buffers are files `disagg-kv-<pid>-<random>`
+  (common/engine/shared_memory.py: mode 0600, room taken at once, locked while alive, removed with
+  the pool; a start sweeps those nobody holds; a trailer past the buffer holds the process's
+  secret). `ShmEndpoint(files)` names the files and where they are mapped in its session: `shm:` +
+  JSON [[path, base address, bytes], ...]; its `key` (the files' secret) signs each call's
+  destination (common/wire/kv_capability.py).
+- prefill (`ShmSender`): `ShmWriter(folder)` maps a session's files on first use (only regular files
+  of that folder named as above, with one link, owned by this user, of the size the session says
+  plus the trailer), checks every write lies inside one of them (the trailer is never mapped), and
+  unmaps a file its decode side removed once no write uses it. A session it cannot map (decode on
+  another host) gets bytes instead. `capability_key(session)` is the secret its files hold: each
+  destination's capability is checked with it before anything is written.
 Only the two processes' user can open the files. Separate containers need a shared /dev/shm
 (compose: `ipc: shareable` on decode, `ipc: "service:decode"` on prefill).
 """
@@ -38,13 +38,17 @@ import torch
 
 from common.engine import shared_memory
 from common.engine.shared_memory import NAME as _NAME
+from common.kv_transfer.address_writes import AddressSender, PoolReceiver
+from common.kv_transfer.errors import KvTransferError
+from common.wire import kv_capability
 from common.wire.kv_capability import Verifier
 
 logger = logging.getLogger(__name__)
+LABEL = "shm"
 SESSION_PREFIX = "shm:"
 
 
-class ShmTransferError(RuntimeError):
+class ShmTransferError(KvTransferError):
     """A session or a write that this writer refuses (the message says why)."""
 
 
@@ -253,3 +257,42 @@ def _inode(path: str) -> int | None:
         return os.stat(path).st_ino
     except OSError:
         return None
+
+
+class ShmSender(AddressSender):
+    label = LABEL
+
+    def __init__(self, writer: ShmWriter):
+        self.engine = writer
+
+    @classmethod
+    def from_config(cls, config) -> ShmSender:
+        return cls(ShmWriter(config.disaggregation_shm_dir))
+
+    def reaches(self, dest) -> bool:
+        """Every target is a session of pool files this writer maps (a decode side on this host, in
+        our folder); else the call's KV goes as bytes."""
+        sessions = [r.session for r in kv_capability.ranks(dest)]
+        return all(s.startswith(SESSION_PREFIX) and self.engine.reaches(s) for s in sessions)
+
+
+class ShmReceiver(PoolReceiver):
+    @staticmethod
+    def pool_folder(config) -> str:
+        """The pools are files of the shared-memory folder, which a prefill replica maps."""
+        return config.disaggregation_shm_dir
+
+    @staticmethod
+    def check(config) -> None:
+        """Pools off the CPU cannot be shared files (on GPUs the KV stays in device memory: use mooncake)."""
+        if config.device != "cpu":
+            raise ValueError(shared_memory.CPU_ONLY)
+
+    @classmethod
+    def from_config(cls, runner, config) -> ShmReceiver:
+        pools = [runner.kv_pool] + ([runner.draft.kv_pool] if runner.draft is not None else [])
+        files = [f for pool in pools for f in pool.files]
+        if not files:
+            raise ValueError("the shm backend needs KV pools in shared-memory files (RunnerArgs.kv_shared_dir)")
+        endpoint = ShmEndpoint(files)
+        return cls(runner, endpoint, endpoint.key)

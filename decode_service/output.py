@@ -1,0 +1,40 @@
+"""RequestOutput and Finish: what leaves the decode scheduler for one request, typed (vLLM's
+EngineCoreOutput, SGLang's finish reason with its `matched_stop`).
+
+The scheduler hands each request's `on_output` one RequestOutput whenever that request has news:
+the ids it gained this step (or the first token, or nothing), and, with its last record only, a
+Finish saying why it ended and what the front door reports with it (the error detail, the prompt
+tokens the prefill side took from its prefix cache, EAGLE's accepted and proposed drafts). Nothing
+about a request is kept aside for a later lookup: everything the consumer needs is in the record.
+Built on the scheduler thread, read on any other; neither record is changed after it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: str  # "stop" | "length" | "abort" | "error" (common.request_rules and the scheduler)
+    matched_stop: int | None = None  # "stop": the EOS or stop_token_ids id that ended it
+    cached_tokens: int = 0  # leading prompt tokens whose KV the prefill side found in its prefix cache
+    spec_accepted: int = 0  # EAGLE: drafts accepted over the request's life
+    spec_drafted: int = 0  # EAGLE: drafts proposed (0 without EAGLE)
+    error: str | None = None  # "error": what went wrong
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int]  # may be empty (a finish with no new token)
+    finish: Finish | None = None  # set on the request's last record only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+
+# on_output(RequestOutput); called on the scheduler thread, so it must be quick and must not block.
+OutputCallback = Callable[[RequestOutput], None]
