@@ -2,15 +2,16 @@
 
     python -m bench.chaos_soak [--minutes 10] [--rate 2] [--concurrency 8] [--transfer-backend grpc]
 
-On loopback, all processes on this machine: two prefill replicas (B with --inject-faults) and one
-decode service (--debug-checks: pool integrity whenever idle), on a tiny random Llama. A load thread
-sends greedy requests (16 fixed prompts, EOS ignored, HF greedy references computed up front) as a
-Poisson stream at --rate per second, at most --concurrency in flight; ~5% are cancelled by the
-client after their first tokens, ~5% aborted with the Abort RPC, ~5% read slowly. Chaos: replica A
-is SIGKILLed and restarted every 60 s; replica B is SIGSTOPped for 8 s once, at a third of the run.
-Report: calls by outcome (exact, wrong tokens, cancelled, aborted, failed with status, no end), p99
-TTFT and ITL per minute, decode RSS at start, middle and end, and after the load decode's KV and
-request slots in use (GetLoads) and its own pool check. A timing drill, never a test.
+On loopback, all processes on this machine: two prefill replicas (B with --inject-faults: started as
+bench/drill_prefill.py) and one decode service (--debug-checks: pool integrity whenever idle), on a
+tiny random Llama. A load thread sends greedy requests (16 fixed prompts, EOS ignored, HF greedy
+references computed up front) as a Poisson stream at --rate per second, at most --concurrency in
+flight; ~5% are cancelled by the client after their first tokens, ~5% aborted with the Abort RPC,
+~5% read slowly. Chaos: replica A is SIGKILLed and restarted every 60 s; replica B is SIGSTOPped for
+8 s once, at a third of the run. Report: calls by outcome (exact, wrong tokens, cancelled, aborted,
+failed with status, no end), p99 TTFT and ITL per minute, decode RSS at start, middle and end, and
+after the load decode's KV and request slots in use (GetLoads) and its own pool check. A timing
+drill, never a test.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
         transfer = ("--disaggregation-transfer-backend", args.transfer_backend)
         faults = ("--inject-faults", "fail=0.05,stall=0.02")
         procs = {"a": start("prefill_service", path, ports["a"], *transfer),
-                 "b": start("prefill_service", path, ports["b"], *transfer, *faults)}  # fmt: skip
+                 "b": start("bench.drill_prefill", path, ports["b"], *transfer, *faults)}  # fmt: skip
         addrs = f"127.0.0.1:{ports['a']},127.0.0.1:{ports['b']}"
         procs["decode"] = start("decode_service", path, ports["decode"], "--prefill-addr", addrs, "--debug-checks",
                                 "--prefill-progress-timeout-s", "3", *transfer)  # fmt: skip

@@ -16,15 +16,15 @@ def decode_step(runner, fm, batch: WorkerBatch) -> torch.Tensor:
     fb = ForwardBatch.decode(
         runner.req_to_token_pool.req_to_token,
         indices,
-        batch.seq_lens_cpu,
+        batch.kv_committed_lens_cpu,
         input_ids,
-        batch.seq_lens,
+        batch.kv_committed_lens,
         req_pool_indices_cpu=batch.req_pool_indices_cpu,
     )
     if batch.sampling.argmax_only:  # the greedy head may skip the fp32 logits (common/models/greedy_head.py)
         tokens, _ = runner.forward(fb, greedy=True)
     else:
         logits, _ = runner.forward(fb)
-        tokens = batch.sampling.sample(logits, batch.positions, runner.config.eos_token_ids)
+        tokens = batch.sampling.sample(logits, batch.output_indices, runner.config.eos_token_ids)
     fm.stash_tokens(indices, tokens)
     return tokens

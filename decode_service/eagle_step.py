@@ -10,7 +10,7 @@ step's publish, or the handoff for a prebuilt request) and, per request, a pendi
      temperature > 0 (`draws`, a SpecDraws) instead draw their drafts from the head's filtered
      distribution in 1 and take A and the bonus from the speculative sampling rule
      (common/engine/spec_sampling.py), so their output follows the target's distribution;
-  4. publish new_seq_lens = n + A + 1 through the FutureMap (sets this step's publish_ready fence),
+  4. publish the new committed lengths n + A + 1 through the FutureMap (sets this step's publish_ready fence),
      so the schedule side can build the next step while 5 runs;
   5. draft extend over the verified positions n..n+S with the target's features (head KV rewritten
      with real features; entries past n+A are overwritten next step), the head's output at n+A
@@ -60,8 +60,8 @@ def draft_chain(runner, fm, batch: WorkerBatch, num_steps: int) -> ChainDraft:
 
     drafts = [sample_lanes(token, hidden, 0)]
     for k in range(1, num_steps):
-        seq_lens = [n + k - 1 for n in batch.seq_lens_cpu]
-        fb = ForwardBatch.decode(table, indices, seq_lens, drafts[-1], req_pool_indices_cpu=rows)
+        prefix_lens = [n + k - 1 for n in batch.kv_committed_lens_cpu]  # the head's KV so far
+        fb = ForwardBatch.decode(table, indices, prefix_lens, drafts[-1], req_pool_indices_cpu=rows)
         hidden = draft.forward(fb, hidden)
         drafts.append(sample_lanes(draft.greedy(hidden), hidden, k))
     return ChainDraft(bonus, torch.stack(drafts, dim=1), q, draws)
@@ -71,17 +71,17 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
     """Steps 2-5. Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits
     tokens[i, :A+1]."""
     draft, table = runner.draft, runner.req_to_token_pool.req_to_token
-    indices, rows, seq_lens_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.seq_lens_cpu
+    indices, rows, committed_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.kv_committed_lens_cpu
     size, num_steps, proposed, draws = len(batch), chain.proposed.shape[1], chain.proposed, chain.draws
     verify_ids = torch.cat([chain.bonus[:, None], proposed], dim=1).flatten()
-    fb = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, verify_ids, num_steps + 1)
+    fb = ForwardBatch.extend_fixed(table, indices, rows, committed_cpu, verify_ids, num_steps + 1)
     greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
     logits, features = runner.forward_features(fb, greedy=greedy)  # 2. verify
     if greedy:
         target = logits.view(size, num_steps + 1)
     else:
         window = torch.arange(num_steps + 1, device=indices.device).expand(size, -1)  # node j: output first + j
-        first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]
+        first = [n - lane.prompt_len + 1 for n, lane in zip(committed_cpu, batch.lanes)]
         eos = runner.config.eos_token_ids
         held = batch.sampling.hold_back_stops_at(logits.view(size, num_steps + 1, -1), first, window, eos)
         logits = held.flatten(0, 1)
@@ -101,9 +101,9 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
         picked[torch.arange(len(draws.lanes), device=indices.device), n_ok] = extra
         target = target.index_copy(0, draws.lanes, picked)
         accepted = accepted.index_copy(0, draws.lanes, n_ok)
-    committed = to_device(seq_lens_cpu, indices.device, torch.int64)
-    fm.publish_seq_lens(indices, committed + accepted + 1, batch.fence)  # 4.
-    extend = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, target.flatten(), num_steps + 1)
+    committed = to_device(committed_cpu, indices.device, torch.int64)
+    fm.publish_kv_committed_lens(indices, committed + accepted + 1, batch.fence)  # 4.
+    extend = ForwardBatch.extend_fixed(table, indices, rows, committed_cpu, target.flatten(), num_steps + 1)
     out = draft.forward(extend, features).view(size, num_steps + 1, -1)  # 5.
     seed_hidden = out[lanes, accepted]
     fm.stash_tokens(indices, target[lanes, accepted])

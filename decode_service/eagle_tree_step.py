@@ -12,7 +12,7 @@ yet) and the head's seed hidden, with K = topk, S = num_steps, M = num_draft_tok
   3. verify: one target TREE forward over the M nodes (each sees the prefix and its ancestors);
   4. accept (greedy): walk from the root through children whose token equals the target argmax at
      their parent; A = depth of the deepest node reached; the bonus is the target argmax there;
-  5. publish new_seq_lens = n + A + 1 through the FutureMap (sets this step's publish_ready fence);
+  5. publish the new committed lengths n + A + 1 through the FutureMap (sets this step's publish_ready fence);
   6. move the accepted path's target KV from its node slots to positions n+1..n+A, so committed KV
      stays contiguous in req_to_token;
   7. draft extend over positions n..n+S with the path's tokens and target features (as the chain
@@ -33,7 +33,7 @@ from common.engine.host_copy import to_device
 from decode_service.worker_batch import WorkerBatch
 
 
-def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, topk: int):
+def _expand(draft, table, indices, rows, committed_cpu, hidden, num_steps: int, topk: int):
     """Step 1: every candidate (token, score, parent candidate or -1 for the root) in level order."""
     batch, k = len(rows), topk
     probs, ids = draft.topk(hidden, k)  # depth 1: [B, K]
@@ -54,7 +54,7 @@ def _expand(draft, table, indices, rows, seq_lens_cpu, hidden, num_steps: int, t
             table,
             indices,
             rows,
-            seq_lens_cpu,
+            committed_cpu,
             front_tok.flatten(),
             torch.full((batch, k), depth - 1, dtype=torch.int64, device=device),
             [(depth - 1) * k + j for j in range(k)],
@@ -137,7 +137,9 @@ def draft_tree(runner, fm, batch: WorkerBatch, spec) -> TreeDraft:
     table, rows, indices = runner.req_to_token_pool.req_to_token, batch.req_pool_indices_cpu, batch.req_pool_indices
     bonus = fm.gather_tokens(indices)
     _, hidden = fm.gather_draft(indices)
-    cand = _expand(runner.draft, table, indices, rows, batch.seq_lens_cpu, hidden, spec.num_steps, spec.eagle_topk)
+    cand = _expand(
+        runner.draft, table, indices, rows, batch.kv_committed_lens_cpu, hidden, spec.num_steps, spec.eagle_topk
+    )
     return TreeDraft(*_build_tree(*cand, bonus, spec.num_draft_tokens, spec.eagle_topk))
 
 
@@ -145,25 +147,25 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     """Steps 3-7. Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits
     tokens[i, :A+1]."""
     draft, table = runner.draft, runner.req_to_token_pool.req_to_token
-    indices, rows, seq_lens_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.seq_lens_cpu
+    indices, rows, committed_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.kv_committed_lens_cpu
     node_tokens, parent, depth, anc = tree.node_tokens, tree.parent, tree.depth, tree.ancestors
     size, m, steps = len(batch), node_tokens.shape[1], runner.draft.spec.num_steps
     device = indices.device
-    fb = ForwardBatch.tree(table, indices, rows, seq_lens_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
+    fb = ForwardBatch.tree(table, indices, rows, committed_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
     greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
     logits, features = runner.forward_features(fb, greedy=greedy)  # 3.
     if greedy:
         target = logits.view(size, m)
     else:
-        first = [n - lane.prompt_len + 1 for n, lane in zip(seq_lens_cpu, batch.lanes)]  # node: output first + depth
+        first = [n - lane.prompt_len + 1 for n, lane in zip(committed_cpu, batch.lanes)]  # node: output first + depth
         held = batch.sampling.hold_back_stops_at(logits.view(size, m, -1), first, depth, runner.config.eos_token_ids)
         target = held.argmax(-1)
     lanes_t = torch.arange(size, device=device)
     reach = reached(node_tokens, parent, anc, target)  # 4.
     last = (reach * (depth + 1)).argmax(dim=1)
     accepted = depth[lanes_t, last]
-    committed = to_device(seq_lens_cpu, device, torch.int64)
-    fm.publish_seq_lens(indices, committed + accepted + 1, batch.fence)  # 5.
+    committed = to_device(committed_cpu, device, torch.int64)
+    fm.publish_kv_committed_lens(indices, committed + accepted + 1, batch.fence)  # 5.
     on_path = anc[lanes_t, last]  # [B, M]
     levels = torch.arange(steps + 1, device=device)
     on_level = (depth[:, None, :] == levels[None, :, None]) & on_path[:, None, :]
@@ -172,7 +174,7 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     tokens[lanes_t, accepted] = target[lanes_t, last]
     _move_path_kv(runner.kv_pool, table, indices, committed, path, accepted)  # 6.
     feats = features.view(size, m, -1).gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-    extend = ForwardBatch.extend_fixed(table, indices, rows, seq_lens_cpu, tokens.flatten(), steps + 1)
+    extend = ForwardBatch.extend_fixed(table, indices, rows, committed_cpu, tokens.flatten(), steps + 1)
     out = draft.forward(extend, feats.flatten(0, 1)).view(size, steps + 1, -1)  # 7.
     seed_hidden = out[lanes_t, accepted]
     fm.stash_tokens(indices, tokens[lanes_t, accepted])

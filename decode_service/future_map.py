@@ -5,14 +5,15 @@ Invariants (../shared/DESIGN.md section 6), each with a test in tests/test_futur
    a batch *are* its req_pool_indices (no ring counter).
 2. `stash` writes forward-only values (next tokens; EAGLE's draft seed), read only by the next
    forward on the same stream: no fence. `publish` writes values the schedule side consumes
-   (EAGLE new_seq_lens) and sets that step's `publish_ready` event right after the write; a
-   publish from another stream first waits on the previous event (chaining).
-3. The schedule side reads published seq_lens only through `resolve_seq_lens_cpu`, which waits on
-   the event armed for step N when forward N was submitted (`arm_publish`), never an older one,
-   and raises if the stream failed before the publish ran.
+   (EAGLE's new kv_committed_lens) and sets that step's `publish_ready` event right after the
+   write; a publish from another stream first waits on the previous event (chaining).
+3. The schedule side reads published kv_committed_lens only through
+   `resolve_kv_committed_lens_cpu`, which waits on the event armed for step N when forward N was
+   submitted (`arm_publish`), never an older one, and raises if the stream failed before the
+   publish ran.
 6. Consume-once (debug mode): a gather must follow exactly one stash/publish of that row since
    the previous gather; gathered rows are poisoned (-1) and the gathered values are asserted valid
-   (tokens >= 0, seq_lens > 0). `reset_rows` clears a row's guard (release, prebuilt seeding).
+   (tokens >= 0, kv_committed_lens > 0). `reset_rows` clears a row's guard (release, prebuilt seeding).
 All buffer mutations run as work on the forward stream, so they are ordered with the forwards.
 """
 
@@ -43,8 +44,8 @@ class FutureMap:
         self.debug = debug
         self._make_event = make_event
         self.token_ids = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
-        self.new_seq_lens = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
-        names = ["token_ids", "new_seq_lens"]
+        self.kv_committed_lens = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
+        names = ["token_ids", "kv_committed_lens"]
         if draft_hidden_size:  # EAGLE: the draft seed of each row (next draft token, head hidden)
             self.draft_token_ids = torch.zeros(self.num_rows, dtype=torch.int64, device=self.device)
             self.draft_hidden = torch.zeros(self.num_rows, draft_hidden_size, dtype=draft_dtype, device=self.device)
@@ -69,15 +70,17 @@ class FutureMap:
     def gather_draft(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._gather("draft_token_ids", indices, minimum=0), self._gather("draft_hidden", indices, minimum=None)
 
-    def seed_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """A prebuilt batch's rows: their seq_lens as if published (stream work, no fence needed: the
-        schedule side knows them from the handoff)."""
-        self.new_seq_lens[to_device(indices, self.device)] = to_device(seq_lens, self.device, torch.int64)
+    def seed_kv_committed_lens(self, indices: torch.Tensor, kv_committed_lens: torch.Tensor) -> None:
+        """A prebuilt batch's rows: their committed lengths as if published (stream work, no fence
+        needed: the schedule side knows them from the handoff)."""
+        self.kv_committed_lens[to_device(indices, self.device)] = to_device(kv_committed_lens, self.device, torch.int64)
 
-    def publish_seq_lens(self, indices: torch.Tensor, seq_lens: torch.Tensor, fence: PublishReady) -> None:
-        """Write new seq_lens, then set `fence` (the publish_ready armed for this step at submit).
-        Runs as work on the stream the fence was armed for."""
-        self._write("new_seq_lens", indices, seq_lens.to(torch.int64))
+    def publish_kv_committed_lens(
+        self, indices: torch.Tensor, kv_committed_lens: torch.Tensor, fence: PublishReady
+    ) -> None:
+        """Write the new committed lengths, then set `fence` (the publish_ready armed for this step at
+        submit). Runs as work on the stream the fence was armed for."""
+        self._write("kv_committed_lens", indices, kv_committed_lens.to(torch.int64))
         fence.set_here()
 
     def reset_rows(self, indices: torch.Tensor) -> None:
@@ -91,15 +94,15 @@ class FutureMap:
         self.publish_ready = PublishReady(self._make_event(), self.publish_ready, stream)
         return self.publish_ready
 
-    def resolve_seq_lens_cpu(self, indices: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
-        """Wait for the armed step's publish, then copy its seq_lens for `indices` to the host.
+    def resolve_kv_committed_lens_cpu(self, indices: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
+        """Wait for the armed step's publish, then copy its committed lengths for `indices` to the host.
         Raises StreamFailed (never hangs) if the stream failed before the publish ran."""
         if self.publish_ready is None:
-            raise RuntimeError("resolve_seq_lens_cpu before any step armed publish_ready")
+            raise RuntimeError("resolve_kv_committed_lens_cpu before any step armed publish_ready")
         self.publish_ready.synchronize(timeout)
-        values = self.new_seq_lens[indices.to(self.device)].cpu()
+        values = self.kv_committed_lens[indices.to(self.device)].cpu()
         if self.debug and not bool((values > 0).all()):
-            raise ConsumeOnceError(f"resolved seq_lens not positive: {values.tolist()}")
+            raise ConsumeOnceError(f"resolved kv_committed_lens not positive: {values.tolist()}")
         return values
 
     # --- internals -----------------------------------------------------------------------------

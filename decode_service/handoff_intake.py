@@ -18,7 +18,7 @@ from common.engine.handoff import check_token
 from common.engine.streams import StreamFailed
 from decode_service.inbox import FirstTokenArrived, HandoffArrived, HandoffFailed, KvChunkArrived
 from decode_service.req import ReqState
-from decode_service.step import InvariantError
+from decode_service.scheduler_types import InvariantError
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,13 @@ def bad_reply(rid: str, e: Exception) -> str:
 
 
 class HandoffIntake:
-    """Reads and writes the scheduler's `awaiting_handoff`, `prebuilt`, `worker`, `info`, `spec`,
-    `abort_waits_for_prefill` and its `_finish`, `_release`, `_emit`, `_finish_reason`."""
+    """Reads and writes the scheduler's `reqs` (the request table), `prebuilt`, `worker`, `info`,
+    `spec`, `abort_waits_for_prefill` and its `_finish`, `_release`, `_emit`, `_finish_reason`."""
+
+    def _awaiting(self, rid: str):
+        """The request `rid` if it awaits its handoff (None once it moved on, or was freed)."""
+        req = self.reqs.get(rid)
+        return req if req is not None and req.state == ReqState.AWAITING_HANDOFF else None
 
     def _apply_reply(self, handler, msg) -> None:
         """Run `handler(msg)` for a prefill reply; a failure is the request's, not the scheduler's."""
@@ -46,7 +51,7 @@ class HandoffIntake:
             self._fail_reply(msg.rid, bad_reply(msg.rid, e), isinstance(msg, (HandoffArrived, HandoffFailed)))
 
     def _on_first_token(self, msg: FirstTokenArrived) -> None:
-        req = self.awaiting_handoff.get(msg.rid)
+        req = self._awaiting(msg.rid)
         if req is None or req.finished or msg.position != len(req.output_ids):
             return  # gone (or aborted), or a retry's resend of a token already streamed
         if req.output_ids and self._finish_reason(req) is not None:
@@ -56,7 +61,7 @@ class HandoffIntake:
         self._emit(req, [msg.token], None)
 
     def _on_kv_chunk(self, msg: KvChunkArrived) -> None:
-        req = self.awaiting_handoff.get(msg.rid)
+        req = self._awaiting(msg.rid)
         if req is None or req.finished:  # gone: drop it, but open the sender's window all the same
             if msg.done is not None:
                 msg.done()
@@ -66,11 +71,10 @@ class HandoffIntake:
 
     def _on_handoff(self, msg: HandoffArrived) -> None:
         handoff = msg.handoff
-        req = self.awaiting_handoff.get(handoff.rid)
+        req = self._awaiting(handoff.rid)
         if req is None:
             return  # aborted or failed meanwhile: its reservation is already freed
         if req.finished:  # aborted while its KV was being written: now nothing writes there any more
-            del self.awaiting_handoff[handoff.rid]
             self._release(req)
             return
         # a ValueError here (a malformed record) is this request's: _fail_reply frees it
@@ -80,13 +84,12 @@ class HandoffIntake:
         if self.spec:
             handoff.check_draft(self.info.hidden_size, self.info.vocab_size)
         handoff.check_continues(req.prompt_ids, req.output_ids)
-        del self.awaiting_handoff[handoff.rid]
         req.handoff = handoff
         req.state = ReqState.PREBUILT
         self.prebuilt.append(req)
 
     def _on_handoff_failed(self, msg: HandoffFailed) -> None:
-        req = self.awaiting_handoff.pop(msg.rid, None)
+        req = self._awaiting(msg.rid)
         if req is not None and req.finished:  # aborted earlier; its prefill has ended now
             self._release(req)
         elif req is not None:
@@ -96,11 +99,10 @@ class HandoffIntake:
         """A prefill reply for `rid` was bad: the request ends with an error, once. Its slots are freed
         now, or, while a transfer engine may still write into them, at the prefill's last word on it
         (its handoff or failure: `last_word` says this reply was that)."""
-        req = self.awaiting_handoff.get(rid)
+        req = self._awaiting(rid)
         if req is None:
             return  # gone meanwhile: already freed
         if last_word or not self.abort_waits_for_prefill:
-            del self.awaiting_handoff[rid]
             if req.finished:
                 self._release(req)
             else:

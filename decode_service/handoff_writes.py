@@ -56,7 +56,7 @@ def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, laye
 
 def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
     """Map the row, write KV carried in the record (target, and the head's with EAGLE), and seed the
-    FutureMap row: the first token, and with EAGLE the draft seed and the seq_lens (prompt length)."""
+    FutureMap row: the first token, and with EAGLE the draft seed and the committed length (the prompt's)."""
     runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
     loc = to_device(kv_slots[: handoff.prompt_len], runner.device)
     if handoff.k is not None:
@@ -72,7 +72,7 @@ def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handof
             to_device(handoff.draft_topk_ids[:1], fm.device),
             to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype),
         )
-        fm.seed_seq_lens(dev_row, torch.tensor([handoff.prompt_len]))  # seed_seq_lens moves it
+        fm.seed_kv_committed_lens(dev_row, torch.tensor([handoff.prompt_len]))  # a host value: the seed moves it
 
 
 def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None:

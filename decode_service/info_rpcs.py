@@ -19,6 +19,11 @@ from decode_service.tokenizer_archive import chunks as archive_chunks
 from decode_service.tokenizer_archive import tokenizer_zip
 
 
+def load_counts(sched) -> tuple[int, int]:
+    """(running, waiting): waiting counts the admission queue and requests awaiting their handoff."""
+    return sched.load_counts()
+
+
 class InfoRpcs:
     async def GetModelInfo(self, request, context):
         cfg = self.model_config
@@ -74,9 +79,7 @@ class InfoRpcs:
         )
 
     def load_counts(self) -> tuple[int, int]:
-        """(running, waiting): waiting counts the admission queue and requests awaiting their handoff."""
-        sched = self.scheduler
-        return len(sched.running), len(sched.waiting) + len(sched.awaiting_handoff) + len(sched.prebuilt)
+        return load_counts(self.scheduler)
 
     async def GetLoads(self, request, context):
         kv = self.runner.kv_allocator

@@ -13,11 +13,15 @@ from decode_service.output import OutputCallback
 
 
 class ReqState(enum.Enum):
+    """Where a request stands in the scheduler. Finishing is not a state: a request is `finished` once
+    it has a finish_reason, which an aborted request awaiting its handoff may have long before it is
+    RELEASED (a transfer engine may still write into its slots)."""
+
     WAITING = "waiting"  # admission queue: nothing reserved yet
     AWAITING_HANDOFF = "awaiting"  # slot + KV reserved, prefill in flight
     PREBUILT = "prebuilt"  # handoff received, joins the next prebuilt batch
     RUNNING = "running"  # in the running batch
-    FINISHED = "finished"  # released (slot and KV freed exactly once)
+    RELEASED = "released"  # slot and KV freed (exactly once); out of the scheduler's table
 
 
 @dataclass
@@ -51,4 +55,5 @@ class DecodeReq:
 
     @property
     def finished(self) -> bool:
+        """The request has its finish_reason (SGLang's Req.finished()); its slots may still be held."""
         return self.finish_reason is not None

@@ -10,7 +10,7 @@ Life of a request (queues named as in the code):
      anything is queued), then posted to the `inbox`; the loop moves it to `waiting` (admission).
   2. admission: in order, reserve a request slot and KV slots for prompt + max_new_tokens; a request
      that does not fit waits, and so does everyone behind it; nothing is half-admitted. Reserved
-     requests go to `awaiting_handoff` and `prefill_fn(HandoffRequest)` is called.
+     requests await their handoff (state AWAITING_HANDOFF) and `prefill_fn(HandoffRequest)` is called.
   3. the prefill side delivers to the inbox (first token, KV chunks written into the reserved slots
      as they arrive, then the handoff); the loop checks the handoff and queues it on `prebuilt`.
      A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
@@ -18,19 +18,21 @@ Life of a request (queues named as in the code):
      with it, or any exception while handling it, is that request's error, never the scheduler's.
   4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
      maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token (and
-     with EAGLE the draft seed and seq_lens; `worker.write_prebuilt`); the first token is streamed;
-     seq_lens = prompt length; the batch merges into the running batch.
+     with EAGLE the draft seed and committed length; `worker.write_prebuilt`); the first token is
+     streamed; kv_committed_lens = prompt length; the batch merges into `running_batch`.
   5. overlap loop: build step N+1 (drop finished requests, merge prebuilt), hand it to the worker
-     as a frozen WorkerBatch (a plain step, or with EAGLE a chain or tree step), bump seq_lens, and
-     only then process step N's results: append tokens, stream, finish (EOS unless ignore_eos,
-     stop_token_ids, max_new_tokens) and release. A request finished at N still rides in N+1; its
-     result is skipped, never released twice. With EAGLE a step commits accept_len tokens per request
-     and seq_lens are not bumped: the next build resolves them from the step's publish
-     (`worker.resolve_seq_lens_cpu`, FutureMap invariant 3).
+     as a frozen WorkerBatch (a plain step, or with EAGLE a chain or tree step), bump
+     kv_committed_lens, and only then process step N's results: append tokens, stream, finish (EOS
+     unless ignore_eos, stop_token_ids, max_new_tokens) and release. A request finished at N still
+     rides in N+1; its result is skipped, never released twice. With EAGLE a step commits accept_len
+     tokens per request and kv_committed_lens are not bumped: the next build resolves them from the
+     step's publish (`worker.resolve_kv_committed_lens_cpu`, FutureMap invariant 3).
   6. release: free KV slots and the request slot exactly once. Every device write the scheduler
      asks for (KV, req_to_token, FutureMap) is worker stream work, so slot reuse is ordered after
      in-flight reads (invariant 7).
-  7. abort(): in `waiting`, `awaiting_handoff`, `prebuilt` or running; finish_reason "abort".
+  7. abort(): waiting, awaiting its handoff, prebuilt or running; finish_reason "abort".
+A request is `finished` once it has a finish_reason (the client has heard its end) and RELEASED once
+its slots are freed; with a transfer engine an aborted request may be finished yet still hold them.
 Results leave through each request's `on_output` as RequestOutput records (output.py): the new ids
 of a step, and with the last one a Finish carrying everything the front door reports about the end.
 `overlap=False` runs the same steps, processing each step's results right after its launch.
@@ -53,7 +55,7 @@ from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, Hando
 from decode_service.output import Finish, OutputCallback, RequestOutput
 from decode_service.req import DecodeReq, ReqState
 from decode_service.schedule_batch import ScheduleBatch
-from decode_service.step import InvariantError, LaunchedStep, SpecStats
+from decode_service.scheduler_types import InvariantError, LaunchedStep, SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +87,15 @@ class DecodeScheduler(HandoffIntake):
         self.spec = worker.info.spec
         self._extra = self.spec.extra_slots if self.spec else 0  # KV a request may write past its reservation
         self.spec_stats = SpecStats()
-        self.waiting: deque[DecodeReq] = deque()
-        self.awaiting_handoff: dict[str, DecodeReq] = {}
-        self.prebuilt: list[DecodeReq] = []
-        self.running = ScheduleBatch.empty(self.info.device)
-        self.last_launched: LaunchedStep | None = None
+        # The one table of requests, by rid, from Submit to release; where each stands is its `state`.
+        # Beside it only what carries order: `waiting` (admission, first come first served),
+        # `prebuilt` (the next prebuilt batch, in handoff order) and `running_batch` (the lanes and
+        # their device tensors). `check_integrity` checks that the queues agree with the states.
         self.reqs: dict[str, DecodeReq] = {}
+        self.waiting: deque[DecodeReq] = deque()
+        self.prebuilt: list[DecodeReq] = []
+        self.running_batch = ScheduleBatch.empty(self.info.device)
+        self.last_launched: LaunchedStep | None = None
         self.step_count = 0
         self.fatal_error: Exception | None = None
         self._handlers = {
@@ -148,7 +153,7 @@ class DecodeScheduler(HandoffIntake):
                 self.process_input_requests()
                 for req in [r for r in self.reqs.values() if not r.finished]:
                     self._abort(req)
-                for req in [r for r in self.awaiting_handoff.values() if r.finished]:  # aborted, still held
+                for req in self.reqs_in(ReqState.AWAITING_HANDOFF):  # aborted, its slots still held
                     self._release(req)
         self.worker.close()
 
@@ -176,21 +181,30 @@ class DecodeScheduler(HandoffIntake):
     @property
     def idle(self) -> bool:
         with self._step_lock:
-            queued = self.waiting or self.awaiting_handoff or self.prebuilt
-            return self.inbox.empty() and not queued and not len(self.running) and self.last_launched is None
+            busy = self.reqs or len(self.running_batch) or self.last_launched is not None
+            return self.inbox.empty() and not busy
+
+    def reqs_in(self, state: ReqState) -> list[DecodeReq]:
+        """The table's requests in `state`, in submission order."""
+        return [r for r in list(self.reqs.values()) if r.state == state]
+
+    def load_counts(self) -> tuple[int, int]:
+        """(running lanes, live requests not decoding yet), read from any thread without the step lock
+        (`list()` copies the table's values in one call)."""
+        return len(self.running_batch), sum(r.state != ReqState.RUNNING for r in list(self.reqs.values()))
 
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to do."""
         self.process_input_requests()
         self.pop_preallocated()
-        running = self.running.filter_unfinished()
+        running = self.running_batch.filter_unfinished()
         if self.spec and len(running):  # EAGLE: lengths come from the last step's publish (invariant 3)
-            running.set_seq_lens(self.worker.resolve_seq_lens_cpu(running.req_pool_indices))
+            running.set_kv_committed_lens(self.worker.resolve_kv_committed_lens_cpu(running.req_pool_indices))
         batch = running.merge(self.get_new_prebuilt_batch())
         launched = self.run_batch(batch) if len(batch) else None
         if launched is not None and not self.spec:
             batch.bump()
-        self.running = batch
+        self.running_batch = batch
         done = launched
         if self.overlap:  # results lag one step: process the previous launch's
             done = self.last_launched
@@ -227,7 +241,6 @@ class DecodeScheduler(HandoffIntake):
             if self.metrics is not None:
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
             req.state = ReqState.AWAITING_HANDOFF
-            self.awaiting_handoff[req.rid] = req
             self.prefill_fn(
                 HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed, kv_slots=req.kv_slots, trace=req.trace)
             )
@@ -236,7 +249,7 @@ class DecodeScheduler(HandoffIntake):
         """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
         reqs = self.prebuilt
         self.prebuilt = []
-        live, kv_lens = [], []
+        live, committed = [], []
         for req in reqs:
             handoff = req.handoff
             req.handoff = None
@@ -259,10 +272,10 @@ class DecodeScheduler(HandoffIntake):
             if reason is None:
                 req.state = ReqState.RUNNING
                 live.append(req)
-                kv_lens.append(handoff.prompt_len)
+                committed.append(handoff.prompt_len)
             else:
                 self._finish(req, reason, emit=False)
-        return ScheduleBatch.prebuilt(live, kv_lens, self.info.device)
+        return ScheduleBatch.prebuilt(live, committed, self.info.device)
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedStep:
         """Freeze the step's inputs into a WorkerBatch and hand it to the worker (returns at once)."""
@@ -270,14 +283,16 @@ class DecodeScheduler(HandoffIntake):
         spec_steps = self.spec.num_steps if self.spec else 0
         worker_batch = batch.get_worker_batch(self.step_count, spec_steps, self.info.vocab_size)
         result = self.worker.run_batch(worker_batch)
-        return LaunchedStep(list(batch.reqs), result, batch.seq_lens, batch.seq_lens._version)
+        return LaunchedStep(list(batch.reqs), result, batch.kv_committed_lens, batch.kv_committed_lens._version)
 
     def process_batch_result(self, launched: LaunchedStep) -> None:
         """Step N's results: wait until they are ready, then append/stream/finish."""
         result = launched.result
         self.worker.wait(result)  # raises if the forward failed (its fence never comes)
-        if launched.seq_lens._version != launched.seq_lens_version:
-            raise InvariantError(f"step {result.step}: seq_lens was modified in place while its forward could read it")
+        if launched.kv_committed_lens._version != launched.kv_committed_lens_version:
+            raise InvariantError(
+                f"step {result.step}: kv_committed_lens was modified in place while its forward could read it"
+            )
         tokens = result.tokens_cpu.tolist()
         accepted = result.accepted_cpu.tolist() if result.accepted_cpu is not None else [0] * len(tokens)
         for req, row, n in zip(launched.reqs, tokens, accepted):
@@ -323,8 +338,6 @@ class DecodeScheduler(HandoffIntake):
             req.finish_reason = "abort"  # the client hears it now; the slots wait for the prefill's end
             self._emit(req, [], "abort")
             return
-        elif req.state == ReqState.AWAITING_HANDOFF:
-            self.awaiting_handoff.pop(req.rid, None)
         elif req.state == ReqState.PREBUILT:
             self.prebuilt.remove(req)
             req.handoff = None
@@ -341,7 +354,7 @@ class DecodeScheduler(HandoffIntake):
         self._release(req)
 
     def _release(self, req: DecodeReq) -> None:
-        if req.state == ReqState.FINISHED:
+        if req.state == ReqState.RELEASED:
             raise InvariantError(f"request {req.rid} released twice")
         if req.kv_slots is not None:
             self.worker.kv_allocator.free(req.kv_slots)
@@ -349,7 +362,7 @@ class DecodeScheduler(HandoffIntake):
             self.worker.release_row(req.req_pool_idx)
             req.kv_slots = None
             req.req_pool_idx = 0
-        req.state = ReqState.FINISHED
+        req.state = ReqState.RELEASED
         self.reqs.pop(req.rid, None)
 
     def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None) -> None:
@@ -376,8 +389,12 @@ class DecodeScheduler(HandoffIntake):
 
     # ---- checks -------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Pools balance and every used slot is held by exactly one live request (between steps)."""
+        """Pools balance, every used slot is held by exactly one live request, and the queues agree
+        with the table (between steps)."""
         with self._step_lock:
+            for queue, state in ((self.waiting, ReqState.WAITING), (self.prebuilt, ReqState.PREBUILT)):
+                if sorted(r.rid for r in queue) != sorted(r.rid for r in self.reqs_in(state)):
+                    raise InvariantError(f"the {state.value} queue disagrees with the request table")
             live = [r for r in self.reqs.values() if r.kv_slots is not None]
             self.worker.kv_allocator.check_integrity(holders=[r.kv_slots for r in live])
             self.worker.req_to_token_pool.allocator.check_integrity(holders=[[r.req_pool_idx] for r in live])

@@ -4,14 +4,14 @@ other ranks, which run the same work on their part of the model (common/parallel
 Lifecycle (decode service with --tp-size N):
   1. every rank loads its shard and warms up (the warm-up's collectives pair up across ranks);
   2. rank 0 serves gRPC and runs the scheduler with a TPDecodeWorker; ranks 1..N-1 run `follow`;
-  3. each stream item on rank 0 first scatters a message to the ranks (in stream order, so all ranks
-     run the same forwards in the same order), then runs the same message itself:
-       ("forward", batch)   a decode or EAGLE step; every rank gathers the full logits and samples
+  3. each stream item on rank 0 first scatters a message of tp_messages.py to the ranks (in stream
+     order, so all ranks run the same forwards in the same order), then runs the same message itself:
+       Forward(batch)       a decode or EAGLE step; every rank gathers the full logits and samples
                             the same tokens, so each rank's FutureMap stays identical;
-       ("kv", ...)          a handed-over KV chunk, cut to the KV heads that rank holds;
-       ("prebuilt", ...)    a handoff's row, KV (cut the same way) and FutureMap seeds;
-       ("release", row)     a released row's guard cleared;
-       ("stop",)            the followers return;
+       WriteKvChunk(...)    a handed-over KV chunk, cut to the KV heads that rank holds;
+       WritePrebuilt(...)   a handoff's row, KV (cut the same way) and FutureMap seeds;
+       ReleaseRow(row)      a released row's guard cleared;
+       Stop()               the followers return;
   4. a rank that dies fails the next collective on the others (gloo: the peer's socket closes), so
      rank 0's stream fails, health turns NOT_SERVING and calls end UNAVAILABLE; a follower whose
      rank 0 died exits.
@@ -33,6 +33,7 @@ from common.engine.streams import StreamFailed
 from common.parallel.tp_group import TPGroup
 from common.parallel.tp_shard import kv_heads_of
 from decode_service.handoff_writes import write_kv_chunk, write_prebuilt
+from decode_service.tp_messages import DecodeTPMessage, Forward, ReleaseRow, Stop, WriteKvChunk, WritePrebuilt
 from decode_service.worker import DecodeWorker
 from decode_service.worker_batch import BatchResult, WorkerBatch
 
@@ -47,34 +48,32 @@ def _heads(tensors, heads: range):
     return None if tensors is None else [t[:, heads.start : heads.stop].clone() for t in tensors]
 
 
-def cut_kv_message(message: tuple, config, rank: int, size: int) -> tuple:
+def cut_kv_message(message: DecodeTPMessage, config, rank: int, size: int) -> DecodeTPMessage:
     """The part of a KV-carrying message rank `rank` of `size` receives (target KV heads it holds)."""
     heads = kv_heads_of(config, rank, size)
-    if message[0] == "kv" and not message[-1]:  # target KV (the draft head's is whole on every rank)
-        kind, slots, token_start, layer_start, k, v, draft = message
-        return kind, slots, token_start, layer_start, _heads(k, heads), _heads(v, heads), draft
-    if message[0] == "prebuilt":
-        kind, row, slots, handoff = message
-        return kind, row, slots, dataclasses.replace(handoff, k=_heads(handoff.k, heads), v=_heads(handoff.v, heads))
+    if isinstance(message, WriteKvChunk) and not message.draft:  # the draft head's KV is whole everywhere
+        return dataclasses.replace(message, k=_heads(message.k, heads), v=_heads(message.v, heads))
+    if isinstance(message, WritePrebuilt):
+        handoff = message.handoff
+        cut = dataclasses.replace(handoff, k=_heads(handoff.k, heads), v=_heads(handoff.v, heads))
+        return dataclasses.replace(message, handoff=cut)
     return message
 
 
-def apply(worker: DecodeWorker, message: tuple) -> None:
+def apply(worker: DecodeWorker, message: DecodeTPMessage) -> None:
     """Run one message's work on this rank (rank 0 on its stream, followers in `follow`)."""
-    kind = message[0]
-    if kind == "forward":
-        worker.forward(message[1])
-    elif kind == "kv":
-        _, slots, token_start, layer_start, k, v, draft = message
-        pool = worker.runner.draft.kv_pool if draft and worker.runner.draft is not None else worker.runner.kv_pool
-        write_kv_chunk(pool, slots, token_start, layer_start, k, v)
-    elif kind == "prebuilt":
-        _, row, slots, handoff = message
-        write_prebuilt(worker.runner, worker.future_map, row, slots, handoff)
-    elif kind == "release":
-        worker.future_map.reset_rows(to_device([message[1]], worker.future_map.device, torch.int64))
+    if isinstance(message, Forward):
+        worker.forward(message.batch)
+    elif isinstance(message, WriteKvChunk):
+        draft = message.draft and worker.runner.draft is not None
+        pool = worker.runner.draft.kv_pool if draft else worker.runner.kv_pool
+        write_kv_chunk(pool, message.kv_slots, message.token_start, message.layer_start, message.k, message.v)
+    elif isinstance(message, WritePrebuilt):
+        write_prebuilt(worker.runner, worker.future_map, message.req_pool_idx, message.kv_slots, message.handoff)
+    elif isinstance(message, ReleaseRow):
+        worker.future_map.reset_rows(to_device([message.req_pool_idx], worker.future_map.device, torch.int64))
     else:
-        raise ValueError(f"unknown TP message {kind!r}")
+        raise ValueError(f"unknown TP message {type(message).__name__}")
 
 
 class TPDecodeWorker(DecodeWorker):
@@ -84,7 +83,7 @@ class TPDecodeWorker(DecodeWorker):
         super().__init__(runner, debug)
         self.tp = tp
 
-    def _send(self, message: tuple) -> tuple:
+    def _send(self, message: DecodeTPMessage) -> DecodeTPMessage:
         """Scatter the message (each rank its KV heads) and return rank 0's own part."""
         parts = [cut_kv_message(message, self.runner.config, r, self.tp.size) for r in range(self.tp.size)]
         return self.tp.scatter_object(parts)
@@ -93,21 +92,21 @@ class TPDecodeWorker(DecodeWorker):
         if self.info.spec is not None:
             batch = dataclasses.replace(batch, fence=self.future_map.arm_publish(self.stream))
         shared = dataclasses.replace(batch, fence=None)
-        return self._submit_forward(batch, lambda: self._send(("forward", shared)))
+        return self._submit_forward(batch, lambda: self._send(Forward(shared)))
 
     def write_kv_chunk(self, kv_slots, token_start, layer_start, k, v, draft=False, done=None) -> None:
         def work():
-            apply(self, self._send(("kv", kv_slots, token_start, layer_start, k, v, draft)))
+            apply(self, self._send(WriteKvChunk(kv_slots, token_start, layer_start, k, v, draft)))
             if done is not None:
                 done()
 
         self.stream.submit(work)
 
     def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
-        self.stream.submit(lambda: apply(self, self._send(("prebuilt", req_pool_idx, kv_slots, handoff))))
+        self.stream.submit(lambda: apply(self, self._send(WritePrebuilt(req_pool_idx, kv_slots, handoff))))
 
     def release_row(self, req_pool_idx: int) -> None:
-        self.stream.submit(lambda: apply(self, self._send(("release", req_pool_idx))))
+        self.stream.submit(lambda: apply(self, self._send(ReleaseRow(req_pool_idx))))
 
     def fail(self, reason: str) -> None:
         """A rank died: the stream fails with `reason` (its next item raises), so does every later step."""
@@ -123,7 +122,7 @@ class TPDecodeWorker(DecodeWorker):
 
     def close(self) -> None:
         try:
-            self.stream.submit(lambda: self._send(("stop",)))
+            self.stream.submit(lambda: self._send(Stop()))
             self.stream.synchronize(timeout=10)
         except Exception as e:  # noqa: BLE001 (a follower already gone: nothing to stop)
             log.warning("TP followers not stopped cleanly: %s", e)
@@ -145,11 +144,7 @@ def follower_main(config, tp: TPGroup) -> None:
 
 def follow(worker: DecodeWorker, tp: TPGroup) -> None:
     """A follower rank: run rank 0's messages until it says stop (or dies: the collective raises)."""
-    while True:
-        message = tp.scatter_object(None)
-        if message[0] == "stop":
-            return
-        if message[0] == "forward" and worker.info.spec is not None:  # this rank's own publish fence
-            batch = dataclasses.replace(message[1], fence=worker.future_map.arm_publish(worker.stream))
-            message = ("forward", batch)
+    while not isinstance(message := tp.scatter_object(None), Stop):
+        if isinstance(message, Forward) and worker.info.spec is not None:  # this rank's own publish fence
+            message = Forward(dataclasses.replace(message.batch, fence=worker.future_map.arm_publish(worker.stream)))
         apply(worker, message)

@@ -7,7 +7,7 @@ asks of the device goes through these methods, so a fake worker (tests/fake_work
 real scheduler with no model:
   - `run_batch(WorkerBatch) -> BatchResult`: arm the step's publish fence (EAGLE), submit the
     forward to the stream, return at once; `wait(result)` blocks until its host copies are ready;
-  - `resolve_seq_lens_cpu(indices)`: EAGLE's published lengths of the last step (invariant 3);
+  - `resolve_kv_committed_lens_cpu(indices)`: EAGLE's published lengths of the last step (invariant 3);
   - `write_kv_chunk`, `write_prebuilt`, `release_row`: stream work that lands a handoff or clears a
     released row, ordered after every forward that could still read those slots (invariant 7).
 On the stream, `forward(batch)` runs a plain decode step or an EAGLE step (draft, `propose`, verify);
@@ -88,8 +88,8 @@ class DecodeWorker:
         """Block until `result`'s host copies are ready; raises if the stream failed first."""
         wait_event(result.results_ready, self.stream)
 
-    def resolve_seq_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.future_map.resolve_seq_lens_cpu(indices)
+    def resolve_kv_committed_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.future_map.resolve_kv_committed_lens_cpu(indices)
 
     def write_kv_chunk(
         self,

@@ -35,10 +35,13 @@ class WorkerBatch:
     step: int
     req_pool_indices: torch.Tensor  # [B] int64 on the device: the FutureMap rows (invariant 1)
     req_pool_indices_cpu: list[int]
-    seq_lens: torch.Tensor  # [B] int64 on the device: committed KV lengths (the ScheduleBatch mirror)
-    seq_lens_cpu: list[int]
+    # [B] int64 on the device: each request's tokens whose KV is committed, before this step's pending
+    # token (SGLang's Req.kv_committed_len; the ScheduleBatch mirror). The ForwardBatch's `seq_lens` is
+    # the KV length after the forward instead.
+    kv_committed_lens: torch.Tensor
+    kv_committed_lens_cpu: list[int]
     sampling: SamplingBatch
-    positions: list[int]  # plain decode: the output index each lane samples (random draws, min_new_tokens)
+    output_indices: list[int]  # plain decode: the output index each lane samples (random draws, min_new_tokens)
     lanes: tuple[Lane, ...]
     draws: SpecDraws | None = None  # EAGLE: the lanes with temperature > 0 and their uniforms
     fence: object = None  # EAGLE: this step's publish_ready, armed by the worker at submit (invariant 3)

@@ -1,4 +1,6 @@
-"""python -m prefill_service --model-path DIR [--host 127.0.0.1 --port 30001 ...]"""
+"""python -m prefill_service --model-path DIR [--host 127.0.0.1 --port 30001 ...]
+
+`main(argv, hooks)` is also the entry point of drills (bench/drill_prefill.py), with test hooks."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ omp_spin.set_default("prefill")  # before anything below imports torch (and so l
 
 from common.wire.grpc_server import wait_for_shutdown_signal
 from prefill_service.config import parse_args
+from prefill_service.hooks import PrefillHooks
 from prefill_service.server import PrefillService
 
 
-def main(argv=None) -> None:
+def main(argv=None, hooks: PrefillHooks | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
     config = parse_args(argv)
-    service = PrefillService(config).start()
+    service = PrefillService(config, hooks=hooks).start()
     logging.info("prefill service serving %s on %s", config.model_path, service.address)
     wait_for_shutdown_signal()
     logging.info("prefill service stopping")

@@ -1,7 +1,7 @@
 """Prefill service configuration: every flag and its default, declared once (sized for a small CPU machine).
 
-The shared groups (common/service_config.py) and prefill's own: the scheduler, the Prefill calls
-and the test hooks."""
+The shared groups (common/service_config.py) and prefill's own: the scheduler and the Prefill calls.
+Test hooks (delays, injected faults) are no flags: tests hand PrefillService a hooks object (hooks.py)."""
 
 from __future__ import annotations
 
@@ -38,22 +38,7 @@ class PrefillCallFlags(FlagGroup, title="prefill calls"):
 
 
 @dataclass(kw_only=True)
-class TestHooks(FlagGroup, title="test hooks"):
-    """Faults and delays for tests and drills."""
-
-    __test__ = False  # not a pytest test class
-
-    inject_faults: str | None = flag(
-        None,
-        "tests and drills: break or stall a fraction of handoffs, e.g. fail=0.05,stall=0.02[,seed=1] (default off)",
-        type=str,
-    )
-    test_step_delay_s: float = flag(0.0, "test-only: sleep after each engine step", hidden=True)
-    test_kv_chunk_delay_s: float = flag(0.0, "test-only: sleep before each KV chunk", hidden=True)
-
-
-@dataclass(kw_only=True)
-class PrefillConfig(ServiceConfig, PrefillSchedulerFlags, PrefillCallFlags, TestHooks):
+class PrefillConfig(ServiceConfig, PrefillSchedulerFlags, PrefillCallFlags):
     port: int = flag(30001, "port to bind (0 = any free port)")
     max_total_tokens: int = flag(8192, "KV slots of the prefill pool")
     max_running_requests: int = flag(16, "prompts prefilled together at most")

@@ -1,10 +1,12 @@
-"""Handoff fault injection for tests and drills (off by default): `--inject-faults fail=0.05,stall=0.02`.
+"""Handoff fault injection for tests and drills: hooks (hooks.py) that break or stall a share of handoffs.
 
+`FaultInjector(FaultPlan.parse("fail=0.05,stall=0.02[,seed=1]"))`, handed to
+`PrefillService(config, hooks=...)` (bench/drill_prefill.py: `--inject-faults` on a command line).
 Each Prefill call draws once: with probability `fail` its stream breaks with INTERNAL after the
 first token and one KV chunk; with probability `stall` it stops sending after the first KV chunk
 and holds the call open (until the caller gives up or cancels), like a wedged peer. Both land after
 decode has started writing the reserved slots, the hardest place for cleanup. `seed` makes the
-draws reproducible.
+draws reproducible. The injector is also a Delays, so a drill can slow its replica down as well.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import random
 import threading
 from dataclasses import dataclass
 
-STALL_MAX_S = 600.0  # a stalled call ends by itself after this long at the latest
+from prefill_service.hooks import FAIL, STALL, Delays
 
 
 @dataclass(frozen=True)
@@ -45,20 +47,23 @@ class FaultPlan:
         return self.fail > 0 or self.stall > 0
 
 
-class FaultInjector:
-    def __init__(self, plan: FaultPlan):
+class FaultInjector(Delays):
+    """Draws each call's fault from `plan`; `injected` counts them by kind. `step_s` and
+    `kv_message_s`: as Delays."""
+
+    def __init__(self, plan: FaultPlan, step_s: float = 0.0, kv_message_s: float = 0.0):
+        super().__init__(step_s, kv_message_s)
         self.plan = plan
         self._rng = random.Random(plan.seed)
         self._lock = threading.Lock()
-        self.injected = {"fail": 0, "stall": 0}
+        self.injected = {FAIL: 0, STALL: 0}
 
-    def draw(self) -> str | None:
-        """None (a healthy call), "fail" or "stall"."""
+    def draw_fault(self) -> str | None:
         if not self.plan.active:
             return None
         with self._lock:
             x = self._rng.random()
-            fault = "fail" if x < self.plan.fail else "stall" if x < self.plan.fail + self.plan.stall else None
+            fault = FAIL if x < self.plan.fail else STALL if x < self.plan.fail + self.plan.stall else None
             if fault:
                 self.injected[fault] += 1
         return fault

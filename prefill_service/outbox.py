@@ -1,11 +1,11 @@
-"""The Outbox: one Prefill call's KV messages handed to the server's transfer threads one at a time.
+"""The Outbox: one Prefill call's KV messages handed to the transfer threads one at a time.
 
 The KV sender (common/kv_transfer/sender.py) makes a call's messages lazily, and each may block
-(copies, encoding, writes into decode's slots), so the server takes them on a small pool of threads,
-one `take` (one executor call) per message. Each take also makes the message after the one it
-returns, so the take that returns the last message knows it and encodes the record's draft seed
-too: a request's record never waits behind other requests' chunks in the pool's queue, as a
-separate call for the end (or the seed) would.
+(copies, encoding, writes into decode's slots), so the handoff stream (handoff_stream.py) takes them
+on a small pool of threads, one `take` (one executor call) per message. Each take also makes the
+message after the one it returns, so the take that returns the last message knows it and encodes the
+record's draft seed too: a request's record never waits behind other requests' chunks in the pool's
+queue, as a separate call for the end (or the seed) would.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """What a Prefill request may ask of this replica's work, checked before any is done (issue 37).
 
+`parse(request, ...)` turns a PrefillRequest into the scheduler's HandoffRequest: first the bounds
+below (before any copy), then the prompt and sampling rules every request meets
+(common/request_rules.py, against one sampled token), then `first_output_position` < prompt length.
+
 - `max_chunk_bytes`: 0 (the server's flag) or within [MIN_REQUEST_CHUNK_BYTES, MAX_CHUNK_BYTES]
   (common/wire/kv_chunks.py `chunk_bound`); outside it is refused, not clamped: decode never sends
   one, so any other value is a caller to tell, and a tiny one would cost a chunk per token and layer.
@@ -11,10 +15,37 @@ Every violation is a ValueError naming the field (the server answers INVALID_ARG
 
 from __future__ import annotations
 
+from common.engine.handoff import HandoffRequest
+from common.engine.sampling import SamplingParams
 from common.models.config import ModelConfig
 from common.parallel.tp_shard import check_divisible, kv_heads_of
+from common.request_rules import stop_token_ids, validate_prompt
 from common.wire import kv_chunks
 from common.wire.proto_gen import prefill_pb2
+
+
+def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner) -> HandoffRequest:
+    """The request as a HandoffRequest for `runner`'s model and pool; ValueError naming what is wrong."""
+    check(request, default_chunk_bytes, runner.config)  # before any copy
+    sp = request.sampling_params
+    # prefill samples one token: validate against that, whatever the request's decode budget is
+    params = SamplingParams(
+        max_new_tokens=1,
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p or 1.0,
+        min_p=sp.min_p,
+        seed=sp.seed,
+        stop_token_ids=stop_token_ids(sp.stop_token_ids),
+    )
+    prompt = list(request.input_ids)
+    validate_prompt(
+        prompt, params, runner.config.vocab_size, runner.context_length, kv_capacity=runner.kv_allocator.size
+    )
+    if request.first_output_position >= len(prompt):
+        raise ValueError("first_output_position must be < len(input_ids)")
+    params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
+    return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
 
 
 def check(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, cfg: ModelConfig) -> None:

@@ -24,7 +24,9 @@ Life of a call (queues named as in the code):
 Every call gets exactly one answer, `call.on_answer(Handoff | Exception)`, called on the loop's
 thread (or on the thread calling submit or stop); an answer must not block.
 With debug_checks the pools' integrity is checked whenever no call is running (every slot free).
-This module runs without gRPC: the server (server.py) translates RPCs into calls.
+`hooks` (tests, drills: hooks.py): `hooks.after_step()` runs after each engine step; None in production.
+This module runs without gRPC: the server (server.py) translates RPCs into calls; in one process
+(tests, benchmarks) InProcessPrefill (inprocess.py) submits them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
 from prefill_service.engine import PrefillEngine
+from prefill_service.hooks import PrefillHooks
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +89,16 @@ class PrefillScheduler:
         engine: PrefillEngine,
         max_running_requests: int,
         debug_checks: bool = False,
-        test_step_delay_s: float = 0.0,
         on_fatal: Callable[[BaseException], None] | None = None,
         max_pending: int | None = None,
+        hooks: PrefillHooks | None = None,
     ):
         """`max_pending`: calls not answered yet at most (None: no bound)."""
         self.engine = engine
         self.max_running_requests = max_running_requests
         self.max_pending = max_pending
         self.debug_checks = debug_checks
-        self.test_step_delay_s = test_step_delay_s
+        self.hooks = hooks
         self.on_fatal = on_fatal
         self.inbox: deque[PrefillCall] = deque()  # submitted, not seen by the loop yet
         self.waiting: deque[PrefillCall] = deque()  # seen, waiting for slots (loop thread only)
@@ -121,9 +124,11 @@ class PrefillScheduler:
         if closed is not None:
             _guarded(call.on_answer, closed, call, "answer")
 
-    def start(self) -> PrefillScheduler:
-        # the process's computing thread: the configured intra-op count (common/engine/intra_op.py)
-        self._thread = threading.Thread(target=intra_op.thread_target(self._run), name="prefill-scheduler", daemon=True)
+    def start(self, threads: int | None = None) -> PrefillScheduler:
+        """Start the loop's thread with `threads` intra-op threads (default: the configured count, as
+        the process's computing thread; 1 beside another computing thread: common/engine/intra_op.py)."""
+        target = intra_op.thread_target(self._run, threads)
+        self._thread = threading.Thread(target=target, name="prefill-scheduler", daemon=True)
         self._thread.start()
         return self
 
@@ -227,8 +232,8 @@ class PrefillScheduler:
             result = PrefillBatchResult(done=self.engine.step(on_first_token=self._first_token))
         except Exception as e:  # every admitted call fails (also any the step finished before it broke)
             result = PrefillBatchResult(error=e)
-        if self.test_step_delay_s:
-            time.sleep(self.test_step_delay_s)
+        if self.hooks is not None:
+            self.hooks.after_step()
         return result
 
     def process_batch_result(self, result: PrefillBatchResult) -> None:

@@ -4,9 +4,9 @@ the model, driven by rank 0's calls, so their forwards (and collectives) pair up
 Lifecycle (prefill service with --tp-size N):
   1. every rank loads its shard and warms up; rank 0 serves gRPC and runs the scheduler with a
      TPPrefillEngine, ranks 1..N-1 run `follow` (started by common/parallel/launch.py);
-  2. each engine call that changes state is broadcast first, then run on rank 0: ("admit",
-     request), ("abort", rid), ("fail_all",), ("step",), ("stop",). The engine's bookkeeping is
-     deterministic, so every rank holds the same slots, rows and radix cache;
+  2. each engine call that changes state is broadcast first, then run on rank 0, as a message of
+     tp_messages.py: Admit(request), Abort(rid), FailAll(), Step(), Stop(). The engine's bookkeeping
+     is deterministic, so every rank holds the same slots, rows and radix cache;
   3. in a step that completes prompts, every rank copies out its KV heads and one all-gather builds
      the whole KV on each (`tp_shard.gather_kv_heads`): rank 0 hands it over as a TP 1 prefill would,
      so a decode service of any TP size takes it (each decode rank keeps its own heads);
@@ -24,6 +24,7 @@ import logging
 from common.engine.handoff import HandoffRequest
 from common.parallel.tp_group import TPGroup
 from prefill_service.engine import PrefillEngine
+from prefill_service.tp_messages import Abort, Admit, FailAll, PrefillTPMessage, Step, Stop
 
 log = logging.getLogger(__name__)
 
@@ -39,34 +40,34 @@ class TPPrefillEngine(PrefillEngine):
     def mark_dead(self, reason: str) -> None:
         self.dead = reason
 
-    def _send(self, *message) -> None:
+    def _send(self, message: PrefillTPMessage) -> None:
         if self.dead is not None:
             raise RuntimeError(self.dead)
         self.tp.broadcast_object(message)
 
     def admit(self, request: HandoffRequest) -> None:
         self.validate(request)  # a refusal stays on rank 0: nothing changed anywhere
-        self._send("admit", request)
+        self._send(Admit(request))
         super().admit(request)
 
     def abort(self, request: HandoffRequest) -> bool:
         if not any(w.request is request for w in self.running):
             return False
-        self._send("abort", request.rid)
+        self._send(Abort(request.rid))
         return super().abort(request)
 
     def fail_all(self) -> list[HandoffRequest]:
         if self.dead is None:
-            self.tp.broadcast_object(("fail_all",))
+            self.tp.broadcast_object(FailAll())
         return super().fail_all()
 
     def step(self, on_first_token=None):
-        self._send("step")
+        self._send(Step())
         return super().step(on_first_token)
 
     def stop_followers(self) -> None:
         try:
-            self._send("stop")
+            self._send(Stop())
         except Exception as e:  # noqa: BLE001 (a follower already gone)
             log.warning("TP followers not stopped cleanly: %s", e)
 
@@ -82,22 +83,20 @@ def follower_main(config, tp: TPGroup) -> None:
 
 def follow(engine: PrefillEngine, tp: TPGroup) -> None:
     """Run rank 0's engine calls until it says stop (or dies: the broadcast raises)."""
-    while True:
-        kind, *args = tp.broadcast_object(None)
-        if kind == "stop":
-            return
+    while not isinstance(message := tp.broadcast_object(None), Stop):
         try:
-            if kind == "admit":
-                engine.admit(args[0])
-            elif kind == "abort":
-                request = next((w.request for w in engine.running if w.request.rid == args[0]), None)
-                if request is not None:
-                    engine.abort(request)
-            elif kind == "fail_all":
-                engine.fail_all()
-            elif kind == "step":
-                engine.step()  # the handoffs are rank 0's to send
-            else:
-                raise ValueError(f"unknown TP message {kind!r}")
+            match message:
+                case Admit(request=request):
+                    engine.admit(request)
+                case Abort(rid=rid):
+                    request = next((w.request for w in engine.running if w.request.rid == rid), None)
+                    if request is not None:
+                        engine.abort(request)
+                case FailAll():
+                    engine.fail_all()
+                case Step():
+                    engine.step()  # the handoffs are rank 0's to send
+                case _:
+                    raise TypeError(f"unknown TP message {message!r:.80}")
         except Exception:  # noqa: BLE001 (rank 0 met the same error and handles it)
-            log.exception("TP follower: %s failed (as on rank 0)", kind)
+            log.exception("TP follower: %s failed (as on rank 0)", type(message).__name__)

@@ -28,8 +28,8 @@ class Hooks:
 
     before_forward: Callable[[int], object] | None = None  # on the stream, before step N's forward
     after_launch: Callable[[int], object] | None = None  # on the scheduler thread, once step N is submitted
-    propose: Callable | None = None  # EAGLE chain: (lanes, seq_lens_cpu, drafts [B, S]) -> drafts to verify
-    propose_tree: Callable | None = None  # EAGLE tree: (lanes, seq_lens_cpu, tokens, parent, depth) -> tokens
+    propose: Callable | None = None  # EAGLE chain: (lanes, committed lengths, drafts [B, S]) -> drafts to verify
+    propose_tree: Callable | None = None  # EAGLE tree: (lanes, committed lengths, tokens, parent, depth) -> tokens
 
 
 class HookedWorker(DecodeWorker):
@@ -53,12 +53,16 @@ class HookedWorker(DecodeWorker):
     def propose(self, batch, chain):
         if self.hooks.propose is None:
             return chain
-        return dataclasses.replace(chain, proposed=self.hooks.propose(batch.lanes, batch.seq_lens_cpu, chain.proposed))
+        return dataclasses.replace(
+            chain, proposed=self.hooks.propose(batch.lanes, batch.kv_committed_lens_cpu, chain.proposed)
+        )
 
     def propose_tree(self, batch, tree):
         if self.hooks.propose_tree is None:
             return tree
-        planted = self.hooks.propose_tree(batch.lanes, batch.seq_lens_cpu, tree.node_tokens, tree.parent, tree.depth)
+        planted = self.hooks.propose_tree(
+            batch.lanes, batch.kv_committed_lens_cpu, tree.node_tokens, tree.parent, tree.depth
+        )
         return dataclasses.replace(tree, node_tokens=planted)
 
 

@@ -3,12 +3,12 @@
 Tokens are a pure function of (request id, output index) (`token_of`, overridable per position), so
 any batching, overlap setting or accept pattern must give each request the same tokens. With EAGLE
 the accepted draft count of each lane comes from `accept(rid, step)`, and the new lengths are
-"published" for `resolve_seq_lens_cpu` exactly as the real worker's FutureMap does.
+"published" for `resolve_kv_committed_lens_cpu` exactly as the real worker's FutureMap does.
 
-The fake checks what the real worker relies on: the device seq_lens mirror the host ones, every lane's
-row was seeded by a prebuilt write and not released since, EAGLE lengths come from the previous
-publish, a step never writes past the request's reserved KV, and each publish is resolved at most
-once. `log` keeps every stream operation in submission order (the real worker's stream runs them in
+The fake checks what the real worker relies on: the device kv_committed_lens mirror the host ones,
+every lane's row was seeded by a prebuilt write and not released since, EAGLE lengths come from the
+previous publish, a step never writes past the request's reserved KV, and each publish is resolved
+at most once. `log` keeps every stream operation in submission order (the real worker's stream runs them in
 that order), so ordering questions (invariant 7) are answered by reading it.
 """
 
@@ -61,8 +61,8 @@ class FakeWorker:
         self.log: list[tuple] = []
         self.fail_at_step: int | None = None
         self._seeded: dict[int, int] = {}  # row -> reserved KV slots, from its prebuilt write to its release
-        self._published: dict[int, int] = {}  # row -> new seq_len not yet resolved (EAGLE)
-        self._committed: dict[int, int] = {}  # row -> the seq_len the next step must start from
+        self._published: dict[int, int] = {}  # row -> new committed length not yet resolved (EAGLE)
+        self._committed: dict[int, int] = {}  # row -> the committed length the next step must start from
         self._prompt_len: dict[int, int] = {}
 
     def token(self, rid: str, index: int) -> int:
@@ -91,11 +91,12 @@ class FakeWorker:
     # ---- the worker interface ----------------------------------------------------------------------
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
         spec = self.info.spec
-        assert batch.seq_lens.tolist() == batch.seq_lens_cpu, "device seq_lens diverged from the host's"
+        committed = batch.kv_committed_lens_cpu
+        assert batch.kv_committed_lens.tolist() == committed, "device kv_committed_lens diverged from the host's"
         assert batch.req_pool_indices.tolist() == batch.req_pool_indices_cpu
         assert len(set(batch.req_pool_indices_cpu)) == len(batch), "a row twice in one batch"
         rows, tokens, accepted = batch.req_pool_indices_cpu, [], []
-        for row, n, lane in zip(rows, batch.seq_lens_cpu, batch.lanes):
+        for row, n, lane in zip(rows, committed, batch.lanes):
             assert row in self._seeded, f"row {row} in a step without a prebuilt write since its release"
             assert n == self._committed[row], f"row {row}: step starts at {n}, committed {self._committed[row]}"
             base = n - lane.prompt_len + 1  # output index of the first token this step commits
@@ -125,7 +126,7 @@ class FakeWorker:
             raise StreamFailed(f"forward stream failed: step {result.step} broke")
         assert result.results_ready.query()
 
-    def resolve_seq_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
+    def resolve_kv_committed_lens_cpu(self, indices: torch.Tensor) -> torch.Tensor:
         rows = indices.tolist()
         missing = [r for r in rows if r not in self._published]
         assert not missing, f"rows {missing} resolved without a publish since their last resolve"
@@ -142,7 +143,7 @@ class FakeWorker:
         self._committed[req_pool_idx] = handoff.prompt_len
         self._prompt_len[req_pool_idx] = handoff.prompt_len
         if self.info.spec:
-            self._published[req_pool_idx] = handoff.prompt_len  # seed_seq_lens
+            self._published[req_pool_idx] = handoff.prompt_len  # seed_kv_committed_lens
         self.log.append(("prebuilt", req_pool_idx))
 
     def release_row(self, req_pool_idx: int) -> None:

@@ -16,6 +16,7 @@ from common.kv_transfer import mooncake
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
+from prefill_service.hooks import PrefillHooks
 from prefill_service.server import PrefillService
 
 
@@ -60,7 +61,8 @@ SHM_DIR = _shm_dir()
 
 
 class GrpcPair:
-    """`transfer`: the KV data plane of both services (--disaggregation-transfer-backend)."""
+    """`transfer`: the KV data plane of both services (--disaggregation-transfer-backend);
+    `prefill_hooks`: the prefill service's test hooks (prefill_service/hooks.py), e.g. Delays."""
 
     def __init__(
         self,
@@ -69,11 +71,13 @@ class GrpcPair:
         prefill_kw: dict | None = None,
         decode_kw: dict | None = None,
         transfer: str = "grpc",
+        prefill_hooks: PrefillHooks | None = None,
     ):
         common = {"disaggregation_transfer_backend": transfer, "disaggregation_shm_dir": SHM_DIR}
         prefill_kw = {**common, **(prefill_kw or {})}  # explicit flags win
         decode_kw = {**common, **(decode_kw or {})}
-        self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, **prefill_kw)).start()
+        config = PrefillConfig(path, port=0, debug_checks=True, **prefill_kw)
+        self.prefill = PrefillService(config, hooks=prefill_hooks).start()
         self.decode = DecodeService(
             DecodeConfig(
                 path,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.engine.sampling import SamplingParams
+from decode_service.req import ReqState
 from tests.decode_harness import ManualPair, Pair
 from tests.oracle import hf_greedy
 
@@ -111,7 +112,8 @@ def test_aborts_in_every_stage(checkpoint, overlap):
     pair.submit("awaiting", prompts[1], params)
     pair.submit("queued", prompts[3], params)
     sched.step()
-    assert [r.rid for r in sched.waiting] == ["queued"] and set(sched.awaiting_handoff) == {"running", "awaiting"}
+    awaiting = {r.rid for r in sched.reqs_in(ReqState.AWAITING_HANDOFF)}
+    assert [r.rid for r in sched.waiting] == ["queued"] and awaiting == {"running", "awaiting"}
     sched.abort("queued")
     sched.abort("awaiting")  # its prefill is still in flight
     sched.step()

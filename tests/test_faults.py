@@ -23,7 +23,7 @@ from common.tools.procs import free_port, wait_serving
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
-from prefill_service.fault_injection import FaultPlan
+from prefill_service.fault_injection import FaultInjector, FaultPlan
 from prefill_service.server import PrefillService
 from tests.grpc_harness import AttemptLog, FirstTokenTap, needs_mooncake
 from tests.oracle import hf_greedy
@@ -72,14 +72,9 @@ def test_fault_plan_parsing():
 
 def test_300_requests_with_injected_faults_and_cancels(checkpoint):
     path = checkpoint("llama")
-    replicas = [
-        PrefillService(
-            PrefillConfig(
-                path, port=0, debug_checks=True, max_chunk_bytes=1024, inject_faults=f"fail=0.05,stall=0.02,seed={i}"
-            )
-        ).start()
-        for i in range(2)
-    ]
+    faults = [FaultInjector(FaultPlan.parse(f"fail=0.05,stall=0.02,seed={i}")) for i in range(2)]
+    config = PrefillConfig(path, port=0, debug_checks=True, max_chunk_bytes=1024)
+    replicas = [PrefillService(config, hooks=hooks).start() for hooks in faults]
     decode = DecodeService(
         DecodeConfig(
             path,
@@ -120,7 +115,7 @@ def test_300_requests_with_injected_faults_and_cancels(checkpoint):
             elif not plan[k][3]:  # never cancelled: a broken attempt was retried to an exact result
                 assert outcome == "ok" and tried[-1] == "ok", (k, outcome, tried)
         recovered = [rid for rid in attempts.recovered() if outcomes[int(rid[4:])] == "ok"]
-        injected = sum(sum(r.faults.injected.values()) for r in replicas)
+        injected = sum(sum(hooks.injected.values()) for hooks in faults)
         assert injected >= 5 and len(recovered) >= 5, (injected, recovered)  # retries that delivered, exactly
         assert decode.prefill.retries >= len(recovered)
         print(f"faults: {injected} injected, {len(recovered)} requests recovered by a retry, {counts}")
@@ -133,11 +128,12 @@ def test_300_requests_with_injected_faults_and_cancels(checkpoint):
 
 
 def _prefill_proc(path: str, port: int, *extra: str) -> subprocess.Popen:
+    """A prefill replica process; `extra` may hold bench/drill_prefill.py's hook flags."""
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "prefill_service",
+            "bench.drill_prefill",
             "--model-path",
             path,
             "--port",
@@ -157,7 +153,7 @@ def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint, transfer):
     """A replica frozen mid-handoff (with mooncake: mid-transfer, a write that never completes)."""
     path = checkpoint("llama")
     ports = [free_port(), free_port()]
-    flags = ("--max-chunk-bytes", "512", "--test-kv-chunk-delay-s", "0.05", "--disaggregation-transfer-backend")
+    flags = ("--max-chunk-bytes", "512", "--kv-message-delay-s", "0.05", "--disaggregation-transfer-backend")
     procs = {p: _prefill_proc(path, p, *flags, transfer) for p in ports}
     decode = None
     try:
@@ -234,7 +230,7 @@ def _smg(decode_addr: str) -> tuple[subprocess.Popen, str]:
 def test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period(checkpoint):
     path = checkpoint("llama")
     pport, dport = free_port(), free_port()
-    prefill = _prefill_proc(path, pport, "--max-chunk-bytes", "256", "--test-kv-chunk-delay-s", "0.5")
+    prefill = _prefill_proc(path, pport, "--max-chunk-bytes", "256", "--kv-message-delay-s", "0.5")
     decode = subprocess.Popen(
         [
             sys.executable,
@@ -318,7 +314,7 @@ def test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period(checkpo
 def test_killing_a_prefill_process_under_load_then_restarting_it(checkpoint):
     path = checkpoint("llama")
     ports = [free_port(), free_port()]
-    extra = ("--max-chunk-bytes", "1024", "--test-kv-chunk-delay-s", "0.01")
+    extra = ("--max-chunk-bytes", "1024", "--kv-message-delay-s", "0.01")
     procs = {p: _prefill_proc(path, p, *extra) for p in ports}
     decode = None
     try:

@@ -17,6 +17,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.wire.grpc_server import channel_options
 from prefill_service.config import PrefillConfig
+from prefill_service.hooks import Delays
 from prefill_service.server import PrefillService
 from tests.grpc_harness import GrpcPair, held_engine
 from tests.oracle import hf_greedy
@@ -213,7 +214,7 @@ def test_no_prefill_replica_fails_fast_and_a_restart_serves_within_seconds(check
 
 
 def test_shutdown_ends_open_streams_with_unavailable_and_frees_everything(checkpoint):
-    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(test_kv_chunk_delay_s=0.3, max_chunk_bytes=256))
+    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(max_chunk_bytes=256), prefill_hooks=Delays(kv_message_s=0.3))
     try:
         calls = [pair.generate([5 + i, 6, 7, 8], 40, stream=True, rid="", ignore_eos=True) for i in range(3)]
         deadline = time.time() + 10

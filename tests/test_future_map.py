@@ -27,7 +27,7 @@ def _idx(*rows):
 
 def test_1_rows_are_request_slots(checkpoint):
     fm = _fm(8)
-    assert fm.token_ids.shape[0] == fm.new_seq_lens.shape[0] == 9
+    assert fm.token_ids.shape[0] == fm.kv_committed_lens.shape[0] == 9
     fm.stash_tokens(_idx(3, 1), torch.tensor([30, 10]))
     assert fm.gather_tokens(_idx(1, 3)).tolist() == [10, 30]
     pair = ManualPair(checkpoint("qwen2"), decode_reqs=5)
@@ -44,9 +44,9 @@ def test_2_stash_has_no_fence_and_publish_sets_the_armed_event():
     fence = fm.arm_publish(stream)
     fm.stash_tokens(_idx(2), torch.tensor([5]))
     assert not fence.query()  # a stash never touches publish_ready
-    stream.submit(lambda: fm.publish_seq_lens(_idx(2), torch.tensor([17]), fence))
+    stream.submit(lambda: fm.publish_kv_committed_lens(_idx(2), torch.tensor([17]), fence))
     fence.synchronize(timeout=5)
-    assert fm.resolve_seq_lens_cpu(_idx(2)).tolist() == [17]
+    assert fm.resolve_kv_committed_lens_cpu(_idx(2)).tolist() == [17]
     stream.close()
 
 
@@ -55,29 +55,29 @@ def test_2_publish_from_another_stream_chains_the_previous_fence():
     latch = threading.Event()
     fence_a = fm.arm_publish(a)
     a.submit(lambda: latch.wait(10))  # step N's publish on stream a is slow
-    a.submit(lambda: fm.publish_seq_lens(_idx(1), torch.tensor([7]), fence_a))
+    a.submit(lambda: fm.publish_kv_committed_lens(_idx(1), torch.tensor([7]), fence_a))
     fence = fm.arm_publish(b)
-    b.submit(lambda: fm.publish_seq_lens(_idx(2), torch.tensor([9]), fence))
+    b.submit(lambda: fm.publish_kv_committed_lens(_idx(2), torch.tensor([9]), fence))
     with pytest.raises(TimeoutError):  # b's fence waits for a's (chained)
         fence.synchronize(timeout=0.3)
     latch.set()
-    assert fm.resolve_seq_lens_cpu(_idx(1, 2), timeout=5).tolist() == [7, 9]
+    assert fm.resolve_kv_committed_lens_cpu(_idx(1, 2), timeout=5).tolist() == [7, 9]
     a.close(), b.close()
 
 
 def test_3_resolve_waits_for_the_armed_step_not_an_older_event():
     fm, stream = _fm(), WorkerStream()
     first = fm.arm_publish(stream)
-    stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([10]), first))
-    assert fm.resolve_seq_lens_cpu(_idx(4), timeout=5).tolist() == [10]
+    stream.submit(lambda: fm.publish_kv_committed_lens(_idx(4), torch.tensor([10]), first))
+    assert fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=5).tolist() == [10]
     latch = threading.Event()
     second = fm.arm_publish(stream)  # step N+1 armed at submit, before its forward runs
     stream.submit(lambda: latch.wait(10))
-    stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([11]), second))
+    stream.submit(lambda: fm.publish_kv_committed_lens(_idx(4), torch.tensor([11]), second))
     with pytest.raises(TimeoutError):  # must not return step N's (stale) 10
-        fm.resolve_seq_lens_cpu(_idx(4), timeout=0.3)
+        fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=0.3)
     latch.set()
-    assert fm.resolve_seq_lens_cpu(_idx(4), timeout=5).tolist() == [11]
+    assert fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=5).tolist() == [11]
     stream.close()
 
 
@@ -89,39 +89,39 @@ def test_3_resolve_fails_instead_of_hanging_when_the_stream_failed_before_publis
         raise RuntimeError("forward blew up before its publish")
 
     stream.submit(broken_forward)
-    stream.submit(lambda: fm.publish_seq_lens(_idx(4), torch.tensor([10]), fence))  # never runs
+    stream.submit(lambda: fm.publish_kv_committed_lens(_idx(4), torch.tensor([10]), fence))  # never runs
     outcome = []
 
     def resolve():
         try:
-            outcome.append(fm.resolve_seq_lens_cpu(_idx(4)))  # no timeout: must still return
+            outcome.append(fm.resolve_kv_committed_lens_cpu(_idx(4)))  # no timeout: must still return
         except Exception as e:
             outcome.append(e)
 
     waiter = threading.Thread(target=resolve, daemon=True)
     waiter.start()
     waiter.join(timeout=5)
-    assert not waiter.is_alive(), "resolve_seq_lens_cpu hung on a failed stream"
+    assert not waiter.is_alive(), "resolve_kv_committed_lens_cpu hung on a failed stream"
     assert isinstance(outcome[0], StreamFailed) and "blew up" in str(outcome[0])
     stream.close()
 
 
 def test_4_bumps_make_new_tensors_and_keep_the_mirror():
     b = ScheduleBatch.empty(torch.device("cpu"))
-    b.seq_lens_cpu, b.seq_lens = torch.tensor([3, 5]), torch.tensor([3, 5])
-    old, version = b.seq_lens, b.seq_lens._version
+    b.kv_committed_lens_cpu, b.kv_committed_lens = torch.tensor([3, 5]), torch.tensor([3, 5])
+    old, version = b.kv_committed_lens, b.kv_committed_lens._version
     b.bump()
-    assert b.seq_lens is not old and old.tolist() == [3, 5] and old._version == version
+    assert b.kv_committed_lens is not old and old.tolist() == [3, 5] and old._version == version
     b.check_mirror()
-    b.seq_lens = b.seq_lens + 1  # a diverged mirror is caught
+    b.kv_committed_lens = b.kv_committed_lens + 1  # a diverged mirror is caught
     with pytest.raises(AssertionError, match="mirror"):
         b.check_mirror()
 
 
-def test_4_in_place_seq_lens_bump_is_caught(checkpoint, monkeypatch):
+def test_4_in_place_kv_committed_lens_bump_is_caught(checkpoint, monkeypatch):
     def in_place_bump(self):
-        self.seq_lens_cpu = self.seq_lens_cpu + 1
-        self.seq_lens.add_(1)  # the forward of this step may still read it
+        self.kv_committed_lens_cpu = self.kv_committed_lens_cpu + 1
+        self.kv_committed_lens.add_(1)  # the forward of this step may still read it
 
     monkeypatch.setattr(ScheduleBatch, "bump", in_place_bump)
     pair = ManualPair(checkpoint("qwen2"))
@@ -134,10 +134,10 @@ def test_4_in_place_seq_lens_bump_is_caught(checkpoint, monkeypatch):
     pair.scheduler.stop()
 
 
-def test_5_seq_lens_sum_is_derived_from_seq_lens_cpu(checkpoint):
+def test_5_kv_committed_lens_sum_is_derived_from_kv_committed_lens_cpu(checkpoint):
     """After decode step k every running request has committed its prompt and k tokens; the batch's
-    seq_lens_sum follows through every bump and every filter (requests finish at different steps),
-    checked against that count, not against seq_lens_cpu (the definition)."""
+    kv_committed_lens_sum follows through every bump and every filter (requests finish at different steps),
+    checked against that count, not against kv_committed_lens_cpu (the definition)."""
     pair = ManualPair(checkpoint("qwen2"))
     prompts = {str(i): list(range(5, 5 + n)) for i, n in enumerate([3, 7, 2])}
     for i, (rid, prompt) in enumerate(prompts.items()):
@@ -148,10 +148,15 @@ def test_5_seq_lens_sum_is_derived_from_seq_lens_cpu(checkpoint):
     while not pair.scheduler.idle:
         pair.scheduler.step()
         k += 1
-        batch = pair.scheduler.running
+        batch = pair.scheduler.running_batch
         expected = sum(len(prompts[r.rid]) + k for r in batch.reqs)
-        assert batch.seq_lens_sum == expected, (k, [r.rid for r in batch.reqs], batch.seq_lens_sum, expected)
-        sums.append(batch.seq_lens_sum)
+        assert batch.kv_committed_lens_sum == expected, (
+            k,
+            [r.rid for r in batch.reqs],
+            batch.kv_committed_lens_sum,
+            expected,
+        )
+        sums.append(batch.kv_committed_lens_sum)
         members.append(len(batch))
     pair.close()
     assert members[0] == 3 and members[-1] == 0 and len(set(members)) == 4, members  # filtered at 3 steps
@@ -184,7 +189,7 @@ def test_6_planted_second_gather_in_the_scheduler_trips(checkpoint):
     pair = Pair(checkpoint("qwen2"), hooks=Hooks())
     sched = pair.scheduler
     sched.worker.hooks.before_forward = lambda step: (
-        step == 3 and sched.worker.future_map.gather_tokens(sched.running.req_pool_indices)
+        step == 3 and sched.worker.future_map.gather_tokens(sched.running_batch.req_pool_indices)
     )
     pair.submit("r", [5, 6, 7], SamplingParams(max_new_tokens=10, ignore_eos=True))
     deadline = time.time() + 20
@@ -230,7 +235,7 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     sched.pop_preallocated()
     pair.prefill()
     sched.process_input_requests()
-    sched.running = sched.running.filter_unfinished().merge(sched.get_new_prebuilt_batch())
+    sched.running_batch = sched.running_batch.filter_unfinished().merge(sched.get_new_prebuilt_batch())
     time.sleep(0.2)
     assert ("row write", 1) not in order[1:], "B's row was written while the previous forward was in flight"
     assert torch.equal(sched.worker.runner.req_to_token_pool.req_to_token[1, :9], a_slots)
@@ -253,7 +258,7 @@ def test_8_prebuilt_batch_seeds_future_rows(checkpoint):
     row = batch.req_pool_indices_cpu[0].item()
     assert sched.worker.future_map.token_ids[row].item() == pair.out.tokens["r"][0]
     assert sched.worker.future_map._writes["token_ids"][row].item() == 1
-    assert batch.seq_lens_cpu.tolist() == [4]
-    sched.running = sched.running.merge(batch)
+    assert batch.kv_committed_lens_cpu.tolist() == [4]
+    sched.running_batch = sched.running_batch.merge(batch)
     pair.close()
     assert pair.out.reasons["r"] == "length" and len(pair.out.tokens["r"]) == 5

@@ -11,6 +11,8 @@ import torch
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from decode_service.req import ReqState
+from prefill_service.hooks import Delays
 from tests.grpc_harness import GrpcPair, needs_mooncake, wait_for
 from tests.oracle import hf_greedy
 
@@ -85,7 +87,7 @@ def test_default_max_new_tokens_is_clamped_to_the_context(checkpoint):
 
 
 def test_cancelled_and_aborted_requests_free_their_slots(checkpoint):
-    pair = GrpcPair(checkpoint("qwen3"), prefill_kw=dict(test_kv_chunk_delay_s=0.01, max_chunk_bytes=512))
+    pair = GrpcPair(checkpoint("qwen3"), prefill_kw=dict(max_chunk_bytes=512), prefill_hooks=Delays(kv_message_s=0.01))
     sched, reasons = pair.decode.scheduler, {}
     finish = sched._finish
     sched._finish = lambda req, reason, *a, **k: (
@@ -115,12 +117,12 @@ def test_cancelled_and_aborted_requests_free_their_slots(checkpoint):
 def test_first_token_arrives_while_the_handoff_is_in_flight(checkpoint):
     path = checkpoint("llama")
     prompt = list(range(5, 45))
-    pair = GrpcPair(path, prefill_kw=dict(test_kv_chunk_delay_s=0.05, max_chunk_bytes=1024))
+    pair = GrpcPair(path, prefill_kw=dict(max_chunk_bytes=1024), prefill_hooks=Delays(kv_message_s=0.05))
     try:
         call = pair.generate(prompt, 8, stream=True, ignore_eos=True)
         first = next(call)
         assert list(first.chunk.token_ids) == hf_greedy(path, prompt, 1)
-        in_flight = list(pair.decode.scheduler.awaiting_handoff)
+        in_flight = pair.decode.scheduler.reqs_in(ReqState.AWAITING_HANDOFF)
         rest, complete = pair.collect(call)
         assert in_flight, "the first token came only after the handoff completed"
         assert list(first.chunk.token_ids) + rest == hf_greedy(path, prompt, 8)

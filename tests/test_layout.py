@@ -18,7 +18,7 @@ ENGINE_FILES = [
     "decode_service/schedule_batch.py",
     "decode_service/req.py",
     "decode_service/output.py",
-    "decode_service/step.py",
+    "decode_service/scheduler_types.py",
     "decode_service/inbox.py",
     "decode_service/decode_step.py",
     "decode_service/eagle_step.py",
@@ -26,11 +26,13 @@ ENGINE_FILES = [
     "decode_service/eagle_tree_step.py",
     "decode_service/worker.py",
     "decode_service/worker_batch.py",
+    "decode_service/tp_messages.py",
     "prefill_service/engine.py",
     "prefill_service/inprocess.py",
-    "prefill_service/batching.py",
     "prefill_service/draft_prefill.py",
     "prefill_service/scheduler.py",
+    "prefill_service/hooks.py",
+    "prefill_service/tp_messages.py",
 ]
 FORBIDDEN = (
     "common.wire",

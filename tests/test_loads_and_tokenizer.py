@@ -34,7 +34,7 @@ def test_get_tokenizer_zip_loads_with_autotokenizer(checkpoint, tmp_path):
 
 
 def test_get_loads_counts_running_requests_and_kv(checkpoint):
-    pair = GrpcPair(checkpoint("qwen2"), prefill_kw=dict(test_kv_chunk_delay_s=0.0))
+    pair = GrpcPair(checkpoint("qwen2"))
     try:
         idle = pair.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
         assert idle.num_running_reqs == 0 and idle.num_used_tokens == 0 and idle.max_total_num_tokens > 0

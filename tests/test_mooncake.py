@@ -12,7 +12,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.kv_transfer import mooncake, plan
 from common.wire.proto_gen import prefill_pb2
-from prefill_service import server as prefill_server
+from decode_service.req import ReqState
+from prefill_service import handoff_stream
+from prefill_service.hooks import Delays
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy
 
@@ -85,7 +87,7 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
     late write can reach them), then B takes the same slots and is exact; nothing leaks."""
     mid_write, go_on = threading.Event(), threading.Event()
 
-    class HeldOutbox(prefill_server.Outbox):  # A's writes pause after the first ones until the test says
+    class HeldOutbox(handoff_stream.Outbox):  # A's writes pause after the first ones until the test says
         takes = 0
 
         def take(self):
@@ -95,12 +97,13 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
                 assert go_on.wait(60), "the test never let A's writes go on"
             return super().take()
 
-    monkeypatch.setattr(prefill_server, "Outbox", HeldOutbox)
+    monkeypatch.setattr(handoff_stream, "Outbox", HeldOutbox)
     path = checkpoint("llama")
     prompt_a, prompt_b = list(range(5, 45)), list(range(50, 90))
     pair = GrpcPair(
         path,
-        prefill_kw=dict(max_chunk_bytes=512, test_kv_chunk_delay_s=0.05),
+        prefill_kw=dict(max_chunk_bytes=512),
+        prefill_hooks=Delays(kv_message_s=0.05),
         decode_kw=dict(max_total_tokens=48, max_running_requests=1),
         transfer=transfer,
     )
@@ -113,7 +116,7 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
         assert reply.success
         _, complete = pair.collect(call_a)
         assert complete.finish_reason == "abort"
-        [held] = sched.awaiting_handoff.values()  # finished for the client, its slots still reserved
+        [held] = sched.reqs_in(ReqState.AWAITING_HANDOFF)  # finished for the client, its slots still reserved
         assert held.finished and held.kv_slots is not None
         go_on.set()
         started = time.monotonic()

@@ -18,6 +18,7 @@ from common.tools.procs import free_port, wait_serving
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
+from prefill_service.hooks import Delays
 from prefill_service.server import PrefillService
 from tests.grpc_harness import AttemptLog, FirstTokenTap, needs_mooncake
 from tests.oracle import hf_greedy
@@ -58,7 +59,7 @@ def _wait_idle(decode: DecodeService) -> None:
 def test_two_replicas_both_get_work(checkpoint):
     path = checkpoint("qwen2")
     replicas = [
-        PrefillService(PrefillConfig(path, port=0, test_kv_chunk_delay_s=0.01, max_chunk_bytes=2048)).start()
+        PrefillService(PrefillConfig(path, port=0, max_chunk_bytes=2048), hooks=Delays(kv_message_s=0.01)).start()
         for _ in range(2)
     ]
     decode = DecodeService(DecodeConfig(path, prefill_addr=",".join(r.address for r in replicas), port=0)).start()
@@ -83,7 +84,7 @@ def _start_prefill(path: str, port: int, transfer: str = "grpc") -> subprocess.P
         [
             sys.executable,
             "-m",
-            "prefill_service",
+            "bench.drill_prefill",  # the prefill service with test hooks from its flags
             "--disaggregation-transfer-backend",
             transfer,
             "--model-path",
@@ -94,7 +95,7 @@ def _start_prefill(path: str, port: int, transfer: str = "grpc") -> subprocess.P
             "1",
             "--max-chunk-bytes",
             "512",
-            "--test-kv-chunk-delay-s",
+            "--kv-message-delay-s",
             "0.02",
         ],
         cwd=ROOT,

@@ -14,6 +14,7 @@ from common.engine.sampling import SamplingParams
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.engine import PrefillEngine
+from prefill_service.hooks import Delays
 from prefill_service.scheduler import PrefillCall, PrefillScheduler
 from prefill_service.server import PrefillService
 from tests.oracle import hf_greedy
@@ -55,9 +56,8 @@ def test_engine_results_match_the_oracle_when_requests_interleave(checkpoint):
 
 
 def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint):
-    service = PrefillService(
-        PrefillConfig(checkpoint("llama"), port=0, chunked_prefill_size=32, test_step_delay_s=0.05, debug_checks=True)
-    ).start()
+    config = PrefillConfig(checkpoint("llama"), port=0, chunked_prefill_size=32, debug_checks=True)
+    service = PrefillService(config, hooks=Delays(step_s=0.05)).start()
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         first_at: dict[str, float] = {}

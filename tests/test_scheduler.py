@@ -103,9 +103,9 @@ def test_prebuilt_batch_streams_the_first_token_and_seeds_the_row_before_any_for
     d.deliver("a")
     d.sched.process_input_requests()
     batch = d.sched.get_new_prebuilt_batch()
-    assert d.tokens["a"] == [token_of("a", 0)] and batch.seq_lens_cpu.tolist() == [4]
+    assert d.tokens["a"] == [token_of("a", 0)] and batch.kv_committed_lens_cpu.tolist() == [4]
     assert d.worker.log == [("prebuilt", batch.req_pool_indices_cpu[0].item())]  # no forward ran
-    d.sched.running = batch
+    d.sched.running_batch = batch
     d.run()
     assert d.tokens["a"] == d.expected("a", 3)
 
@@ -151,7 +151,7 @@ def test_abort_in_every_stage_frees_exactly_once():
     d.deliver("prebuilt")
     d.sched.process_input_requests()  # "prebuilt" is queued for the next prebuilt batch
     assert [r.rid for r in d.sched.prebuilt] == ["prebuilt"] and set(d.pending) == {"awaiting"}
-    assert [r.rid for r in d.sched.waiting] == ["waiting"] and len(d.sched.running) == 1
+    assert [r.rid for r in d.sched.waiting] == ["waiting"] and len(d.sched.running_batch) == 1
     for rid in ["waiting", "awaiting", "prebuilt", "running", "running"]:  # the second is a no-op
         d.sched.abort(rid)
     d.step(3)
@@ -313,9 +313,9 @@ def test_eagle_lengths_are_resolved_once_per_publish_and_never_for_finished_rows
     d.run()  # the fake fails any resolve of a row without a publish since its last resolve
     assert d.tokens["b"] == d.expected("b", 5)
     d.worker._published[1] = 9
-    d.worker.resolve_seq_lens_cpu(torch.tensor([1]))
+    d.worker.resolve_kv_committed_lens_cpu(torch.tensor([1]))
     with pytest.raises(AssertionError, match="without a publish"):  # the check itself can fail
-        d.worker.resolve_seq_lens_cpu(torch.tensor([1]))
+        d.worker.resolve_kv_committed_lens_cpu(torch.tensor([1]))
 
 
 @pytest.mark.parametrize("spec", [None, EAGLE])

@@ -17,6 +17,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from common.models.config import load_model_config
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
+from prefill_service.hooks import Delays
 from tests.grpc_harness import GrpcPair, held_engine, wait_for
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -110,7 +111,7 @@ def test_decode_is_unhealthy_without_a_prefill_peer_and_says_unavailable(checkpo
 
 
 def test_prefill_killed_mid_handoff_fails_the_request_cleanly(checkpoint):
-    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(test_kv_chunk_delay_s=0.05, max_chunk_bytes=512))
+    pair = GrpcPair(checkpoint("llama"), prefill_kw=dict(max_chunk_bytes=512), prefill_hooks=Delays(kv_message_s=0.05))
     try:
         call = pair.generate(list(range(5, 35)), 8, stream=True, ignore_eos=True)
         first = next(call)  # the first token arrived; KV chunks still coming

@@ -57,7 +57,7 @@ def check_usable(device: torch.device) -> None:
 
 class TritonBackend(AttentionBackend):
     supports_cuda_graph = (
-        True  # decode, fixed-extend and verify-tree metadata from device tensors only (decode_graphs.py)
+        True  # decode, fixed-extend and verify-tree metadata from device tensors only (cuda_graph_runner.py)
     )
     fixed_decode_splits = False  # set while a graph is captured: the split count for the longest context
 

@@ -40,7 +40,7 @@ class Request:
     features: list[torch.Tensor] = field(default_factory=list)  # with ColocatedEngine(capture=...)
 
     @property
-    def committed_len(self) -> int:
+    def kv_committed_len(self) -> int:
         """Tokens whose KV is in the pool (the last sampled token is not yet run)."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
@@ -116,7 +116,7 @@ class ColocatedEngine:
             batch = ForwardBatch.decode(
                 table,
                 torch.tensor(rows),
-                [r.committed_len for r in running],
+                [r.kv_committed_len for r in running],
                 torch.tensor([r.output[-1] for r in running]),
                 req_pool_indices_cpu=rows,
             )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention import create_backend
-from common.engine.decode_graphs import DecodeGraphs
+from common.engine.cuda_graph_runner import CudaGraphRunner
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.models import packed_linear
@@ -86,8 +86,8 @@ class DraftRunner:
         )
         self.backend = create_backend(target.attention_backend, self.kv_pool, target.req_to_token_pool)
         self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
-        self.decode_graphs = self.extend_graphs = None  # DecodeGraphs, set by the target when it has them
-        self.tree_graphs: list[DecodeGraphs] = []  # a tree's draft step at depth d: tree_graphs[d - 1]
+        self.decode_graphs = self.extend_graphs = None  # CudaGraphRunner, set by the target when it has them
+        self.tree_graphs: list[CudaGraphRunner] = []  # a tree's draft step at depth d: tree_graphs[d - 1]
         # The draft vocabulary: the columns of the head's logits and the target id of each. EAGLE
         # drafts over the target's whole vocabulary (its lm_head) unless a token map narrows it to hot
         # ids (a far smaller lm_head per draft step); EAGLE3 over its own, mapped by d2t.
@@ -106,7 +106,7 @@ class DraftRunner:
         """Target layers whose outputs the head reads (EAGLE3); empty: the final normed hidden (EAGLE)."""
         return self.config.aux_layer_ids
 
-    def use_decode_graphs(self, max_bs: int, capture: bool) -> None:
+    def use_cuda_graphs(self, max_bs: int, capture: bool) -> None:
         """Draft steps (a chain's: decode forwards; a tree's: K nodes per request at each depth d < S,
         over a block of d * K entries), the head's hidden in, and the draft extend (S + 1 tokens per
         request, the target's features in) through static buffers / graphs."""
@@ -114,14 +114,14 @@ class DraftRunner:
         forward = lambda fb, hidden: (self.forward_eager(fb, hidden),)  # noqa: E731
         k = self.spec.eagle_topk
         if k == 1:
-            self.decode_graphs = DecodeGraphs(forward, self.backend, device, max_bs, capture, width, dtype)
+            self.decode_graphs = CudaGraphRunner(forward, self.backend, device, max_bs, capture, width, dtype)
         else:
             self.tree_graphs = [
-                DecodeGraphs(forward, self.backend, device, max_bs, capture, width, dtype, k, tree_block=d * k)
+                CudaGraphRunner(forward, self.backend, device, max_bs, capture, width, dtype, k, tree_block=d * k)
                 for d in range(1, self.spec.num_steps)
             ]
         features = width * max(1, len(self.capture))  # EAGLE: the final hidden; EAGLE3: the captured layers
-        self.extend_graphs = DecodeGraphs(forward, self.backend, device, max_bs, capture, features, dtype,
+        self.extend_graphs = CudaGraphRunner(forward, self.backend, device, max_bs, capture, features, dtype,
                                           tokens_per_row=self.spec.num_steps + 1)  # fmt: skip
 
     @torch.inference_mode()

@@ -157,30 +157,30 @@ class ForwardBatch:
         cls,
         req_to_token: torch.Tensor,
         req_pool_indices: torch.Tensor,
-        seq_lens_cpu: list[int],
+        prefix_lens: list[int],
         input_ids: torch.Tensor,
-        seq_lens: torch.Tensor | None = None,
+        prefix_lens_device: torch.Tensor | None = None,
         req_pool_indices_cpu: list[int] | None = None,
     ) -> ForwardBatch:
-        """One new token per request at position = committed length (`seq_lens_cpu`, and its device
-        mirror `seq_lens` if the caller has one; it is only read: `positions` is a copy, so nothing the
-        forward does can reach the caller's tensor). `input_ids` may be a device tensor produced by
-        the previous forward (no host sync here).
+        """One new token per request at position = its committed KV length (`prefix_lens`, and its
+        device mirror `prefix_lens_device` if the caller has one, e.g. the scheduler's
+        kv_committed_lens; it is only read: `positions` is a copy, so nothing the forward does can
+        reach the caller's tensor). `seq_lens` is then prefix + 1. `input_ids` may be a device tensor
+        produced by the previous forward (no host sync here).
         """
         device = req_to_token.device
         req_pool_indices = req_pool_indices.to(device, torch.int64)
-        if seq_lens is None:
-            seq_lens = to_device(seq_lens_cpu, device, torch.int64)
-        batch = len(seq_lens_cpu)
+        prefix = prefix_lens_device if prefix_lens_device is not None else to_device(prefix_lens, device, torch.int64)
+        batch = len(prefix_lens)
         return cls(
             mode=ForwardMode.DECODE,
             input_ids=input_ids.to(device, torch.int64),
-            positions=seq_lens.clone(),
+            positions=prefix.clone(),
             req_pool_indices=req_pool_indices,
-            seq_lens=seq_lens + 1,
-            out_cache_loc=req_to_token[req_pool_indices, seq_lens].to(torch.int64),
+            seq_lens=prefix + 1,
+            out_cache_loc=req_to_token[req_pool_indices, prefix].to(torch.int64),
             logits_indices=torch.arange(batch, device=device),
-            prefix_lens_cpu=list(seq_lens_cpu),
+            prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=[1] * batch,
             req_pool_indices_cpu=req_pool_indices_cpu
             if req_pool_indices_cpu is not None

@@ -12,7 +12,7 @@ import torch
 
 from common.attention import create_backend, resolve_backend
 from common.engine import intra_op
-from common.engine.decode_graphs import DecodeGraphs
+from common.engine.cuda_graph_runner import CudaGraphRunner
 from common.engine.draft_runner import DraftRunner, SpecArgs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
@@ -129,14 +129,14 @@ class ModelRunner:
         if capture or args.static_decode_buffers:
             max_bs = args.cuda_graph_max_bs or args.max_running_requests
             forward = lambda fb, _: self._eager(fb, (), False)  # noqa: E731
-            self.decode_graphs = DecodeGraphs(forward, self.backend, self.device, max_bs, capture)
+            self.decode_graphs = CudaGraphRunner(forward, self.backend, self.device, max_bs, capture)
             if self.draft is not None:
-                self.draft.use_decode_graphs(max_bs, capture)
+                self.draft.use_cuda_graphs(max_bs, capture)
                 tree = args.spec.eagle_topk > 1  # a tree's verify: M nodes and their mask; a chain's: S + 1 tokens
                 per_row = args.spec.num_draft_tokens if tree else args.spec.num_steps + 1
                 verify = lambda fb, _: self._eager(fb, self.draft.capture, False)  # noqa: E731
                 block = per_row if tree else None
-                self.verify_graphs = DecodeGraphs(verify, self.backend, self.device, max_bs, capture,
+                self.verify_graphs = CudaGraphRunner(verify, self.backend, self.device, max_bs, capture,
                                                   tokens_per_row=per_row, tree_block=block)  # fmt: skip
 
     def _graph_sets(self) -> list:
@@ -253,7 +253,7 @@ class ModelRunner:
                 self.req_to_token_pool.free(r)
 
 
-def _replayed(graphs: DecodeGraphs, forward_batch: ForwardBatch, greedy: bool):
+def _replayed(graphs: CudaGraphRunner, forward_batch: ForwardBatch, greedy: bool):
     """A static-buffer runner's (logits, hidden or features); with `greedy` the logits' argmax."""
     logits, out = graphs.run(forward_batch)
     return (torch.argmax(logits, dim=-1) if greedy else logits), out

@@ -1,9 +1,9 @@
 """Sampling: SamplingParams and a batched sampler (greedy, temperature, top-k, top-p, min-p).
 
-Randomness is counter-based: the uniform number that picks request r's token at output position
-n is a hash of (seed_r, n). No generator state is carried, so a seeded request gives the same tokens
+Randomness is counter-based: the uniform number that picks request r's token at output index n
+is a hash of (seed_r, n). No generator state is carried, so a seeded request gives the same tokens
 whatever batch it shares, on any device, and across the prefill -> decode handoff (prefill samples
-position 0, decode the rest). A token is chosen by inverse CDF over the (filtered) distribution.
+output index 0, decode the rest). A token is chosen by inverse CDF over the (filtered) distribution.
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, output position)."""
-    return (_splitmix64(_splitmix64(seed) ^ position) >> 11) * (1.0 / (1 << 53))
+def uniform(seed: int, output_index: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, output index)."""
+    return (_splitmix64(_splitmix64(seed) ^ output_index) >> 11) * (1.0 / (1 << 53))
 
 
 def keep_sorted(
@@ -115,7 +115,7 @@ class SamplingBatch:
         self.params, self.seeds = list(params), list(seeds)
         self.plain = [i for i, p in enumerate(self.params) if not p.greedy and not p.filtered]
         self.filtered = [i for i, p in enumerate(self.params) if not p.greedy and p.filtered]
-        self.holds_back = any(p.min_new_tokens for p in self.params)  # then sample() needs every row's position
+        self.holds_back = any(p.min_new_tokens for p in self.params)  # then sample() needs every row's output index
         self._tensors: dict = {}
 
     @property
@@ -127,26 +127,29 @@ class SamplingBatch:
         """Every row's token is its logits' argmax (SamplingParams.argmax_only for all of them)."""
         return all(p.argmax_only for p in self.params)
 
-    def sample(self, logits: torch.Tensor, positions: list[int], eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
-        """logits [B, V] (float32) -> token ids [B] (int64, same device); positions = output index
-        of each row's token. Greedy rows take the argmax. Temperature-only rows draw by inverse CDF
-        over the vocabulary in id order (no sort: O(V)); rows with top-k / top-p / min-p sort once (only
-        the top-k candidates when every such row has a top-k).
+    def sample(
+        self, logits: torch.Tensor, output_indices: list[int], eos_token_ids: tuple[int, ...] = ()
+    ) -> torch.Tensor:
+        """logits [B, V] (float32) -> token ids [B] (int64, same device); `output_indices`: the output
+        index of each row's token (which uniform it draws, whether min_new_tokens holds it back).
+        Greedy rows take the argmax. Temperature-only rows draw by inverse CDF over the vocabulary in
+        id order (no sort: O(V)); rows with top-k / top-p / min-p sort once (only the top-k candidates
+        when every such row has a top-k).
         Rows below their min_new_tokens never get EOS (`eos_token_ids`, the model's) or a stop id (as
         HF's MinNewTokensLengthLogitsProcessor does for EOS)."""
-        logits = self.hold_back_stops(logits, positions, eos_token_ids)
+        logits = self.hold_back_stops(logits, output_indices, eos_token_ids)
         tokens = torch.argmax(logits, dim=-1)
         for rows, filters in ((self.plain, False), (self.filtered, True)):
             if rows:
-                self._draw(logits, tokens, rows, positions, filters)
+                self._draw(logits, tokens, rows, output_indices, filters)
         return tokens
 
-    def hold_back_stops(self, logits: torch.Tensor, positions: list[int], eos_token_ids=()) -> torch.Tensor:
-        """logits with -inf at EOS and stop ids for rows whose output position is below their
+    def hold_back_stops(self, logits: torch.Tensor, output_indices: list[int], eos_token_ids=()) -> torch.Tensor:
+        """logits with -inf at EOS and stop ids for rows whose output index is below their
         min_new_tokens (a copy; the input is returned as it is when no row is)."""
         if not self.holds_back:
             return logits
-        rows = [i for i, p in enumerate(self.params) if positions[i] < p.min_new_tokens]
+        rows = [i for i, p in enumerate(self.params) if output_indices[i] < p.min_new_tokens]
         if not rows:
             return logits
         banned = [sorted(set(eos_token_ids) | set(self.params[i].stop_token_ids)) for i in rows]
@@ -191,11 +194,11 @@ class SamplingBatch:
             )
         return self._tensors[key]
 
-    def _draw(self, logits, tokens, rows, positions, filters: bool) -> None:
+    def _draw(self, logits, tokens, rows, output_indices, filters: bool) -> None:
         idx, temperature, top_k, top_p, min_p, width = self._row_tensors(rows, filters, logits.device)
         sub = logits[idx].float()
         probs = torch.softmax(sub / temperature, dim=-1)
-        u = to_device([uniform(self.seeds[i], positions[i]) for i in rows], logits.device, probs.dtype)
+        u = to_device([uniform(self.seeds[i], output_indices[i]) for i in rows], logits.device, probs.dtype)
         last = sub.shape[1] - 1
         if not filters:
             cdf = torch.cumsum(probs, dim=-1)
@@ -213,8 +216,8 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     seeds: list[int],
-    positions: list[int],
+    output_indices: list[int],
     eos_token_ids: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """One-off sampling of a batch (see SamplingBatch.sample)."""
-    return SamplingBatch(params, seeds).sample(logits, positions, eos_token_ids)
+    return SamplingBatch(params, seeds).sample(logits, output_indices, eos_token_ids)

@@ -26,8 +26,18 @@ MESSAGE_TYPES = (
     ("common.engine.sampling", "SamplingParams"),
     ("common.engine.sampling", "SamplingBatch"),
     ("common.engine.spec_sampling", "SpecDraws"),
+    ("prefill_service.tp_messages", "Admit"),
+    ("prefill_service.tp_messages", "Abort"),
+    ("prefill_service.tp_messages", "FailAll"),
+    ("prefill_service.tp_messages", "Step"),
+    ("prefill_service.tp_messages", "Stop"),
     ("decode_service.worker_batch", "WorkerBatch"),
     ("decode_service.worker_batch", "Lane"),
+    ("decode_service.tp_messages", "Forward"),
+    ("decode_service.tp_messages", "WriteKvChunk"),
+    ("decode_service.tp_messages", "WritePrebuilt"),
+    ("decode_service.tp_messages", "ReleaseRow"),
+    ("decode_service.tp_messages", "Stop"),
 )
 _DTYPES = {
     str(d): d

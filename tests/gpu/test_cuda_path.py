@@ -117,10 +117,10 @@ def test_future_map_resolve_waits_for_the_publish_on_cuda_streams():
 
     def forward():  # a long kernel, then the publish: resolve must not read before it
         torch.cuda._sleep(50_000_000)
-        fm.publish_seq_lens(rows, torch.tensor([17, 29], device=device), fence)
+        fm.publish_kv_committed_lens(rows, torch.tensor([17, 29], device=device), fence)
 
     stream.submit(forward)
-    assert fm.resolve_seq_lens_cpu(rows, timeout=30).tolist() == [17, 29]
+    assert fm.resolve_kv_committed_lens_cpu(rows, timeout=30).tolist() == [17, 29]
     stream.close()
 
 

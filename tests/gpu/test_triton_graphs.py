@@ -1,7 +1,7 @@
 """On CUDA: the Triton attention kernels compiled (not interpreted), and the decode step, EAGLE's
 chain draft steps and verify and the draft extend replayed from captured CUDA graphs, against HF
 greedy. The same logic runs on CPU in tests/test_triton_attention.py (interpreter) and
-tests/test_decode_graphs.py (static buffers without capture)."""
+tests/test_cuda_graph_runner.py (static buffers without capture)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""The decode step's static buffers (common/engine/decode_graphs.py) on CPU, without capture: the
-same buffers, buckets and padding a CUDA graph replays, so their discipline is tested here. On a
-GPU, tests/gpu/test_cuda_path.py replays the captured graphs."""
+"""The static buffers of every fixed-shape forward (common/engine/cuda_graph_runner.py) on CPU,
+without capture: the same buffers, buckets and padding a CUDA graph replays, so their discipline is
+tested here. On a GPU, tests/gpu/test_cuda_path.py replays the captured graphs."""
 
 import pytest
 import torch
 
-from common.engine.decode_graphs import batch_buckets
+from common.engine.cuda_graph_runner import batch_buckets
 from common.engine.draft_runner import SpecArgs
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
@@ -80,7 +80,7 @@ def test_serving_through_static_buffers_matches_hf_greedy(checkpoint, overlap):
     sizes = []
     while not pair.scheduler.idle:
         pair.scheduler.step()
-        sizes.append(len(pair.scheduler.running))
+        sizes.append(len(pair.scheduler.running_batch))
     pair.close()
     for i, p in enumerate(PROMPTS):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, lengths[i]), f"prompt {i}"

@@ -20,8 +20,8 @@ class LaunchedStep:
 
     reqs: list[DecodeReq]
     result: BatchResult
-    seq_lens: torch.Tensor  # the mirror tensor the forward reads: nobody may change it in place
-    seq_lens_version: int
+    kv_committed_lens: torch.Tensor  # the mirror tensor the forward reads: nobody may change it in place
+    kv_committed_lens_version: int
 
 
 @dataclass

@@ -1,10 +1,11 @@
-"""DecodeGraphs: a fixed-shape forward through static buffers, padded to a batch-size bucket, captured
-as one CUDA graph per bucket and replayed (SGLang's CudaGraphRunner; `--disable-cuda-graph`). Every
-fixed-shape forward of a step has one: the target's decode step (logits, hidden); EAGLE's verify (a
-chain's S + 1 tokens per request, or a tree's M nodes with their ancestor mask: logits and
-features); the head's draft steps (a chain's decode, or a tree's K nodes per request at each depth,
-one runner per depth since the block grows by K entries a depth: a hidden in, a hidden out); and
-the draft extend (S + 1 tokens, the target's features in).
+"""CudaGraphRunner (SGLang's name): a fixed-shape forward through static buffers, padded to a
+batch-size bucket, captured as one CUDA graph per bucket and replayed (`--disable-cuda-graph`), or
+run eagerly through the same buffers on CPU. Every fixed-shape forward of a step has one, not only
+the decode step: the target's decode step (logits, hidden); EAGLE's verify (a chain's S + 1 tokens
+per request, or a tree's M nodes with their ancestor mask: logits and features); the head's draft
+steps (a chain's decode, or a tree's K nodes per request at each depth, one runner per depth since
+the block grows by K entries a depth: a hidden in, a hidden out); and the draft extend (S + 1
+tokens, the target's features in).
 
 1. Buckets: 1, 2, 4, 8, then every 8 up to `max_bs`; a batch of B runs in the first bucket >= B
    (larger batches run eagerly).
@@ -39,7 +40,7 @@ def batch_buckets(max_bs: int) -> list[int]:
     return small + list(range(8, max_bs + 8, 8)) if max_bs > 4 else small + [max_bs]
 
 
-class DecodeGraphs:
+class CudaGraphRunner:
     """`forward(fb, inputs)` -> a tuple of tensors whose first dim is the batch's tokens; `inputs` is
     the static per-token input ([bucket * L, input_width]) or None; `backend` is the forward's
     attention backend. `tokens_per_row` L: 1 for a decode step, S + 1 for EAGLE's chain verify and

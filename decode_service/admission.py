@@ -1,0 +1,56 @@
+"""Step 1 of a Generate call: the front door's checks before anything is reserved.
+
+In this order, the first that fails deciding the status: UNAVAILABLE while draining or with the
+scheduler down; INVALID_ARGUMENT for bad input (decode_service/request_validation.py) or a
+request_id already in flight; UNAVAILABLE with no prefill replica serving (the caller has re-checked
+the replicas live first); RESOURCE_EXHAUSTED with `max_running_requests + max_queued_requests`
+calls already open. A call that passes gets its prompt ids and SamplingParams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+import grpc
+
+from common.engine.sampling import SamplingParams
+from decode_service.request_validation import InvalidRequest, parse_generate
+
+
+class Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, detail: str):
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
+class Admission:
+    def __init__(self, config, runner, scheduler, health):
+        self.config, self.runner, self.scheduler, self.health = config, runner, scheduler, health
+
+    def check(self, request, in_flight: Container[str], open_calls: int) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, SamplingParams), or Rejected; `in_flight`: the client request_ids of open calls."""
+        if self.health.draining:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if not self.scheduler.alive:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "decode scheduler is not running")
+        try:
+            ids, params = parse_generate(
+                request,
+                self.runner.config.vocab_size,
+                self.runner.context_length,
+                self.config.default_max_new_tokens,
+                kv_room=self.scheduler.kv_room,
+            )
+        except InvalidRequest as e:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        if request.request_id in in_flight:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request.request_id!r} is already in flight")
+        if not self.health.prefill_serving:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "no prefill replica is serving")
+        bound = self.config.max_running_requests + self.config.max_queued_requests
+        if open_calls >= bound:
+            raise Rejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{open_calls} requests open: the admission queue is full (max_queued_requests)",
+            )
+        return ids, params

@@ -1,0 +1,116 @@
+"""One Generate call's answer: the scheduler's RequestOutputs (decode_service/output.py) turned into
+smg's GenerateResponse messages, with the call's metrics and its decode span on the way.
+
+A streaming call gets a chunk of the new ids whenever a record brings some, then one Complete; a
+non-streaming call gets only the Complete, with every id. A finish ends the call's answer:
+  - "stop" / "length" / "abort": the Complete (reason, matched stop, cached prompt tokens, EAGLE's
+    accepted and proposed drafts);
+  - "abort" while the service drains: UNAVAILABLE (the call was cut short by the shutdown);
+  - "error": UNAVAILABLE (a broken handoff, retryable), INTERNAL when the scheduler itself died,
+    INVALID_ARGUMENT when the prefill side refused the request (REFUSED: not retryable).
+A scheduler that dies without a record for the call ends it with INTERNAL within a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+
+from common import tracing
+from common.request_rules import REFUSED
+from decode_service.output import Finish, RequestOutput
+
+
+class Responder:
+    def __init__(self, scheduler, metrics, tracer: tracing.Tracing, spec_steps: int, draining: Callable[[], bool]):
+        self.scheduler, self.metrics, self.tracing = scheduler, metrics, tracer
+        self.spec_steps = spec_steps  # --speculative-num-steps: drafts per verify step
+        self.draining = draining
+
+    async def stream(self, request, ids, outputs: asyncio.Queue, context, trace) -> AsyncIterator[pb.GenerateResponse]:
+        """The call's responses from the RequestOutputs its scheduler callback puts on `outputs`."""
+        all_ids: list[int] = []
+        m, started = self.metrics, time.perf_counter()
+        last = first_at = started
+        while True:
+            out = await self._next(outputs, context)
+            if out is None:
+                continue
+            tokens, finish = out.new_token_ids, out.finish
+            reason = finish.reason if finish is not None else None
+            if tokens:
+                now = time.perf_counter()
+                if not all_ids:
+                    first_at = now
+                    m.ttft.observe(now - started)
+                    tokens_after_first = len(tokens) - 1
+                else:
+                    tokens_after_first = len(tokens)
+                for _ in range(tokens_after_first):
+                    m.itl.observe((now - last) / len(tokens))
+                last = now
+                m.generation_tokens.inc(len(tokens))
+            all_ids.extend(tokens)
+            if reason is not None:
+                m.count_finish(reason, len(ids), started, first_at, len(all_ids))
+                if all_ids and self.tracing.enabled:
+                    parent = trace[0] if trace is not None else None
+                    self.tracing.record(
+                        "decode", parent, tracing.wall_ns(first_at), time.time_ns(), tokens=len(all_ids)
+                    )
+            if reason == "error":
+                await context.abort(*self._failure(finish))
+            if reason == "abort" and self.draining():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
+            if tokens and request.stream:
+                yield pb.GenerateResponse(
+                    request_id=request.request_id,
+                    chunk=pb.GenerateStreamChunk(
+                        token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids)
+                    ),
+                )
+            if finish is not None:
+                yield pb.GenerateResponse(request_id=request.request_id, complete=self._complete(finish, ids, all_ids))
+                return
+
+    async def _next(self, outputs: asyncio.Queue, context) -> RequestOutput | None:
+        """The next record, or None after a quiet second (never wait forever on a scheduler that died)."""
+        try:
+            return await asyncio.wait_for(outputs.get(), timeout=1.0)
+        except asyncio.TimeoutError:
+            if not self.scheduler.alive:
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"decode scheduler failed: {self.scheduler.fatal_error!r}"
+                )
+            return None
+
+    def _failure(self, finish: Finish) -> tuple[grpc.StatusCode, str]:
+        detail = finish.error or repr(self.scheduler.fatal_error)
+        code = grpc.StatusCode.INTERNAL if not self.scheduler.alive else grpc.StatusCode.UNAVAILABLE
+        if detail.startswith(REFUSED):  # not retryable: the client must change the request
+            code = grpc.StatusCode.INVALID_ARGUMENT
+        return code, f"request failed: {detail}"
+
+    def _complete(self, finish: Finish, ids: list[int], all_ids: list[int]) -> pb.GenerateComplete:
+        accepted, drafted = finish.spec_accepted, finish.spec_drafted
+        if drafted:
+            m = self.metrics
+            m.spec_accepted.inc(accepted)
+            m.spec_drafted.inc(drafted)
+            m.spec_accept_length.observe(1 + accepted * self.spec_steps / drafted)
+        complete = pb.GenerateComplete(
+            output_ids=all_ids,
+            finish_reason=finish.reason,
+            prompt_tokens=len(ids),
+            completion_tokens=len(all_ids),
+            cached_tokens=finish.cached_tokens,
+            spec_accepted_tokens=accepted,
+            spec_draft_tokens=drafted,
+        )
+        if finish.matched_stop is not None:
+            complete.matched_token_id = finish.matched_stop
+        return complete
