@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from common import tracing
 from common.engine.model_runner import ModelRunner
-from common.kv_transfer import receiver as kv_transport
+from common.kv_transfer import receiver as kv_receivers
 from common.metrics import DecodeMetrics
 from common.parallel.launch import TPRanks, check_settings
 from common.wire import security
@@ -45,7 +45,7 @@ class DecodeParts:
     runner: ModelRunner
     served_model_name: str
     metrics: DecodeMetrics
-    kv_receiver: kv_transport.KvReceiver
+    kv_receiver: kv_receivers.KvReceiver
     tracing: tracing.Tracing
     prefill: PrefillClient
     scheduler: DecodeScheduler
@@ -53,7 +53,7 @@ class DecodeParts:
 
 def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
     """The parts of one decode replica; `open_streams` counts the front door's open Generate calls."""
-    kv_transport.check(config)  # before the model loads: say at once what to install, or what cannot work
+    kv_receivers.check(config)  # before the model loads: say at once what to install, or what cannot work
     check_settings(config)  # --tp-size > 1: the follower ranks (common/parallel/launch.py)
     tp_ranks = TPRanks.start(config, follower_main, "decode") if config.tp_size > 1 else None
     tp = tp_ranks.tp if tp_ranks else None
@@ -71,7 +71,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
     inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
     # the KV transport's decode side: with mooncake or shm our pools registered (or shared) and named
     # in each call, prefill writes KV into them; with grpc no destination (KV comes as bytes)
-    kv_receiver = kv_transport.make_receiver(runner, config, tp)
+    kv_receiver = kv_receivers.make_receiver(runner, config, tp)
     tracer = tracing.Tracing("decode", config.otlp_traces_endpoint)
     prefill = PrefillClient(
         config.prefill_addrs,

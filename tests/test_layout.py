@@ -1,5 +1,5 @@
 """The layout holds: the engine runs without the wire or the tools (or gRPC), files stay small, and
-the README's layout table names exactly the modules in the tree."""
+docs/architecture.md's layout table names exactly the modules in the tree."""
 
 from __future__ import annotations
 
@@ -100,9 +100,10 @@ def test_no_file_over_400_lines():
     assert not long
 
 
-def test_readme_layout_table_matches_the_tree():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("## Layout") :]
+def test_architecture_layout_table_matches_the_tree():
+    """docs/architecture.md's layout table (what every module holds) names exactly the modules in the tree."""
+    doc = open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    section = doc[doc.index("## Layout") :]
     section = section[: section.index("\n## ", 4)] if "\n## " in section[4:] else section
     named = set(re.findall(r"`((?:common|decode_service|prefill_service)/[\w/]+\.py)`", section))
     modules = {
@@ -110,8 +111,8 @@ def test_readme_layout_table_matches_the_tree():
         for f in _py_files("common", "decode_service", "prefill_service")
         if not f.endswith("__init__.py") and "proto_gen" not in f
     }
-    assert named <= modules, f"README names files that do not exist: {sorted(named - modules)}"
-    assert modules <= named, f"README's layout table misses: {sorted(modules - named)}"
+    assert named <= modules, f"docs/architecture.md's layout names files that do not exist: {sorted(named - modules)}"
+    assert modules <= named, f"docs/architecture.md's layout table misses: {sorted(modules - named)}"
 
 
 def test_common_imports_no_service():
