@@ -5,7 +5,7 @@
 
 The flags named above build a FaultInjector (prefill_service/fault_injection.py: break or stall
 that share of handoffs after their first KV message; also a Delays: sleep S before each KV message,
-or after each engine step); every other flag is the prefill service's own (`python -m
+or after each worker step); every other flag is the prefill service's own (`python -m
 prefill_service --help`). The service itself has no such flags: hooks are objects handed to
 PrefillService (prefill_service/hooks.py), and this entry point is the one place that makes them
 from a command line (bench/chaos_soak.py, tests/test_faults.py, tests/test_prefill_replicas.py).
@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
         "--inject-faults", default=None, help="fail=P,stall=P[,seed=N]: break or stall that share of handoffs"
     )
     p.add_argument("--kv-message-delay-s", type=float, default=0.0, help="sleep before each KV message")
-    p.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each engine step")
+    p.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each worker step")
     return p
 
 

@@ -16,7 +16,7 @@
 3. write the head in the public layout (config.json + model.safetensors) that the services load
    with --speculative-draft-model-path, and for EAGLE `token_map.json` (the answers' tokens, most
    frequent first, at most HOT_TOKENS) for --speculative-token-map; atomically (a temp folder renamed).
-`measure_acceptance` runs the decode engine with a head on held-out prompts (a split of the
+`measure_acceptance` runs the decode scheduler with a head on held-out prompts (a split of the
 instructions never fitted on) and returns the mean accept length (tokens committed per verify step).
 """
 
@@ -244,7 +244,7 @@ def measure_acceptance(
     topk: int = 1,
     num_draft_tokens: int | None = None,
 ) -> float:
-    """Mean accept length (committed tokens per verify step) of the decode engine on `prompts`
+    """Mean accept length (committed tokens per verify step) of the decode scheduler on `prompts`
     (topk > 1: tree drafting with `num_draft_tokens` nodes)."""
     from bench import offline
     from common.engine.draft_runner import SpecArgs

@@ -1,7 +1,8 @@
-"""Offline generation through both services' engines in one process: a list of prompts in, their outputs out.
+"""Offline generation through both services' schedulers and workers in one process: a list of prompts
+in, their outputs out.
 
 The decode scheduler (continuous batching, overlap, EAGLE when the runner has a head) with the
-prefill engine on a thread (InProcessPrefill), all requests submitted at once: the scheduler admits
+prefill worker on a thread (InProcessPrefill), all requests submitted at once: the scheduler admits
 them as request and KV slots free, so the batch stays full until the last prompts. Used to measure
 a head's accept length and by the benchmarks (which tap each token's arrival).
 """
@@ -19,8 +20,8 @@ from decode_service.inbox import Inbox
 from decode_service.output import RequestOutput
 from decode_service.scheduler import DecodeScheduler
 from decode_service.worker import DecodeWorker
-from prefill_service.engine import PrefillEngine
 from prefill_service.inprocess import InProcessPrefill
+from prefill_service.worker import PrefillWorker
 
 
 def generate(
@@ -65,9 +66,9 @@ def generate(
     params = params if isinstance(params, list) else [params] * len(prompts)
     inbox = Inbox()
     max_batch = decode_runner.req_to_token_pool.allocator.num_free
-    engine = PrefillEngine(prefill_runner, chunk_size=chunk_size)
+    worker = PrefillWorker(prefill_runner, chunk_size=chunk_size)
     peer = InProcessPrefill(
-        engine,
+        worker,
         inbox.deliver_handoff,
         inbox.fail_handoff,
         max_batch=max_batch,
@@ -82,8 +83,8 @@ def generate(
     finally:
         sched.stop()
         peer.close()
-        if engine.cache is not None:  # the runner outlives this engine: its prefix cache's slots go back
-            engine.cache.reset()
+        if worker.cache is not None:  # the runner outlives this worker: its prefix cache's slots go back
+            worker.cache.reset()
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     return outputs, tuple(sched.spec_stats)

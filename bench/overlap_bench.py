@@ -19,12 +19,12 @@ from common.engine.sampling import SamplingParams
 from common.tools.tiny_checkpoint import build
 from decode_service.scheduler import DecodeScheduler
 from decode_service.worker import DecodeWorker
-from prefill_service.engine import PrefillEngine
+from prefill_service.worker import PrefillWorker
 
 
 def measure(path: str, device: str, batch: int, steps: int, overlap: bool, prompt_len: int = 16) -> float:
     args = dict(device=device, max_running_requests=batch, max_total_tokens=batch * (prompt_len + steps + 1))
-    prefill = PrefillEngine(ModelRunner(RunnerArgs(path, **args)), chunk_size=4096)
+    prefill = PrefillWorker(ModelRunner(RunnerArgs(path, **args)), chunk_size=4096)
     pending = []
     sched = DecodeScheduler(DecodeWorker(ModelRunner(RunnerArgs(path, **args))), pending.append, overlap=overlap)
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)

@@ -7,7 +7,7 @@ CPU, one chat prompt (the same ids for every request, so HF needs no padding), g
 For each batch size B:
 1. HF `generate` on a [B, L] batch: TTFT = the time of generate(max_new_tokens=1); decode tok/s =
    B * (N - 1) / (time(N) - time(1)); ITL = that decode time / (N - 1).
-2. ours in-process: DecodeScheduler + the prefill engine on a thread (InProcessPrefill), B requests
+2. ours in-process: DecodeScheduler + the prefill worker on a thread (InProcessPrefill), B requests
    submitted at once; token arrival times come from the output callback.
 3. the pair over gRPC: `python -m prefill_service` and `python -m decode_service` as subprocesses on
    loopback, B concurrent streaming Generate calls from this process.

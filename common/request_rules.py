@@ -1,6 +1,6 @@
 """Request rules, written once: what a valid request is, and why a request finishes.
 
-Used by the colocated engine, the prefill engine and service, the decode scheduler and the decode
+Used by the colocated loop, the prefill worker and service, the decode scheduler and the decode
 front door. Every violation raises `InvalidRequest` (a ValueError) with a message naming the field;
 the services map it to INVALID_ARGUMENT.
 """

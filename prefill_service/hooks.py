@@ -4,7 +4,7 @@ Production passes none: `PrefillService(config)` leaves `hooks` None, and the sc
 handoff stream skip every hook with one `is None` test. A test or drill hands in an object instead,
 `PrefillService(config, hooks=...)`, subclassing PrefillHooks and overriding what it needs:
 
-    after_step()              the scheduler thread, after each engine step (before its answers go)
+    after_step()              the scheduler thread, after each worker step (before its answers go)
     await before_kv_message() the server's event loop, before each KV message of a stream is sent
     draw_fault()              once per call, as its KV is about to go: None, FAIL or STALL
 
@@ -29,7 +29,7 @@ class PrefillHooks:
     """No-op base: each method does nothing; override the ones a test needs."""
 
     def after_step(self) -> None:
-        """On the scheduler thread after each engine step, before the step's answers are given."""
+        """On the scheduler thread after each worker step, before the step's answers are given."""
 
     async def before_kv_message(self) -> None:
         """On the event loop before each KV message (a KvChunk or a KvWritten notice) is sent."""
@@ -40,7 +40,7 @@ class PrefillHooks:
 
 
 class Delays(PrefillHooks):
-    """Sleep `step_s` after each engine step and `kv_message_s` before each KV message."""
+    """Sleep `step_s` after each worker step and `kv_message_s` before each KV message."""
 
     def __init__(self, step_s: float = 0.0, kv_message_s: float = 0.0):
         self.step_s, self.kv_message_s = step_s, kv_message_s

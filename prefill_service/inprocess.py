@@ -15,22 +15,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from common.engine.handoff import Handoff, HandoffRequest
-from prefill_service.engine import PrefillEngine
 from prefill_service.scheduler import Answer, PrefillCall, PrefillScheduler
+from prefill_service.worker import PrefillWorker
 
 
 class InProcessPrefill:
     def __init__(
         self,
-        engine: PrefillEngine,
+        worker: PrefillWorker,
         deliver: Callable[[Handoff], None],
         fail: Callable[[str, str], None],
         max_batch: int = 16,
     ):
         """`max_batch`: prompts prefilled together at most (the scheduler's max_running_requests)."""
-        self.engine = engine
+        self.worker = worker
         self.deliver, self.fail = deliver, fail
-        self.scheduler = PrefillScheduler(engine, max_running_requests=max_batch).start(threads=1)
+        self.scheduler = PrefillScheduler(worker, max_running_requests=max_batch).start(threads=1)
 
     def __call__(self, request: HandoffRequest) -> None:
         self.scheduler.submit(PrefillCall(request, lambda answer: self._answer(request.rid, answer)))

@@ -7,24 +7,24 @@ Life of a call (queues named as in the code):
      After the loop has ended (stop, or a crash) a call is answered at once with the reason instead.
   2. process_input_requests(): the loop moves everything on `inbox` to `waiting` (arrival order).
   3. drop_cancelled(): one look at `call.cancelled` per call and stage: a cancelled call in
-     `waiting` is answered "cancelled before prefill"; one in `running` is aborted (engine.abort
+     `waiting` is answered "cancelled before prefill"; one in `running` is aborted (worker.abort
      frees its slots) and answered "cancelled during prefill".
   4. get_new_batch(): from the head of `waiting`, in order, while fewer than max_running_requests
-     run and engine.can_admit says a request slot and KV for the prompt are free, admit to `running`
-     (engine.admit reserves them); nothing running and the head still does not fit: it never will,
+     run and worker.can_admit says a request slot and KV for the prompt are free, admit to `running`
+     (worker.admit reserves them); nothing running and the head still does not fit: it never will,
      so it is answered with an error.
-  5. run_batch(): one engine step: one chunked extend forward across `running`, short prompts first
-     (engine.py); process_batch_result(): each prompt completed in the step is answered with its
-     Handoff (the engine already freed its slots); a failed step frees and fails every running call.
+  5. run_batch(): one worker step: one chunked extend forward across `running`, short prompts first
+     (worker.py); process_batch_result(): each prompt completed in the step is answered with its
+     Handoff (the worker already freed its slots); a failed step frees and fails every running call.
   6. stop(): the loop ends after the current step; every call still in `inbox`, `waiting` or
-     `running` is answered "prefill service stopping" and the engine frees their slots.
+     `running` is answered "prefill service stopping" and the worker frees their slots.
   7. an exception escaping the loop body (outside the step's own try) ends the loop the same way,
      every pending call answered with that error: `alive` turns False, `fatal_error` holds it, and
      `on_fatal(error)` tells the owner (the server reports NOT_SERVING).
 Every call gets exactly one answer, `call.on_answer(Handoff | Exception)`, called on the loop's
 thread (or on the thread calling submit or stop); an answer must not block.
 With debug_checks the pools' integrity is checked whenever no call is running (every slot free).
-`hooks` (tests, drills: hooks.py): `hooks.after_step()` runs after each engine step; None in production.
+`hooks` (tests, drills: hooks.py): `hooks.after_step()` runs after each worker step; None in production.
 This module runs without gRPC: the server (server.py) translates RPCs into calls; in one process
 (tests, benchmarks) InProcessPrefill (inprocess.py) submits them.
 """
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
-from prefill_service.engine import PrefillEngine
 from prefill_service.hooks import PrefillHooks
+from prefill_service.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class PrefillCall:
 
 @dataclass
 class PrefillBatchResult:
-    """What one engine step gave: (request, Handoff) of each completed prompt, or the step's error."""
+    """What one worker step gave: (request, Handoff) of each completed prompt, or the step's error."""
 
     done: list[tuple[HandoffRequest, Handoff]] = field(default_factory=list)
     error: Exception | None = None
@@ -86,7 +86,7 @@ class PrefillBatchResult:
 class PrefillScheduler:
     def __init__(
         self,
-        engine: PrefillEngine,
+        worker: PrefillWorker,
         max_running_requests: int,
         debug_checks: bool = False,
         on_fatal: Callable[[BaseException], None] | None = None,
@@ -94,7 +94,7 @@ class PrefillScheduler:
         hooks: PrefillHooks | None = None,
     ):
         """`max_pending`: calls not answered yet at most (None: no bound)."""
-        self.engine = engine
+        self.worker = worker
         self.max_running_requests = max_running_requests
         self.max_pending = max_pending
         self.debug_checks = debug_checks
@@ -102,7 +102,7 @@ class PrefillScheduler:
         self.on_fatal = on_fatal
         self.inbox: deque[PrefillCall] = deque()  # submitted, not seen by the loop yet
         self.waiting: deque[PrefillCall] = deque()  # seen, waiting for slots (loop thread only)
-        self.running: dict[int, PrefillCall] = {}  # id(request) -> call admitted to the engine
+        self.running: dict[int, PrefillCall] = {}  # id(request) -> call admitted to the worker
         self.pending: dict[int, PrefillCall] = {}  # id(call) -> every call not answered yet
         self.num_prefilled = 0  # calls answered with a Handoff since start
         self.fatal_error: BaseException | None = None
@@ -205,7 +205,7 @@ class PrefillScheduler:
                 self._answer(call, RuntimeError("cancelled before prefill"))
         for key, call in list(self.running.items()):
             if call.cancelled.is_set():
-                self.engine.abort(call.request)
+                self.worker.abort(call.request)
                 del self.running[key]
                 self._answer(call, RuntimeError("cancelled during prefill"))
 
@@ -214,11 +214,11 @@ class PrefillScheduler:
         while (
             self.waiting
             and len(self.running) < self.max_running_requests
-            and self.engine.can_admit(self.waiting[0].request)
+            and self.worker.can_admit(self.waiting[0].request)
         ):
             call = self.waiting.popleft()
             try:
-                self.engine.admit(call.request)
+                self.worker.admit(call.request)
             except ValueError as e:
                 self._answer(call, e)
                 continue
@@ -229,7 +229,7 @@ class PrefillScheduler:
 
     def run_batch(self) -> PrefillBatchResult:
         try:
-            result = PrefillBatchResult(done=self.engine.step(on_first_token=self._first_token))
+            result = PrefillBatchResult(done=self.worker.step(on_first_token=self._first_token))
         except Exception as e:  # every admitted call fails (also any the step finished before it broke)
             result = PrefillBatchResult(error=e)
         if self.hooks is not None:
@@ -238,7 +238,7 @@ class PrefillScheduler:
 
     def process_batch_result(self, result: PrefillBatchResult) -> None:
         if result.error is not None:
-            self.engine.fail_all()
+            self.worker.fail_all()
             failed = list(self.running.values())
             self.running.clear()
             for call in failed:
@@ -249,8 +249,8 @@ class PrefillScheduler:
             call.finished_at = now
             self.num_prefilled += 1
             self._answer(call, handoff)
-        if self.debug_checks and not self.running:  # the engine freed every slot but the cache's: the books balance
-            self.engine.check_idle_integrity()
+        if self.debug_checks and not self.running:  # the worker freed every slot but the cache's: the books balance
+            self.worker.check_idle_integrity()
 
     # ---- answers --------------------------------------------------------------------------------
     def _first_token(self, request: HandoffRequest, token: int) -> None:
@@ -259,7 +259,7 @@ class PrefillScheduler:
             _guarded(call.on_first_token, token, call, "first token")
 
     def _close(self, error: Exception) -> None:
-        """The loop has ended: free what the engine holds, answer every pending call with `error`."""
+        """The loop has ended: free what the worker holds, answer every pending call with `error`."""
         with self._cv:
             if self._closed is None:
                 self._closed = error
@@ -268,9 +268,9 @@ class PrefillScheduler:
         self.waiting.clear()
         self.running.clear()
         try:
-            self.engine.fail_all()
+            self.worker.fail_all()
         except Exception:  # noqa: BLE001 - the calls still get their answer
-            logger.exception("freeing the prefill engine's requests failed")
+            logger.exception("freeing the prefill worker's requests failed")
         for call in unanswered:
             self._answer(call, error)
 

@@ -1,6 +1,6 @@
 """The prefill service: gRPC `disagg.v1.Prefill` over a PrefillScheduler (the RPC layer).
 
-The parts are built by wiring.py (runner, TP ranks, engine, scheduler, metrics, tracing, KV sender,
+The parts are built by wiring.py (runner, TP ranks, worker, scheduler, metrics, tracing, KV sender,
 the gRPC server); a call's response stream is handoff_stream.py's. The server is grpc.aio on its own
 event-loop thread (common/wire/aio_server.py): an open Prefill call is a coroutine, not a thread, so
 any number of open calls leaves grpc.health.v1 and GetLoad answering at once. The scheduler thread
@@ -50,7 +50,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.config, self.hooks = config, hooks
         p = wiring.build(config, self._scheduler_failed, hooks)
         self.sender, self.tp_ranks, self.runner, self.tracing = p.sender, p.tp_ranks, p.runner, p.tracing
-        self.engine, self.scheduler, self.metrics, self.streams = p.engine, p.scheduler, p.metrics, p.streams
+        self.worker, self.scheduler, self.metrics, self.streams = p.worker, p.scheduler, p.metrics, p.streams
         self.metrics_port: int | None = None
         self.open_calls = 0  # Prefill calls open (changed on the event loop only)
         self.server = wiring.serve(config, self)
@@ -74,7 +74,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.server.set_serving(False)
         self.scheduler.stop()
         if self.tp_ranks:
-            self.engine.stop_followers()
+            self.worker.stop_followers()
             self.tp_ranks.stop()
         self.server.stop(grace_s)
         self.metrics.close()
@@ -83,7 +83,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.sender.close()
 
     def _rank_died(self, reason: str) -> None:
-        self.engine.mark_dead(reason)
+        self.worker.mark_dead(reason)
         self._scheduler_failed(RuntimeError(reason))
 
     def _scheduler_failed(self, error: BaseException) -> None:
@@ -131,7 +131,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         first: asyncio.Future = loop.create_future()  # the first token, before the answer
         resolve_answer, m = _resolver(loop, answer), self.metrics
 
-        def on_answer(result) -> None:  # the engine's thread: counted even if the caller has gone since
+        def on_answer(result) -> None:  # the worker's thread: counted even if the caller has gone since
             if not isinstance(result, BaseException) and call.started_at:
                 m.queue_time.observe(call.started_at - call.queued_at)
                 m.compute.observe(call.finished_at - call.started_at)

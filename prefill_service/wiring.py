@@ -6,7 +6,7 @@ checked before a model loads:
      the TP settings and the call bounds (--max-chunk-bytes, --max-open-calls); with --tp-size > 1
      the follower ranks start (common/parallel/launch.py);
   2. the ModelRunner (rank 0's share of the model, its KV pool and allocator) and the tracer;
-  3. the engine (PrefillEngine, or TPPrefillEngine that broadcasts each call to the ranks), copying
+  3. the worker (PrefillWorker, or TPPrefillWorker that broadcasts each call to the ranks), copying
      finished prompts' KV out to where the sender wants it, and the PrefillScheduler over it;
   4. the metrics (their gauges read the scheduler, the KV allocator, the prefix cache and the
      transfers in flight) and the HandoffStreams that send each call's answer.
@@ -32,11 +32,11 @@ from common.wire.grpc_server import MAX_CHUNK_BYTES
 from common.wire.proto_gen import prefill_pb2
 from common.wire.servicer import add_servicer
 from prefill_service.config import PrefillConfig
-from prefill_service.engine import PrefillEngine
 from prefill_service.handoff_stream import HandoffStreams
 from prefill_service.hooks import PrefillHooks
 from prefill_service.scheduler import PrefillScheduler
-from prefill_service.tp_engine import TPPrefillEngine, follower_main
+from prefill_service.tp_worker import TPPrefillWorker, follower_main
+from prefill_service.worker import PrefillWorker
 
 SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]
 
@@ -47,7 +47,7 @@ class PrefillParts:
     tp_ranks: TPRanks | None  # the follower ranks, with --tp-size > 1
     runner: ModelRunner
     tracing: tracing.Tracing
-    engine: PrefillEngine
+    worker: PrefillWorker
     scheduler: PrefillScheduler
     metrics: PrefillMetrics
     streams: HandoffStreams
@@ -69,13 +69,13 @@ def build(
     tracer = tracing.Tracing("prefill", config.otlp_traces_endpoint)
     cache = not config.disable_radix_cache
     staging = sender.staging_device(runner.device)  # where handoffs' KV is copied out to
-    engine = (
-        TPPrefillEngine(runner, tp, config.chunked_prefill_size, cache, staging)
+    worker = (
+        TPPrefillWorker(runner, tp, config.chunked_prefill_size, cache, staging)
         if tp
-        else PrefillEngine(runner, config.chunked_prefill_size, cache, staging)
+        else PrefillWorker(runner, config.chunked_prefill_size, cache, staging)
     )
     scheduler = PrefillScheduler(
-        engine,
+        worker,
         config.max_running_requests,
         debug_checks=config.debug_checks,
         on_fatal=on_fatal,
@@ -88,13 +88,13 @@ def build(
         queued=scheduler.num_queued,
         kv_usage=lambda: kv.num_used / kv.size,
         transfers_in_flight=lambda: streams.transfers_in_flight,
-        cache_hit_rate=lambda: engine.stats.hit_rate,
-        cache_tokens=lambda: engine.cache.tree_size if engine.cache else 0,
+        cache_hit_rate=lambda: worker.stats.hit_rate,
+        cache_tokens=lambda: worker.cache.tree_size if worker.cache else 0,
         model_name=os.path.basename(os.path.abspath(config.model_path)),  # as decode's default name
     )
     metrics.watch_greedy_head(runner)
     streams = HandoffStreams(sender, metrics, tracer, config.max_chunk_bytes, hooks)
-    return PrefillParts(sender, tp_ranks, runner, tracer, engine, scheduler, metrics, streams)
+    return PrefillParts(sender, tp_ranks, runner, tracer, worker, scheduler, metrics, streams)
 
 
 def serve(config: PrefillConfig, servicer) -> AioServer:

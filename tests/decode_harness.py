@@ -1,4 +1,4 @@
-"""Wire a prefill engine and a decode scheduler in one process for tests.
+"""Wire a prefill worker and a decode scheduler in one process for tests.
 
 `Pair` runs the scheduler thread with an in-process prefill thread (the realistic shape).
 `ManualPair` steps the scheduler by hand and holds prefill requests until the test releases them,
@@ -18,8 +18,8 @@ from decode_service.inbox import Inbox
 from decode_service.output import Finish, RequestOutput
 from decode_service.scheduler import DecodeScheduler
 from decode_service.worker import DecodeWorker
-from prefill_service.engine import PrefillEngine
 from prefill_service.inprocess import InProcessPrefill
+from prefill_service.worker import PrefillWorker
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Pair:
         self.out = Outputs()
         self.inbox = Inbox()
         self.link = InProcessPrefill(
-            PrefillEngine(prefill, chunk_size), self.inbox.deliver_handoff, self.inbox.fail_handoff
+            PrefillWorker(prefill, chunk_size), self.inbox.deliver_handoff, self.inbox.fail_handoff
         )
         self.worker = HookedWorker(decode, hooks)
         self.scheduler = DecodeScheduler(self.worker, self.link, self.inbox, overlap=overlap, debug=True)
@@ -165,7 +165,7 @@ class ManualPair:
 
     def __init__(self, path: str, overlap: bool = True, hooks: Hooks | None = None, **sizes):
         prefill, decode = runners(path, **sizes)
-        self.engine = PrefillEngine(prefill, chunk_size=16)
+        self.prefill_worker = PrefillWorker(prefill, chunk_size=16)
         self.pending = []
         self.out = Outputs()
         self.worker = HookedWorker(decode, hooks)
@@ -179,7 +179,7 @@ class ManualPair:
         take = [r for r in self.pending if rid is None or r.rid == rid]
         for r in take:
             self.pending.remove(r)
-        for h in self.engine.prefill(take):
+        for h in self.prefill_worker.prefill(take):
             self.scheduler.inbox.deliver_handoff(h)
 
     def run_until_idle(self, max_steps: int = 1000) -> None:

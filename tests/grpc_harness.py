@@ -28,16 +28,16 @@ def wait_for(what: str, cond, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def held_engine(service: PrefillService) -> tuple[threading.Event, threading.Event]:
-    """Latch a prefill service's engine step shut: (in_step, latch); its first step waits for latch."""
-    in_step, latch, step = threading.Event(), threading.Event(), service.engine.step
+def held_worker(service: PrefillService) -> tuple[threading.Event, threading.Event]:
+    """Latch a prefill service's worker step shut: (in_step, latch); its first step waits for latch."""
+    in_step, latch, step = threading.Event(), threading.Event(), service.worker.step
 
     def held_step(*args, **kwargs):
         in_step.set()
-        assert latch.wait(60), "the test never released the engine"
+        assert latch.wait(60), "the test never released the worker"
         return step(*args, **kwargs)
 
-    service.engine.step = held_step
+    service.worker.step = held_step
     return in_step, latch
 
 

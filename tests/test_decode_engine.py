@@ -173,7 +173,7 @@ def test_broken_handoff_frees_the_reservation_once(checkpoint):
     pair.submit("malformed", p, SamplingParams(max_new_tokens=8))
     pair.scheduler.step()
     pair.scheduler.inbox.fail_handoff("broken", "peer went away")
-    [bad] = pair.engine.prefill([r for r in pair.pending if r.rid == "malformed"])
+    [bad] = pair.prefill_worker.prefill([r for r in pair.pending if r.rid == "malformed"])
     pair.pending.clear()
     bad.k = bad.k[:-1]
     pair.scheduler.inbox.deliver_handoff(bad)
@@ -184,7 +184,7 @@ def test_broken_handoff_frees_the_reservation_once(checkpoint):
 
 def test_seeded_sampling_continues_across_the_handoff(checkpoint):
     """Prefill samples output 0 and decode the rest from (seed, position): same as one process."""
-    from common.engine.colocated import ColocatedEngine
+    from common.engine.colocated import ColocatedLoop
     from common.engine.model_runner import ModelRunner, RunnerArgs
 
     path = checkpoint("llama")
@@ -192,7 +192,7 @@ def test_seeded_sampling_continues_across_the_handoff(checkpoint):
     params = [
         SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(4)
     ]
-    colocated = ColocatedEngine(ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4)), 16)
+    colocated = ColocatedLoop(ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4)), 16)
     reference = [r.output for r in colocated.generate(prompts, params)]
     pair = Pair(path)
     try:
@@ -236,10 +236,10 @@ def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
     sched.step()
     [req] = pair.pending
     pair.pending.clear()
-    [h0] = pair.engine.prefill([req])
+    [h0] = pair.prefill_worker.prefill([req])
     sched.inbox.deliver_first_token("r", h0.first_token, 0)  # attempt 1 streams its token, then breaks
     retry = HandoffRequest("r", p + [h0.first_token], req.params, req.seed, first_position=1)
-    [h1] = pair.engine.prefill([retry])
+    [h1] = pair.prefill_worker.prefill([retry])
     sched.inbox.deliver_first_token("r", h1.first_token, 1)  # attempt 2 would stream the next one
     sched.inbox.deliver_handoff(h1)
     pair.close()

@@ -24,7 +24,7 @@ from common.engine.handoff import HandoffRequest
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.tools.eagle_checkpoint import build as build_head
-from prefill_service.engine import PrefillEngine
+from prefill_service.worker import PrefillWorker
 from tests.oracle import hf_model
 from tests.test_eagle import chat_prompts
 
@@ -105,10 +105,10 @@ def test_prefill_draft_seed_matches_a_plain_reimplementation(checkpoint, fitted_
     head = fitted_head(arch, algorithm) if arch == "llama" else build_head(target, algorithm, str(tmp_path / "h"))
     spec = SpecArgs(algorithm, head, 3, TOPK, 8)
     runner = ModelRunner(RunnerArgs(target, max_total_tokens=256, max_running_requests=2, spec=spec))
-    engine = PrefillEngine(runner, chunk_size=16)  # the prompt's draft extend runs over several chunks
+    worker = PrefillWorker(runner, chunk_size=16)  # the prompt's draft extend runs over several chunks
     prompt = chat_prompts(target, 1)[0]
     assert len(prompt) > 2 * 16
-    (handoff,) = engine.prefill([HandoffRequest("r", prompt, SamplingParams(max_new_tokens=4), 0)])
+    (handoff,) = worker.prefill([HandoffRequest("r", prompt, SamplingParams(max_new_tokens=4), 0)])
     ref_k, ref_hidden, ref_logits = reference(target, head, algorithm, prompt + [handoff.first_token])
     torch.testing.assert_close(handoff.draft_k[0].float(), ref_k, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(handoff.draft_hidden.float().reshape(-1), ref_hidden[-1], rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""EAGLE / EAGLE3 chain drafting in the decode engine: exact against HF greedy, whatever the drafts.
+"""EAGLE / EAGLE3 chain drafting on the decode side: exact against HF greedy, whatever the drafts.
 
 Heads fitted to the tiny targets (the `fitted_head` fixture: bench.fit_eagle with a fixed step
 budget, cached) accept a good part of their drafts on chat-formatted prompts (the fitting tool's
@@ -288,7 +288,7 @@ def test_broken_draft_handoff_and_aborts_free_everything_once(checkpoint, heads)
     for rid, prompt in (("broken", PROMPTS[0]), ("aborted", PROMPTS[1]), ("ok", PROMPTS[3])):
         pair.submit(rid, prompt, params)
     pair.scheduler.step()  # admission: three reservations (incl. draft tail)
-    handoffs = {h.rid: h for h in pair.engine.prefill(pair.pending)}
+    handoffs = {h.rid: h for h in pair.prefill_worker.prefill(pair.pending)}
     pair.pending.clear()
     handoffs["broken"] = dataclasses.replace(handoffs["broken"], draft_hidden=None)
     for h in handoffs.values():

@@ -59,7 +59,7 @@ def _balanced(decode: DecodeService, replicas=()) -> None:
     decode.scheduler.check_integrity()
     assert decode.runner.kv_allocator.num_used == 0 and decode.runner.req_to_token_pool.allocator.num_used == 0
     for r in replicas:
-        r.engine.check_idle_integrity()  # every used KV slot is the prefix cache's, each once; no lock left
+        r.worker.check_idle_integrity()  # every used KV slot is the prefix cache's, each once; no lock left
 
 
 def test_fault_plan_parsing():

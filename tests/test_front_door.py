@@ -19,7 +19,7 @@ from common.wire.grpc_server import channel_options
 from prefill_service.config import PrefillConfig
 from prefill_service.hooks import Delays
 from prefill_service.server import PrefillService
-from tests.grpc_harness import GrpcPair, held_engine
+from tests.grpc_harness import GrpcPair, held_worker
 from tests.oracle import hf_greedy
 
 OK_PROMPT = [5, 6, 7, 8]
@@ -143,7 +143,7 @@ def test_control_rpcs_answer_with_200_streams_open(checkpoint):
         prefill_kw=dict(max_chunk_bytes=512),
         decode_kw=dict(max_running_requests=8, max_queued_requests=192),
     )
-    in_step, latch = held_engine(pair.prefill)
+    in_step, latch = held_worker(pair.prefill)
     calls = []
     try:
         calls = [pair.generate([5 + i % 50, 6, 7], 8, stream=True, rid=f"open{i}", ignore_eos=True) for i in range(200)]

@@ -173,7 +173,7 @@ def test_decode_with_the_greedy_head_matches_hf(checkpoint, arch):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 384, (n,), generator=g).tolist() for n in (3, 17, 9, 30)]
     pair = Pair(path, greedy_head="on")
-    head, first = pair.worker.runner.model.greedy_head, pair.link.engine.runner.model.greedy_head
+    head, first = pair.worker.runner.model.greedy_head, pair.link.worker.runner.model.greedy_head
     decode_rows, prefill_rows = [], []  # the prefill's first tokens come through its own runner's head
     for h, rows in ((head, decode_rows), (first, prefill_rows)):
         h.tokens = lambda x, rows=rows, real=h.tokens: rows.append(x.shape[0]) or real(x)

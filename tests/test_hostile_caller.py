@@ -17,7 +17,7 @@ from common.wire import security
 from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from decode_service.request_validation import InvalidRequest, parse_generate
-from tests.grpc_harness import GrpcPair, held_engine, wait_for
+from tests.grpc_harness import GrpcPair, held_worker, wait_for
 
 KEY = "inside"
 KEYED = security.key_metadata(KEY)
@@ -110,10 +110,10 @@ def test_the_front_door_counts_stop_ids_itself():
 
 def test_more_open_calls_than_the_cap_are_refused(pair, stub, serves_exactly):
     service = pair.prefill
-    in_step, latch = held_engine(service)
+    in_step, latch = held_worker(service)
     try:
         first = stub.Prefill(_request(), metadata=KEYED, timeout=60)  # prefilling: its step is held
-        assert in_step.wait(20), "the first call never reached the engine"
+        assert in_step.wait(20), "the first call never reached the worker"
         second = stub.Prefill(_request(), metadata=KEYED, timeout=60)  # queued behind it
         wait_for("two calls open", lambda: service.open_calls == 2)
         err = _refused(lambda: stub.Prefill(_request(), metadata=KEYED, timeout=30))

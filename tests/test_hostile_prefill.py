@@ -48,7 +48,7 @@ def _in_process(pair: ManualPair, path: str, spoil) -> str:
     pair.submit("bad", PROMPT, PARAMS)
     pair.submit("good", GOOD, PARAMS)
     pair.scheduler.step()  # admission: both reserved
-    handoffs = {h.rid: h for h in pair.engine.prefill(pair.pending)}
+    handoffs = {h.rid: h for h in pair.prefill_worker.prefill(pair.pending)}
     pair.pending.clear()
     bad = spoil(handoffs["bad"], pair)
     for h in (bad, handoffs["good"]):

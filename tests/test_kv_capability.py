@@ -177,7 +177,8 @@ def test_a_mooncake_pair_with_an_internal_key_signs_every_destination(checkpoint
     pair = GrpcPair(path, transfer="mooncake", prefill_kw=keyed, decode_kw=keyed)
     try:
         key = kv_capability.key_from_internal("internal-key")
-        assert pair.prefill.sender.engine.capability_key("any") == key and pair.decode.kv_receiver.keys == [key]
+        assert pair.prefill.sender.transfer_engine.capability_key("any") == key
+        assert pair.decode.kv_receiver.keys == [key]
         pair.check_against_oracle(path, [[5, 6, 7, 8], list(range(9, 40))], 6)
         assert pair.prefill.kv_notices > 0  # written through the engine, each write's destination verified
     finally:

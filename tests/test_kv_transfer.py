@@ -1,6 +1,6 @@
 """The KV transport's interface (common/kv_transfer/): one factory per side picks the backend, each
-sender says where the engine stages the copy-out and falls back to bytes by itself, and whatever
-goes wrong while the KV moves is one error type. The CUDA half (device staging, Mooncake reading
+sender says where the prefill worker stages the copy-out and falls back to bytes by itself, and
+whatever goes wrong while the KV moves is one error type. The CUDA half (device staging, Mooncake reading
 device memory) is tests/gpu/test_kv_transfer_cuda.py."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from common.kv_transfer.errors import KvTransferError
 from common.wire import kv_capability
 from common.wire.kv_chunks import KvAssembler
 from common.wire.proto_gen import prefill_pb2
-from prefill_service.engine import PrefillEngine
+from prefill_service.worker import PrefillWorker
 
 CUDA0 = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
 
@@ -41,7 +41,7 @@ def test_each_sender_stages_where_its_backend_reads():
     it where the pool is (on CUDA the engine registers device memory: no host copy)."""
     for s in (grpc_bytes.BytesSender(), shm.ShmSender(shm.ShmWriter("/nonexistent"))):
         assert s.staging_device(CUDA0) == torch.device("cpu") and s.staging_device("cpu") == torch.device("cpu")
-    moon = mooncake.MooncakeSender(engine=None)  # no engine started: the choice alone
+    moon = mooncake.MooncakeSender(transfer_engine=None)  # no engine started: the choice alone
     assert moon.staging_device(CUDA0) == CUDA0 and moon.staging_device("cpu") == torch.device("cpu")
     # over RDMA the engine reads device memory itself (GPUDirect); over TCP the transfer thread copies it out
     assert mooncake.MooncakeSender(SimpleNamespace(protocol="rdma")).reads_device and not moon.reads_device
@@ -112,21 +112,21 @@ def test_a_destination_that_does_not_fit_is_a_transfer_error(tmp_path):
 
 
 def test_host_staging_leaves_the_copy_out_as_it_was(checkpoint):
-    """The engine copies a finished prompt's KV to its staging device. On the host (every CPU
+    """The prefill worker copies a finished prompt's KV to its staging device. On the host (every CPU
     service, and gRPC or shm on a GPU) the handoff holds host tensors equal to the pool's slots and
     nothing to wait for; another staging device gets the KV there (the meta device stands in for a
     GPU here: it holds shapes, no data)."""
     runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=2))
     prompt = list(range(5, 17))
     request = HandoffRequest("r", prompt, SamplingParams(max_new_tokens=1), 0)
-    engine = PrefillEngine(runner, chunk_size=64, radix_cache=True)
-    assert engine.staging == torch.device("cpu")
-    [handoff] = engine.prefill([request])
+    worker = PrefillWorker(runner, chunk_size=64, radix_cache=True)
+    assert worker.staging == torch.device("cpu")
+    [handoff] = worker.prefill([request])
     assert handoff.kv_ready is None and all(t.device.type == "cpu" for t in handoff.k + handoff.v)
-    slots = engine.cache.match_prefix(prompt)[0]  # the prompt's slots, kept by the radix cache
+    slots = worker.cache.match_prefix(prompt)[0]  # the prompt's slots, kept by the radix cache
     assert torch.equal(torch.stack(handoff.k), runner.kv_pool.k_all[:, slots])
     assert staging.host_handoff(handoff) is handoff  # the bytes path copies nothing more
-    elsewhere = PrefillEngine(runner, chunk_size=64, radix_cache=False, staging="meta")
+    elsewhere = PrefillWorker(runner, chunk_size=64, radix_cache=False, staging="meta")
     [moved] = elsewhere.prefill([HandoffRequest("m", prompt, SamplingParams(max_new_tokens=1), 0)])
     assert moved.kv_ready is None and all(t.device.type == "meta" for t in moved.k + moved.v)
     assert moved.k[0].shape == handoff.k[0].shape and moved.first_token == handoff.first_token
@@ -142,7 +142,7 @@ def test_a_prefill_service_stages_as_its_sender_says(checkpoint, tmp_path):
         )
         service = PrefillService(config).start()
         try:
-            assert service.sender.label == backend and service.engine.staging == torch.device("cpu")
+            assert service.sender.label == backend and service.worker.staging == torch.device("cpu")
         finally:
             service.stop(0)
             service.sender.close()

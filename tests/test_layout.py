@@ -27,7 +27,7 @@ ENGINE_FILES = [
     "decode_service/worker.py",
     "decode_service/worker_batch.py",
     "decode_service/tp_messages.py",
-    "prefill_service/engine.py",
+    "prefill_service/worker.py",
     "prefill_service/inprocess.py",
     "prefill_service/draft_prefill.py",
     "prefill_service/scheduler.py",

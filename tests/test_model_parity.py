@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
+from common.engine.colocated import ColocatedLoop
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
@@ -67,8 +67,8 @@ def test_greedy_tokens_match_hf_generate(checkpoint, variant):
     path = checkpoint(variant)
     runner = _runner(path)
     prompts = _prompts(runner.config.vocab_size)
-    engine = ColocatedEngine(runner, chunk_size=CHUNK)
-    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    loop = ColocatedLoop(runner, chunk_size=CHUNK)
+    reqs = loop.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for prompt, req in zip(prompts, reqs):
         assert req.output == hf_greedy(path, prompt, NEW_TOKENS), f"prompt of length {len(prompt)}"
         assert req.finish_reason == "length"

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.server import PrefillService
-from tests.grpc_harness import held_engine, wait_for
+from tests.grpc_harness import held_worker, wait_for
 
 HELD = 80  # open calls held at once: more than the 64 handler threads of the old sync server
 CANCELLED = 8  # of them cancelled while queued
@@ -25,7 +25,7 @@ ANSWER_TIMEOUT_S = 30
 def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0, debug_checks=True)).start()
     sched = service.scheduler
-    in_step, latch = held_engine(service)
+    in_step, latch = held_worker(service)
     channel = grpc.insecure_channel(service.address)
     try:
         stub = prefill_pb2_grpc.PrefillStub(channel)
@@ -70,7 +70,7 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
         wait_for("the scheduler never went idle", lambda: sched.num_running == 0 and sched.num_queued() == 0)
         assert not sched.pending, "a call was left without an answer"
         assert service.num_prefilled == HELD - CANCELLED  # a cancel seen while queued prevents the prefill
-        assert service.engine.request_kv_used == 0
+        assert service.worker.request_kv_used == 0
         assert service.runner.req_to_token_pool.allocator.num_used == 0
         assert sched.alive
     finally:
@@ -80,17 +80,17 @@ def test_many_open_prefill_calls_leave_health_and_getload_answering(checkpoint):
 
 
 def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint):
-    """Regression: an exception escaping the engine loop (here from admission) ended its thread
+    """Regression: an exception escaping the scheduler loop (here from admission) ended its thread
     silently; the calls it held waited forever and health stayed SERVING."""
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
     sched = service.scheduler
-    in_step, latch = held_engine(service)
+    in_step, latch = held_worker(service)
     channel = grpc.insecure_channel(service.address)
     try:
         stub = prefill_pb2_grpc.PrefillStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         first = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]), timeout=20)
-        assert in_step.wait(10), "call a never reached the engine"
+        assert in_step.wait(10), "call a never reached the worker"
         behind = [
             stub.Prefill(prefill_pb2.PrefillRequest(request_id=f"b{i}", input_ids=[8, 9, i + 10]), timeout=20)
             for i in range(4)
@@ -100,7 +100,7 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
         def broken(request):
             raise RuntimeError("admission bookkeeping broke")
 
-        service.engine.can_admit = broken  # the next admission, after a's step, raises outside the step's try
+        service.worker.can_admit = broken  # the next admission, after a's step, raises outside the step's try
         latch.set()
 
         assert [m.WhichOneof("payload") for m in first][-1] == "record"  # a's step had finished
@@ -120,7 +120,7 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
         with pytest.raises(grpc.RpcError) as err:  # later calls are refused at once, not left hanging
             list(stub.Prefill(prefill_pb2.PrefillRequest(request_id="late", input_ids=[5, 6]), timeout=5))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert service.engine.request_kv_used == 0
+        assert service.worker.request_kv_used == 0
         assert service.runner.req_to_token_pool.allocator.num_used == 0
     finally:
         latch.set()
@@ -132,14 +132,14 @@ def test_the_first_token_is_sent_before_the_kv_is_copied_out(checkpoint):
     """DESIGN section 2 step 4: the first token goes out as soon as it is sampled; the KV copy-out
     (and with EAGLE the draft extend) follows. It used to wait for the whole copy-out."""
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
-    copying, latch, copy_out = threading.Event(), threading.Event(), service.engine._copy_out
+    copying, latch, copy_out = threading.Event(), threading.Event(), service.worker._copy_out
 
     def held_copy_out(done):
         copying.set()
         assert latch.wait(30), "the test never released the copy-out"
         return copy_out(done)
 
-    service.engine._copy_out = held_copy_out
+    service.worker._copy_out = held_copy_out
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         call = stub.Prefill(prefill_pb2.PrefillRequest(request_id="f", input_ids=[5, 6, 7, 8]), timeout=30)

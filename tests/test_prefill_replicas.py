@@ -183,20 +183,20 @@ def test_killing_prefill_processes_mid_handoff(checkpoint, transfer):
 
 def test_re_prefill_continues_the_seeded_stream(checkpoint):
     """A retry prefills prompt + sent tokens and samples output position len(sent): same tokens."""
-    from common.engine.colocated import ColocatedEngine
+    from common.engine.colocated import ColocatedLoop
     from common.engine.handoff import HandoffRequest
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
-    from prefill_service.engine import PrefillEngine
+    from prefill_service.worker import PrefillWorker
 
     path = checkpoint("qwen3")
     args = RunnerArgs(path, max_total_tokens=512, max_running_requests=4)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=77, ignore_eos=True)
     prompt = [9, 8, 7, 6, 5]
-    [ref] = ColocatedEngine(ModelRunner(args), 16).generate([prompt], params)
-    engine = PrefillEngine(ModelRunner(args), 16)
+    [ref] = ColocatedLoop(ModelRunner(args), 16).generate([prompt], params)
+    worker = PrefillWorker(ModelRunner(args), 16)
     for sent in range(4):
-        [h] = engine.prefill([HandoffRequest("r", prompt + ref.output[:sent], params, 77, first_position=sent)])
+        [h] = worker.prefill([HandoffRequest("r", prompt + ref.output[:sent], params, 77, first_position=sent)])
         assert h.first_token == ref.output[sent] and h.first_position == sent and h.prompt_len == len(prompt) + sent
 
 

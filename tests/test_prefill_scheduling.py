@@ -13,10 +13,10 @@ from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
-from prefill_service.engine import PrefillEngine
 from prefill_service.hooks import Delays
 from prefill_service.scheduler import PrefillCall, PrefillScheduler
 from prefill_service.server import PrefillService
+from prefill_service.worker import PrefillWorker
 from tests.oracle import hf_greedy
 
 GREEDY = SamplingParams(max_new_tokens=1)
@@ -27,32 +27,32 @@ def _req(rid, n, base=5):
 
 
 def test_budget_policy_short_prompts_first_oldest_never_starves(checkpoint):
-    engine = PrefillEngine(ModelRunner(RunnerArgs(checkpoint("llama"))), chunk_size=64)
+    worker = PrefillWorker(ModelRunner(RunnerArgs(checkpoint("llama"))), chunk_size=64)
     long, short = _req("long", 400), [_req(f"s{i}", 10 + i) for i in range(3)]
     for r in (long, *short):
-        engine.admit(r)
-    plan = {w.request.rid: n for w, n in engine.plan()}
+        worker.admit(r)
+    plan = {w.request.rid: n for w, n in worker.plan()}
     assert plan == {"long": 64 - 10 - 11 - 12, "s0": 10, "s1": 11, "s2": 12}
-    done = [r.rid for r, _ in engine.step()]
+    done = [r.rid for r, _ in worker.step()]
     assert done == ["s0", "s1", "s2"]  # every short prompt finished in the first step
     many = [_req(f"m{i}", 30) for i in range(4)]  # more short work than the budget
     for r in many:
-        engine.admit(r)
-    plan = {w.request.rid: n for w, n in engine.plan()}
+        worker.admit(r)
+    plan = {w.request.rid: n for w, n in worker.plan()}
     assert plan["long"] == 16 and sum(plan.values()) == 64  # a quarter of the budget for the oldest
-    while engine.running:
-        engine.step()
-    engine.check_idle_integrity()
+    while worker.running:
+        worker.step()
+    worker.check_idle_integrity()
 
 
-def test_engine_results_match_the_oracle_when_requests_interleave(checkpoint):
+def test_worker_results_match_the_oracle_when_requests_interleave(checkpoint):
     path = checkpoint("llama")
-    engine = PrefillEngine(ModelRunner(RunnerArgs(path)), chunk_size=32)
+    worker = PrefillWorker(ModelRunner(RunnerArgs(path)), chunk_size=32)
     reqs = [_req("a", 150), _req("b", 7, base=40), _req("c", 60, base=90), _req("d", 3, base=200)]
-    handoffs = engine.prefill(reqs)
+    handoffs = worker.prefill(reqs)
     for r, h in zip(reqs, handoffs):
         assert h.rid == r.rid and h.first_token == hf_greedy(path, r.prompt_ids, 1)[0]
-    assert engine.request_kv_used == 0
+    assert worker.request_kv_used == 0
 
 
 def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint):
@@ -82,13 +82,13 @@ def test_short_prompt_first_token_arrives_before_a_long_prefill_ends(checkpoint)
         assert max(first_at[f"short{i}"] for i in range(3)) < first_at["long"], first_at
     finally:
         service.stop()
-    assert service.engine.request_kv_used == 0
+    assert service.worker.request_kv_used == 0
 
 
 def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
     service = PrefillService(PrefillConfig(checkpoint("llama"), port=0, debug_checks=True)).start()
     sched = service.scheduler
-    real = service.engine._to_handoff
+    real = service.worker._to_handoff
     calls = {"n": 0}
 
     def second_breaks(w, k, v):  # the step completes two prompts; building the second handoff fails
@@ -97,7 +97,7 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
             raise RuntimeError("copy-out failed")
         return real(w, k, v)
 
-    service.engine._to_handoff = second_breaks
+    service.worker._to_handoff = second_breaks
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         latch, take = threading.Event(), sched.process_input_requests
@@ -124,14 +124,14 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
         for t in threads:
             t.join(30)
         assert results == {"a": grpc.StatusCode.INTERNAL, "b": grpc.StatusCode.INTERNAL}, results
-        assert service.engine.request_kv_used == 0
+        assert service.worker.request_kv_used == 0
         assert sched.alive, "a failed step fails its calls, not the scheduler"
     finally:
         service.stop()
 
 
 class _AdmissionBreaks:
-    """The engine surface the scheduler touches, with no model: admission bookkeeping that raises."""
+    """The worker surface the scheduler touches, with no model: admission bookkeeping that raises."""
 
     def can_admit(self, request):
         raise RuntimeError("admission bookkeeping broke")
@@ -141,8 +141,8 @@ class _AdmissionBreaks:
 
 
 def test_an_exception_escaping_the_loop_answers_every_call_and_reports_the_scheduler_dead():
-    """Regression: an exception outside the step's own try ended the engine thread silently, and every
-    call it held (and every later one) waited forever."""
+    """Regression: an exception outside the step's own try ended the scheduler thread silently, and
+    every call it held (and every later one) waited forever."""
     fatal = []
     sched = PrefillScheduler(_AdmissionBreaks(), max_running_requests=4, on_fatal=fatal.append)
     answers: dict[str, list] = {}

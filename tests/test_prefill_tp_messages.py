@@ -1,5 +1,5 @@
 """The prefill service's TP messages (prefill_service/tp_messages.py): each travels through the TP
-codec whole, and a follower rank (tp_engine.follow) dispatches them by type until Stop."""
+codec whole, and a follower rank (tp_worker.follow) dispatches them by type until Stop."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.parallel import tp_codec
-from prefill_service.tp_engine import follow
 from prefill_service.tp_messages import Abort, Admit, FailAll, Step, Stop
+from prefill_service.tp_worker import follow
 
 CPU = torch.device("cpu")
 
@@ -53,7 +53,7 @@ class _Group:
         return _travel(next(self.messages))
 
 
-class _Engine:
+class _Worker:
     """Records what a follower runs; `step` fails when told to (as it would on rank 0 too)."""
 
     def __init__(self, failing_step: int = -1):
@@ -79,13 +79,13 @@ class _Engine:
 
 
 def test_a_follower_runs_each_message_by_type_until_stop(caplog):
-    engine = _Engine(failing_step=2)
+    worker = _Worker(failing_step=2)
     messages = [Admit(_request("a")), Admit(_request("b")), Step(), Abort("a"), Abort("gone"), Step()]
     messages += [("step",), FailAll(), Step(), Stop(), Step()]  # nothing after Stop is read
     group = _Group(messages)
-    with caplog.at_level(logging.ERROR, logger="prefill_service.tp_engine"):
-        follow(engine, group)
-    assert engine.calls == [
+    with caplog.at_level(logging.ERROR, logger="prefill_service.tp_worker"):
+        follow(worker, group)
+    assert worker.calls == [
         ("admit", "a"),
         ("admit", "b"),
         ("step",),

@@ -65,7 +65,7 @@ def test_two_replicas_serve_shared_prefixes_from_their_caches(checkpoint, policy
             prompt = system + [3 + i]
             ids, reason = _tokens(_generate(stub, prompt, 4, f"{name}{i}"))
             assert ids == hf_greedy(path, prompt, 4) and reason == "length"
-        hits = sum(r.engine.stats.hits for r in replicas)
+        hits = sum(r.worker.stats.hits for r in replicas)
         if policy == "cache_aware":
             assert hits == 6 and decode.prefill.router.hit_rate > 0.6
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine.colocated import ColocatedEngine
+from common.engine.colocated import ColocatedLoop
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams, sample, uniform
 
@@ -90,15 +90,15 @@ def test_greedy_is_argmax_and_params_validate():
 
 
 def test_seeded_request_same_tokens_alone_and_in_a_batch(checkpoint):
-    """End to end through the engine: a seeded request's tokens do not depend on its batch."""
+    """End to end through the colocated loop: a seeded request's tokens do not depend on its batch."""
     path = checkpoint("qwen2")
     runner = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8))
-    engine = ColocatedEngine(runner, chunk_size=16)
+    loop = ColocatedLoop(runner, chunk_size=16)
     target = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
     prompt = [11, 42, 7, 99, 100]
-    [alone] = engine.generate([prompt], target)
+    [alone] = loop.generate([prompt], target)
     others = [[5] * 30, [8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
-    batch = engine.generate(
+    batch = loop.generate(
         others[:2] + [prompt] + others[2:],
         [
             SamplingParams(max_new_tokens=25, temperature=1.0, seed=9, ignore_eos=True),
@@ -109,7 +109,7 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch(checkpoint):
     )
     assert batch[2].output == alone.output
     different_seed = SamplingParams(**{**target.__dict__, "seed": 4321})
-    assert engine.generate([prompt], different_seed)[0].output != alone.output
+    assert loop.generate([prompt], different_seed)[0].output != alone.output
 
 
 @pytest.mark.parametrize("filtered", [False, True])

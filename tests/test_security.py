@@ -81,7 +81,7 @@ def test_api_keys_on_the_front_door_and_the_prefill_api(checkpoint):
         with pytest.raises(grpc.RpcError) as err:
             list(inner.Prefill(prefill_pb2.PrefillRequest(request_id="p", input_ids=PROMPT), timeout=10))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert prefill.num_prefilled == 1  # only the keyed call reached the engine
+        assert prefill.num_prefilled == 1  # only the keyed call reached the prefill worker
     finally:
         decode.stop()
         prefill.stop()

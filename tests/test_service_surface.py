@@ -18,7 +18,7 @@ from common.models.config import load_model_config
 from decode_service.config import DecodeConfig
 from decode_service.server import DecodeService
 from prefill_service.hooks import Delays
-from tests.grpc_harness import GrpcPair, held_engine, wait_for
+from tests.grpc_harness import GrpcPair, held_worker, wait_for
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -162,11 +162,11 @@ def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
 
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
     sched = service.scheduler
-    in_step, latch = held_engine(service)
+    in_step, latch = held_worker(service)
     try:
         stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(service.address))
         busy = stub.Prefill(prefill_pb2.PrefillRequest(request_id="a", input_ids=[5, 6, 7]))
-        assert in_step.wait(5), "call a never reached the engine"  # "a" holds the scheduler in its step
+        assert in_step.wait(5), "call a never reached the worker"  # "a" holds the scheduler in its step
         queued = stub.Prefill(prefill_pb2.PrefillRequest(request_id="b", input_ids=[8, 9]))
         wait_for("call b never reached the scheduler's inbox", lambda: len(sched.inbox) == 1)
         [b] = list(sched.inbox)
@@ -190,8 +190,8 @@ def test_prefill_call_cancelled_between_the_schedulers_looks_still_gets_one_answ
     from common.engine.handoff import HandoffRequest
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
-    from prefill_service.engine import PrefillEngine
     from prefill_service.scheduler import PrefillCall, PrefillScheduler
+    from prefill_service.worker import PrefillWorker
 
     class CancelledAfterFirstLook:
         def __init__(self):
@@ -201,8 +201,8 @@ def test_prefill_call_cancelled_between_the_schedulers_looks_still_gets_one_answ
             self.looks += 1
             return self.looks > 1
 
-    engine = PrefillEngine(ModelRunner(RunnerArgs(checkpoint("qwen2"))))
-    sched = PrefillScheduler(engine, max_running_requests=16, debug_checks=True)
+    worker = PrefillWorker(ModelRunner(RunnerArgs(checkpoint("qwen2"))))
+    sched = PrefillScheduler(worker, max_running_requests=16, debug_checks=True)
     answers, answered = [], threading.Event()
     call = PrefillCall(
         HandoffRequest("r", [5, 6, 7], SamplingParams(max_new_tokens=1), seed=1),
@@ -217,7 +217,7 @@ def test_prefill_call_cancelled_between_the_schedulers_looks_still_gets_one_answ
         sched.stop()
     assert len(answers) == 1, f"answered {len(answers)} times"
     assert getattr(answers[0], "first_token", None) is not None or isinstance(answers[0], Exception)
-    engine.check_idle_integrity()
+    worker.check_idle_integrity()
 
 
 def test_malformed_request_bytes_get_invalid_argument_on_both_services(checkpoint, caplog):

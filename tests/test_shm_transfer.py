@@ -141,7 +141,7 @@ def test_shared_pools_are_for_cpu(checkpoint):
         DecodeService(config)
 
 
-def test_a_replica_writes_only_where_its_engine_reaches_else_sends_bytes(tmp_path):
+def test_a_replica_writes_only_where_its_sender_reaches_else_sends_bytes(tmp_path):
     pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
     session = shm.ShmEndpoint(pool.files).session
     local = prefill_pb2.KvDestination(session=session)
@@ -155,8 +155,8 @@ def test_a_replica_writes_only_where_its_engine_reaches_else_sends_bytes(tmp_pat
     assert not grpc_bytes.BytesSender().reaches(local) and not grpc_bytes.BytesSender().reaches(other)
     assert mooncake.is_session("127.0.0.1:1234") and mooncake.is_session("::1:80") and not mooncake.is_session(session)
     if mooncake.available() is None:
-        engine = mooncake.MooncakeSender(mooncake.TransferEngine())
-        assert engine.reaches(other) and not engine.reaches(local) and not engine.reaches(tp_local)
+        moon = mooncake.MooncakeSender(mooncake.TransferEngine())
+        assert moon.reaches(other) and not moon.reaches(local) and not moon.reaches(tp_local)
 
 
 def test_a_malformed_or_oversized_session_is_a_refusal_not_a_crash(tmp_path):

@@ -21,9 +21,9 @@ def test_spec_bench_runs_plain_and_eagle_over_prompt_rounds(checkpoint, fitted_h
 
 
 def test_rounds_on_reused_runners_hand_every_prefill_slot_back(checkpoint):
-    """Each round builds a prefill engine (with its prefix cache) over runners loaded once; the round
+    """Each round builds a prefill worker (with its prefix cache) over runners loaded once; the round
     must return every slot, so a pool sized for one prompt serves any number of rounds (the cache of
-    an engine that is gone used to keep its slots: the third round found no room)."""
+    a worker that is gone used to keep its slots: the third round found no room)."""
     from bench.serving_bench import bench_inprocess
     from common.engine.model_runner import ModelRunner, RunnerArgs
 

@@ -18,12 +18,12 @@ NEW = 12
 
 
 def _generate(tp, path: str, prompts, new_tokens: int):
-    from common.engine.colocated import ColocatedEngine
+    from common.engine.colocated import ColocatedLoop
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.engine.sampling import SamplingParams
 
     runner = ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4, linear_layout="mkl", tp=tp))
-    reqs = ColocatedEngine(runner, chunk_size=16).generate(
+    reqs = ColocatedLoop(runner, chunk_size=16).generate(
         prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     )
     return {"tokens": [r.output for r in reqs], "kv_heads": runner.kv_pool.k[0].shape[1],

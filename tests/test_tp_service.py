@@ -46,7 +46,7 @@ def test_tp_pairs_match_hf_greedy(checkpoint, prefill_tp, decode_tp, arch, overl
     finally:
         pair.close()
     if prefill_tp > 1:
-        pair.prefill.engine.check_idle_integrity()
+        pair.prefill.worker.check_idle_integrity()
 
 
 # (prefill TP, decode TP, arch, algorithm, topk, draft tokens, overlap): overlap on drafts an EAGLE

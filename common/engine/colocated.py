@@ -1,4 +1,5 @@
-"""ColocatedEngine: prefill and decode in one process, synchronously; the reference serving loop.
+"""ColocatedLoop: the reference serving loop, prefill and decode in one process, synchronously (no
+scheduler, no handoff); the tests' reference for the pair and the EAGLE fitting tool's generator.
 
 Lifecycle of `generate(prompts, params)`:
   1. validate every request (non-empty prompt, ids in the vocabulary, prompt + max_new_tokens
@@ -37,7 +38,7 @@ class Request:
     prefilled: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    features: list[torch.Tensor] = field(default_factory=list)  # with ColocatedEngine(capture=...)
+    features: list[torch.Tensor] = field(default_factory=list)  # with ColocatedLoop(capture=...)
 
     @property
     def kv_committed_len(self) -> int:
@@ -45,7 +46,7 @@ class Request:
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
 
-class ColocatedEngine:
+class ColocatedLoop:
     def __init__(self, runner: ModelRunner, chunk_size: int = 256, capture: tuple[int, ...] | None = None):
         self.runner = runner
         self.chunk_size = chunk_size

@@ -8,7 +8,7 @@ sleeps after ~100 spins instead of ~300k) and every region pays a futex wake-up.
 pool alive and 24-25 ms with two (a 4-token verify 23 ms and 31-35 ms).
 
 So each process has one computing thread with the configured count (the decode forward stream's
-worker, the prefill engine's thread; the calling thread for offline tools that compute in place),
+worker, the prefill scheduler's thread; the calling thread for offline tools that compute in place),
 and everything else that may touch a large tensor runs single-threaded: model loading and warm-up
 (`single_threaded`), gRPC handler and call threads (`pin_single` as their initializer), and an
 in-process prefill stand-in beside a decode stream. Only speed depends on this, never results.

@@ -14,10 +14,11 @@ destination gets each rank's KV heads. A cancelled call writes nothing more (a w
 completes). Any other call (no destination, or one out of reach) gets bytes (grpc_bytes.py). The
 writes block: the server runs them on its transfer threads.
 
-A subclass gives `label`, `engine` (register, unregister, write, capability_key, capabilities),
-`reaches(dest)`, `reads_device` (an engine that reads device memory gets device-staged KV as it
-is; any other gets it copied to the host on the transfer thread: staging.py) and, for the
-receiver, the endpoint and key it registers the pools with.
+A subclass gives `label`, `writer` (what registers, unregisters and writes by address, with
+capability_key and capabilities: Mooncake's TransferEngine, or shm's ShmWriter), `reaches(dest)`,
+`reads_device` (a writer that reads device memory gets device-staged KV as it is; any other gets it
+copied to the host on the transfer thread: staging.py) and, for the receiver, the endpoint and key
+it registers the pools with.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from common.wire.proto_gen import prefill_pb2
 
 class AddressSender:
     label = ""
-    engine = None
-    reads_device = False  # the engine reads device memory itself (else device-staged KV is copied to the host)
+    writer = None
+    reads_device = False  # the writer reads device memory itself (else device-staged KV is copied to the host)
 
     def reaches(self, dest: prefill_pb2.KvDestination) -> bool:
         raise NotImplementedError
@@ -56,13 +57,13 @@ class AddressSender:
         return grpc_bytes.LABEL, as_transfer_errors(grpc_bytes.kv_messages(handoff, max_bytes))
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
+        close = getattr(self.writer, "close", None)
         if close is not None:
             close()
 
     def _write(self, request_id, dest, handoff, max_bytes, cancelled) -> Iterator[prefill_pb2.PrefillChunk]:
-        engine, n = self.engine, handoff.prompt_len
-        plan.authorize(engine, dest, request_id)
+        writer, n = self.writer, handoff.prompt_len
+        plan.authorize(writer, dest, request_id)
         staging.wait_ready(handoff)
         if not self.reads_device:
             handoff = staging.host_handoff(handoff)
@@ -71,7 +72,7 @@ class AddressSender:
         for _, k, _, region, _ in parts:
             plan.check_destination(dest, region, n, len(k), k[0][:1].numel() * k[0].element_size())
         tensors = list({id(t): t for _, k, v, _, _ in parts for t in k + v}.values())
-        engine.register(tensors)
+        writer.register(tensors)
         try:
             for draft in (False, True):  # the target's KV, then the head's: a notice per chunk covers every rank
                 mine = [p for p in parts if p[4] == draft]
@@ -85,14 +86,14 @@ class AddressSender:
                     total = 0
                     for session, k, v, region, _ in mine:
                         srcs, dsts, lens = plan.write_plan(k, v, region, dest.runs, t0, nt, l0, nl)
-                        engine.write(session, srcs, dsts, lens)
+                        writer.write(session, srcs, dsts, lens)
                         total += sum(lens)
                     notice = prefill_pb2.KvWritten(
                         token_start=t0, num_tokens=nt, layer_start=l0, num_layers=nl, draft=draft, bytes=total
                     )
                     yield prefill_pb2.PrefillChunk(written=notice)
         finally:
-            engine.unregister(tensors)
+            writer.unregister(tensors)
 
 
 class PoolReceiver:

@@ -141,16 +141,21 @@ def is_session(session: str) -> bool:
 class MooncakeSender(AddressSender):
     label = LABEL
 
-    def __init__(self, engine: TransferEngine | None):
-        self.engine = engine
+    def __init__(self, transfer_engine: TransferEngine | None):
+        self.transfer_engine = transfer_engine
         # RDMA reads device memory where it is (GPUDirect); the TCP transport would copy each piece
         # off the device by itself, slower than one copy per layer on the transfer thread (measured)
-        self.reads_device = engine is not None and engine.protocol == "rdma"
+        self.reads_device = transfer_engine is not None and transfer_engine.protocol == "rdma"
+
+    @property
+    def writer(self) -> TransferEngine | None:
+        """What AddressSender writes through: the transfer engine."""
+        return self.transfer_engine
 
     @classmethod
     def from_config(cls, config) -> MooncakeSender:
         key = kv_capability.key_from_internal(config.internal_api_key)  # signed destinations only
-        engine = TransferEngine(
+        transfer_engine = TransferEngine(
             advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device, key
         )
         if key is None:
@@ -158,7 +163,7 @@ class MooncakeSender(AddressSender):
                 "mooncake without --internal-api-key: KV destinations are unsigned, so any caller of this "
                 "port can aim the KV writes; keep it on the private network of the Mooncake engines"
             )
-        return cls(engine)
+        return cls(transfer_engine)
 
     def staging_device(self, pool_device) -> torch.device:
         """The pool's device: the copy-out never waits for the device on the scheduler thread, and
@@ -177,7 +182,7 @@ class MooncakeReceiver(PoolReceiver):
 
     @classmethod
     def from_config(cls, runner, config) -> MooncakeReceiver:
-        engine = TransferEngine(
+        transfer_engine = TransferEngine(
             advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device
         )
-        return cls(runner, engine, kv_capability.key_from_internal(config.internal_api_key))
+        return cls(runner, transfer_engine, kv_capability.key_from_internal(config.internal_api_key))

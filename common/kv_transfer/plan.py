@@ -84,7 +84,7 @@ def rank_parts(dest: prefill_pb2.KvDestination, handoff) -> list[tuple]:
 
 def authorize(writer, dest: prefill_pb2.KvDestination, request_id: str) -> None:
     """CapabilityRefused unless decode signed every target of `dest` for this request. `writer` gives
-    each session's key (`capability_key`; None: an engine without a key writes unsigned destinations)
+    each session's key (`capability_key`; None: a writer without a key writes unsigned destinations)
     and remembers what it accepted (`capabilities`, a kv_capability.Verifier)."""
     for rank in kv_capability.ranks(dest):
         key = writer.capability_key(rank.session)

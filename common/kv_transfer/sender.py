@@ -4,7 +4,7 @@ One sender per prefill service, made by `make_sender(config)` from
 --disaggregation-transfer-backend (the only place that tells the backends apart on this side):
 
     sender.staging_device(pool_device) -> torch.device
-        where the engine's copy-out of a finished prompt's KV should land: host memory for gRPC
+        where the prefill worker's copy-out of a finished prompt's KV should land: host memory for gRPC
         bytes and shm, the pool's device for Mooncake (staging.py);
     sender.reaches(dest) -> bool
         whether this replica can write into that destination itself;

@@ -263,7 +263,7 @@ class ShmSender(AddressSender):
     label = LABEL
 
     def __init__(self, writer: ShmWriter):
-        self.engine = writer
+        self.writer = writer
 
     @classmethod
     def from_config(cls, config) -> ShmSender:
@@ -273,7 +273,7 @@ class ShmSender(AddressSender):
         """Every target is a session of pool files this writer maps (a decode side on this host, in
         our folder); else the call's KV goes as bytes."""
         sessions = [r.session for r in kv_capability.ranks(dest)]
-        return all(s.startswith(SESSION_PREFIX) and self.engine.reaches(s) for s in sessions)
+        return all(s.startswith(SESSION_PREFIX) and self.writer.reaches(s) for s in sessions)
 
 
 class ShmReceiver(PoolReceiver):

@@ -1,6 +1,6 @@
 """Where a handoff's KV is staged, and how a transfer thread waits for it and copies it.
 
-The prefill engine copies each finished prompt's KV out of its pool into the memory the sender
+The prefill worker copies each finished prompt's KV out of its pool into the memory the sender
 asks for (`KvSender.staging_device`): host memory for gRPC bytes and shm (they read it with the
 CPU), the pool's own device for Mooncake. The copy-out runs on the scheduler thread right after
 the forward and does not wait for the device: on CUDA the handoff carries `kv_ready`, an event

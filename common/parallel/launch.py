@@ -1,6 +1,6 @@
 """Start a service's tensor-parallel ranks (--tp-size N): rank 0 is this process, ranks 1..N-1 are
 child processes that load their shard and follow rank 0 (decode_service/tp_worker.py,
-prefill_service/tp_engine.py).
+prefill_service/tp_worker.py).
 
 1. `TPRanks.start(config, follower, name)` listens on loopback (`--tp-port`, 0 = any free one; the
    port is held from then on, no bind-and-release race), makes the launch's key (tp_auth.py: handed to

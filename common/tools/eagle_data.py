@@ -2,9 +2,9 @@
 the target's features at every position (what the head reads at serving time).
 
 Instructions come from templates x topics (seeded, distinct; one in 8 texts is held out for
-evaluation and never fitted on); each is chat-formatted with the target's
-tokenizer, and answered greedily by our engine in batches, which keeps the target's features of every
-position as it goes: the final normed hidden (EAGLE) or the captured layers (EAGLE3).
+evaluation and never fitted on); each is chat-formatted with the target's tokenizer, and answered
+greedily by the colocated loop (common/engine/colocated.py) in batches, which keeps the target's
+features of every position as it goes: the final normed hidden (EAGLE) or the captured layers (EAGLE3).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import zlib
 
 import torch
 
-from common.engine.colocated import ColocatedEngine
+from common.engine.colocated import ColocatedLoop
 from common.engine.sampling import SamplingParams
 
 TEMPLATES = [
@@ -180,10 +180,10 @@ def answers(
     """(prompt + the target's greedy answer (EOS ends it early), the target's features at every
     position but the last [len - 1, F]) for every prompt: the final normed hidden, or with `capture`
     (EAGLE3) those layers' outputs concatenated, kept while the answer is generated."""
-    engine, seqs, feats = ColocatedEngine(runner, chunk_size=2048, capture=capture), [], []
+    loop, seqs, feats = ColocatedLoop(runner, chunk_size=2048, capture=capture), [], []
     start = time.monotonic()
     for i in range(0, len(prompts), batch):
-        for r in engine.generate(prompts[i : i + batch], SamplingParams(max_new_tokens=max_new_tokens)):
+        for r in loop.generate(prompts[i : i + batch], SamplingParams(max_new_tokens=max_new_tokens)):
             seqs.append(r.prompt + r.output)
             feats.append(torch.cat(r.features))
         print(

@@ -1,8 +1,8 @@
-"""The KV transport on CUDA (common/kv_transfer/): a Mooncake sender has the engine stage a handoff's
-KV in device memory without waiting for the device, then registers that memory (as over RDMA) or a
-host copy made on the transfer thread (as over TCP) and writes it into device pools, whole or split
-by KV heads for a tensor-parallel decode side; the bytes fallback copies the same device handoff to
-the host itself. Marked `gpu` (bench.gpu_check runs them); the Mooncake
+"""The KV transport on CUDA (common/kv_transfer/): a Mooncake sender has the prefill worker stage a
+handoff's KV in device memory without waiting for the device, then registers that memory (as over
+RDMA) or a host copy made on the transfer thread (as over TCP) and writes it into device pools,
+whole or split by KV heads for a tensor-parallel decode side; the bytes fallback copies the same
+device handoff to the host itself. Marked `gpu` (bench.gpu_check runs them); the Mooncake
 case also needs the engine's CUDA build, loadable here (bench/gpu_carry.sh puts it on PYTHONPATH)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from common.engine.sampling import SamplingParams
 from common.kv_transfer import grpc_bytes, mooncake, plan
 from common.wire.kv_chunks import KvAssembler
 from common.wire.proto_gen import prefill_pb2
-from prefill_service.engine import PrefillEngine
+from prefill_service.worker import PrefillWorker
 
 PROMPT = list(range(5, 45))
 
@@ -26,7 +26,7 @@ def _device_handoff(path: str, staging: torch.device):
     """(runner, handoff) of PROMPT prefilled on CUDA, the KV copied out to `staging`; the copy-out
     (gather and handoff) runs with CUDA's sync check on: it must not wait for the device."""
     runner = ModelRunner(RunnerArgs(path, device="cuda", dtype="float32", max_total_tokens=256, max_running_requests=2))
-    engine = PrefillEngine(runner, chunk_size=64, radix_cache=False, staging=staging)
+    worker = PrefillWorker(runner, chunk_size=64, radix_cache=False, staging=staging)
 
     def checked(fn):
         def run(*args, **kwargs):
@@ -38,8 +38,8 @@ def _device_handoff(path: str, staging: torch.device):
 
         return run
 
-    engine._copy_out, engine._to_handoff = checked(engine._copy_out), checked(engine._to_handoff)
-    [handoff] = engine.prefill([HandoffRequest("r", PROMPT, SamplingParams(max_new_tokens=1), 0)])
+    worker._copy_out, worker._to_handoff = checked(worker._copy_out), checked(worker._to_handoff)
+    [handoff] = worker.prefill([HandoffRequest("r", PROMPT, SamplingParams(max_new_tokens=1), 0)])
     return runner, handoff
 
 
@@ -118,7 +118,7 @@ def test_a_mooncake_pair_on_cuda_serves_hf_greedys_tokens(checkpoint):
     kw = dict(device="cuda", dtype="float32")
     pair = GrpcPair(path, prefill_kw=kw, decode_kw=kw, transfer="mooncake")
     try:
-        assert pair.prefill.engine.staging.type == "cuda"
+        assert pair.prefill.worker.staging.type == "cuda"
         pair.check_against_oracle(path, [[5, 6, 7, 8, 9], list(range(10, 47)), list(range(100, 160))], 8, rid="m")
         assert pair.prefill.kv_notices > 0  # written by the engine, not sent as bytes
     finally:

@@ -1,11 +1,11 @@
-"""Tensor parallelism for the prefill service: every rank runs the same PrefillEngine on its part of
+"""Tensor parallelism for the prefill service: every rank runs the same PrefillWorker on its part of
 the model, driven by rank 0's calls, so their forwards (and collectives) pair up.
 
 Lifecycle (prefill service with --tp-size N):
   1. every rank loads its shard and warms up; rank 0 serves gRPC and runs the scheduler with a
-     TPPrefillEngine, ranks 1..N-1 run `follow` (started by common/parallel/launch.py);
-  2. each engine call that changes state is broadcast first, then run on rank 0, as a message of
-     tp_messages.py: Admit(request), Abort(rid), FailAll(), Step(), Stop(). The engine's bookkeeping
+     TPPrefillWorker, ranks 1..N-1 run `follow` (started by common/parallel/launch.py);
+  2. each worker call that changes state is broadcast first, then run on rank 0, as a message of
+     tp_messages.py: Admit(request), Abort(rid), FailAll(), Step(), Stop(). The worker's bookkeeping
      is deterministic, so every rank holds the same slots, rows and radix cache;
   3. in a step that completes prompts, every rank copies out its KV heads and one all-gather builds
      the whole KV on each (`tp_shard.gather_kv_heads`): rank 0 hands it over as a TP 1 prefill would,
@@ -23,14 +23,14 @@ import logging
 
 from common.engine.handoff import HandoffRequest
 from common.parallel.tp_group import TPGroup
-from prefill_service.engine import PrefillEngine
 from prefill_service.tp_messages import Abort, Admit, FailAll, PrefillTPMessage, Step, Stop
+from prefill_service.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
 
-class TPPrefillEngine(PrefillEngine):
-    """Rank 0's engine: every state change broadcast to the follower ranks first."""
+class TPPrefillWorker(PrefillWorker):
+    """Rank 0's worker: every state change broadcast to the follower ranks first."""
 
     def __init__(self, runner, tp: TPGroup, chunk_size: int = 256, radix_cache: bool = True, staging="cpu"):
         super().__init__(runner, chunk_size, radix_cache, staging)
@@ -78,24 +78,24 @@ def follower_main(config, tp: TPGroup) -> None:
 
     runner = ModelRunner.for_service(config, tp)
     # a follower's handoffs go nowhere (rank 0 sends the KV): they stay where the pool is, no host copy
-    follow(PrefillEngine(runner, config.chunked_prefill_size, not config.disable_radix_cache, runner.device), tp)
+    follow(PrefillWorker(runner, config.chunked_prefill_size, not config.disable_radix_cache, runner.device), tp)
 
 
-def follow(engine: PrefillEngine, tp: TPGroup) -> None:
-    """Run rank 0's engine calls until it says stop (or dies: the broadcast raises)."""
+def follow(worker: PrefillWorker, tp: TPGroup) -> None:
+    """Run rank 0's worker calls until it says stop (or dies: the broadcast raises)."""
     while not isinstance(message := tp.broadcast_object(None), Stop):
         try:
             match message:
                 case Admit(request=request):
-                    engine.admit(request)
+                    worker.admit(request)
                 case Abort(rid=rid):
-                    request = next((w.request for w in engine.running if w.request.rid == rid), None)
+                    request = next((w.request for w in worker.running if w.request.rid == rid), None)
                     if request is not None:
-                        engine.abort(request)
+                        worker.abort(request)
                 case FailAll():
-                    engine.fail_all()
+                    worker.fail_all()
                 case Step():
-                    engine.step()  # the handoffs are rank 0's to send
+                    worker.step()  # the handoffs are rank 0's to send
                 case _:
                     raise TypeError(f"unknown TP message {message!r:.80}")
         except Exception:  # noqa: BLE001 (rank 0 met the same error and handles it)

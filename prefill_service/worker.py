@@ -1,4 +1,5 @@
-"""PrefillEngine: continuous chunked prefill across requests, one extend forward per step.
+"""PrefillWorker: the model-running part of prefill (decode's DecodeWorker, SGLang's TpModelWorker):
+continuous chunked prefill across requests, one extend forward per step.
 
 Lifecycle of a request:
   1. `admit` validates it against this model (non-empty, ids in the vocabulary, fits the context),
@@ -13,15 +14,15 @@ Lifecycle of a request:
      `first_position` of the request's seeded stream); with EAGLE on, the draft extend over the
      prompt (its features were kept during 2) gives the draft KV and the draft seed (draft_prefill.py);
   4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included), in
-     the memory the KV transport stages it in (`staging`: the host, or the pool's device for an
-     engine that reads device memory; then without waiting for the device: `Handoff.kv_ready`),
+     the memory the KV transport stages it in (`staging`: the host, or the pool's device for a
+     transport that reads device memory; then without waiting for the device: `Handoff.kv_ready`),
      insert the prompt into the radix cache (its own slots that duplicate cached ones are freed),
      unlock its prefix and free its request slot, exactly once, and return the Handoff from that
      step, so its first token goes out while longer prompts are still computing;
   5. `abort` frees a running request's own slots and unlocks its prefix (its call was cancelled);
      `fail_all` does that for every one.
 `prefill(requests)` runs a list of requests to completion (tests, tools). Between requests the
-engine keeps only the radix cache (`radix_cache=False`: nothing, every prompt computed in full).
+worker keeps only the radix cache (`radix_cache=False`: nothing, every prompt computed in full).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class _Running:
     node: object = None  # the radix node locked for those (None without the cache)
 
 
-class PrefillEngine:
+class PrefillWorker:
     def __init__(
         self,
         runner: ModelRunner,
