@@ -28,8 +28,8 @@ from common.kv_transfer import receiver as kv_receivers
 from common.metrics import DecodeMetrics
 from common.parallel.launch import TPRanks, check_settings
 from common.wire import security
+from common.wire import servicer as servicer_module
 from common.wire.aio_server import AioServer
-from common.wire.servicer import add_servicer
 from decode_service.config import DecodeConfig
 from decode_service.inbox import Inbox
 from decode_service.info_rpcs import load_counts
@@ -111,12 +111,4 @@ def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
 
 def serve(config: DecodeConfig, servicer, service) -> AioServer:
     """The grpc.aio server for `servicer` (not started): API keys, TLS, malformed requests INVALID_ARGUMENT."""
-    server = AioServer(
-        config.host,
-        config.port,
-        [service.full_name],
-        interceptors=security.interceptors(config.api_key),
-        credentials=security.server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_ca_file),
-    )
-    add_servicer(server.server, servicer, service)
-    return server
+    return servicer_module.serve(config, servicer, service, config.api_key)

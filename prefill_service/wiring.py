@@ -26,11 +26,10 @@ from common.engine.model_runner import ModelRunner
 from common.kv_transfer.sender import KvSender, make_sender
 from common.metrics import PrefillMetrics
 from common.parallel.launch import TPRanks, check_settings
-from common.wire import security
+from common.wire import servicer as servicer_module
 from common.wire.aio_server import AioServer
 from common.wire.grpc_server import MAX_CHUNK_BYTES
 from common.wire.proto_gen import prefill_pb2
-from common.wire.servicer import add_servicer
 from prefill_service.config import PrefillConfig
 from prefill_service.handoff_stream import HandoffStreams
 from prefill_service.hooks import PrefillHooks
@@ -99,12 +98,4 @@ def build(
 
 def serve(config: PrefillConfig, servicer) -> AioServer:
     """The grpc.aio server for `servicer` (not started), with the internal API keys and TLS."""
-    server = AioServer(
-        config.host,
-        config.port,
-        [SERVICE.full_name],
-        interceptors=security.interceptors(config.internal_api_key),
-        credentials=security.server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_ca_file),
-    )
-    add_servicer(server.server, servicer, SERVICE)
-    return server
+    return servicer_module.serve(config, servicer, SERVICE, config.internal_api_key)

@@ -82,3 +82,21 @@ def add_servicer(server: grpc.aio.Server, servicer, service) -> None:
                 _unary(impl, method.name), request_deserializer=_parser(request_cls), response_serializer=serialize
             )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def serve(config, servicer, service, api_key: str | None):
+    """The grpc.aio server (not started) of one service: `servicer` under `service`'s descriptor,
+    callers checked against `api_key` (None: none needed), TLS from the config's --tls-* files, and
+    malformed requests answered INVALID_ARGUMENT (add_servicer)."""
+    from common.wire import security
+    from common.wire.aio_server import AioServer
+
+    server = AioServer(
+        config.host,
+        config.port,
+        [service.full_name],
+        interceptors=security.interceptors(api_key),
+        credentials=security.server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_ca_file),
+    )
+    add_servicer(server.server, servicer, service)
+    return server
