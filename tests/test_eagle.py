@@ -29,6 +29,10 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
 # chat_prompts(): measured 1.74 (EAGLE) and 1.51 (EAGLE3) in a chain at num_steps 3, 24 new tokens;
 # random heads get 1.00 there (0 accepted of 276 and 273 drafts). 2026-11-27.
 FLOOR = {"EAGLE": 1.4, "EAGLE3": 1.3}
+# The tiny Qwen3 target is harder to draft for: its EAGLE3 head (same fit) reaches 1.30 on 8 held-out
+# prompts (1.26 after 500 steps: the step budget is not what limits it) and 1.17 over gRPC at 16 new
+# tokens (9 of 162 drafts accepted); random heads 1.00 (0 of 276). 2026-11-26.
+FLOOR_QWEN3 = {"EAGLE3": 1.08}
 
 
 def chat_prompts(path: str, n: int = 4) -> list[list[int]]:
@@ -196,10 +200,10 @@ def test_draft_seed_gathers_are_consume_once():
         ("qwen3", "EAGLE3", True, "shm"),
     ],
 )
-def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, fitted_head, arch, algorithm, overlap, transfer):
-    """Draft KV chunks and the draft seed cross the wire; output exact; stats reported; no leak. Llama
-    runs fitted heads on chat prompts (the accept floor holds over the wire: a draft seed or draft KV
-    that arrived wrong would drop it), Qwen3 random heads on raw prompts."""
+def test_both_services_over_grpc_match_hf_greedy(checkpoint, fitted_head, arch, algorithm, overlap, transfer):
+    """Draft KV chunks and the draft seed cross the wire; output exact; stats reported; no leak. Fitted
+    heads on chat prompts: the accept floor holds over the wire (a draft seed or draft KV that arrived
+    wrong would drop it to a random head's 1.00)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -207,11 +211,10 @@ def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, fitted_head,
     from tests.grpc_harness import GrpcPair
 
     path = checkpoint(arch)
-    fitted = arch == "llama"
-    prompts = chat_prompts(path) if fitted else PROMPTS
+    prompts = chat_prompts(path)
     flags = dict(
         speculative_algorithm=algorithm,
-        speculative_draft_model_path=fitted_head(arch, algorithm) if fitted else heads(path, algorithm),
+        speculative_draft_model_path=fitted_head(arch, algorithm),
         speculative_num_steps=STEPS,
         speculative_num_draft_tokens=STEPS + 1,
     )
@@ -238,7 +241,7 @@ def test_both_services_over_grpc_match_hf_greedy(checkpoint, heads, fitted_head,
         assert info["speculative_algorithm"] == algorithm
         # the server's figure is the requests' own, summed (every request has finished)
         assert info["spec_mean_accept_length"] == pytest.approx(length), (info["spec_mean_accept_length"], length)
-        assert length >= FLOOR[algorithm] if fitted else length < 1.2, (accepted, drafted)
+        assert length >= (FLOOR if arch == "llama" else FLOOR_QWEN3)[algorithm], (accepted, drafted)
     finally:
         pair.close()
 
