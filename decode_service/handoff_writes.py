@@ -22,17 +22,17 @@ def write_kv_chunk(pool, kv_slots: torch.Tensor, token_start: int, layer_start: 
 
 
 def check_kv(pool, num_slots: int, token_start: int, layer_start: int, k, v) -> None:
-    """Raise ValueError unless K and V ([layers, tokens, kv_heads, head_dim] each, floating) fit `pool`
-    at positions token_start.. of a reservation of `num_slots` slots."""
-    per_slot = tuple(pool.k_all.shape[2:])
-    for name, t in (("K", k), ("V", v)):
+    """Raise ValueError unless K and V ([layers, tokens, kv_heads, head_dim] each, floating; V's width the
+    pool's own) fit `pool` at positions token_start.. of a reservation of `num_slots` slots."""
+    for name, t, whole in (("K", k, pool.k_all), ("V", v, pool.v_all)):
+        per_slot = tuple(whole.shape[2:])
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[2:]) != per_slot:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"KV chunk's {name} is {got}, expected [layers, tokens, {per_slot[0]}, {per_slot[1]}]")
         if not t.dtype.is_floating_point:
             raise ValueError(f"KV chunk's {name} is {t.dtype}, expected a floating dtype")
     layers, tokens = k.shape[0], k.shape[1]
-    if k.shape != v.shape or not layers or not tokens:
+    if k.shape[:2] != v.shape[:2] or not layers or not tokens:
         raise ValueError(f"KV chunk with K {tuple(k.shape)} and V {tuple(v.shape)}: empty or unequal")
     if token_start < 0 or layer_start < 0 or token_start + tokens > num_slots or layer_start + layers > pool.num_layers:
         raise ValueError(

@@ -33,7 +33,7 @@ class HandoffStream:
         self.chunk_wait_s = chunk_wait_s
         n = len(request.prompt_ids)
         cfg, draft = config, draft_config
-        self.assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False)
+        self.assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False, v_dim=cfg.v_dim)
         self.draft_assembler = KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False) if draft else None
         self.first: int | None = None
         self.started: float | None = None  # perf_counter time of the first message

@@ -21,6 +21,9 @@ CHECKPOINTS = {
     "qwen3": dict(arch="qwen3"),
     "qwen2-tied": dict(arch="qwen2", tied=True),
     "qwen3-sharded": dict(arch="qwen3", shard_bytes=200_000),
+    "qwen3-moe": dict(arch="qwen3_moe"),
+    "deepseek-v3": dict(arch="deepseek_v3"),
+    "deepseek-v3-nolora": dict(arch="deepseek_v3_nolora"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The correctness oracle: HF transformers, float32, CPU, one prompt at a time, no padding."""
+"""The correctness oracle: HF transformers, float32, CPU, one prompt at a time, no padding (mixtures
+of experts through HF's eager per-expert loop, its plain reference)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
 
 
 @torch.inference_mode()

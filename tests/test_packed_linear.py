@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.host_load import Conditions
 from common.models import host_table, linear_tuning, packed_linear
 from common.models.linear_tuning import measure, tune
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight, bucket_index, linear_weights
@@ -122,24 +123,34 @@ def test_the_host_table_is_timed_once_and_shared(tmp_path, monkeypatch):
         return real_tune(weights, mode, measure=lambda ws, rows: {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0})
 
     monkeypatch.setattr(linear_tuning, "tune", counting_tune)
-    first = linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto")
+    # a quiet host whose start-up check agrees with any table (tests/test_layout_table_check.py drives the rest)
+    quiet = linear_tuning.Hooks(probe=_QuietProbe(), check_timer=lambda weights, layouts, xs: 1e-3)
+    first = linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto", hooks=quiet)
     assert timed == ["auto"] and not first.source
     [stored] = list(tmp_path.iterdir())
 
     other = linear_weights(packed_linear.pack_linears(_model()))  # the second service's own weights
-    second = linear_tuning.tune_and_log(other, "auto")
+    second = linear_tuning.tune_and_log(other, "auto", hooks=quiet)
     assert timed == ["auto"], "the second start loads the host's table"
     assert str(stored) in second.source and "loaded from" in second.lines()[0]
     assert all(w.plan == ("rowblock",) * len(ROW_BUCKETS) for w in other)
     assert second.chosen_ms == first.chosen_ms
 
-    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "retime")
+    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "retime", hooks=quiet)
     assert timed == ["auto", "retime"]
 
-    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(nn.Linear(8, 24))), "auto")
+    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(nn.Linear(8, 24))), "auto", hooks=quiet)
     assert timed == ["auto", "retime", "auto"] and len(list(tmp_path.iterdir())) == 2  # another model
 
     stored.write_text("{not json")
-    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto")
+    linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto", hooks=quiet)
     assert timed == ["auto", "retime", "auto", "auto"], "a corrupt table is timed again"
     assert json.loads(stored.read_text())["key"]["host"]  # and rewritten
+
+
+class _QuietProbe:
+    def sample(self):
+        return None
+
+    def between(self, a, b):
+        return Conditions(cpus=2, seconds=1.0)

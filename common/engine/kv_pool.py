@@ -1,5 +1,10 @@
 """KVPool: per-layer K and V buffers [num_slots + 1, kv_heads, head_dim] (views of one buffer each);
 slot 0 is the padding slot that padded lanes write to. Capacity is derived from a byte budget (`slots_for_budget`).
+
+V may be narrower than K (`v_head_dim`). A latent pool (MLA, common/attention/latent.py) is one K
+"head" of kv_lora_rank + qk_rope_head_dim per slot and a V of width 0: the value is part of the
+latent, so V holds no bytes and every K-and-V path (gather, handoff chunks, writes) carries the
+latent alone.
 """
 
 from __future__ import annotations
@@ -10,13 +15,18 @@ from common.engine import shared_memory
 from common.engine.host_copy import to_device
 
 
-def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+def bytes_per_slot(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, v_head_dim: int | None = None
+) -> int:
+    width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+    return num_layers * num_kv_heads * width * torch.empty(0, dtype=dtype).element_size()
 
 
-def slots_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def slots_for_budget(
+    budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, v_head_dim=None
+) -> int:
     """How many usable KV slots fit in `budget_bytes` (the padding slot included in the budget)."""
-    n = budget_bytes // bytes_per_slot(num_layers, num_kv_heads, head_dim, dtype) - 1
+    n = budget_bytes // bytes_per_slot(num_layers, num_kv_heads, head_dim, dtype, v_head_dim) - 1
     if n <= 0:
         raise ValueError(f"KV budget of {budget_bytes} bytes holds no slot")
     return n
@@ -35,25 +45,29 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         shared_dir: str | None = None,
+        v_head_dim: int | None = None,
     ):
         """`shared_dir` (CPU): each buffer is a file there that a prefill replica on this host maps
-        and writes handoffs into (shared_memory.py); `files` lists (path, buffer)."""
+        and writes handoffs into (shared_memory.py); `files` lists (path, buffer). `v_head_dim`: V's
+        width when not head_dim (0: a latent pool)."""
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        v_shape = shape[:-1] + (head_dim if v_head_dim is None else v_head_dim,)
         # one buffer per K and V, each layer a contiguous view: reading a request's slots out of every
         # layer is one index_select (`gather`), not one per layer
         self.files: list[tuple[str, torch.Tensor]] = []
         if shared_dir is not None:
             if self.device.type != "cpu":
                 raise ValueError(shared_memory.CPU_ONLY)
-            self.files = [shared_memory.allocate(shared_dir, shape, dtype) for _ in range(2)]
-            self.k_all, self.v_all = (t for _, t in self.files)
+            self.files = [shared_memory.allocate(shared_dir, s, dtype) for s in (shape, v_shape) if s[-1]]
+            self.k_all = self.files[0][1]
+            self.v_all = self.files[1][1] if len(self.files) > 1 else torch.zeros(v_shape, dtype=dtype)
         else:
             self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v_all = torch.zeros(v_shape, dtype=dtype, device=self.device)
         self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
 
     def write_layers(self, layer_start: int, loc: torch.Tensor, k, v) -> None:
@@ -82,7 +96,7 @@ class KVPool:
         as any of its requests' views: a slow stream keeps its group's other KV (at most 16 MiB)."""
         layers, slots, *rest = self.k_all.shape
         per_layer = torch.arange(layers, device=self.device)[:, None] * slots
-        token_bytes = layers * self.k_all[0, 0].numel() * self.k_all.element_size()
+        token_bytes = layers * self.k_all[0, 0].numel() * self.k_all.element_size()  # V's copy is no larger
         groups: list[list[torch.Tensor]] = []
         size = 0
         for loc in locs:
@@ -94,11 +108,11 @@ class KVPool:
         out = []
         for group in groups:
             index = torch.cat([(per_layer + to_device(loc, self.device)[None, :]).reshape(-1) for loc in group])
-            k, v = (whole.view(layers * slots, *rest).index_select(0, index) for whole in (self.k_all, self.v_all))
+            k, v = (whole.flatten(0, 1).index_select(0, index) for whole in (self.k_all, self.v_all))
             start = 0
             for loc in group:
-                n, shape = layers * len(loc), (layers, len(loc), *rest)
-                out.append((k[start : start + n].view(shape), v[start : start + n].view(shape)))
+                n, shape = layers * len(loc), (layers, len(loc))
+                out.append((k[start : start + n].view(*shape, *rest), v[start : start + n].view(*shape, *v.shape[1:])))
                 start += n
         return out
 

@@ -94,6 +94,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         cfg = self.config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
+        if (cfg.moe is not None or cfg.mla is not None) and (args.tp.size > 1 or args.static_decode_buffers):
+            raise ValueError(f"{cfg.architecture}: tensor parallelism and static decode buffers are not supported yet")
         self.model = tp_shard.shard_model(load_model(args.model_path, self.device, self.dtype, cfg), args.tp)
         self.tp = args.tp
         kv_heads = len(tp_shard.kv_heads_of(cfg, args.tp.rank, args.tp.size))  # this rank's KV heads
@@ -110,10 +112,10 @@ class ModelRunner:
             max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
             self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
         num_slots = args.max_total_tokens or slots_for_budget(
-            args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype
+            args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, cfg.v_dim
         )
         self.kv_pool = KVPool(
-            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, args.kv_shared_dir
+            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, args.kv_shared_dir, cfg.v_dim
         )
         self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
         # rows also cover the draft positions a speculative request writes past its context
@@ -125,6 +127,7 @@ class ModelRunner:
             self.backend.mask_decodes_up_to = self.model.compiled_layers.max_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
         capture = args.cuda_graph and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graph", False)
+        capture = capture and cfg.moe is None and cfg.mla is None  # their kernels sync with the host
         self.decode_graphs = self.verify_graphs = None
         if capture or args.static_decode_buffers:
             max_bs = args.cuda_graph_max_bs or args.max_running_requests

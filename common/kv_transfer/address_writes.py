@@ -69,8 +69,9 @@ class AddressSender:
             handoff = staging.host_handoff(handoff)
         with staging.side_stream(handoff.k[0].device):  # a TP rank's heads: copies made, and finished, here
             parts = plan.rank_parts(dest, handoff)
-        for _, k, _, region, _ in parts:
-            plan.check_destination(dest, region, n, len(k), k[0][:1].numel() * k[0].element_size())
+        for _, k, v, region, _ in parts:
+            slot_bytes, with_v = k[0][:1].numel() * k[0].element_size(), v[0][:1].numel() > 0
+            plan.check_destination(dest, region, n, len(k), slot_bytes, with_v)
         tensors = list({id(t): t for _, k, v, _, _ in parts for t in k + v}.values())
         writer.register(tensors)
         try:
@@ -79,7 +80,8 @@ class AddressSender:
                 if not mine:
                     continue
                 whole = handoff.draft_k if draft else handoff.k  # a token's bytes over all heads bound a chunk
-                per = 2 * whole[0][:1].numel() * whole[0].element_size()
+                whole_v = handoff.draft_v if draft else handoff.v
+                per = (whole[0][:1].numel() + whole_v[0][:1].numel()) * whole[0].element_size()
                 for t0, nt, l0, nl in plan.plan_by_layer(n, len(whole), per, max_bytes):
                     if cancelled():
                         return
@@ -109,7 +111,7 @@ class PoolReceiver:
         self.keys: list[bytes] | None = None if key is None else [key]  # rank 0's: every rank's (join_ranks)
         pools = [runner.kv_pool] + ([runner.draft.kv_pool] if runner.draft is not None else [])
         for pool in pools:
-            endpoint.register(pool.k + pool.v)
+            endpoint.register([t for t in pool.k + pool.v if t.numel()])  # a latent pool's V holds nothing
         self.destination = prefill_pb2.KvDestination(
             session=endpoint.session, target=plan.kv_region(runner.kv_pool.k, runner.kv_pool.v)
         )

@@ -7,6 +7,8 @@ the destination against its KV (`check_destination`), splits a tensor-parallel d
 per-rank parts (`rank_parts`: the KV heads each rank holds), verifies decode's signature on every
 part (`authorize`, common/wire/kv_capability.py), cuts the KV into chunks whose layers are whole
 (`plan_by_layer`) and turns one chunk into (source, destination, length) triples (`write_plan`).
+A latent pool (MLA: one latent head per slot, V of width 0) names no V addresses: its region has
+K's alone, and only K is written.
 """
 
 from __future__ import annotations
@@ -32,18 +34,18 @@ def slot_runs(slots: list[int]) -> list[prefill_pb2.SlotRun]:
 
 
 def kv_region(k: list[torch.Tensor], v: list[torch.Tensor]) -> prefill_pb2.KvRegion:
-    """A pool's per-layer K and V tensors [num_slots + 1, kv_heads, head_dim] as a destination."""
+    """A pool's per-layer K and V tensors [num_slots + 1, kv_heads, head_dim] as a destination (a
+    latent pool's V, of width 0, has no addresses)."""
     slot_bytes = k[0][0].numel() * k[0].element_size()
-    return prefill_pb2.KvRegion(
-        k_ptrs=[t.data_ptr() for t in k], v_ptrs=[t.data_ptr() for t in v], slot_bytes=slot_bytes
-    )
+    v_ptrs = [t.data_ptr() for t in v] if v[0][0].numel() else []
+    return prefill_pb2.KvRegion(k_ptrs=[t.data_ptr() for t in k], v_ptrs=v_ptrs, slot_bytes=slot_bytes)
 
 
 def check_destination(
-    dest: prefill_pb2.KvDestination, region, prompt_len: int, num_layers: int, slot_bytes: int
+    dest: prefill_pb2.KvDestination, region, prompt_len: int, num_layers: int, slot_bytes: int, with_v: bool = True
 ) -> None:
     """ValueError unless the destination covers every prompt token once and `region` (one of its
-    pools) matches the KV's layout."""
+    pools) matches the KV's layout (`with_v`: the KV has V bytes; a latent pool's has none)."""
     covered = 0
     for run in dest.runs:
         if run.token_start != covered or run.length == 0:
@@ -51,10 +53,11 @@ def check_destination(
         covered += run.length
     if covered != prompt_len:
         raise ValueError(f"kv_destination covers {covered} tokens, the prompt has {prompt_len}")
-    if len(region.k_ptrs) != num_layers or len(region.v_ptrs) != num_layers or region.slot_bytes != slot_bytes:
+    v_layers = num_layers if with_v else 0
+    if len(region.k_ptrs) != num_layers or len(region.v_ptrs) != v_layers or region.slot_bytes != slot_bytes:
         raise ValueError(
-            f"kv_destination has {len(region.k_ptrs)} layers of {region.slot_bytes}-byte slots, "
-            f"this model {num_layers} of {slot_bytes}"
+            f"kv_destination has {len(region.k_ptrs)} layers of {region.slot_bytes}-byte slots and "
+            f"{len(region.v_ptrs)} of V, this model {num_layers} of {slot_bytes} and {v_layers}"
         )
 
 
@@ -129,7 +132,8 @@ def write_plan(
             continue
         slot = run.slot + (lo - run.token_start)
         for layer in range(layer_start, layer_start + num_layers):
-            for src, base in ((k[layer], region.k_ptrs[layer]), (v[layer], region.v_ptrs[layer])):
+            pairs = [(k[layer], region.k_ptrs[layer])] + ([(v[layer], region.v_ptrs[layer])] if region.v_ptrs else [])
+            for src, base in pairs:
                 srcs.append(src.data_ptr() + lo * size)
                 dsts.append(base + slot * size)
                 lens.append((hi - lo) * size)

@@ -1,4 +1,5 @@
-"""DecoderLM: one decoder for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+"""DecoderLM: one decoder for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, and with
+their own parts Qwen3MoeForCausalLM and DeepseekV3ForCausalLM (`attention_for`, `mlp_for`).
 
 Switches come from ModelConfig: q/k/v bias and o_proj bias (separately), q/k RMSNorm per head
 (Qwen3), explicit head_dim, grouped-query attention, tied embeddings, rope scaling. Parameter names
@@ -19,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.engine.forward_batch import ForwardBatch
+from common.models import moe
 from common.models.config import ModelConfig
 from common.models.direct_call import DirectCall
 from common.models.rope import RotaryEmbedding, apply_rotary
@@ -89,10 +91,11 @@ class Attention(DirectCall):
 class MLP(DirectCall):
     tp = None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x, residual=None):
         """down(silu(gate) * up), plus `residual` when given."""
@@ -101,11 +104,30 @@ class MLP(DirectCall):
         return row_parallel(self.down_proj, h, residual, self.tp)
 
 
+def attention_for(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Grouped-query attention, or DeepSeek's latent attention (common/models/mla.py)."""
+    if cfg.mla is None:
+        return Attention(cfg, layer)
+    from common.models.mla import MLAttention
+
+    return MLAttention(cfg, layer)
+
+
+def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The dense MLP, or on a sparse layer of an MoE model the experts (common/models/moe.py), with
+    DeepSeek's shared experts as a dense MLP of their width."""
+    spec = cfg.moe
+    if spec is None or layer not in spec.sparse_layers:
+        return MLP(cfg)
+    shared = MLP(cfg, spec.intermediate_size * spec.n_shared_experts) if spec.n_shared_experts else None
+    return moe.SparseMoE(cfg.hidden_size, spec, shared)
+
+
 class DecoderLayer(DirectCall):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = attention_for(cfg, layer)
+        self.mlp = mlp_for(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -135,7 +157,7 @@ class DecoderLM(nn.Module):
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rope_dim, cfg.max_position_embeddings)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -165,7 +187,7 @@ class DecoderLM(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> the parameter (or slice of a fused parameter) it loads into."""
-        return split_fused(self, self.config)
+        return moe.checkpoint_names(split_fused(self, self.config))
 
     def pack_for_cpu(self, greedy_head: bool = True) -> None:
         """After loading: every linear and the lm_head in the CPU fp32 layouts (common/models/packed_linear.py),
@@ -198,7 +220,7 @@ def split_fused(module: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     named as its q/k/v (gate/up) parts, each a view of its rows of the fused tensor."""
     fused_parts = {
         "qkv_proj": (("q_proj", "k_proj", "v_proj"), [cfg.q_size, cfg.kv_size, cfg.kv_size]),
-        "gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate_size] * 2),
+        "gate_up_proj": (("gate_proj", "up_proj"), None),  # two halves (MoE's shared experts: their own width)
     }
     out = {}
     for name, param in module.named_parameters():
@@ -207,6 +229,7 @@ def split_fused(module: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             out[name] = param.data
             continue
         parts, sizes = fused_parts[fused]
+        sizes = sizes or [param.shape[0] // 2] * 2
         for part, view in zip(parts, param.data.split(sizes, dim=0)):
             out[name.replace(fused, part)] = view
     return out

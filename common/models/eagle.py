@@ -77,6 +77,9 @@ def load_draft_config(path: str, algorithm: str, target: ModelConfig) -> DraftCo
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=False,
         tie_word_embeddings=False,
+        moe=None,  # the head is a dense Llama layer whatever the target's MLP and attention are
+        mla=None,
+        cache_v_dim=None,
     )
     if algorithm == "EAGLE":
         return DraftConfig(algorithm, layer, target.vocab_size)

@@ -9,6 +9,9 @@
 3. `read` returns the record (plans, ms per bucket, when it was timed) or None when there is none,
    it is unreadable, malformed (logged as a warning) or it names other shapes: then the caller times
    and `write`s (atomically). A bad file never stops start-up.
+4. A record also says how it was timed (`linear_tuning.py`, item 7): the host's conditions then
+   (`common/host_load.py`), the repeat spread, whether it is provisional (timed on a busy host)
+   and why it replaced an earlier table. Tables written before these fields load as not provisional.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 import torch
 
 from common import host
+from common.host_load import Conditions
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS
 
 log = logging.getLogger(__name__)
@@ -113,6 +117,7 @@ def read(shapes, threads: int) -> dict | None:
         greedy = record.get("greedy_ms") or {}
         if greedy and not _valid_greedy(greedy):
             raise ValueError(f"bad greedy head timing {greedy}")
+        _how_timed(record)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
@@ -120,6 +125,21 @@ def read(shapes, threads: int) -> dict | None:
         return None
     record["path"] = path
     return record
+
+
+def _how_timed(record: dict) -> None:
+    """Validate the conditions fields in place (conditions -> a Conditions); absent in older tables."""
+    conditions = record.get("conditions")
+    record["conditions"] = None if conditions is None else Conditions.from_json(conditions)
+    if not isinstance(record.setdefault("provisional", False), bool):
+        raise ValueError("bad provisional flag")
+    if record["provisional"] and record["conditions"] is None:
+        raise ValueError("a provisional table without its conditions")
+    spread = record.setdefault("spread", 0.0)
+    if not isinstance(spread, (int, float)) or isinstance(spread, bool):
+        raise ValueError("bad spread")
+    if not isinstance(record.setdefault("retimed_because", ""), str):
+        raise ValueError("bad retimed_because")
 
 
 def _numbers(values) -> bool:
@@ -142,9 +162,16 @@ def _valid_greedy(greedy) -> bool:
 
 
 def write(
-    shapes, threads: int, plans: dict, ms: dict, chosen_ms: list[float], greedy_ms: dict | None = None
+    shapes,
+    threads: int,
+    plans: dict,
+    ms: dict,
+    chosen_ms: list[float],
+    greedy_ms: dict | None = None,
+    how_timed: dict | None = None,
 ) -> str | None:
-    """Store a timed table (write to a temporary file, then rename). Returns its path, None on failure."""
+    """Store a timed table (write to a temporary file, then rename). Returns its path, None on failure.
+    `how_timed`: conditions (as JSON), spread, provisional, retimed_because (see `read`)."""
     k = key(shapes, threads)
     path = path_for(k)
     record = {
@@ -154,6 +181,7 @@ def write(
         "ms": ms,
         "chosen_ms": chosen_ms,
         "greedy_ms": greedy_ms or {},  # the greedy head's timing (linear_tuning.tune_greedy), if the model has one
+        **(how_timed or {}),
     }
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -85,11 +85,13 @@ def load_tensors(
 def load_weights(model: DecoderLM, path: str) -> None:
     cfg = model.config
     tied = cfg.tie_word_embeddings  # tied: the embedding serves as lm_head
+    # DeepSeek-V3's MTP (NextN) layer sits after the last layer; HF ignores it, and so do we for now
+    mtp = f"model.layers.{cfg.num_layers}." if cfg.architecture == "DeepseekV3ForCausalLM" else None
     load_tensors(
         path,
         model.checkpoint_tensors(),
         cfg.architecture,  # HF names, fused projections as views
-        skip=lambda name: tied and name == "lm_head.weight",
+        skip=lambda name: (tied and name == "lm_head.weight") or (mtp is not None and name.startswith(mtp)),
     )
 
 

@@ -1,4 +1,5 @@
-"""Build tiny random-weight checkpoints (Llama, Qwen2, Qwen3) with a real tokenizer, offline.
+"""Build tiny random-weight checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) with a real
+tokenizer, offline.
 
 Deterministic: the same arguments give byte-identical folders. The tokenizer is a byte-level BPE
 trained with `tokenizers` on the local corpus below, saved so AutoTokenizer loads it, with BOS/EOS
@@ -16,7 +17,8 @@ import os
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3")
+# deepseek_v3_nolora: no q_lora_rank (as V2-Lite), the rope not interleaved and not scaled, biases
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v3_nolora")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -99,8 +101,53 @@ def hf_config(arch: str, vocab_size: int, bos: int, eos: int, tied: bool, hidden
         )
     if arch == "qwen2":  # q/k/v bias only
         return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch != "qwen3":
+        return moe_config(arch, common)
     # qwen3: explicit head_dim (not hidden/heads) and q/k norm
     return Qwen3Config(**common, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def moe_config(arch: str, common: dict):
+    """Qwen3-MoE (8 experts, top 2, a dense layer among sparse ones) or DeepSeek-V3 (MLA; 8 routed
+    experts in 4 groups, top 3 of the best 2 groups, a shared expert, the first layer dense)."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    common = {**common, "intermediate_size": 2 * common["hidden_size"], "moe_intermediate_size": 32}
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": max(common["num_hidden_layers"], 3)},
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    lora = arch == "deepseek_v3"
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if lora:  # YaRN with both mscales: cos/sin and the softmax scale are both scaled
+        rope = {**rope, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+        rope.update(mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1)
+    return DeepseekV3Config(
+        **{**common, "num_hidden_layers": max(common["num_hidden_layers"], 3), "num_key_value_heads": 4},
+        q_lora_rank=32 if lora else None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_interleave=lora,
+        attention_bias=not lora,
+        rope_parameters=rope,
+    )
 
 
 def randomize(model: torch.nn.Module, seed: int, lm_head_scale: float) -> None:
@@ -114,10 +161,13 @@ def randomize(model: torch.nn.Module, seed: int, lm_head_scale: float) -> None:
                 p.copy_(1.0 + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
-            elif p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name:
-                p.copy_(noise / p.shape[1] ** 0.5)
+            elif p.dim() in (2, 3) and "embed_tokens" not in name and "lm_head" not in name:
+                p.copy_(noise / p.shape[-1] ** 0.5)  # 3: stacked experts [E, out, in]
             else:  # embeddings / lm_head: logits of std ~lm_head_scale
                 p.copy_(noise * lm_head_scale / hidden**0.5)
+        for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias (a saved buffer)
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def build(

@@ -46,9 +46,10 @@ def split(
 ) -> Iterator[prefill_pb2.PrefillChunk]:
     """The stream messages carrying the target KV, or with `draft` the EAGLE head's KV (its one
     layer); a chunk's K (and V) is one tensor [layers, tokens, kv_heads, head_dim]. Each message is
-    filled in place: protobuf copies a submessage's bytes whenever one is assigned into another."""
+    filled in place: protobuf copies a submessage's bytes whenever one is assigned into another.
+    A latent pool's V (MLA) has width 0: its chunks carry the latent as K and an empty V."""
     num_tokens = k[0].shape[0]
-    per = 2 * k[0][:1].numel() * k[0].element_size()
+    per = (k[0][:1].numel() + v[0][:1].numel()) * k[0].element_size()
     for t0, nt, l0, nl in plan(num_tokens, len(k), per, max_bytes):
         message = prefill_pb2.PrefillChunk()
         chunk = message.kv
@@ -67,9 +68,11 @@ class KvAssembler:
     """Checks chunks against the prompt's (layer, token) grid; with `store`, collects them into
     per-layer host tensors."""
 
-    def __init__(self, prompt_len: int, num_layers: int, kv_heads: int, head_dim: int, store: bool = True):
+    def __init__(self, prompt_len: int, num_layers: int, kv_heads: int, head_dim: int, store: bool = True, v_dim=None):
+        """`v_dim`: V's width when it is not head_dim (a latent pool's: 0)."""
         self.prompt_len, self.num_layers, self.store = prompt_len, num_layers, store
         self.shape = (kv_heads, head_dim)
+        self.v_shape = (kv_heads, head_dim if v_dim is None else v_dim)
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.covered = torch.zeros(num_layers, prompt_len, dtype=torch.int32)
@@ -80,17 +83,17 @@ class KvAssembler:
         read-only (views of a copy of the message's bytes: reading a bytes field copies it)."""
         t0, nt, l0 = chunk.token_start, chunk.num_tokens, chunk.layer_start
         k, v = tensor_codec.decode(chunk.k, readonly=True), tensor_codec.decode(chunk.v, readonly=True)
-        if k.dim() != 4 or tuple(k.shape[1:]) != (nt, *self.shape) or k.shape != v.shape:
+        if k.dim() != 4 or tuple(k.shape[1:]) != (nt, *self.shape) or v.shape != (k.shape[0], nt, *self.v_shape):
             raise ValueError(
                 f"KV chunk with K {tuple(k.shape)} and V {tuple(v.shape)}, expected [layers, {nt}, {self.shape[0]}, "
-                f"{self.shape[1]}] each"
+                f"{self.shape[1]}] and [layers, {nt}, {self.v_shape[0]}, {self.v_shape[1]}]"
             )
         self.cover(t0, nt, l0, k.shape[0])
         if self.store:
             for i in range(k.shape[0]):
                 if self.k[l0 + i] is None:
                     self.k[l0 + i] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
-                    self.v[l0 + i] = torch.empty((self.prompt_len, *self.shape), dtype=k.dtype)
+                    self.v[l0 + i] = torch.empty((self.prompt_len, *self.v_shape), dtype=k.dtype)
                 self.k[l0 + i][t0 : t0 + nt] = k[i]
                 self.v[l0 + i][t0 : t0 + nt] = v[i]
         return k, v

@@ -1,0 +1,171 @@
+"""The host's batch-1 bandwidth floor, and this project's and HF's decode step as ratios to it.
+
+    python -m bench.floor [--model-path DIR] [--threads 2] [--rounds 5] [--steps 20] [--new-tokens 24]
+
+A decode step at batch 1 reads every weight once, so on CPU it cannot take less than the model's
+weight bytes over the memory bandwidth. Each round measures, interleaved (the host is shared):
+1. bandwidth: `torch.sum` over a --buffer-mib fp32 buffer (far beyond the caches) on --threads
+   threads, best of 3 passes: bytes / seconds. The floor = the model's parameter bytes (a tied
+   lm_head counted once) / that bandwidth.
+2. ours: a ModelRunner (`--linear-layout`, default auto: the host's table) decoding one request
+   at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts);
+   with `--variants eager,compiled` also one with `--enable-torch-compile` (batch 1 compiled at
+   warm-up, kept only where warm-up timed it faster: common/models/compiled_layers.py).
+3. ours, the linears alone: every linear of the first runner's model once at one row, in model
+   order, each in its batch-1 layout (median of --steps passes): the part of a step that streams
+   the weights. What a step takes beyond it is per-op work outside the linears (norms, rotary, the
+   KV write and gather, attention, activations, and the dispatch of each).
+4. HF: transformers `generate` at batch 1, fp32: (time(N) - time(1)) / (N - 1) per token.
+Every round prints the host probe's conditions over it (common/host_load.py: other processes'
+CPU time, stolen time, load average). The table gives each figure's median and best round and
+the ratio to the floor (each round against its own bandwidth), with the CPU (`lscpu` model, ISA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+
+import torch
+
+from common import host
+from common.engine import intra_op
+from common.host_load import HostProbe
+from common.models.packed_linear import linear_weights
+from common.models.table_check import time_pass
+
+
+def bandwidth_gbs(buffer: torch.Tensor, passes: int = 3) -> float:
+    """GB/s of the best of `passes` sums over `buffer` (the calling thread's intra-op count)."""
+    buffer.sum()  # warm: the pages are touched, the pool is up
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, each tensor once (a tied lm_head is the embedding)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def linears_ms(model: torch.nn.Module, passes: int) -> float:
+    """Median ms of one row through every linear of `model` in turn, each in its batch-1 layout."""
+    weights = linear_weights(model)
+    layouts = [w.plan[0] for w in weights]
+    xs = {w.in_features: torch.randn(1, w.in_features) for w in weights}
+    with torch.inference_mode():
+        time_pass(weights, layouts, xs)  # warm
+        return 1e3 * statistics.median(time_pass(weights, layouts, xs) for _ in range(passes))
+
+
+def hf_ms_per_token(model, prompt: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt])
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                pad_token_id=0,
+            )  # fmt: skip
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    return 1e3 * (run(new_tokens) - run(1)) / (new_tokens - 1)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--buffer-mib", type=int, default=1024)
+    parser.add_argument("--linear-layout", default="auto")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    parser.add_argument("--variants", default="eager", help="ours: eager, compiled (comma-separated)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the layout table and its start-up check
+    from transformers import AutoModelForCausalLM
+
+    from bench.linear_layouts import decode_ms
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+    from common.tools.smollm2 import ensure_smollm2
+
+    path = args.model_path or ensure_smollm2()
+    torch.set_num_threads(args.threads)
+    runners = {}
+    for variant in args.variants.split(","):
+        runners[variant] = ModelRunner(
+            RunnerArgs(
+                path,
+                max_running_requests=1,
+                max_total_tokens=256,
+                linear_layout=args.linear_layout,
+                torch_compile_max_bs={"eager": 0, "compiled": 1}[variant],
+            )
+        )
+        try:
+            runners[variant].warmup()  # the compiled variant compiles (and times) its batch-1 step here
+        except RuntimeError as e:  # no C++ compiler for Inductor, say: the other variants still run
+            print(f"{variant}: left out ({e})", flush=True)
+            del runners[variant]
+    hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if hf is not None:
+        hf.generation_config.eos_token_id = None
+    nbytes = weight_bytes(hf if hf is not None else next(iter(runners.values())).model)
+    buffer = torch.ones(args.buffer_mib * 2**20 // 4)
+    probe, rows = HostProbe(), []
+    print(f"{host.describe()}, {args.threads} threads, weights {nbytes / 1e6:.0f} MB", flush=True)
+    for r in range(args.rounds):
+        before = probe.sample()
+        gbs = intra_op.on_own_thread(lambda: bandwidth_gbs(buffer), args.threads)
+        ours = [
+            intra_op.on_own_thread(lambda runner=runner: decode_ms(runner, 1, args.steps), args.threads)
+            for runner in runners.values()
+        ]
+        model = next(iter(runners.values())).model
+        ours.append(intra_op.on_own_thread(lambda m=model: linears_ms(m, args.steps), args.threads))
+        theirs = float("nan")
+        if hf is not None:
+            theirs = intra_op.on_own_thread(lambda: hf_ms_per_token(hf, [5] * 64, args.new_tokens), args.threads)
+        floor = 1e3 * nbytes / (gbs * 1e9)
+        rows.append((gbs, floor, theirs, *ours))
+        c = probe.between(before, probe.sample())
+        cells = "; ".join(f"{name} {ms:.1f} ms ({ms / floor:.2f}x)" for name, ms in zip([*runners, "linears"], ours))
+        print(
+            f"round {r}: {gbs:.1f} GB/s, floor {floor:.1f} ms; {cells}; HF {theirs:.1f} ms ({theirs / floor:.2f}x); "
+            f"{c.describe()}",
+            flush=True,
+        )
+    cols = list(zip(*rows))
+    name = os.path.basename(path.rstrip("/"))
+    print(f"\n{host.describe()}, {args.threads} threads, {name} fp32 weights {nbytes / 1e6:.0f} MB, "
+          f"{args.rounds} rounds (median / best)\n")  # fmt: skip
+    print("| figure | median | best |")
+    print("| --- | --- | --- |")
+    print(f"| bandwidth, GB/s | {statistics.median(cols[0]):.1f} | {max(cols[0]):.1f} |")
+    print(f"| floor, ms per token | {statistics.median(cols[1]):.1f} | {min(cols[1]):.1f} |")
+    names = [f"ours ({name})" for name in runners] + ["ours, the linears alone", "HF generate"]
+    for name, ms in zip(names, [*cols[3:], cols[2]]):
+        ratio = [o / f for f, o in zip(cols[1], ms)]
+        print(f"| {name}, ms per token | {statistics.median(ms):.1f} | {min(ms):.1f} |")
+        print(f"| {name} / floor | {statistics.median(ratio):.2f}x | {min(ratio):.2f}x |")
+    for name, runner in runners.items():
+        compiled = runner.model.compiled_layers
+        if compiled is not None:
+            print(f"{name}: warm-up (eager ms, compiled ms) {compiled.timings}, compiled buckets {compiled.buckets}")
+
+
+if __name__ == "__main__":
+    main()
