@@ -67,9 +67,9 @@ def draft_chain(runner, fm, batch: WorkerBatch, num_steps: int) -> ChainDraft:
     return ChainDraft(bonus, torch.stack(drafts, dim=1), q, draws)
 
 
-def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 2-5. Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits
-    tokens[i, :A+1]."""
+def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft):
+    """Steps 2-5. Returns (tokens [B, S+1], accepted drafts A [B], logprobs of the rows asking or None)
+    on the device: request i commits tokens[i, :A+1]."""
     draft, table = runner.draft, runner.req_to_token_pool.req_to_token
     indices, rows, committed_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.kv_committed_lens_cpu
     size, num_steps, proposed, draws = len(batch), chain.proposed.shape[1], chain.proposed, chain.draws
@@ -77,9 +77,17 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
     fb = ForwardBatch.extend_fixed(table, indices, rows, committed_cpu, verify_ids, num_steps + 1)
     greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
     logits, features = runner.forward_features(fb, greedy=greedy)  # 2. verify
+    raw = logits
+    procs = batch.sampling.processors(indices.device)
+    nodes = verify_ids.view(size, num_steps + 1)
     if greedy:
         target = logits.view(size, num_steps + 1)
     else:
+        if procs is not None:  # node j is penalised with its path: the bonus and d1..dj
+            chain_anc = torch.ones(num_steps + 1, num_steps + 1, dtype=torch.bool, device=indices.device).tril()
+            state = fm.penalties.gather(indices[procs.rows])
+            paths = chain_anc.expand(size, -1, -1)
+            logits = procs.apply_on_paths(logits.view(size, num_steps + 1, -1), *state, paths, nodes).flatten(0, 1)
         window = torch.arange(num_steps + 1, device=indices.device).expand(size, -1)  # node j: output first + j
         first = [n - lane.prompt_len + 1 for n, lane in zip(committed_cpu, batch.lanes)]
         eos = runner.config.eos_token_ids
@@ -101,6 +109,13 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
         picked[torch.arange(len(draws.lanes), device=indices.device), n_ok] = extra
         target = target.index_copy(0, draws.lanes, picked)
         accepted = accepted.index_copy(0, draws.lanes, n_ok)
+    if procs is not None:  # the committed path (the bonus, d1..dA) joins the output counts
+        on_path = torch.arange(num_steps + 1, device=indices.device)[None, :] <= accepted[:, None]
+        fm.penalties.add(indices[procs.rows], nodes[procs.rows], on_path[procs.rows])
+    # node j's raw logits gave target[:, j]; read them before the draft extend (a replayed graph reuses
+    # its logits buffer)
+    asking = batch.sampling.logprob_rows(indices.device)
+    logprobs = asking.compute(raw.view(size, num_steps + 1, -1), target) if asking is not None else None
     committed = to_device(committed_cpu, indices.device, torch.int64)
     fm.publish_kv_committed_lens(indices, committed + accepted + 1, batch.fence)  # 4.
     extend = ForwardBatch.extend_fixed(table, indices, rows, committed_cpu, target.flatten(), num_steps + 1)
@@ -108,4 +123,4 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft) -> tupl
     seed_hidden = out[lanes, accepted]
     fm.stash_tokens(indices, target[lanes, accepted])
     fm.stash_draft(indices, draft.greedy(seed_hidden), seed_hidden)
-    return target, accepted
+    return target, accepted, logprobs

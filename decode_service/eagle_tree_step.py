@@ -143,9 +143,9 @@ def draft_tree(runner, fm, batch: WorkerBatch, spec) -> TreeDraft:
     return TreeDraft(*_build_tree(*cand, bonus, spec.num_draft_tokens, spec.eagle_topk))
 
 
-def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 3-7. Returns (tokens [B, S+1], accepted drafts A [B]) on the device: request i commits
-    tokens[i, :A+1]."""
+def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft):
+    """Steps 3-7. Returns (tokens [B, S+1], accepted drafts A [B], logprobs of the rows asking or None)
+    on the device: request i commits tokens[i, :A+1]."""
     draft, table = runner.draft, runner.req_to_token_pool.req_to_token
     indices, rows, committed_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.kv_committed_lens_cpu
     node_tokens, parent, depth, anc = tree.node_tokens, tree.parent, tree.depth, tree.ancestors
@@ -154,9 +154,14 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     fb = ForwardBatch.tree(table, indices, rows, committed_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
     greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
     logits, features = runner.forward_features(fb, greedy=greedy)  # 3.
+    raw = logits
+    procs = batch.sampling.processors(device)
     if greedy:
         target = logits.view(size, m)
     else:
+        if procs is not None:  # each node is penalised with the tokens on its own path
+            state = fm.penalties.gather(indices[procs.rows])
+            logits = procs.apply_on_paths(logits.view(size, m, -1), *state, anc, node_tokens).flatten(0, 1)
         first = [n - lane.prompt_len + 1 for n, lane in zip(committed_cpu, batch.lanes)]  # node: output first + depth
         held = batch.sampling.hold_back_stops_at(logits.view(size, m, -1), first, depth, runner.config.eos_token_ids)
         target = held.argmax(-1)
@@ -167,11 +172,17 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     committed = to_device(committed_cpu, device, torch.int64)
     fm.publish_kv_committed_lens(indices, committed + accepted + 1, batch.fence)  # 5.
     on_path = anc[lanes_t, last]  # [B, M]
+    if procs is not None:  # the committed path (the bonus and the accepted nodes) joins the output counts
+        fm.penalties.add(indices[procs.rows], node_tokens[procs.rows], on_path[procs.rows])
     levels = torch.arange(steps + 1, device=device)
     on_level = (depth[:, None, :] == levels[None, :, None]) & on_path[:, None, :]
     path = on_level.to(torch.int64).argmax(-1)  # [B, S+1]
     tokens = torch.cat([node_tokens.gather(1, path[:, 1:]), node_tokens[:, :1]], dim=1)
     tokens[lanes_t, accepted] = target[lanes_t, last]
+    asking, logprobs = batch.sampling.logprob_rows(device), None  # path node d's raw logits gave tokens[:, d]
+    if asking is not None:  # read before the draft extend (a replayed graph reuses its logits buffer)
+        on_path = raw.view(size, m, -1).gather(1, path[..., None].expand(-1, -1, raw.shape[-1]))
+        logprobs = asking.compute(on_path, tokens)
     _move_path_kv(runner.kv_pool, table, indices, committed, path, accepted)  # 6.
     feats = features.view(size, m, -1).gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
     extend = ForwardBatch.extend_fixed(table, indices, rows, committed_cpu, tokens.flatten(), steps + 1)
@@ -179,7 +190,7 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft) -> tuple[t
     seed_hidden = out[lanes_t, accepted]
     fm.stash_tokens(indices, tokens[lanes_t, accepted])
     fm.stash_draft(indices, draft.greedy(seed_hidden), seed_hidden)
-    return tokens, accepted
+    return tokens, accepted, logprobs
 
 
 def _move_path_kv(pool, table, indices, committed, path, accepted) -> None:

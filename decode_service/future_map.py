@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from common.engine.host_copy import to_device
+from common.engine.penalties import PenaltyCounts
 from common.engine.streams import wait_event
 
 
@@ -38,6 +39,7 @@ class FutureMap:
         debug: bool = False,
         draft_hidden_size: int = 0,
         draft_dtype: torch.dtype = torch.float32,
+        vocab_size: int = 0,
     ):
         self.num_rows = req_pool_size + 1
         self.device = torch.device(device)
@@ -52,6 +54,9 @@ class FutureMap:
             names += ["draft_token_ids", "draft_hidden"]
         # debug guard: writes since the last gather, per buffer and row
         self._writes = {name: torch.zeros(self.num_rows, dtype=torch.int32, device=self.device) for name in names}
+        # per-row penalty state (ids seen, output counts), read and updated by every step of a row with
+        # a penalty; not relayed once like the buffers above (common/engine/penalties.py)
+        self.penalties = PenaltyCounts(self.num_rows, vocab_size, self.device) if vocab_size else None
         self.publish_ready = None  # the event of the latest armed step
         self._last_publish_stream = None
 

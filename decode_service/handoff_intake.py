@@ -58,6 +58,9 @@ class HandoffIntake:
             return  # never stream a token past a finish
         check_token(msg.rid, "first token", msg.token, self.info.vocab_size)  # ValueError: _fail_reply
         req.output_ids.append(msg.token)
+        if req.params.return_logprob:  # its logprobs come with the record (first_token.py)
+            req.held_first = True
+            return
         self._emit(req, [msg.token], None)
 
     def _on_kv_chunk(self, msg: KvChunkArrived) -> None:

@@ -64,6 +64,9 @@ def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handof
     dev_row = to_device(torch.tensor([req_pool_idx], dtype=torch.int64), fm.device)
     fm.reset_rows(dev_row)
     fm.stash_tokens(dev_row, to_device(torch.tensor([handoff.first_token], dtype=torch.int64), fm.device))
+    if fm.penalties is not None and handoff.params.processed:  # the first token counts when a step reads it
+        resent = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :]
+        fm.penalties.seed(req_pool_idx, handoff.prompt_ids[: handoff.prompt_len - handoff.first_position], resent)
     if runner.draft is not None:
         if handoff.draft_k is not None:
             runner.draft.kv_pool.write_layers(0, loc, handoff.draft_k, handoff.draft_v)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.engine.logprobs import TokenLogprobs
+
 
 @dataclass(frozen=True, slots=True)
 class Finish:
@@ -23,6 +25,21 @@ class Finish:
     spec_accepted: int = 0  # EAGLE: drafts accepted over the request's life
     spec_drafted: int = 0  # EAGLE: drafts proposed (0 without EAGLE)
     error: str | None = None  # "error": what went wrong
+    matched_stop_str: str | None = None  # "stop" by a stop string: that string (matched_stop is None then)
+
+    @classmethod
+    def of(cls, req, reason: str) -> Finish:
+        """A DecodeReq's Finish for `reason`."""
+        by_id = reason == "stop" and bool(req.output_ids) and req.matched_stop_str is None
+        return cls(
+            reason,
+            req.output_ids[-1] if by_id else None,
+            req.cached_tokens,
+            req.spec_accepted,
+            req.spec_drafted,
+            req.error if reason == "error" else None,
+            req.matched_stop_str if reason == "stop" else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +47,7 @@ class RequestOutput:
     rid: str
     new_token_ids: list[int]  # may be empty (a finish with no new token)
     finish: Finish | None = None  # set on the request's last record only
+    logprobs: list[TokenLogprobs] | None = None  # one per new id, when the request asked for logprobs
 
     @property
     def finished(self) -> bool:

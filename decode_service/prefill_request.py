@@ -28,6 +28,13 @@ def build(
             max_new_tokens=p.max_new_tokens,
             min_new_tokens=p.min_new_tokens,
             stop_token_ids=p.stop_token_ids,
+            repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty,
+            logit_bias=p.logit_bias,
+            return_logprob=p.return_logprob,
+            top_logprobs_num=p.top_logprobs_num,
+            token_ids_logprob=p.token_ids_logprob,
         ),
     )
     if kv_destination is not None and request.kv_slots is not None:

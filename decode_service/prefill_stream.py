@@ -17,6 +17,7 @@ import time
 from common.engine.handoff import Handoff, HandoffRequest, check_token
 from common.wire import kv_chunks
 from common.wire.kv_chunks import KvAssembler, decode_seed
+from common.wire.logprobs_codec import logprobs_from_wire
 
 MAX_PENDING_CHUNKS = 4  # per call: KV chunks handed to the scheduler and not yet written into the pool
 
@@ -34,7 +35,9 @@ class HandoffStream:
         n = len(request.prompt_ids)
         cfg, draft = config, draft_config
         self.assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False, v_dim=cfg.v_dim)
-        self.draft_assembler = KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False) if draft else None
+        self.draft_assembler = (
+            KvAssembler(n, 1, draft.num_kv_heads, draft.head_dim, store=False, v_dim=draft.v_dim) if draft else None
+        )
         self.first: int | None = None
         self.started: float | None = None  # perf_counter time of the first message
         self.nbytes = 0  # KV bytes streamed or written by the replica
@@ -112,6 +115,7 @@ class HandoffStream:
             v=None,
             first_position=request.first_position,
             cached_tokens=rec.cached_tokens,
+            first_logprobs=logprobs_from_wire(rec, request.params, self.config.vocab_size),
             **decode_seed(rec),
         )
         handoff.check_record(cfg.vocab_size)

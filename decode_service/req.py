@@ -40,6 +40,9 @@ class DecodeReq:
     handoff: object = None  # the Handoff while PREBUILT
     spec_accepted: int = 0  # EAGLE: drafts accepted / proposed for this request
     spec_drafted: int = 0
+    stop_searched: int = 0  # characters of the output text searched for stop strings (stop_strings.py)
+    matched_stop_str: str | None = None
+    held_first: bool = False  # the early first token is held back until the record brings its logprobs
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache (from the handoff)
     trace: tuple | None = None  # (parent span context, submission ns) from the front door; opaque here
     submitted_at: float = field(default_factory=time.monotonic)

@@ -4,30 +4,32 @@ Proto3 zeros are normalised (top_p 0 -> 1, top_k 0 -> -1, repetition_penalty 0 -
 temperature 0 means greedy). Every field this service does not honour is rejected by name when it
 is set, never silently ignored; fields that only shape text on the client side (skip_special_tokens,
 spaces_between_special_tokens, no_stop_trim, require_reasoning, timestamp, log_metrics) are accepted.
-stop_token_ids: at most MAX_STOP_TOKEN_IDS (64), each in the vocabulary.
+stop_token_ids: at most MAX_STOP_TOKEN_IDS (64), each in the vocabulary. Penalties and logit_bias in
+OpenAI's ranges (SamplingParams.validate): frequency/presence in [-2, 2], repetition in (0, 2],
+logit_bias values in [-100, 100] with keys that are ids of the vocabulary. Logprobs: return_logprob
+with top_logprobs_num in [0, 20] and at most 64 token_ids_logprob; logprob_start_len -1 or 0 (prompt
+logprobs, > 0, are not served yet).
 """
 
 from __future__ import annotations
 
 import math
 
+from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB
+from common.engine.penalties import MAX_LOGIT_BIAS
 from common.engine.sampling import SamplingParams
 from common.request_rules import InvalidRequest, default_max_new_tokens, stop_token_ids, validate_prompt
+from decode_service.stop_strings import check_stop_strings
 
 
 def _unsupported(req, sp) -> str | None:
     """The name of the first set field we do not honour, or None."""
     checks = [
         (sp.n > 1, "n > 1"),
-        (len(sp.stop) > 0, "stop (stop strings)"),
         (sp.WhichOneof("constraint") is not None, sp.WhichOneof("constraint")),
-        (sp.frequency_penalty != 0, "frequency_penalty"),
-        (sp.presence_penalty != 0, "presence_penalty"),
-        (sp.repetition_penalty not in (0.0, 1.0), "repetition_penalty"),
-        (len(sp.logit_bias) > 0, "logit_bias"),
         (sp.HasField("custom_params"), "custom_params"),
         (sp.HasField("stream_interval") and sp.stream_interval != 1, "stream_interval (only 1)"),
-        (req.return_logprob or req.top_logprobs_num != 0 or len(req.token_ids_logprob) > 0, "return_logprob"),
+        (req.return_logprob and req.logprob_start_len > 0, "logprob_start_len (prompt logprobs)"),
         (req.return_hidden_states, "return_hidden_states"),
         (req.HasField("mm_inputs"), "mm_inputs"),
         (req.lora_id != "", "lora_id"),
@@ -37,6 +39,30 @@ def _unsupported(req, sp) -> str | None:
         (req.HasField("data_parallel_rank") and req.data_parallel_rank != 0, "data_parallel_rank (only 0)"),
     ]
     return next((name for bad, name in checks if bad), None)
+
+
+def stop_strings(stops) -> tuple[str, ...]:
+    try:
+        return check_stop_strings(stops)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+def logit_bias(entries) -> dict[int, float]:
+    """smg's map<string, float> (OpenAI's JSON keys) as {token id: bias}; InvalidRequest naming the
+    field for a key that is not an id or a value that is not finite (ranges: SamplingParams.validate)."""
+    if len(entries) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(entries)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out = {}
+    for key, value in entries.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}") from None
+        if not math.isfinite(value):
+            raise InvalidRequest(f"logit_bias values must be finite, got {value} for {key!r}")
+        out[token] = float(value)
+    return out
 
 
 def parse_generate(
@@ -58,6 +84,9 @@ def parse_generate(
         raise InvalidRequest(f"temperature must be finite, got {sp.temperature}")
     if sp.top_k < -1:
         raise InvalidRequest(f"top_k must be -1 (off), 0 (off) or > 0, got {sp.top_k}")
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(sp, name)):
+            raise InvalidRequest(f"{name} must be finite, got {getattr(sp, name)}")
     if sp.HasField("max_new_tokens"):
         max_new = sp.max_new_tokens
     else:
@@ -72,7 +101,17 @@ def parse_generate(
         stop_token_ids=stop_token_ids(sp.stop_token_ids),  # at most MAX_STOP_TOKEN_IDS
         ignore_eos=sp.ignore_eos,
         min_new_tokens=sp.min_new_tokens,
+        repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 0 else 1.0,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        logit_bias=logit_bias(sp.logit_bias),
+        stop_strings=stop_strings(sp.stop),
+        return_logprob=req.return_logprob,  # top_logprobs_num / token_ids_logprob only with it (as SGLang)
+        top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+        token_ids_logprob=tuple(req.token_ids_logprob) if req.return_logprob else (),
     )
+    if len(req.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
+        raise InvalidRequest(f"token_ids_logprob has {len(req.token_ids_logprob)} ids; at most {MAX_TOKEN_IDS_LOGPROB}")
     if params.min_new_tokens > params.max_new_tokens:
         raise InvalidRequest(f"min_new_tokens ({sp.min_new_tokens}) exceeds max_new_tokens ({params.max_new_tokens})")
     validate_prompt(ids, params, vocab_size, context_length)

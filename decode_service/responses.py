@@ -2,7 +2,8 @@
 smg's GenerateResponse messages, with the call's metrics and its decode span on the way.
 
 A streaming call gets a chunk of the new ids whenever a record brings some, then one Complete; a
-non-streaming call gets only the Complete, with every id. A finish ends the call's answer:
+non-streaming call gets only the Complete, with every id. A call with return_logprob gets each
+chunk's logprobs in the chunk and every id's in the Complete (`output_logprobs`). A finish ends the call's answer:
   - "stop" / "length" / "abort": the Complete (reason, matched stop, cached prompt tokens, EAGLE's
     accepted and proposed drafts);
   - "abort" while the service drains: UNAVAILABLE (the call was cut short by the shutdown);
@@ -34,6 +35,7 @@ class Responder:
     async def stream(self, request, ids, outputs: asyncio.Queue, context, trace) -> AsyncIterator[pb.GenerateResponse]:
         """The call's responses from the RequestOutputs its scheduler callback puts on `outputs`."""
         all_ids: list[int] = []
+        all_logprobs = [] if request.return_logprob else None  # TokenLogprobs of every id so far
         m, started = self.metrics, time.perf_counter()
         last = first_at = started
         while True:
@@ -55,6 +57,8 @@ class Responder:
                 last = now
                 m.generation_tokens.inc(len(tokens))
             all_ids.extend(tokens)
+            if all_logprobs is not None:
+                all_logprobs.extend(out.logprobs or ())
             if reason is not None:
                 m.count_finish(reason, len(ids), started, first_at, len(all_ids))
                 if all_ids and self.tracing.enabled:
@@ -67,14 +71,15 @@ class Responder:
             if reason == "abort" and self.draining():
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
             if tokens and request.stream:
-                yield pb.GenerateResponse(
-                    request_id=request.request_id,
-                    chunk=pb.GenerateStreamChunk(
-                        token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids)
-                    ),
-                )
+                chunk = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids))
+                if out.logprobs is not None:
+                    chunk.output_logprobs.CopyFrom(output_logprobs(tokens, out.logprobs, request))
+                yield pb.GenerateResponse(request_id=request.request_id, chunk=chunk)
             if finish is not None:
-                yield pb.GenerateResponse(request_id=request.request_id, complete=self._complete(finish, ids, all_ids))
+                complete = self._complete(finish, ids, all_ids)
+                if all_logprobs is not None and finish.reason in ("stop", "length"):
+                    complete.output_logprobs.CopyFrom(output_logprobs(all_ids, all_logprobs, request))
+                yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 return
 
     async def _next(self, outputs: asyncio.Queue, context) -> RequestOutput | None:
@@ -113,4 +118,17 @@ class Responder:
         )
         if finish.matched_stop is not None:
             complete.matched_token_id = finish.matched_stop
+        elif finish.matched_stop_str is not None:
+            complete.matched_stop_str = finish.matched_stop_str
         return complete
+
+
+def output_logprobs(ids: list[int], logprobs, request) -> pb.OutputLogProbs:
+    """smg's OutputLogProbs of `ids` and their TokenLogprobs (common/engine/logprobs.py): one row per id
+    of top candidates, and of the request's token_ids_logprob when it named any."""
+    msg = pb.OutputLogProbs(token_logprobs=[lp.logprob for lp in logprobs], token_ids=ids)
+    for lp in logprobs:
+        msg.top_logprobs.add(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
+        if request.token_ids_logprob:
+            msg.token_ids_logprobs.add(values=list(lp.ids), token_ids=list(request.token_ids_logprob))
+    return msg

@@ -50,12 +50,14 @@ from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
 from common.request_rules import InvalidRequest, check_fits_pool, finish_reason, validate_prompt
+from decode_service.first_token import first_outputs
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
 from decode_service.output import Finish, OutputCallback, RequestOutput
 from decode_service.req import DecodeReq, ReqState
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.scheduler_types import InvariantError, LaunchedStep, SpecStats
+from decode_service.stop_strings import StopStrings
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class DecodeScheduler(HandoffIntake):
         debug: bool = False,
         metrics=None,
         abort_waits_for_prefill: bool = False,
+        tokenizer_path: str | None = None,
     ):
         """`worker`: a DecodeWorker (or a fake with its methods); `prefill_fn` starts a request's
         prefill once its slots are reserved; `inbox` is where the prefill side delivers (made here if
@@ -83,6 +86,7 @@ class DecodeScheduler(HandoffIntake):
         self.debug = debug
         self.metrics = metrics
         self.abort_waits_for_prefill = abort_waits_for_prefill
+        self.stop_strings = StopStrings(tokenizer_path) if tokenizer_path else None  # `stop` needs the tokenizer
         self.info = worker.info
         self.spec = worker.info.spec
         self._extra = self.spec.extra_slots if self.spec else 0  # KV a request may write past its reservation
@@ -123,6 +127,8 @@ class DecodeScheduler(HandoffIntake):
         submission ns) rides on the request to the prefill call."""
         validate_prompt(prompt_ids, params, self.info.vocab_size, self.info.context_length)
         check_fits_pool(len(prompt_ids), params.max_new_tokens, self.worker.kv_allocator.size, self._extra)
+        if params.stop_strings and self.stop_strings is None:
+            raise InvalidRequest("stop strings need the tokenizer, and this decode service has none")
         if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
             raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
         req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace)
@@ -261,14 +267,9 @@ class DecodeScheduler(HandoffIntake):
                 self._finish(req, "error", bad_reply(req.rid, e))
                 continue
             req.cached_tokens = handoff.cached_tokens  # the front door reports it with the finish
-            new = []  # tokens streamed early (or resent on a retry) may already finish the request
-            if len(req.output_ids) == handoff.first_position and (
-                not req.output_ids or self._finish_reason(req) is None
-            ):
-                new = [handoff.first_token]
-                req.output_ids.append(handoff.first_token)
+            new, logprobs = first_outputs(req, handoff, self._finish_reason)
             reason = self._finish_reason(req)
-            self._emit(req, new, reason)
+            self._emit(req, new, reason, logprobs)
             if reason is None:
                 req.state = ReqState.RUNNING
                 live.append(req)
@@ -295,19 +296,23 @@ class DecodeScheduler(HandoffIntake):
             )
         tokens = result.tokens_cpu.tolist()
         accepted = result.accepted_cpu.tolist() if result.accepted_cpu is not None else [0] * len(tokens)
-        for req, row, n in zip(launched.reqs, tokens, accepted):
+        lp = result.logprobs_cpu
+        lp_row = lp.lookup() if lp is not None else {}  # lane -> row of the step's logprobs
+        for lane, (req, row, n) in enumerate(zip(launched.reqs, tokens, accepted)):
             if req.finished:
                 continue  # finished at an earlier step (or aborted); this lane was wasted work
             if self.spec:
                 self._count_drafts(req, n)
-            new, reason = [], None
-            for token in row[: n + 1] if self.spec else [row]:  # EAGLE commits accept_len = A + 1 tokens
+            new, reason, logprobs = [], None, [] if lane in lp_row else None
+            for j, token in enumerate(row[: n + 1] if self.spec else [row]):  # EAGLE commits A + 1 tokens
                 req.output_ids.append(token)
                 new.append(token)
+                if logprobs is not None:
+                    logprobs.append(lp.at(lp_row[lane], j, req.params))
                 reason = self._finish_reason(req)
                 if reason is not None:
                     break  # tokens past a finish are dropped
-            self._emit(req, new, reason)
+            self._emit(req, new, reason, logprobs)
             if reason is not None:
                 self._finish(req, reason, emit=False)
 
@@ -344,7 +349,11 @@ class DecodeScheduler(HandoffIntake):
         self._finish(req, "abort")
 
     def _finish_reason(self, req: DecodeReq) -> str | None:
-        return finish_reason(req.params, req.output_ids, self.info.eos_token_ids)
+        reason = finish_reason(req.params, req.output_ids, self.info.eos_token_ids)
+        if req.params.stop_strings and reason in (None, "length"):  # a stop string outranks the length
+            req.matched_stop_str = self.stop_strings.match(req)
+            reason = "stop" if req.matched_stop_str is not None else reason
+        return reason
 
     def _finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
         req.finish_reason = reason
@@ -365,22 +374,13 @@ class DecodeScheduler(HandoffIntake):
         req.state = ReqState.RELEASED
         self.reqs.pop(req.rid, None)
 
-    def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None) -> None:
-        """Hand `req`'s consumer a RequestOutput: `tokens` gained now, and a Finish when `reason` is set."""
+    def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None, logprobs=None) -> None:
+        """Hand `req`'s consumer a RequestOutput: `tokens` gained now (with their logprobs when it asked),
+        and a Finish when `reason` is set."""
         if req.on_output is None:
             return
-        finish = None
-        if reason is not None:
-            finish = Finish(
-                reason,
-                req.output_ids[-1] if reason == "stop" and req.output_ids else None,
-                req.cached_tokens,
-                req.spec_accepted,
-                req.spec_drafted,
-                req.error if reason == "error" else None,
-            )
         try:
-            req.on_output(RequestOutput(req.rid, tokens, finish))
+            req.on_output(RequestOutput(req.rid, tokens, Finish.of(req, reason) if reason else None, logprobs))
         except Exception:  # a broken consumer must not take the scheduler down: drop the request
             logger.exception("output callback of %s failed; aborting it", req.rid)
             req.on_output = None

@@ -105,6 +105,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
         debug=config.debug_checks,
         metrics=metrics,
         abort_waits_for_prefill=kv_receiver.destination is not None,
+        tokenizer_path=config.model_path,  # stop strings are matched in the checkpoint's tokenizer's text
     )
     return DecodeParts(tp_ranks, runner, name, metrics, kv_receiver, tracer, prefill, scheduler)
 

@@ -23,6 +23,7 @@ import torch
 
 from common.engine.handoff import Handoff
 from common.engine.host_copy import to_device, to_host
+from common.engine.logprobs import StepLogprobs
 from common.engine.model_runner import ModelRunner
 from common.engine.streams import make_event, make_stream, wait_event
 from decode_service.decode_step import decode_step
@@ -57,6 +58,7 @@ class DecodeWorker:
             debug,
             draft_hidden_size=cfg.hidden_size if spec else 0,
             draft_dtype=runner.dtype,
+            vocab_size=cfg.vocab_size,
         )
 
     # ---- schedule side ---------------------------------------------------------------------------
@@ -75,10 +77,12 @@ class DecodeWorker:
         def work():
             if before is not None:
                 before()
-            tokens, accepted = self.forward(batch)
+            tokens, accepted, logprobs = self.forward(batch)
             result.tokens_cpu = to_host(tokens)
             if accepted is not None:
                 result.accepted_cpu = to_host(accepted)
+            if logprobs is not None:  # beside the tokens, behind the same fence
+                result.logprobs_cpu = logprobs.to_host()
             result.results_ready.set_here()
 
         self.stream.submit(work)
@@ -125,11 +129,12 @@ class DecodeWorker:
         self.stream.close()
 
     # ---- stream side -----------------------------------------------------------------------------
-    def forward(self, batch: WorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(tokens, accepted drafts or None) on the device, for one step."""
+    def forward(self, batch: WorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None, StepLogprobs | None]:
+        """(tokens, accepted drafts or None, logprobs of the rows asking or None) on the device, for one step."""
         runner, fm, spec = self.runner, self.future_map, self.info.spec
         if spec is None:
-            return decode_step(runner, fm, batch), None
+            tokens, logprobs = decode_step(runner, fm, batch)
+            return tokens, None, logprobs
         if spec.eagle_topk > 1:
             tree = self.propose_tree(batch, draft_tree(runner, fm, batch, spec))
             return verify_tree_step(runner, fm, batch, tree)

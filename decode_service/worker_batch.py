@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from common.engine.logprobs import StepLogprobs
 from common.engine.sampling import SamplingBatch
 from common.engine.spec_sampling import SpecDraws
 
@@ -59,6 +60,7 @@ class BatchResult:
     results_ready: object  # an event (common/engine/streams.py)
     tokens_cpu: torch.Tensor | None = None  # [B], or EAGLE's [B, S+1]
     accepted_cpu: torch.Tensor | None = None  # EAGLE: accepted drafts per request [B]
+    logprobs_cpu: StepLogprobs | None = None  # the rows that ask for logprobs (common/engine/logprobs.py)
 
 
 @dataclass(frozen=True)

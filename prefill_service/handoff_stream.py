@@ -34,6 +34,7 @@ from common.kv_transfer.errors import KvTransferError
 from common.kv_transfer.sender import KvSender
 from common.metrics import PrefillMetrics
 from common.wire import kv_chunks
+from common.wire.logprobs_codec import logprobs_to_wire
 from common.wire.proto_gen import prefill_pb2
 from prefill_service.hooks import FAIL, STALL_MAX_S, PrefillHooks
 from prefill_service.outbox import Outbox
@@ -157,5 +158,6 @@ def _record(call: PrefillCall, result, count: int, draft_seed) -> prefill_pb2.Pr
             queue_us=int(1e6 * (call.started_at - call.queued_at)),
             compute_us=int(1e6 * (call.finished_at - call.started_at)),
             cached_tokens=result.cached_tokens,
+            first_logprobs=logprobs_to_wire(result.first_logprobs),
         )
     )

@@ -16,6 +16,8 @@ Every violation is a ValueError naming the field (the server answers INVALID_ARG
 from __future__ import annotations
 
 from common.engine.handoff import HandoffRequest
+from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB
+from common.engine.penalties import MAX_LOGIT_BIAS
 from common.engine.sampling import SamplingParams
 from common.models.config import ModelConfig
 from common.parallel.tp_shard import check_divisible, kv_heads_of
@@ -37,6 +39,13 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
         min_p=sp.min_p,
         seed=sp.seed,
         stop_token_ids=stop_token_ids(sp.stop_token_ids),
+        repetition_penalty=sp.repetition_penalty or 1.0,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        logit_bias=logit_bias(sp.logit_bias),
+        return_logprob=sp.return_logprob,
+        top_logprobs_num=sp.top_logprobs_num,
+        token_ids_logprob=token_ids_logprob(sp.token_ids_logprob),
     )
     prompt = list(request.input_ids)
     validate_prompt(
@@ -46,6 +55,19 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
         raise ValueError("first_output_position must be < len(input_ids)")
     params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
     return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
+
+
+def logit_bias(entries) -> dict[int, float]:
+    """The wire's map as {token id: bias}, its size bounded before it is copied (ranges: validate)."""
+    if len(entries) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(entries)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    return {int(t): float(b) for t, b in entries.items()}
+
+
+def token_ids_logprob(ids) -> tuple[int, ...]:
+    if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+        raise ValueError(f"token_ids_logprob has {len(ids)} ids; at most {MAX_TOKEN_IDS_LOGPROB} are allowed")
+    return tuple(ids)
 
 
 def check(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, cfg: ModelConfig) -> None:

@@ -34,7 +34,9 @@ import torch
 from common.engine.chunked_prefill import plan_chunk, prefill_step
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.host_copy import to_device
+from common.engine.logprobs import first_token_logprobs
 from common.engine.model_runner import ModelRunner
+from common.engine.penalties import LogitProcessors, state_from_ids
 from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample
 from common.parallel.tp_shard import gather_kv_heads
@@ -49,6 +51,7 @@ class _Running:
     kv_slots: torch.Tensor
     prefilled: int = 0
     first_token: int | None = None
+    first_logprobs: object = None  # TokenLogprobs, when the request asks for logprobs
     prompt: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: target features, chunk by chunk
     cached: int = 0  # leading prompt tokens whose KV came from the radix cache (kv_slots[:cached] are the tree's)
@@ -233,12 +236,23 @@ class PrefillWorker:
 
     def _sample_first(self, done: list[_Running], logits: torch.Tensor, greedy: bool) -> None:
         """The first token of each request: `logits` are already the argmax tokens when `greedy`."""
+        params = [w.request.params for w in done]
         if greedy:
             tokens = logits
         else:
-            params, seeds = [w.request.params for w in done], [w.request.seed for w in done]
+            raw, seeds = logits, [w.request.seed for w in done]
             positions = [w.request.first_position for w in done]
+            procs = LogitProcessors.build(params, logits.device)
+            if procs is not None:  # penalties and bias from the ids (a retry's resent outputs count as output)
+                reqs = [done[i].request for i in procs.rows_cpu]
+                splits = [len(r.prompt_ids) - r.first_position for r in reqs]
+                prompts = [r.prompt_ids[:n] for r, n in zip(reqs, splits)]
+                outputs = [r.prompt_ids[n:] for r, n in zip(reqs, splits)]
+                vocab = logits.shape[-1]
+                logits = procs.apply(logits, *state_from_ids(prompts, outputs, vocab, logits.device))
             tokens = sample(logits, params, seeds, positions, self.runner.config.eos_token_ids)
+            for w, lp in zip(done, first_token_logprobs(raw, tokens, params)):  # of the raw logits
+                w.first_logprobs = lp
         for w, t in zip(done, tokens.tolist()):
             w.first_token = t
 
@@ -289,6 +303,7 @@ class PrefillWorker:
             v=v,
             first_position=r.first_position,
             cached_tokens=w.cached,
+            first_logprobs=w.first_logprobs,
             kv_ready=_recorded(self.staging),
             **extra,
         )

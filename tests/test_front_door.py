@@ -36,6 +36,9 @@ def _req(**over) -> pb.GenerateRequest:
         if name == "input_ids":
             del r.tokenized.input_ids[:]
             r.tokenized.input_ids.extend(value)
+        elif name in ("logprob_start_len", "top_logprobs_num", "token_ids_logprob"):  # asked with return_logprob
+            r.return_logprob = True
+            getattr(target, name).extend(value) if isinstance(value, list) else setattr(target, name, value)
         elif isinstance(value, list):
             getattr(target, name).extend(value)
         elif name == "logit_bias":
@@ -61,21 +64,21 @@ BAD = [  # (field set, value, words the message must contain)
     ("input_ids", [], "empty prompt"),
     ("input_ids", [5, 10**7], "vocabulary"),
     ("sp_n", 2, "n > 1"),
-    ("sp_stop", ["end"], "stop"),
+    ("sp_stop", [""], "stop"),
     ("sp_stop_token_ids", [10**7], "stop_token_ids"),
     ("sp_regex", "a+", "regex"),
     ("sp_json_schema", "{}", "json_schema"),
     ("sp_ebnf_grammar", "x", "ebnf_grammar"),
-    ("sp_frequency_penalty", 0.5, "frequency_penalty"),
-    ("sp_presence_penalty", 0.5, "presence_penalty"),
-    ("sp_repetition_penalty", 1.2, "repetition_penalty"),
+    ("sp_frequency_penalty", 2.5, "frequency_penalty"),
+    ("sp_presence_penalty", -2.5, "presence_penalty"),
+    ("sp_repetition_penalty", 2.5, "repetition_penalty"),
     ("sp_min_new_tokens", 5, "min_new_tokens (5) exceeds max_new_tokens (4)"),
-    ("sp_logit_bias", 1.0, "logit_bias"),
+    ("sp_logit_bias", 150.0, "logit_bias"),
     ("sp_custom_params", None, "custom_params"),
     ("sp_stream_interval", 4, "stream_interval"),
-    ("return_logprob", True, "return_logprob"),
-    ("top_logprobs_num", 3, "return_logprob"),
-    ("token_ids_logprob", [5], "return_logprob"),
+    ("logprob_start_len", 2, "logprob_start_len"),  # prompt logprobs: not served yet
+    ("top_logprobs_num", 21, "top_logprobs_num"),
+    ("token_ids_logprob", [10**7], "token_ids_logprob"),
     ("return_hidden_states", True, "return_hidden_states"),
     ("mm_inputs", None, "mm_inputs"),
     ("lora_id", "adapter", "lora_id"),

@@ -24,6 +24,7 @@ import torch
 from common.engine.chunked_prefill import run_chunked_prefill
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner
+from common.engine.penalties import LogitProcessors, state_from_ids
 from common.engine.sampling import SamplingParams, sample
 from common.request_rules import finish_reason, validate_prompt
 
@@ -89,6 +90,11 @@ class ColocatedLoop:
                 r.req_pool_idx = 0
 
     def _sample_into(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        procs = LogitProcessors.build([r.params for r in reqs], logits.device)
+        if procs is not None:  # penalties and bias from the ids, known here on the host
+            done = [reqs[i] for i in procs.rows_cpu]
+            state = state_from_ids([r.prompt for r in done], [r.output for r in done], logits.shape[-1], logits.device)
+            logits = procs.apply(logits, *state)
         tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [len(r.output) for r in reqs])
         for r, t in zip(reqs, tokens.tolist()):
             r.output.append(t)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.logprobs import TokenLogprobs
 from common.engine.sampling import SamplingParams
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -46,6 +47,7 @@ class Handoff:
     v: list[torch.Tensor] | None
     first_position: int = 0  # output index of first_token; prompt_ids ends with that many outputs
     cached_tokens: int = 0  # leading prompt tokens whose KV the prefill side took from its prefix cache
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asks for logprobs
     # EAGLE: the head's one layer of KV over the prompt, and its seed at the last position (the next
     # draft token(s) with their probabilities, and the head's hidden there)
     draft_k: list[torch.Tensor] | None = None

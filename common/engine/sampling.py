@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.host_copy import to_device
+from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, LogprobRows
+from common.engine.penalties import MAX_LOGIT_BIAS, LogitProcessors, has_processors
 
 _MASK64 = (1 << 64) - 1
 
@@ -29,6 +31,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_new_tokens: int = 0  # until this many outputs, EOS and stop ids are masked (never sampled)
+    repetition_penalty: float = 1.0  # HF semantics: prompt and output ids (common/engine/penalties.py)
+    frequency_penalty: float = 0.0  # OpenAI semantics: output ids only
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    return_logprob: bool = False  # output logprobs of the raw logits (common/engine/logprobs.py)
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = field(default_factory=tuple)
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)  # matched in the decoded text (decode side)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field."""
@@ -44,19 +54,45 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):  # OpenAI's ranges
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        bad_bias = [b for b in self.logit_bias.values() if not -100 <= b <= 100]
+        if bad_bias:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bad_bias[:4]}")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if len(self.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(f"token_ids_logprob has more than {MAX_TOKEN_IDS_LOGPROB} ids")
         if vocab_size is not None:
+            bad = [t for t in self.token_ids_logprob if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"token_ids_logprob outside the vocabulary [0, {vocab_size}): {bad[:8]}")
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad}")
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def processed(self) -> bool:
+        """A penalty or a logit bias changes the logits before sampling (common/engine/penalties.py)."""
+        return has_processors(self)
+
+    @property
     def argmax_only(self) -> bool:
-        """Every token is the argmax of the logits: greedy, with no min_new_tokens mask."""
-        return self.greedy and not self.min_new_tokens
+        """Every token is the argmax of the raw logits, and nothing else of them is needed: greedy, with
+        no min_new_tokens mask, no penalty, no logit bias and no logprobs."""
+        return self.greedy and not self.min_new_tokens and not self.processed and not self.return_logprob
 
     @property
     def filtered(self) -> bool:
@@ -117,6 +153,20 @@ class SamplingBatch:
         self.filtered = [i for i, p in enumerate(self.params) if not p.greedy and p.filtered]
         self.holds_back = any(p.min_new_tokens for p in self.params)  # then sample() needs every row's output index
         self._tensors: dict = {}
+
+    def processors(self, device: torch.device) -> LogitProcessors | None:
+        """The rows with a penalty or a logit bias and their parameters on `device` (made once), or None."""
+        key = ("processors", device)
+        if key not in self._tensors:
+            self._tensors[key] = LogitProcessors.build(self.params, device)
+        return self._tensors[key]
+
+    def logprob_rows(self, device: torch.device) -> LogprobRows | None:
+        """The rows that ask for logprobs and what they ask, on `device` (made once), or None."""
+        key = ("logprobs", device)
+        if key not in self._tensors:
+            self._tensors[key] = LogprobRows.build(self.params, device)
+        return self._tensors[key]
 
     @property
     def all_greedy(self) -> bool:

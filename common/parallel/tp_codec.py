@@ -26,6 +26,9 @@ MESSAGE_TYPES = (
     ("common.engine.sampling", "SamplingParams"),
     ("common.engine.sampling", "SamplingBatch"),
     ("common.engine.spec_sampling", "SpecDraws"),
+    ("common.engine.penalties", "LogitProcessors"),  # cached on a SamplingBatch once a step used them
+    ("common.engine.logprobs", "LogprobRows"),
+    ("common.engine.logprobs", "TokenLogprobs"),  # a Handoff's first_logprobs
     ("prefill_service.tp_messages", "Admit"),
     ("prefill_service.tp_messages", "Abort"),
     ("prefill_service.tp_messages", "FailAll"),

@@ -67,8 +67,15 @@ def main(argv=None) -> str:
             path = ensure_smollm2()
         prefill, decode, prefill_port, decode_port = start_pair(path, ["--torch-threads", "1"] if args.tiny else [])
         try:
-            wait_serving(f"127.0.0.1:{prefill_port}", prefill)
-            wait_serving(f"127.0.0.1:{decode_port}", decode)
+            for name, port, proc in (("prefill", prefill_port, prefill), ("decode", decode_port, decode)):
+
+                def say(seconds: float, name=name) -> None:
+                    print(
+                        f"[demo] waiting for {name} ({seconds:.0f} s): loading the model, timing CPU layouts",
+                        flush=True,
+                    )
+
+                wait_serving(f"127.0.0.1:{port}", proc, say=say)
             client = Client(f"127.0.0.1:{decode_port}", api_key=os.environ.get(api_keys.ENV["api_key"]))
             _ = client.tokenizer  # loaded before the clock starts: TTFT is the service's, not the tokenizer's
             print(f"[demo] prompt: {args.prompt!r}\n[demo] answer: ", end="", flush=True)

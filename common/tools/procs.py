@@ -17,10 +17,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 600.0, say=None) -> None:
+    """Until the service on `address` reports SERVING; raise if `proc` exits first or `timeout` passes.
+    `say(seconds)` is called every 30 s of waiting (a first start on a busy host can take minutes: the
+    model loads and the CPU linear layouts are timed)."""
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    deadline = time.time() + timeout
+    start = time.time()
+    deadline, next_say = start + timeout, start + 30
     while time.time() < deadline:
+        if say is not None and time.time() >= next_say:
+            say(time.time() - start)
+            next_say += 30
         if proc.poll() is not None:
             raise RuntimeError(f"service on {address} exited with code {proc.returncode}")
         try:

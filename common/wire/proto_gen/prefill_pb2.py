@@ -24,45 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64isagg/v1/prefill.proto\x12\tdisagg.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x1d\n\x15\x66irst_output_position\x18\x05 \x01(\r\x12\x30\n\x0ekv_destination\x18\x06 \x01(\x0b\x32\x18.disagg.v1.KvDestination\">\n\x08KvRegion\x12\x0e\n\x06k_ptrs\x18\x01 \x03(\x04\x12\x0e\n\x06v_ptrs\x18\x02 \x03(\x04\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\"<\n\x07SlotRun\x12\x13\n\x0btoken_start\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\r\"\xcf\x01\n\rKvDestination\x12\x0f\n\x07session\x18\x01 \x01(\t\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12\"\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12 \n\x04runs\x18\x04 \x03(\x0b\x32\x12.disagg.v1.SlotRun\x12.\n\x08tp_ranks\x18\x05 \x03(\x0b\x32\x1c.disagg.v1.KvRankDestination\x12\x12\n\ncapability\x18\x06 \x01(\x0c\"\xaf\x01\n\x11KvRankDestination\x12\x0f\n\x07session\x18\x01 \x01(\t\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12\"\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12\x15\n\rkv_head_start\x18\x04 \x01(\r\x12\x15\n\rkv_head_count\x18\x05 \x01(\r\x12\x12\n\ncapability\x18\x06 \x01(\x0c\"\x1e\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\"\x9e\x01\n\x07KvChunk\x12\x13\n\x0btoken_start\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\r\n\x05\x64raft\x18\x06 \x01(\x08\x12\x1c\n\x01k\x18\x07 \x01(\x0b\x32\x11.disagg.v1.Tensor\x12\x1c\n\x01v\x18\x08 \x01(\x0b\x32\x11.disagg.v1.TensorJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"{\n\tKvWritten\x12\x13\n\x0btoken_start\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64raft\x18\x05 \x01(\x08\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\"\x90\x02\n\x0ePrebuiltRecord\x12\x12\n\nprompt_len\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rnum_kv_chunks\x18\x03 \x01(\r\x12<\n\ndraft_seed\x18\x04 \x03(\x0b\x32(.disagg.v1.PrebuiltRecord.DraftSeedEntry\x12\x10\n\x08queue_us\x18\x05 \x01(\x04\x12\x12\n\ncompute_us\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x1a\x43\n\x0e\x44raftSeedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.disagg.v1.Tensor:\x02\x38\x01\"\xbf\x01\n\x0cPrefillChunk\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.disagg.v1.FirstTokenH\x00\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x12.disagg.v1.KvChunkH\x00\x12+\n\x06record\x18\x03 \x01(\x0b\x32\x19.disagg.v1.PrebuiltRecordH\x00\x12\'\n\x07written\x18\x04 \x01(\x0b\x32\x14.disagg.v1.KvWrittenH\x00\x42\t\n\x07payload\"\r\n\x0bLoadRequest\"u\n\x0cLoadResponse\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12\x17\n\x0fnum_used_tokens\x18\x03 \x01(\x04\x12\x18\n\x10max_total_tokens\x18\x04 \x01(\x04\x32\x86\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x17.disagg.v1.PrefillChunk0\x01\x12:\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x17.disagg.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64isagg/v1/prefill.proto\x12\tdisagg.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xb6\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12<\n\nlogit_bias\x18\x0c \x03(\x0b\x32(.disagg.v1.SamplingParams.LogitBiasEntry\x12\x16\n\x0ereturn_logprob\x18\r \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x0e \x01(\r\x12\x19\n\x11token_ids_logprob\x18\x0f \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x12\n\ntop_values\x18\x03 \x03(\x02\x12\x14\n\x0cids_logprobs\x18\x04 \x03(\x02\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingParams\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x1d\n\x15\x66irst_output_position\x18\x05 \x01(\r\x12\x30\n\x0ekv_destination\x18\x06 \x01(\x0b\x32\x18.disagg.v1.KvDestination\">\n\x08KvRegion\x12\x0e\n\x06k_ptrs\x18\x01 \x03(\x04\x12\x0e\n\x06v_ptrs\x18\x02 \x03(\x04\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\"<\n\x07SlotRun\x12\x13\n\x0btoken_start\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\r\"\xcf\x01\n\rKvDestination\x12\x0f\n\x07session\x18\x01 \x01(\t\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12\"\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12 \n\x04runs\x18\x04 \x03(\x0b\x32\x12.disagg.v1.SlotRun\x12.\n\x08tp_ranks\x18\x05 \x03(\x0b\x32\x1c.disagg.v1.KvRankDestination\x12\x12\n\ncapability\x18\x06 \x01(\x0c\"\xaf\x01\n\x11KvRankDestination\x12\x0f\n\x07session\x18\x01 \x01(\t\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12\"\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x13.disagg.v1.KvRegion\x12\x15\n\rkv_head_start\x18\x04 \x01(\r\x12\x15\n\rkv_head_count\x18\x05 \x01(\r\x12\x12\n\ncapability\x18\x06 \x01(\x0c\"\x1e\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\"\x9e\x01\n\x07KvChunk\x12\x13\n\x0btoken_start\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\r\n\x05\x64raft\x18\x06 \x01(\x08\x12\x1c\n\x01k\x18\x07 \x01(\x0b\x32\x11.disagg.v1.Tensor\x12\x1c\n\x01v\x18\x08 \x01(\x0b\x32\x11.disagg.v1.TensorJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"{\n\tKvWritten\x12\x13\n\x0btoken_start\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64raft\x18\x05 \x01(\x08\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\"\xc2\x02\n\x0ePrebuiltRecord\x12\x12\n\nprompt_len\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x15\n\rnum_kv_chunks\x18\x03 \x01(\r\x12<\n\ndraft_seed\x18\x04 \x03(\x0b\x32(.disagg.v1.PrebuiltRecord.DraftSeedEntry\x12\x10\n\x08queue_us\x18\x05 \x01(\x04\x12\x12\n\ncompute_us\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32\x18.disagg.v1.TokenLogprobs\x1a\x43\n\x0e\x44raftSeedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.disagg.v1.Tensor:\x02\x38\x01\"\xbf\x01\n\x0cPrefillChunk\x12,\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.disagg.v1.FirstTokenH\x00\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x12.disagg.v1.KvChunkH\x00\x12+\n\x06record\x18\x03 \x01(\x0b\x32\x19.disagg.v1.PrebuiltRecordH\x00\x12\'\n\x07written\x18\x04 \x01(\x0b\x32\x14.disagg.v1.KvWrittenH\x00\x42\t\n\x07payload\"\r\n\x0bLoadRequest\"u\n\x0cLoadResponse\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12\x17\n\x0fnum_used_tokens\x18\x03 \x01(\x04\x12\x18\n\x10max_total_tokens\x18\x04 \x01(\x04\x32\x86\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x17.disagg.v1.PrefillChunk0\x01\x12:\n\x07GetLoad\x12\x16.disagg.v1.LoadRequest\x1a\x17.disagg.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_PREBUILTRECORD_DRAFTSEEDENTRY']._loaded_options = None
   _globals['_PREBUILTRECORD_DRAFTSEEDENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=38
   _globals['_TENSOR']._serialized_end=90
   _globals['_SAMPLINGPARAMS']._serialized_start=93
-  _globals['_SAMPLINGPARAMS']._serialized_end=261
-  _globals['_PREFILLREQUEST']._serialized_start=264
-  _globals['_PREFILLREQUEST']._serialized_end=477
-  _globals['_KVREGION']._serialized_start=479
-  _globals['_KVREGION']._serialized_end=541
-  _globals['_SLOTRUN']._serialized_start=543
-  _globals['_SLOTRUN']._serialized_end=603
-  _globals['_KVDESTINATION']._serialized_start=606
-  _globals['_KVDESTINATION']._serialized_end=813
-  _globals['_KVRANKDESTINATION']._serialized_start=816
-  _globals['_KVRANKDESTINATION']._serialized_end=991
-  _globals['_FIRSTTOKEN']._serialized_start=993
-  _globals['_FIRSTTOKEN']._serialized_end=1023
-  _globals['_KVCHUNK']._serialized_start=1026
-  _globals['_KVCHUNK']._serialized_end=1184
-  _globals['_KVWRITTEN']._serialized_start=1186
-  _globals['_KVWRITTEN']._serialized_end=1309
-  _globals['_PREBUILTRECORD']._serialized_start=1312
-  _globals['_PREBUILTRECORD']._serialized_end=1584
-  _globals['_PREBUILTRECORD_DRAFTSEEDENTRY']._serialized_start=1517
-  _globals['_PREBUILTRECORD_DRAFTSEEDENTRY']._serialized_end=1584
-  _globals['_PREFILLCHUNK']._serialized_start=1587
-  _globals['_PREFILLCHUNK']._serialized_end=1778
-  _globals['_LOADREQUEST']._serialized_start=1780
-  _globals['_LOADREQUEST']._serialized_end=1793
-  _globals['_LOADRESPONSE']._serialized_start=1795
-  _globals['_LOADRESPONSE']._serialized_end=1912
-  _globals['_PREFILL']._serialized_start=1915
-  _globals['_PREFILL']._serialized_end=2049
+  _globals['_SAMPLINGPARAMS']._serialized_end=531
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=483
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=531
+  _globals['_TOKENLOGPROBS']._serialized_start=533
+  _globals['_TOKENLOGPROBS']._serialized_end=624
+  _globals['_PREFILLREQUEST']._serialized_start=627
+  _globals['_PREFILLREQUEST']._serialized_end=840
+  _globals['_KVREGION']._serialized_start=842
+  _globals['_KVREGION']._serialized_end=904
+  _globals['_SLOTRUN']._serialized_start=906
+  _globals['_SLOTRUN']._serialized_end=966
+  _globals['_KVDESTINATION']._serialized_start=969
+  _globals['_KVDESTINATION']._serialized_end=1176
+  _globals['_KVRANKDESTINATION']._serialized_start=1179
+  _globals['_KVRANKDESTINATION']._serialized_end=1354
+  _globals['_FIRSTTOKEN']._serialized_start=1356
+  _globals['_FIRSTTOKEN']._serialized_end=1386
+  _globals['_KVCHUNK']._serialized_start=1389
+  _globals['_KVCHUNK']._serialized_end=1547
+  _globals['_KVWRITTEN']._serialized_start=1549
+  _globals['_KVWRITTEN']._serialized_end=1672
+  _globals['_PREBUILTRECORD']._serialized_start=1675
+  _globals['_PREBUILTRECORD']._serialized_end=1997
+  _globals['_PREBUILTRECORD_DRAFTSEEDENTRY']._serialized_start=1930
+  _globals['_PREBUILTRECORD_DRAFTSEEDENTRY']._serialized_end=1997
+  _globals['_PREFILLCHUNK']._serialized_start=2000
+  _globals['_PREFILLCHUNK']._serialized_end=2191
+  _globals['_LOADREQUEST']._serialized_start=2193
+  _globals['_LOADREQUEST']._serialized_end=2206
+  _globals['_LOADRESPONSE']._serialized_start=2208
+  _globals['_LOADRESPONSE']._serialized_end=2325
+  _globals['_PREFILL']._serialized_start=2328
+  _globals['_PREFILL']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)
