@@ -26,6 +26,7 @@ tokens, the target's features in).
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -165,6 +166,20 @@ class CudaGraphRunner:
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        # No garbage collection while capturing: a finalizer that frees pinned host memory (cudaFreeHost)
+        # during a capture invalidates it ("operation not permitted when stream is capturing"; seen once
+        # in three GPU test runs, after other tests had left garbage behind).
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_buckets(pool, stream)
+        finally:
+            if enabled:
+                gc.enable()
+        log.info("captured %s CUDA graphs for batch sizes %s", name, self.buckets)
+
+    def _capture_buckets(self, pool, stream) -> None:
         for bucket in reversed(self.buckets):
             fb = self._static_batch(bucket, [0] * bucket, [0] * bucket)
             inputs = None if self.inputs is None else self.inputs[: bucket * self.per_row]
@@ -181,4 +196,3 @@ class CudaGraphRunner:
                     self.backend.fixed_decode_splits = False
             torch.cuda.current_stream().wait_stream(stream)
             self.graphs[bucket] = graph
-        log.info("captured %s CUDA graphs for batch sizes %s", name, self.buckets)

@@ -126,13 +126,21 @@ def test_future_map_resolve_waits_for_the_publish_on_cuda_streams():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "mode,backend,graphs",
-    [("plain", "batched", False), ("plain", "triton", True), ("chain", "batched", False), ("tree", "batched", False)],
+    "mode,backend,graphs,processed",
+    [
+        ("plain", "batched", False, False),
+        ("plain", "triton", True, False),
+        ("chain", "batched", False, False),
+        ("tree", "batched", False, False),
+        ("plain", "batched", False, True),
+        ("tree", "batched", False, True),
+    ],
 )
-def test_decode_step_launch_has_no_host_sync(checkpoint, tmp_path, mode, backend, graphs):
+def test_decode_step_launch_has_no_host_sync(checkpoint, tmp_path, mode, backend, graphs, processed):
     """Once every request is decoding, launching a step (and any other stream work: a finished
     request's row release) must not wait for the device: plain decode eager and replayed, EAGLE chain
-    and tree."""
+    and tree; `processed`: every other request asks for penalties, a logit bias and top-5 logprobs
+    (counts updated and logprobs gathered on the stream)."""
     import traceback
 
     path = checkpoint("llama")
@@ -162,7 +170,11 @@ def test_decode_step_launch_has_no_host_sync(checkpoint, tmp_path, mode, backend
 
     stream.submit = checked_submit
     for i, p in enumerate(PROMPTS):
-        pair.submit(str(i), p, SamplingParams(max_new_tokens=[40, 60, 80, 100, 120][i], ignore_eos=True))
+        extra = {}
+        if processed and i % 2:
+            extra = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, logit_bias={5: 1.0},
+                         return_logprob=True, top_logprobs_num=5)  # fmt: skip
+        pair.submit(str(i), p, SamplingParams(max_new_tokens=[40, 60, 80, 100, 120][i], ignore_eos=True, **extra))
     for i in range(len(PROMPTS)):
         pair.wait_tokens(str(i), 3)  # every request is past its handoff
     checking[0] = True
