@@ -23,9 +23,12 @@ from tests.test_smg_gateway import _smg_binary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _compose() -> dict:
-    with open(os.path.join(ROOT, "compose.yaml")) as f:
+def _compose(name: str = "compose.yaml") -> dict:
+    with open(os.path.join(ROOT, name)) as f:
         return yaml.safe_load(f)
+
+
+FORMS = ("compose.yaml", "compose.cpu.yaml")  # the GPU form (docker compose up) and the CPU form
 
 
 def _expand(arg: str) -> str:
@@ -34,6 +37,7 @@ def _expand(arg: str) -> str:
         .replace("${TRANSFER_BACKEND:-grpc}", "grpc")
         .replace("${DECODE_TP_SIZE:-1}", "1")
         .replace("${PREFILL_TP_SIZE:-1}", "1")
+        .replace("${TORCH_THREADS:-0}", "0")
     )
 
 
@@ -51,6 +55,74 @@ def test_compose_structure():
     assert any(v.endswith(":/models:ro") for v in services["smg"]["volumes"])  # reads tokenizer_path itself
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_services_come_back_and_prefill_scales(form):
+    """A crashed service restarts by itself (the one-shot keygen does not); prefill publishes no fixed host
+    port (--scale prefill=N) and decode finds its replicas through compose's DNS; decode's container
+    health is its readiness (a prefill replica serving), counted after the start period."""
+    services = _compose(form)["services"]
+    assert "restart" not in services["keygen"]
+    for name in ("prefill", "decode", "smg"):
+        assert services[name]["restart"] == "unless-stopped", name
+    for port in services["prefill"]["ports"]:
+        host = str(port).rsplit(":", 1)[0]
+        assert host == "127.0.0.1:", port  # loopback, the host port left free per replica
+    command = services["decode"]["command"]
+    assert command[command.index("--prefill-addr") + 1] == "dns:///prefill:30001"
+    for name in ("prefill", "decode"):
+        check = services[name]["healthcheck"]
+        assert check["retries"] * int(check["interval"].rstrip("s")) <= 30 and int(check["start_period"][:-1]) >= 120
+    assert services["decode"]["healthcheck"]["test"][5] == "sglang.grpc.scheduler.SglangScheduler"  # readiness
+
+
+def test_the_cpu_form_is_the_gpu_form_without_gpus():
+    """compose.cpu.yaml: the same services, volumes, ports, probes and restart policies; only the GPU
+    reservations, the device, the sizes, the image tag and the build go their own way."""
+    gpu, cpu = _compose()["services"], _compose("compose.cpu.yaml")["services"]
+    assert set(cpu) == set(gpu)
+    for name in gpu:
+        g, c = dict(gpu[name]), dict(cpu[name])
+        assert "deploy" not in c, name
+        g.pop("deploy", None)
+        assert c.pop("image") == "disagg-serve:cpu" and g.pop("image") == "disagg-serve:latest"
+        if name == "keygen":
+            assert c.pop("build") == {
+                "context": ".",
+                "args": {"VARIANT": "cpu", "BASE_IMAGE": "${BASE_IMAGE:-python:3.11-slim}"},
+            }
+            g.pop("build")
+        if name in ("prefill", "decode"):
+            assert c["volumes"][-1] == "cache:/home/disagg/.cache"  # the layout table outlives a restart
+            c["volumes"] = c["volumes"][:-1]
+            gc, cc = g.pop("command"), c.pop("command")
+            assert cc[cc.index("--device") + 1] == "cpu" and gc[gc.index("--device") + 1] == "cuda"
+            flags = lambda cmd: [a for a in cmd if a.startswith("--")]  # noqa: E731
+            assert [f for f in flags(cc) if f != "--torch-threads"] == flags(gc), name
+        assert c == g, name
+    args = [_expand(a) for a in cpu["prefill"]["command"]]
+    p = prefill_parser().parse_args(args[3:])
+    d = decode_parser().parse_args([_expand(a) for a in cpu["decode"]["command"]][3:])
+    assert p.device == d.device == "cpu" and p.dtype == d.dtype == "auto" and p.torch_threads == d.torch_threads == 0
+    assert d.prefill_addr == f"dns:///prefill:{p.port}"
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_compose_v1_reads_both_forms(form):
+    """Debian's docker-compose (v1) and the v2 plugin accept the file, where either is installed."""
+    import shutil
+
+    if shutil.which("docker-compose"):
+        cmd = ["docker-compose"]
+    elif (
+        shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
+        cmd = ["docker", "compose"]
+    else:
+        pytest.skip("no docker-compose (v1) nor docker compose (v2) here")
+    proc = subprocess.run([*cmd, "-f", form, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_service_commands_parse_with_the_real_clis():
     services = _compose()["services"]
     prefill = [_expand(a) for a in services["prefill"]["command"]]
@@ -65,7 +137,7 @@ def test_service_commands_parse_with_the_real_clis():
         assert args.shutdown_grace_s >= 30 and grace > args.shutdown_grace_s, (name, grace)
     for name in ("prefill", "decode"):  # both follow one TRANSFER_BACKEND setting
         assert "${TRANSFER_BACKEND:-grpc}" in services[name]["command"]
-    assert d.prefill_addr == f"prefill:{p.port}" and p.model_path == d.model_path == "/models/model"
+    assert d.prefill_addr == f"dns:///prefill:{p.port}" and p.model_path == d.model_path == "/models/model"
     assert p.tp_size == d.tp_size == 1 and "${DECODE_TP_SIZE:-1}" in services["decode"]["command"]  # TP settings
     assert "${PREFILL_TP_SIZE:-1}" in services["prefill"]["command"]
     smg = services["smg"]["command"]
@@ -82,10 +154,21 @@ def test_smg_command_flags_exist():
         assert flag in helptext, flag
 
 
-def test_dockerfile_installs_what_compose_runs():
+def test_dockerfile_installs_the_lock_from_a_wheelhouse():
+    """The image installs requirements/VARIANT.txt (hash-checked) and the project's wheel from the host's
+    wheelhouse, no index; the base is a build argument; the lock holds what compose runs (smg)."""
     text = open(os.path.join(ROOT, "Dockerfile")).read()
-    for part in ("common", "prefill_service", "decode_service", "pyproject.toml", "smg"):
-        assert part in text
+    assert text.startswith("#") and re.search(r"^ARG BASE_IMAGE=\S+$", text, re.M)
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]  # build stage, then the image
+    assert "COPY requirements/${VARIANT}.txt" in text and "COPY .wheelhouse/${VARIANT}" in text
+    installs = re.findall(r"pip install(?:\\\n|[^\n])*", text)  # with its continuation lines
+    assert len(installs) == 2 and all("--no-index" in i for i in installs)
+    assert "--require-hashes -r /tmp/lock.txt" in installs[0] and "--no-deps disagg-serve" in installs[1]
+    assert "COPY .wheelhouse/${VARIANT}-app" in text  # the project's wheel, a layer of its own
+    for variant in ("cpu", "cuda"):
+        assert re.search(r"^smg==", open(os.path.join(ROOT, "requirements", f"{variant}.txt")).read(), re.M)
+    ignore = open(os.path.join(ROOT, ".dockerignore")).read().split()
+    assert ignore[ignore.index("*") :] == ["*", "!requirements/*.txt", "!.wheelhouse/"]  # a small build context
     services = _compose()["services"]
     assert services["keygen"]["build"] == "."  # the first service to start builds the image the others run
     assert {s["image"] for s in services.values()} == {"disagg-serve:latest"}
@@ -144,7 +227,8 @@ def test_keygen_makes_one_owner_only_key_and_keeps_it(tmp_path):
 def test_the_image_runs_as_an_unprivileged_user_with_a_writable_home():
     text = open(os.path.join(ROOT, "Dockerfile")).read()
     uid, home = _image_user()
-    assert uid != 0 and text.rindex("USER ") > text.rindex("RUN pip install")  # installs as root, runs as uid
+    final = text[text.rindex("\nFROM ") :]  # the image's own stage
+    assert uid != 0 and final.rindex("USER ") > final.rindex("pip install")  # runs as uid
     assert f"--uid {uid}" in text and f"--home-dir {home}" in text and "--create-home" in text
     for cache in ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         assert re.search(rf"\b{cache}={re.escape(home)}/", text), cache
@@ -166,3 +250,19 @@ def test_health_probe_script(checkpoint):
         assert proc.returncode == 0 and "SERVING" in proc.stdout
     finally:
         pair.close()
+
+
+def test_compose_check_skips_loudly_without_an_engine(monkeypatch, capsys):
+    """Not root, no docker, no dockerd: the compose check says why it skips (exit 0; --require: 1)."""
+    import shutil
+
+    from bench import compose_check
+    from bench import docker_engine as de
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(de.EngineUnavailable, match="cannot install"):
+        de.Engine().start()
+    assert compose_check.main([]) == 0
+    assert "COMPOSE CHECK SKIPPED" in capsys.readouterr().err
+    assert compose_check.main(["--require"]) == 1
