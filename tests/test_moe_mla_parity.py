@@ -16,6 +16,7 @@ from common.engine.sampling import SamplingParams
 from tests.decode_harness import Pair
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy, hf_logits
+from tests.test_model_parity import _reserve, _runner
 
 VARIANTS = ["qwen3-moe", "deepseek-v3", "deepseek-v3-nolora"]
 CHUNK = 16
@@ -26,16 +27,6 @@ def _prompts(n: int, seed: int = 11) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [1, 5, 13, 3 * CHUNK + 5, 9, 27, 2, 40][:n]
     return [torch.randint(3, 384, (k,), generator=g).tolist() for k in lengths]
-
-
-def _runner(path: str) -> ModelRunner:
-    return ModelRunner(RunnerArgs(path, max_total_tokens=2048, max_running_requests=8))
-
-
-def _reserve(runner: ModelRunner, n: int) -> int:
-    row = runner.req_to_token_pool.alloc()
-    runner.req_to_token_pool.write(row, 0, runner.kv_allocator.alloc(n))
-    return row
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
