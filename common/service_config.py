@@ -117,20 +117,33 @@ class CapacityFlags(FlagGroup, title="capacity"):
 
 @dataclass(kw_only=True)
 class ParallelFlags(FlagGroup, title="parallel"):
-    """Tensor parallelism on this host."""
+    """Tensor (and expert) parallelism on this host."""
 
     tp_size: int = flag(1, "tensor parallel ranks on this host: rank 0 serves, the others follow (gloo on CPU)")
     tp_port: int = flag(0, "loopback port of the tensor-parallel group (0 = any free port)")
+    ep_size: int = flag(
+        1,
+        "expert parallelism of mixture-of-experts layers under --tp-size: 1 = every rank holds a slice of "
+        "every expert, --tp-size = each rank holds num_experts / tp-size experts whole",
+    )
 
 
 @dataclass(kw_only=True)
 class SpeculativeFlags(FlagGroup, title="speculative"):
-    """EAGLE / EAGLE3 speculative decoding; both services take the same values."""
+    """EAGLE / EAGLE3 speculative decoding (NEXTN: DeepSeek's MTP layer); both services take the same values."""
 
     speculative_algorithm: str | None = flag(
-        None, "EAGLE speculative decoding (same on both services)", type=str, choices=["EAGLE", "EAGLE3"]
+        None,
+        "EAGLE speculative decoding (same on both services); NEXTN is an alias of EAGLE for DeepSeek's MTP layer",
+        type=str,
+        choices=["EAGLE", "EAGLE3", "NEXTN"],
     )
-    speculative_draft_model_path: str | None = flag(None, "draft head folder (public EAGLE / EAGLE3 layout)", type=str)
+    speculative_draft_model_path: str | None = flag(
+        None,
+        "draft head folder (public EAGLE / EAGLE3 layout, or a DeepSeek-V3 checkpoint / exported NextN folder; "
+        "NEXTN without it: the target's own MTP layer)",
+        type=str,
+    )
     speculative_num_steps: int = flag(3, "draft tokens proposed per step")
     speculative_eagle_topk: int = flag(1, "draft candidates per step (1: chain drafting; > 1: a tree, greedy only)")
     speculative_num_draft_tokens: int = flag(4, "tokens one verify covers (num_steps + 1 for a chain; tree nodes)")

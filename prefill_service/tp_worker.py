@@ -9,7 +9,8 @@ Lifecycle (prefill service with --tp-size N):
      is deterministic, so every rank holds the same slots, rows and radix cache;
   3. in a step that completes prompts, every rank copies out its KV heads and one all-gather builds
      the whole KV on each (`tp_shard.gather_kv_heads`): rank 0 hands it over as a TP 1 prefill would,
-     so a decode service of any TP size takes it (each decode rank keeps its own heads);
+     so a decode service of any TP size takes it (each decode rank keeps its own heads); MLA's
+     latent is the same on every rank and is taken from rank 0 as it is, with no all-gather;
   4. a call that raises on rank 0 raises on every rank (same inputs, same code): followers log it
      and wait for the next call, as rank 0's scheduler recovers (fail_all) or dies;
   5. a follower that dies fails the next collective on rank 0 (the step raises, the scheduler dies,

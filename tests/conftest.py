@@ -24,6 +24,7 @@ CHECKPOINTS = {
     "qwen3-moe": dict(arch="qwen3_moe"),
     "deepseek-v3": dict(arch="deepseek_v3"),
     "deepseek-v3-nolora": dict(arch="deepseek_v3_nolora"),
+    "deepseek-v3-mtp": dict(arch="deepseek_v3", mtp=True),  # deepseek-v3's target plus an MTP layer
 }
 
 

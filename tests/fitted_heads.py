@@ -77,3 +77,41 @@ def fitted_head(target: str, algorithm: str, root: str | None = None, **override
             torch.set_num_threads(threads)
             shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+# DeepSeek-V3's MTP layer fitted in place (common/tools/fit_nextn.py): a copy of the target folder
+# whose MTP tensors are fitted, cached like the heads.
+FIT_NEXTN = dict(steps=300, prompts=192, answer_tokens=48, seed=0, lr=3e-3)
+
+
+def fitted_mtp(target: str, root: str | None = None, **overrides) -> str:
+    """A copy of the DeepSeek-V3 folder `target` with its MTP layer fitted (FIT_NEXTN | overrides), cached."""
+    from common.tools import fit_nextn, tiny_mtp
+
+    params = {**FIT_NEXTN, **overrides}
+    root = root or cache_root()
+    os.makedirs(root, exist_ok=True)
+    h = hashlib.sha256(_key(target, "NEXTN", params).encode())
+    for module in (fit_nextn, tiny_mtp):
+        with open(module.__file__, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    out = os.path.join(root, f"nextn-{h.hexdigest()[:20]}")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(os.path.join(out, "config.json")):
+            return out
+        work = f"{out}.fitting-{os.getpid()}"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(target, work)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                fit_nextn.fit(work, **params)
+            os.rename(work, out)
+        finally:
+            torch.set_num_threads(threads)
+            shutil.rmtree(work, ignore_errors=True)
+    return out

@@ -1,9 +1,11 @@
-"""DraftRunner: an EAGLE / EAGLE3 head beside a target ModelRunner, with its own one-layer KV pool.
+"""DraftRunner: an EAGLE / EAGLE3 head (or DeepSeek's MTP layer, common/models/nextn.py) beside a
+target ModelRunner, with its own one-layer KV pool.
 
 The draft pool shares slot indices (and the ReqToTokenPool) with the target: the slots reserved for a
 request hold its target KV and its draft KV at the same indices (DESIGN section 5). The head embeds
 with the target's embedding table; EAGLE's logits come from the target's lm_head (or the rows of a
-token map), EAGLE3's from its own lm_head over its draft vocabulary.
+token map), EAGLE3's from its own lm_head over its draft vocabulary. An MTP layer drafts as EAGLE does
+(the target's embedding and lm_head); with MLA its pool holds the latent, as the target's.
 `SpecArgs` are the speculative settings, named as SGLang users know them.
 """
 
@@ -19,13 +21,14 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.models import packed_linear
 from common.models.eagle import DraftHead, load_draft_config, load_draft_head
+from common.models.nextn import NextNHead
 from common.models.rope import RotaryEmbedding
 
 
 @dataclass
 class SpecArgs:
-    algorithm: str | None = None  # None (off), "EAGLE" or "EAGLE3"
-    draft_model_path: str | None = None
+    algorithm: str | None = None  # None (off), "EAGLE", "EAGLE3" or "NEXTN" (an alias of EAGLE)
+    draft_model_path: str | None = None  # NEXTN without one: the target checkpoint's own MTP layer
     num_steps: int = 3  # draft tokens proposed per step (a chain of num_steps)
     eagle_topk: int = 1  # 1: chain drafting; > 1: tree drafting (K branches per step)
     num_draft_tokens: int = 4  # tokens one verify covers: the bonus token + the drafts (tree nodes)
@@ -34,7 +37,7 @@ class SpecArgs:
     def validate(self) -> None:
         if self.algorithm is None:
             return
-        if not self.draft_model_path:
+        if not self.draft_model_path and self.algorithm != "NEXTN":
             raise ValueError("--speculative-algorithm needs --speculative-draft-model-path")
         if self.num_steps < 1:
             raise ValueError(f"--speculative-num-steps must be >= 1, got {self.num_steps}")
@@ -70,9 +73,10 @@ class DraftRunner:
         spec.validate()
         self.spec = spec
         self.target = target
-        self.config = load_draft_config(spec.draft_model_path, spec.algorithm, target.config)
+        path = spec.draft_model_path or target.config.path  # NEXTN: the target's own MTP layer
+        self.config = load_draft_config(path, spec.algorithm, target.config)
         layer = self.config.layer
-        self.head: DraftHead = load_draft_head(spec.draft_model_path, self.config, target.device, target.dtype)
+        self.head: DraftHead | NextNHead = load_draft_head(path, self.config, target.device, target.dtype)
         if target.packs_linears:
             packed_linear.pack_linears(self.head)  # CPU fp32: the layouts of common/models/packed_linear.py
         self.kv_pool = KVPool(
@@ -83,9 +87,11 @@ class DraftRunner:
             target.dtype,
             target.device,
             target.args.kv_shared_dir,
+            v_head_dim=layer.v_dim,  # an MLA layer keeps the latent alone (V of width 0)
         )
         self.backend = create_backend(target.attention_backend, self.kv_pool, target.req_to_token_pool)
-        self.rotary = RotaryEmbedding(layer.rope, layer.head_dim)
+        # MLA rotates qk_rope_head_dim columns, YaRN scaled as the target's
+        self.rotary = RotaryEmbedding(layer.rope, layer.rope_dim, layer.max_position_embeddings if layer.mla else None)
         self.decode_graphs = self.extend_graphs = None  # CudaGraphRunner, set by the target when it has them
         self.tree_graphs: list[CudaGraphRunner] = []  # a tree's draft step at depth d: tree_graphs[d - 1]
         # The draft vocabulary: the columns of the head's logits and the target id of each. EAGLE
@@ -93,7 +99,7 @@ class DraftRunner:
         # ids (a far smaller lm_head per draft step); EAGLE3 over its own, mapped by d2t.
         self.vocab_ids = self.vocab_lm_head = None
         if spec.token_map:
-            if self.config.algorithm != "EAGLE":
+            if self.config.algorithm not in ("EAGLE", "NEXTN"):
                 raise ValueError("--speculative-token-map is for EAGLE heads (EAGLE3 has its own draft vocabulary)")
             self.vocab_ids = load_token_map(spec.token_map, target.config.vocab_size).to(target.device)
             weight = full_lm_head(target)[self.vocab_ids].contiguous()

@@ -44,6 +44,7 @@ class RunnerArgs:
     torch_compile_max_bs: int = 0  # CPU: decode batches up to this size through torch.compile (0 = off)
     kv_shared_dir: str | None = None  # CPU decode with the shm handoff: KV pools as files here (kv_pool.py)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
+    ep_size: int = 1  # mixtures of experts under TP: 1 (a slice of every expert) or tp.size (whole experts)
 
     @classmethod
     def from_service_config(cls, config) -> RunnerArgs:
@@ -59,6 +60,7 @@ class RunnerArgs:
             attention_backend=config.attention_backend,
             linear_layout=config.linear_layout,
             greedy_head=config.greedy_head,
+            ep_size=config.ep_size,
             **config.decode_step_args(),  # graphs, compile, shm KV: decode's flags; prefill runs no decode steps
             spec=SpecArgs(
                 config.speculative_algorithm,
@@ -94,9 +96,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         cfg = self.config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
-        if (cfg.moe is not None or cfg.mla is not None) and (args.tp.size > 1 or args.static_decode_buffers):
-            raise ValueError(f"{cfg.architecture}: tensor parallelism and static decode buffers are not supported yet")
-        self.model = tp_shard.shard_model(load_model(args.model_path, self.device, self.dtype, cfg), args.tp)
+        if (cfg.moe is not None or cfg.mla is not None) and args.static_decode_buffers:
+            raise ValueError(f"{cfg.architecture}: static decode buffers are not supported yet")
+        model = load_model(args.model_path, self.device, self.dtype, cfg)
+        self.model = tp_shard.shard_model(model, args.tp, args.ep_size)  # MoE: common/parallel/moe_shard.py
         self.tp = args.tp
         kv_heads = len(tp_shard.kv_heads_of(cfg, args.tp.rank, args.tp.size))  # this rank's KV heads
         if args.linear_layout not in linear_tuning.CHOICES:

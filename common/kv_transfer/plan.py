@@ -8,7 +8,9 @@ per-rank parts (`rank_parts`: the KV heads each rank holds), verifies decode's s
 part (`authorize`, common/wire/kv_capability.py), cuts the KV into chunks whose layers are whole
 (`plan_by_layer`) and turns one chunk into (source, destination, length) triples (`write_plan`).
 A latent pool (MLA: one latent head per slot, V of width 0) names no V addresses: its region has
-K's alone, and only K is written.
+K's alone, and only K is written. Under tensor parallelism the latent is a replicated head: every
+decode rank holds it whole (`kv_head_start` 0, `kv_head_count` 1), so each rank's part is the same
+latent (no copy, no split) written into that rank's pool; prefill reads it from its rank 0 alone.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def check_destination(
 def rank_parts(dest: prefill_pb2.KvDestination, handoff) -> list[tuple]:
     """(session, k, v, region, draft) of every write target: the one destination, or with a
     tensor-parallel decode side each rank with the KV heads it holds (contiguous copies of those
-    heads, made where the handoff's KV is) and, with EAGLE, the head's whole KV into every rank's
-    draft pool."""
+    heads, made where the handoff's KV is; a rank holding every head, as each rank holds MLA's one
+    latent head, gets the handoff's own tensors: the same bytes to every rank) and, with EAGLE, the
+    head's whole KV into every rank's draft pool."""
     heads = handoff.k[0].shape[1]
     parts = []
     for r in kv_capability.ranks(dest):
@@ -73,8 +76,9 @@ def rank_parts(dest: prefill_pb2.KvDestination, handoff) -> list[tuple]:
             a, n = r.kv_head_start, r.kv_head_count
             if n == 0 or a + n > heads:
                 raise ValueError(f"kv_destination rank holds KV heads [{a}, {a + n}); the model has {heads}")
-            k = handoff.k if n == heads else [t[:, a : a + n].contiguous() for t in handoff.k]
-            v = handoff.v if n == heads else [t[:, a : a + n].contiguous() for t in handoff.v]
+            whole = n == heads  # a replicated head (the latent), or a rank holding all heads: no copy
+            k = handoff.k if whole else [t[:, a : a + n].contiguous() for t in handoff.k]
+            v = handoff.v if whole else [t[:, a : a + n].contiguous() for t in handoff.v]
         else:
             k, v = handoff.k, handoff.v
         parts.append((r.session, k, v, r.target, False))

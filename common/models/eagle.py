@@ -15,6 +15,10 @@ hidden_norm(hidden)] (q/k/v take 2H inputs), its residual is the hidden; `norm` 
 The head's token embedding is the target's.
 
 Both keep one layer of draft KV in their own KV pool, sharing slot indices with the target.
+
+DeepSeek's MTP (NextN) layer drafts the same way as EAGLE (`--speculative-algorithm NEXTN` is an alias
+of EAGLE, as in SGLang): a draft folder whose architecture is DeepSeek-V3's (the target checkpoint
+itself, or an exported NextN folder) is loaded by common/models/nextn.py.
 """
 
 from __future__ import annotations
@@ -29,32 +33,41 @@ from torch import nn
 from common.models.config import CheckpointError, ModelConfig
 from common.models.decoder import Attention, DecoderLayer, RMSNorm, split_fused
 from common.models.loader import load_tensors
+from common.models.nextn import ARCHITECTURES as NEXTN_ARCHITECTURES
+from common.models.nextn import load_nextn_head, nextn_layer_config
 
 ALGORITHMS = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
+ALIASES = {"NEXTN": "EAGLE"}  # SGLang's name for DeepSeek's MTP layer run by the EAGLE worker
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    algorithm: str
+    algorithm: str  # "EAGLE", "EAGLE3", or "NEXTN": a DeepSeek MTP layer (drafts as EAGLE does)
     layer: ModelConfig  # the head's one layer (shapes from the head's config.json)
     draft_vocab_size: int  # EAGLE: the target's vocabulary
     aux_layer_ids: tuple[int, ...] = ()  # EAGLE3: target layers whose outputs feed fc
+    tensor_prefix: str = ""  # NEXTN: the layer's tensors in the folder (model.layers.{index}.)
 
 
 def load_draft_config(path: str, algorithm: str, target: ModelConfig) -> DraftConfig:
     """Read the head's config.json and check it against `--speculative-algorithm` and the target."""
+    algorithm = ALIASES.get(algorithm, algorithm)
     if algorithm not in ALGORITHMS:
-        raise CheckpointError(f"--speculative-algorithm {algorithm!r}: supported {sorted(ALGORITHMS)}")
+        raise CheckpointError(f"--speculative-algorithm {algorithm!r}: supported {sorted([*ALGORITHMS, *ALIASES])}")
     file = os.path.join(path, "config.json")
     if not os.path.exists(file):
         raise CheckpointError(f"{path}: no config.json for the draft head")
     with open(file) as f:
         hf = json.load(f)
     archs = hf.get("architectures") or []
+    if algorithm == "EAGLE" and len(archs) == 1 and archs[0] in NEXTN_ARCHITECTURES:
+        layer, prefix = nextn_layer_config(hf, os.path.abspath(path), target)
+        return DraftConfig("NEXTN", layer, target.vocab_size, tensor_prefix=prefix)
     if archs != [ALGORITHMS[algorithm]]:
         raise CheckpointError(
             f"draft head config.json: field 'architectures' is {archs}, but "
             f"--speculative-algorithm {algorithm} needs [{ALGORITHMS[algorithm]!r}]"
+            + (f" (or a DeepSeek MTP layer: {list(NEXTN_ARCHITECTURES)})" if algorithm == "EAGLE" else "")
         )
     if hf.get("hidden_size") != target.hidden_size:
         raise CheckpointError(
@@ -148,8 +161,11 @@ class DraftHead(nn.Module):
         return out
 
 
-def load_draft_head(path: str, cfg: DraftConfig, device, dtype) -> DraftHead:
-    """Build the head and load its tensors; names the missing, unexpected or mis-shaped tensor."""
+def load_draft_head(path: str, cfg: DraftConfig, device, dtype) -> nn.Module:
+    """Build the head (a DraftHead, or a NextNHead for NEXTN) and load its tensors; names the missing,
+    unexpected or mis-shaped tensor."""
+    if cfg.algorithm == "NEXTN":
+        return load_nextn_head(path, cfg.layer, cfg.tensor_prefix, device, dtype)
     with torch.device("meta"):
         head = DraftHead(cfg)
     head = head.to(dtype).to_empty(device=device)

@@ -13,6 +13,8 @@ W_UV [H, v, R] (views) and absorbed:
     out_h = sum_s p_s W_UV_h c_s = W_UV_h (sum_s p_s c_s)
 so attention is multi-query over the latent, with the latent's first R columns as the value
 (common/attention/latent.py), then W_UV per head and o_proj. Prefill and decode both run this form.
+Under tensor parallelism each rank keeps its query heads (their W_UK, W_UV and o_proj columns) and
+the whole latent: the latent is the same on every rank, and o_proj's partial outputs are summed.
 
 Rope: with `rope_interleave` (DeepSeek's default) HF rotates the pairs (x0, x1), (x2, x3), ... and
 writes evens then odds: that is the half-split rotation of [x0, x2, ...; x1, x3, ...], so q_pe and
@@ -77,6 +79,8 @@ class KvB(nn.Module):
 
 
 class MLAttention(DirectCall):
+    tp = None  # a TPGroup once split by query heads (common/parallel/tp_shard.py); the latent stays whole
+
     def __init__(self, cfg, layer: int):
         from common.models.decoder import RMSNorm  # decoder imports this module
 
@@ -115,4 +119,4 @@ class MLAttention(DirectCall):
         query = torch.cat((q_latent, q_pe), dim=-1)
         out = latent_attention(backend, query, latent, m.kv_lora_rank, self.layer, forward_batch, m.scale)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return row_parallel(self.o_proj, out.reshape(t, heads * m.v_head_dim), residual, None)
+        return row_parallel(self.o_proj, out.reshape(t, heads * m.v_head_dim), residual, self.tp)

@@ -16,6 +16,13 @@ published per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...; `checkpoi
 kernel (`run_experts`): the (token, choice) pairs sorted by expert, the tokens gathered once in that
 order, one GEMM pair per expert that got tokens, each row scaled by its routing weight, and one
 index_add_ back to the tokens (expert by expert, as HF's eager experts add them).
+
+Under tensor parallelism (common/parallel/moe_shard.py) every rank routes the same tokens (the
+hidden state is the same on every rank after attention's all-reduce) and runs its part of the
+experts: with expert parallelism 1 a slice of every expert's intermediate columns, with expert
+parallelism = the TP size its own experts whole (`first_expert` on: pairs routed elsewhere are
+skipped). Either way each rank's output is a partial sum (with the shared experts' partial output
+added), and one all-reduce sums it: no token moves, since every rank already holds every token.
 """
 
 from __future__ import annotations
@@ -124,17 +131,30 @@ class Router(DirectCall):
 
 
 def run_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """sum over each token's k experts of weight * down(silu(gate) * up): x [T, H], ids / weights [T, k],
     gate_up [E, 2I, H], down [E, H, I] -> [T, H]. Rows sorted by expert: one gather, a GEMM pair per
-    expert with tokens, one scatter-add."""
-    k = ids.shape[1]
+    expert with tokens, one scatter-add. With `first_expert` (expert parallelism) the stacked weights
+    are experts [first_expert, first_expert + E) alone: pairs routed to other experts are left out."""
+    k, local = ids.shape[1], gate_up.shape[0]
     flat = ids.reshape(-1)
+    pairs = None
+    if first_expert is not None:
+        flat = flat - first_expert
+        pairs = torch.nonzero((flat >= 0) & (flat < local)).squeeze(1)  # this rank's (token, choice) pairs
+        flat = flat.index_select(0, pairs)
     order = torch.argsort(flat, stable=True)
+    if pairs is not None:
+        order = pairs.index_select(0, order)  # sorted pairs, as indices into the [T * k] pairs
     tokens = order // k  # the token of each sorted row
     rows = x.index_select(0, tokens)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=local).tolist()
     out = torch.empty_like(rows)
     start = 0
     for e, n in enumerate(counts):
@@ -150,7 +170,8 @@ class SparseMoE(DirectCall):
     """HF's sparse MLP block: `gate` (the router), the routed experts (stacked) and, with DeepSeek-V3,
     `shared_experts` (a dense MLP every token runs)."""
 
-    tp = None
+    tp = None  # a TPGroup once split: the output is this rank's partial sum until the all-reduce
+    first_expert = None  # expert parallelism: the global id of this rank's first expert
 
     def __init__(self, hidden: int, spec: MoeSpec, shared: nn.Module | None = None):
         super().__init__()
@@ -163,9 +184,11 @@ class SparseMoE(DirectCall):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = run_experts(x, ids, weights, self.experts_gate_up, self.experts_down)
-        if hasattr(self, "shared_experts"):
+        out = run_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.first_expert)
+        if hasattr(self, "shared_experts"):  # under TP its partial output (its own tp stays None)
             out = out + self.shared_experts(x)
+        if self.tp is not None:  # every rank's partial sums (routed and shared) added: one all-reduce
+            out = self.tp.all_reduce(out)
         return out if residual is None else residual + out
 
 

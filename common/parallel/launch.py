@@ -30,6 +30,8 @@ def check_settings(config) -> None:
     """A bad --tp-size, and what --tp-size > 1 does not do yet, refused before anything loads."""
     if config.tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1, got {config.tp_size}")
+    if config.ep_size not in (1, config.tp_size):
+        raise ValueError(f"--ep-size must be 1 or --tp-size ({config.tp_size}), got {config.ep_size}")
     if config.tp_size == 1:
         return
 

@@ -8,6 +8,8 @@ ids in the configs and a chat template. Weights are redrawn from a seeded genera
 decided by float noise.
 
     python -m common.tools.tiny_checkpoint --arch qwen3 --out /tmp/tiny-qwen3 [--tied] [--shard-bytes N]
+
+`mtp` (DeepSeek-V3 only) also writes a random MTP (NextN) layer where DeepSeek keeps it (tiny_mtp.py).
 """
 
 from __future__ import annotations
@@ -179,12 +181,15 @@ def build(
     lm_head_scale: float = 4.0,
     hidden_size: int = 64,
     num_layers: int = 2,
+    mtp: bool = False,
 ) -> str:
     """Write a tiny checkpoint + tokenizer into `out_dir` and return its absolute path."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    if mtp and not arch.startswith("deepseek_v3"):
+        raise ValueError("an MTP layer is DeepSeek-V3's (--arch deepseek_v3 / deepseek_v3_nolora)")
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(out_dir)
     bos, eos = tok.convert_tokens_to_ids("<s>"), tok.convert_tokens_to_ids("</s>")
@@ -197,6 +202,10 @@ def build(
     )
     kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
     model.save_pretrained(out_dir, **kwargs)
+    if mtp:
+        from common.tools.tiny_mtp import mtp_tensors, write_mtp
+
+        write_mtp(out_dir, mtp_tensors(model, seed + 7))
     return os.path.abspath(out_dir)
 
 
@@ -209,6 +218,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64, help="bigger models for benchmarks")
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--mtp", action="store_true", help="DeepSeek-V3: add a random MTP (NextN) layer")
     args = parser.parse_args(argv)
     path = build(
         args.out,
@@ -218,6 +228,7 @@ def main(argv=None) -> None:
         args.seed,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
+        mtp=args.mtp,
     )
     print(f"built tiny {args.arch} checkpoint at {path}")
 
