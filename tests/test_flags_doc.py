@@ -106,3 +106,12 @@ def test_the_generator_writes_the_file(tmp_path):
     assert argparse.SUPPRESS not in out.read_text()
     for test_hook in ("--inject-faults", "--test-kv-chunk-delay-s", "--test-step-delay-s"):  # objects, not flags
         assert test_hook not in out.read_text()
+
+
+def test_the_check_mode_writes_nothing_and_says_whether_the_file_is_current(tmp_path):
+    out = tmp_path / "flags.md"
+    assert flags_doc.main(["--check", str(out)]) == 1 and not out.exists()  # missing: not current
+    out.write_text(flags_doc.render())
+    assert flags_doc.main([str(out), "--check"]) == 0
+    out.write_text(flags_doc.render() + "stale line\n")
+    assert flags_doc.main(["--check", str(out)]) == 1

@@ -72,12 +72,19 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    path = args[0] if args else DEFAULT_PATH
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(render())
-    print(f"wrote {path}")
+    parser = argparse.ArgumentParser(prog=COMMAND, description="write docs/flags.md from the flag definitions")
+    parser.add_argument("path", nargs="?", default=DEFAULT_PATH, help="where to write (default: docs/flags.md)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file is not current")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = open(args.path).read() if os.path.exists(args.path) else None
+        print(f"{args.path} is {'current' if current == text else 'stale: run ' + COMMAND}")
+        return 0 if current == text else 1
+    os.makedirs(os.path.dirname(args.path) or ".", exist_ok=True)
+    with open(args.path, "w") as f:
+        f.write(text)
+    print(f"wrote {args.path}")
     return 0
 
 
