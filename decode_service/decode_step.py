@@ -3,19 +3,27 @@ the FutureMap rows, one target forward (one token per request), sample, stash th
 back at the rows for the next step. Returns the tokens on the device, and the logprobs of the rows
 that ask for them (common/engine/logprobs.py).
 Rows with a penalty or a logit bias count their pending token in the FutureMap's penalty state (on
-this stream, from the gathered token: no host value) and have their logits processed before sampling."""
+this stream, from the gathered token: no host value) and have their logits processed before sampling.
+Constrained rows (a grammar) ask the grammar thread for their bitmask before the forward, so it is
+filled while the forward runs; their sampling waits for it (after penalties and bias, before
+temperature), and their sampled tokens go to the matchers (decode_service/grammar_state.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from common.engine.forward_batch import ForwardBatch
+from common.engine.grammar import apply_bitmask
+from common.engine.host_copy import to_device
 from common.engine.logprobs import StepLogprobs
 from decode_service.worker_batch import WorkerBatch
 
 
-def decode_step(runner, fm, batch: WorkerBatch) -> tuple[torch.Tensor, StepLogprobs | None]:
+def decode_step(runner, fm, batch: WorkerBatch, grammar=None) -> tuple[torch.Tensor, StepLogprobs | None]:
     indices = batch.req_pool_indices
+    lanes = batch.sampling.constrained if grammar is not None else []
+    rows = [batch.req_pool_indices_cpu[i] for i in lanes]
+    mask = grammar.fill(rows) if lanes else None  # filled on the grammar thread while the forward runs
     input_ids = fm.gather_tokens(indices)
     fb = ForwardBatch.decode(
         runner.req_to_token_pool.req_to_token,
@@ -35,7 +43,12 @@ def decode_step(runner, fm, batch: WorkerBatch) -> tuple[torch.Tensor, StepLogpr
         logits = raw
         if procs is not None:
             logits = procs.apply(raw, *fm.penalties.gather(indices[procs.rows]))
+        if mask is not None:  # waits for step N's tokens in the matchers (an unconstrained batch never does)
+            lane_idx = to_device(lanes, indices.device)
+            logits = apply_bitmask(logits, lane_idx, mask.result())
         tokens = batch.sampling.sample(logits, batch.output_indices, runner.config.eos_token_ids)
+        if lanes:
+            grammar.advance(rows, tokens.index_select(0, lane_idx))
     fm.stash_tokens(indices, tokens)
     asking = batch.sampling.logprob_rows(indices.device)  # never with the greedy head: it needs the logits
     return tokens, (asking.compute(raw, tokens) if asking is not None else None)

@@ -8,7 +8,8 @@ stop_token_ids: at most MAX_STOP_TOKEN_IDS (64), each in the vocabulary. Penalti
 OpenAI's ranges (SamplingParams.validate): frequency/presence in [-2, 2], repetition in (0, 2],
 logit_bias values in [-100, 100] with keys that are ids of the vocabulary. Logprobs: return_logprob
 with top_logprobs_num in [0, 20] and at most 64 token_ids_logprob; logprob_start_len -1 or 0 (prompt
-logprobs, > 0, are not served yet).
+logprobs, > 0, are not served yet). A constraint (the oneof: regex, json_schema, ebnf_grammar,
+structural_tag) becomes SamplingParams' field of the same name (common/engine/grammar.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ def _unsupported(req, sp) -> str | None:
     """The name of the first set field we do not honour, or None."""
     checks = [
         (sp.n > 1, "n > 1"),
-        (sp.WhichOneof("constraint") is not None, sp.WhichOneof("constraint")),
         (sp.HasField("custom_params"), "custom_params"),
         (sp.HasField("stream_interval") and sp.stream_interval != 1, "stream_interval (only 1)"),
         (req.return_logprob and req.logprob_start_len > 0, "logprob_start_len (prompt logprobs)"),
@@ -39,6 +39,13 @@ def _unsupported(req, sp) -> str | None:
         (req.HasField("data_parallel_rank") and req.data_parallel_rank != 0, "data_parallel_rank (only 0)"),
     ]
     return next((name for bad, name in checks if bad), None)
+
+
+def constraint(sp) -> dict[str, str]:
+    """smg's oneof constraint (regex, json_schema, ebnf_grammar, structural_tag) as SamplingParams'
+    field of the same name; compiled (and refused by name when it does not compile) at submit."""
+    which = sp.WhichOneof("constraint")
+    return {which: getattr(sp, which)} if which is not None else {}
 
 
 def stop_strings(stops) -> tuple[str, ...]:
@@ -109,6 +116,7 @@ def parse_generate(
         return_logprob=req.return_logprob,  # top_logprobs_num / token_ids_logprob only with it (as SGLang)
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         token_ids_logprob=tuple(req.token_ids_logprob) if req.return_logprob else (),
+        **constraint(sp),
     )
     if len(req.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
         raise InvalidRequest(f"token_ids_logprob has {len(req.token_ids_logprob)} ids; at most {MAX_TOKEN_IDS_LOGPROB}")

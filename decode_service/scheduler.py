@@ -49,8 +49,9 @@ from collections.abc import Callable
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
-from common.request_rules import InvalidRequest, check_fits_pool, finish_reason, validate_prompt
+from common.request_rules import InvalidRequest, check_fits_pool, validate_prompt
 from decode_service.first_token import first_outputs
+from decode_service.grammar_state import check_request, finish_reason_of
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
 from decode_service.output import Finish, OutputCallback, RequestOutput
@@ -92,9 +93,8 @@ class DecodeScheduler(HandoffIntake):
         self._extra = self.spec.extra_slots if self.spec else 0  # KV a request may write past its reservation
         self.spec_stats = SpecStats()
         # The one table of requests, by rid, from Submit to release; where each stands is its `state`.
-        # Beside it only what carries order: `waiting` (admission, first come first served),
-        # `prebuilt` (the next prebuilt batch, in handoff order) and `running_batch` (the lanes and
-        # their device tensors). `check_integrity` checks that the queues agree with the states.
+        # Beside it only what carries order: `waiting` (admission, first come first served), `prebuilt` (in
+        # handoff order), `running_batch` (lanes, device tensors); check_integrity: queues agree with states.
         self.reqs: dict[str, DecodeReq] = {}
         self.waiting: deque[DecodeReq] = deque()
         self.prebuilt: list[DecodeReq] = []
@@ -123,14 +123,14 @@ class DecodeScheduler(HandoffIntake):
         on_output: OutputCallback | None = None,
         trace: tuple | None = None,
     ) -> None:
-        """Queue a request; `on_output` gets its RequestOutputs, `trace` (the caller's span context and
-        submission ns) rides on the request to the prefill call."""
+        """Queue a request; `on_output` gets its RequestOutputs, `trace` (span context, submission ns) rides along."""
         validate_prompt(prompt_ids, params, self.info.vocab_size, self.info.context_length)
         check_fits_pool(len(prompt_ids), params.max_new_tokens, self.worker.kv_allocator.size, self._extra)
         if params.stop_strings and self.stop_strings is None:
             raise InvalidRequest("stop strings need the tokenizer, and this decode service has none")
         if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
             raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
+        check_request(self.worker, self.spec, params)  # a grammar compiles here, off the scheduler thread
         req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace)
         self.inbox.post(Submit(req))
 
@@ -349,7 +349,7 @@ class DecodeScheduler(HandoffIntake):
         self._finish(req, "abort")
 
     def _finish_reason(self, req: DecodeReq) -> str | None:
-        reason = finish_reason(req.params, req.output_ids, self.info.eos_token_ids)
+        reason = finish_reason_of(req, self.info.eos_token_ids)  # a grammar's end too (grammar_state.py)
         if req.params.stop_strings and reason in (None, "length"):  # a stop string outranks the length
             req.matched_stop_str = self.stop_strings.match(req)
             reason = "stop" if req.matched_stop_str is not None else reason

@@ -43,6 +43,7 @@ from common.wire.aio_server import answer_unimplemented
 from decode_service import wiring
 from decode_service.admission import Admission, Rejected
 from decode_service.config import DecodeConfig
+from decode_service.grammar_state import compile_off_loop
 from decode_service.health import LIVENESS, Health
 from decode_service.info_rpcs import InfoRpcs
 from decode_service.request_validation import InvalidRequest
@@ -145,6 +146,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         # rides on the request: the prefill client hangs its spans (and the replica's) under it
         trace = (self.tracing.context_of(span), time.time_ns()) if span is not None else None
         try:
+            await compile_off_loop(self.scheduler.worker, params)  # a grammar: compiled before submit's check
             self.scheduler.submit(
                 rid, ids, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), trace=trace
             )

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from common.engine.grammar import runner_compiler
 from common.engine.handoff import Handoff
 from common.engine.host_copy import to_device, to_host
 from common.engine.logprobs import StepLogprobs
@@ -30,6 +31,7 @@ from decode_service.decode_step import decode_step
 from decode_service.eagle_step import ChainDraft, draft_chain, verify_chain_step
 from decode_service.eagle_tree_step import TreeDraft, draft_tree, verify_tree_step
 from decode_service.future_map import FutureMap
+from decode_service.grammar_state import GrammarMatchers
 from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
 from decode_service.worker_batch import BatchResult, WorkerBatch, WorkerInfo
 
@@ -60,6 +62,16 @@ class DecodeWorker:
             draft_dtype=runner.dtype,
             vocab_size=cfg.vocab_size,
         )
+        self.grammar: GrammarMatchers | None = None  # made with the first constrained request
+
+    def grammar_compiler(self):
+        """The model's GrammarCompiler (common/engine/grammar.py); GrammarError where grammars are not served."""
+        return runner_compiler(self.runner)
+
+    def _grammar(self) -> GrammarMatchers:
+        if self.grammar is None:
+            self.grammar = GrammarMatchers(self.grammar_compiler, self.info.vocab_size, self.info.device)
+        return self.grammar
 
     # ---- schedule side ---------------------------------------------------------------------------
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
@@ -113,11 +125,19 @@ class DecodeWorker:
     def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
         """Map the row, write KV carried in the record, seed the FutureMap row (invariant 8)."""
         submit_prebuilt(self.stream, self.runner, self.future_map, req_pool_idx, kv_slots, handoff)
+        constraint = handoff.params.constraint
+        if constraint is not None:  # the matcher, advanced by the outputs so far (the first token's last)
+            outputs = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :] + [handoff.first_token]
+            matchers = self._grammar()
+            self.stream.submit(lambda: matchers.seed(req_pool_idx, constraint, outputs))
 
     def release_row(self, req_pool_idx: int) -> None:
         """A released row's consume-once guard is cleared after the forwards that may still use it."""
         row = to_device([req_pool_idx], self.future_map.device, torch.int64)
         self.stream.submit(lambda: self.future_map.reset_rows(row))
+        if self.grammar is not None:
+            matchers = self.grammar
+            self.stream.submit(lambda: matchers.release(req_pool_idx))
 
     def raise_if_failed(self) -> None:
         self.stream.raise_if_failed()
@@ -127,13 +147,15 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.stream.close()
+        if self.grammar is not None:
+            self.grammar.close()
 
     # ---- stream side -----------------------------------------------------------------------------
     def forward(self, batch: WorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None, StepLogprobs | None]:
         """(tokens, accepted drafts or None, logprobs of the rows asking or None) on the device, for one step."""
         runner, fm, spec = self.runner, self.future_map, self.info.spec
         if spec is None:
-            tokens, logprobs = decode_step(runner, fm, batch)
+            tokens, logprobs = decode_step(runner, fm, batch, self.grammar)
             return tokens, None, logprobs
         if spec.eagle_topk > 1:
             tree = self.propose_tree(batch, draft_tree(runner, fm, batch, spec))

@@ -15,6 +15,7 @@ Every violation is a ValueError naming the field (the server answers INVALID_ARG
 
 from __future__ import annotations
 
+from common.engine.grammar import check_constraint, runner_compiler
 from common.engine.handoff import HandoffRequest
 from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB
 from common.engine.penalties import MAX_LOGIT_BIAS
@@ -46,6 +47,7 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
         return_logprob=sp.return_logprob,
         top_logprobs_num=sp.top_logprobs_num,
         token_ids_logprob=token_ids_logprob(sp.token_ids_logprob),
+        **constraint(sp, runner),
     )
     prompt = list(request.input_ids)
     validate_prompt(
@@ -55,6 +57,18 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
         raise ValueError("first_output_position must be < len(input_ids)")
     params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
     return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
+
+
+def constraint(sp, runner) -> dict[str, str]:
+    """The oneof constraint as SamplingParams' field, compiled now (on the server's thread, not the
+    scheduler's; cached for the first token's mask): GrammarError (a ValueError) names the field."""
+    which = sp.WhichOneof("constraint")
+    if which is None:
+        return {}
+    out = {which: getattr(sp, which)}
+    check_constraint(SamplingParams(**out))
+    runner_compiler(runner).compile((which, out[which]))
+    return out
 
 
 def logit_bias(entries) -> dict[int, float]:

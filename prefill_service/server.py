@@ -121,7 +121,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if self.open_calls >= self.config.max_open_calls:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._busy(f"{self.open_calls} calls are open"))
         try:
-            handoff_request = request_bounds.parse(request, self.config.max_chunk_bytes, self.runner)
+            args = (request, self.config.max_chunk_bytes, self.runner)
+            if request.sampling_params.WhichOneof("constraint") is not None:  # a grammar compiles: off the loop
+                handoff_request = await asyncio.to_thread(request_bounds.parse, *args)
+            else:
+                handoff_request = request_bounds.parse(*args)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not self.scheduler.alive:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.chunked_prefill import plan_chunk, prefill_step
+from common.engine.grammar import mask_first_tokens
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.host_copy import to_device
 from common.engine.logprobs import first_token_logprobs
@@ -250,6 +251,9 @@ class PrefillWorker:
                 outputs = [r.prompt_ids[n:] for r, n in zip(reqs, splits)]
                 vocab = logits.shape[-1]
                 logits = procs.apply(logits, *state_from_ids(prompts, outputs, vocab, logits.device))
+            lanes = [i for i, p in enumerate(params) if p.constraint is not None]
+            if lanes:  # the grammar's mask, after penalties and bias (common/engine/grammar.py)
+                logits = mask_first_tokens(self.runner, [done[i].request for i in lanes], lanes, logits)
             tokens = sample(logits, params, seeds, positions, self.runner.config.eos_token_ids)
             for w, lp in zip(done, first_token_logprobs(raw, tokens, params)):  # of the raw logits
                 w.first_logprobs = lp

@@ -66,8 +66,8 @@ BAD = [  # (field set, value, words the message must contain)
     ("sp_n", 2, "n > 1"),
     ("sp_stop", [""], "stop"),
     ("sp_stop_token_ids", [10**7], "stop_token_ids"),
-    ("sp_regex", "a+", "regex"),
-    ("sp_json_schema", "{}", "json_schema"),
+    ("sp_regex", "(a+", "regex"),  # constraints that do not compile (tests/test_grammar.py: ones that do)
+    ("sp_json_schema", "{not json", "json_schema"),
     ("sp_ebnf_grammar", "x", "ebnf_grammar"),
     ("sp_frequency_penalty", 2.5, "frequency_penalty"),
     ("sp_presence_penalty", -2.5, "presence_penalty"),

@@ -58,6 +58,8 @@ class ColocatedLoop:
         params = params if isinstance(params, list) else [params] * len(prompts)
         for p, sp in zip(prompts, params):
             validate_prompt(p, sp, self.runner.config.vocab_size, self.runner.context_length)
+            if sp.constraint is not None:  # never silently unconstrained
+                raise ValueError(f"{sp.constraint[0]}: grammars are served by the decode pair, not this reference loop")
         reqs = [Request(list(p), sp, sp.resolved_seed()) for p, sp in zip(prompts, params)]
         self._reserve(reqs)
         try:

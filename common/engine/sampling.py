@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine.grammar import check_constraint, constraint_of
 from common.engine.host_copy import to_device
 from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, LogprobRows
 from common.engine.penalties import MAX_LOGIT_BIAS, LogitProcessors, has_processors
@@ -39,6 +40,11 @@ class SamplingParams:
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = field(default_factory=tuple)
     stop_strings: tuple[str, ...] = field(default_factory=tuple)  # matched in the decoded text (decode side)
+    # at most one constraint: the mask of common/engine/grammar.py (after penalties and bias)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf_grammar: str | None = None
+    structural_tag: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field."""
@@ -68,6 +74,7 @@ class SamplingParams:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
         if len(self.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
             raise ValueError(f"token_ids_logprob has more than {MAX_TOKEN_IDS_LOGPROB} ids")
+        check_constraint(self)  # GrammarError is a ValueError naming the field
         if vocab_size is not None:
             bad = [t for t in self.token_ids_logprob if not 0 <= t < vocab_size]
             if bad:
@@ -92,7 +99,18 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Every token is the argmax of the raw logits, and nothing else of them is needed: greedy, with
         no min_new_tokens mask, no penalty, no logit bias and no logprobs."""
-        return self.greedy and not self.min_new_tokens and not self.processed and not self.return_logprob
+        return (
+            self.greedy
+            and not self.min_new_tokens
+            and not self.processed
+            and not self.return_logprob
+            and self.constraint is None
+        )
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, text) of the request's grammar constraint, or None (common/engine/grammar.py)."""
+        return constraint_of(self)
 
     @property
     def filtered(self) -> bool:
@@ -152,6 +170,7 @@ class SamplingBatch:
         self.plain = [i for i, p in enumerate(self.params) if not p.greedy and not p.filtered]
         self.filtered = [i for i, p in enumerate(self.params) if not p.greedy and p.filtered]
         self.holds_back = any(p.min_new_tokens for p in self.params)  # then sample() needs every row's output index
+        self.constrained = [i for i, p in enumerate(self.params) if p.constraint is not None]  # grammar rows
         self._tensors: dict = {}
 
     def processors(self, device: torch.device) -> LogitProcessors | None:

@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens", "min_new_tokens", "stop_token_ids", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "return_logprob", "top_logprobs_num", "token_ids_logprob")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens", "min_new_tokens", "stop_token_ids", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "return_logprob", "top_logprobs_num", "token_ids_logprob", "json_schema", "regex", "ebnf_grammar", "structural_tag")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,10 @@ class SamplingParams(_message.Message):
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_NUM_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    EBNF_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -55,7 +59,11 @@ class SamplingParams(_message.Message):
     return_logprob: bool
     top_logprobs_num: int
     token_ids_logprob: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ...) -> None: ...
+    json_schema: str
+    regex: str
+    ebnf_grammar: str
+    structural_tag: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf_grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_values", "ids_logprobs")

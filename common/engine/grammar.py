@@ -1,0 +1,239 @@
+"""Grammars (xgrammar): a request's constraint, its compilation and the token mask it gives.
+
+A request may carry one constraint (SamplingParams: `json_schema`, `regex`, `ebnf_grammar` or
+`structural_tag`, as smg's GenerateRequest oneof). `GrammarCompiler` compiles it with xgrammar for
+one model's tokenizer, off the calling thread (a small pool), once per distinct constraint (a
+bounded LRU of futures, so concurrent requests with one schema compile it once), within a time
+bound; a constraint that does not compile, or not in time, is a `GrammarError` (a ValueError naming
+the field: the front doors answer INVALID_ARGUMENT before anything is reserved).
+`compiler_for(path, vocab_size, stop_ids)` is one compiler per model folder in a process (prefill
+and decode in one process share it).
+
+The mask (DESIGN 7b): after penalties and logit_bias, before temperature and filters, for the
+constrained rows only: a bitmask per row filled from its `xgr.GrammarMatcher`
+(`fill_next_token_bitmask`), applied with `xgr.apply_token_bitmask_inplace` (`apply_bitmask`). The
+matcher's stop tokens are the model's EOS ids: a grammar ends only by accepting one of them, and it
+allows one only where the grammar may end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from common.engine.host_copy import to_device
+
+logger = logging.getLogger(__name__)
+
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf_grammar", "structural_tag")
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema or grammar longer than this is refused before compiling
+COMPILE_TIMEOUT_S = 10.0
+MAX_CACHED = 256  # distinct compiled constraints kept per model
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be served: malformed, too long, too slow to compile, or not here."""
+
+
+def constraint_of(params) -> tuple[str, str] | None:
+    """(field, text) of a request's constraint, or None; GrammarError when more than one is set."""
+    set_ = [(f, getattr(params, f)) for f in CONSTRAINT_FIELDS if getattr(params, f, None) is not None]
+    if len(set_) > 1:
+        raise GrammarError(f"at most one constraint may be set, got {', '.join(f for f, _ in set_)}")
+    return set_[0] if set_ else None
+
+
+def check_constraint(params) -> None:
+    """Checks that need no compiler (SamplingParams.validate): one constraint, of bounded length."""
+    c = constraint_of(params)
+    if c is not None and len(c[1]) > MAX_CONSTRAINT_CHARS:
+        raise GrammarError(f"{c[0]} is {len(c[1])} characters long; at most {MAX_CONSTRAINT_CHARS} are allowed")
+    if c is not None and not c[1].strip():
+        raise GrammarError(f"{c[0]} is empty")
+
+
+def structural_tag_args(text: str) -> tuple:
+    """xgrammar's arguments for a structural_tag: its JSON as is, or for the OpenAI / SGLang legacy
+    form ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}) the tags and triggers."""
+    import xgrammar as xgr
+
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise GrammarError("structural_tag is not valid JSON") from None
+    if isinstance(obj, dict) and "structures" in obj:
+        try:
+            tags = [
+                xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                for s in obj["structures"]
+            ]
+            return tags, list(obj["triggers"])
+        except (KeyError, TypeError) as e:
+            raise GrammarError(f"structural_tag: a structure or its triggers are malformed ({e!r})") from None
+    return (text,)
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one tokenizer, with a bounded cache and a time bound (see the module)."""
+
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        timeout_s: float = COMPILE_TIMEOUT_S,
+        max_cached: int = MAX_CACHED,
+        any_whitespace: bool = True,
+    ):
+        self.tokenizer_path, self.vocab_size, self.stop_token_ids = tokenizer_path, vocab_size, tuple(stop_token_ids)
+        self.timeout_s, self.max_cached, self.any_whitespace = timeout_s, max_cached, any_whitespace
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._compiler = None
+        self._compiler_ready = threading.Lock()
+
+    def _xgr(self):
+        """The xgrammar compiler, made once (loading the tokenizer takes a moment: on first use)."""
+        with self._compiler_ready:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def _compile(self, field: str, text: str):
+        c = self._xgr()
+        if field == "json_schema":
+            return c.compile_json_schema(text, any_whitespace=self.any_whitespace)
+        if field == "regex":
+            return c.compile_regex(text)
+        if field == "ebnf_grammar":
+            return c.compile_grammar(text)
+        return c.compile_structural_tag(*structural_tag_args(text))
+
+    def compile_async(self, constraint: tuple[str, str]) -> Future:
+        """A future of the compiled grammar (one per distinct constraint while it stays cached)."""
+        with self._lock:
+            fut = self._cache.get(constraint)
+            if fut is not None:
+                self._cache.move_to_end(constraint)
+                return fut
+            fut = self._pool.submit(self._compile, *constraint)
+            self._cache[constraint] = fut
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        fut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self._forget(constraint, f))
+        return fut
+
+    def _forget(self, constraint, fut) -> None:
+        with self._lock:
+            if self._cache.get(constraint) is fut:
+                del self._cache[constraint]
+
+    def compile(self, constraint: tuple[str, str]):
+        """The compiled grammar; GrammarError naming the field when it does not compile in time."""
+        field = constraint[0]
+        fut = self.compile_async(constraint)
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._forget(constraint, fut)  # the next request tries again (the pool finishes this one)
+            raise GrammarError(f"{field} did not compile within {self.timeout_s:g} s") from None
+        except Exception as e:
+            raise GrammarError(f"{field} does not compile: {str(e).strip().splitlines()[0][:300]}") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_compilers: dict[tuple, GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(path: str, vocab_size: int, stop_token_ids) -> GrammarCompiler:
+    """This process's compiler for the tokenizer in `path` (one per folder, vocabulary and stop ids)."""
+    key = (path, vocab_size, tuple(stop_token_ids))
+    with _compilers_lock:
+        if key not in _compilers:
+            _compilers[key] = GrammarCompiler(path, vocab_size, tuple(stop_token_ids))
+        return _compilers[key]
+
+
+def runner_compiler(runner) -> GrammarCompiler:
+    """The compiler of a ModelRunner's model; GrammarError where grammars are not served (tensor
+    parallelism: every rank samples, and only this one would hold matchers)."""
+    tp = getattr(runner, "tp", None)
+    if tp is not None and tp.size > 1:
+        raise GrammarError(
+            "constraints (json_schema, regex, ebnf_grammar, structural_tag) are not served with --tp-size > 1"
+        )
+    cfg = runner.config
+    return compiler_for(runner.args.model_path, cfg.vocab_size, tuple(cfg.eos_token_ids))
+
+
+def new_matcher(compiled, tokens: list[int] = ()):
+    """A matcher at the grammar's start, advanced by `tokens` (outputs already committed)."""
+    import xgrammar as xgr
+
+    m = xgr.GrammarMatcher(compiled)
+    for t in tokens:
+        if not m.accept_token(int(t)):
+            raise GrammarError(f"committed token {t} is not allowed by the grammar")
+    return m
+
+
+def fill_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
+    """A bitmask [len(matchers), ceil(V/32)] (host int32): each live matcher's allowed next tokens;
+    None or terminated matchers leave their row all-allowed."""
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    for i, m in enumerate(matchers):
+        if m is not None and not m.is_terminated():
+            m.fill_next_token_bitmask(mask, i)
+    return mask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> a copy whose `rows` (device int64 [R]) are masked by `mask` [R, W] (host)."""
+    import xgrammar as xgr
+
+    sub = logits.index_select(0, rows).float()
+    if sub.device.type == "cpu":
+        xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=sub.shape[-1])
+    else:  # through pinned memory, non-blocking (host_copy.to_device): the host does not wait for the device
+        xgr.apply_token_bitmask_inplace(sub, to_device(mask, sub.device), vocab_size=sub.shape[-1])
+    return logits.float().index_copy(0, rows, sub)
+
+
+def advance(matcher, token: int) -> None:
+    """A committed token into its matcher (a token the mask did not allow is logged, never raised:
+    e.g. every candidate masked by min_new_tokens and the grammar together)."""
+    if matcher is None or matcher.is_terminated():
+        return
+    if not matcher.accept_token(int(token)):
+        logger.warning("grammar matcher refused committed token %d; its row stays where it was", token)
+
+
+def mask_first_tokens(runner, requests: list, lanes: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """Prefill: logits [N, V] with the rows `lanes` (of `requests`, HandoffRequests with a constraint)
+    masked by their grammar at the first token sampled here (after a retry's resent outputs)."""
+    compiler = runner_compiler(runner)
+    matchers = []
+    for r in requests:
+        start = len(r.prompt_ids) - r.first_position
+        matchers.append(new_matcher(compiler.compile(r.params.constraint), r.prompt_ids[start:]))
+    mask = fill_bitmask(matchers, runner.config.vocab_size)
+    return apply_bitmask(logits, to_device(lanes, logits.device), mask)

@@ -1,0 +1,127 @@
+"""The decode side's grammar matchers: one per constrained request row, kept by one grammar thread.
+
+Under overlap, step N+1's mask depends on step N's token. So the matchers live beside the forward
+stream, on their own thread (SGLang's grammar work beside `sampling_info_done`), and every job is
+queued from stream work, so the jobs run in stream order:
+  - `seed(row, ...)` (with the prebuilt writes): a matcher at the grammar's start, advanced by the
+    outputs already committed (the first token from the handoff record, and a retry's resent ones);
+  - `fill(rows)` (when a constrained step starts, before its forward): the rows' bitmask, filled
+    while the forward runs; the step's sampling waits for it (`Future.result`), and only then;
+  - `advance(rows, tokens)` (right after a constrained step samples): its tokens into the matchers.
+    On CUDA the tokens are copied to the host without waiting, behind an event the job waits for,
+    so the stream work never waits for the device; the next `fill` queues behind it;
+  - `release(row)` (with the row's release, after every step that still carries it).
+A batch without a constrained row queues nothing and never waits. The scheduler learns a grammar's
+end from the token itself: a constrained request ends ("stop") at an EOS, which the mask allows
+only where the grammar may end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from common.engine import grammar
+from common.engine.host_copy import to_host
+from common.engine.streams import make_event
+from common.request_rules import InvalidRequest, finish_reason
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarMatchers:
+    def __init__(self, compiler_of, vocab_size: int, device):
+        """`compiler_of()`: the model's GrammarCompiler (made on first use)."""
+        self._compiler_of = compiler_of
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._matchers: dict[int, object] = {}  # req_pool_idx -> xgr.GrammarMatcher (the thread's alone)
+
+    def seed(self, row: int, constraint: tuple[str, str], outputs: list[int]) -> None:
+        def job():
+            compiled = self._compiler_of().compile(constraint)  # cached since the request's validation
+            self._matchers[row] = grammar.new_matcher(compiled, outputs)
+
+        self._submit(job)
+
+    def release(self, row: int) -> None:
+        self._submit(lambda: self._matchers.pop(row, None))
+
+    def fill(self, rows: list[int]) -> Future:
+        """A future of the bitmask [len(rows), W] (host) of the matchers of `rows` as they stand once
+        every job queued before this one ran."""
+        return self._thread.submit(lambda: grammar.fill_bitmask([self._matchers.get(r) for r in rows], self.vocab_size))
+
+    def advance(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """The committed tokens [len(rows)] (on the device) into the rows' matchers, in stream order."""
+        host = to_host(tokens)
+        ready = make_event(self.device)
+        ready.set_here()  # on CUDA: recorded after the copy on this stream; on CPU: done already
+
+        def job():
+            ready.synchronize()
+            for row, token in zip(rows, host.tolist()):
+                grammar.advance(self._matchers.get(row), token)
+
+        self._submit(job)
+
+    def _submit(self, job) -> None:
+        """A job nobody waits for: its failure is logged (a row left without its matcher stays unmasked)."""
+
+        def logged():
+            try:
+                job()
+            except Exception:
+                logger.exception("grammar job failed")
+
+        self._thread.submit(logged)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def check_request(worker, spec, params):
+    """The scheduler's submit check of a constrained request (on the caller's thread, before anything
+    is queued): not with speculative decoding, and its grammar compiles (cached from then on).
+    Raises InvalidRequest naming the field."""
+    try:
+        constraint = params.constraint
+        if constraint is None:
+            return
+        if spec is not None:
+            raise grammar.GrammarError(f"{constraint[0]} is not served with speculative decoding (EAGLE) on")
+        if not hasattr(worker, "grammar_compiler"):
+            raise grammar.GrammarError(f"{constraint[0]}: this worker serves no grammars")
+        worker.grammar_compiler().compile(constraint)
+    except grammar.GrammarError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+def finish_reason_of(req, eos_token_ids) -> str | None:
+    """common/request_rules.finish_reason, and "stop" where a constrained request's grammar accepted
+    its end: its last output is an EOS (which the mask allows only where the grammar may end),
+    ignore_eos or not."""
+    if req.params.constraint is not None and req.output_ids and req.output_ids[-1] in eos_token_ids:
+        return "stop"
+    return finish_reason(req.params, req.output_ids, eos_token_ids)
+
+
+async def compile_off_loop(worker, params) -> None:
+    """The front door's wait for a request's grammar, without blocking its event loop (the compile
+    pool works, the loop serves other calls); InvalidRequest naming the field when it does not compile."""
+    constraint = params.constraint
+    if constraint is None or not hasattr(worker, "grammar_compiler"):
+        return  # submit() says what is wrong, if anything
+    try:
+        compiler = worker.grammar_compiler()
+        fut = compiler.compile_async(constraint)
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), compiler.timeout_s)
+    except grammar.GrammarError as e:
+        raise InvalidRequest(str(e)) from None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise InvalidRequest(f"{constraint[0]} did not compile within {compiler.timeout_s:g} s") from None
+    except Exception as e:
+        raise InvalidRequest(f"{constraint[0]} does not compile: {str(e).strip().splitlines()[0][:300]}") from None
