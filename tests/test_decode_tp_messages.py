@@ -72,7 +72,7 @@ def test_every_message_travels_through_the_codec_whole(message):
 
 
 def test_kv_messages_are_cut_to_the_ranks_kv_heads_and_the_draft_heads_kv_is_not():
-    config = SimpleNamespace(num_kv_heads=4)
+    config = SimpleNamespace(num_kv_heads=4, mla=None)  # a GQA model: KV heads are split, not replicated
     k = torch.arange(48, dtype=torch.float32).view(1, 3, 4, 4)  # [layers, tokens, KV heads, head_dim]
     target = WriteKvChunk(torch.tensor([1, 2, 3]), 0, 0, k, k + 1, draft=False)
     part = cut_kv_message(target, config, rank=1, size=2)
