@@ -28,6 +28,15 @@ def wait_for(what: str, cond, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def assert_invalid_fields(pair, prompt: list[int], cases: list[tuple[dict, str]]) -> None:
+    """Each (GenerateRequest keywords, field) is refused with INVALID_ARGUMENT naming the field."""
+    for kw, field in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            pair.collect(pair.generate(prompt, 4, rid="bad", **kw))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
+        assert field in err.value.details(), (kw, err.value.details())
+
+
 def held_worker(service: PrefillService) -> tuple[threading.Event, threading.Event]:
     """Latch a prefill service's worker step shut: (in_step, latch); its first step waits for latch."""
     in_step, latch, step = threading.Event(), threading.Event(), service.worker.step

@@ -9,7 +9,6 @@ import json
 import re
 import time
 
-import grpc
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ from common.engine.sampling import SamplingParams
 from common.request_rules import InvalidRequest
 from decode_service.grammar_state import check_request
 from tests.decode_harness import Pair
-from tests.grpc_harness import GrpcPair
+from tests.grpc_harness import GrpcPair, assert_invalid_fields
 from tests.oracle import hf_model
 
 N = 24
@@ -167,11 +166,7 @@ def test_grammars_over_grpc_match_hf(cases):
             ({"regex": "(unclosed"}, "regex"),
             ({"ebnf_grammar": "root ::= missing_rule"}, "ebnf_grammar"),
         ]
-        for kw, field in bad:
-            with pytest.raises(grpc.RpcError) as err:
-                pair.collect(pair.generate(PROMPTS[0], 4, rid="bad", **kw))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kw
-            assert field in err.value.details(), (kw, err.value.details())
+        assert_invalid_fields(pair, PROMPTS[0], bad)
     finally:
         pair.close()
 
