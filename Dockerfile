@@ -16,7 +16,7 @@ COPY requirements/${VARIANT}.txt /tmp/lock.txt
 COPY .wheelhouse/${VARIANT} /tmp/wheels
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-index \
-       --find-links /tmp/wheels --require-hashes -r /tmp/lock.txt
+       --find-links /tmp/wheels --require-hashes --no-deps -r /tmp/lock.txt
 
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH

@@ -35,7 +35,11 @@ for dir in $(pipcfg find-links); do cpu_args+=(--find-links "$dir"); done
 cert=$(pipcfg cert)
 [ -n "$cert" ] && export SSL_CERT_FILE="$cert"
 echo "[lock] requirements/cpu.txt" >&2
-"$uv" pip compile "${args[@]}" "${cpu_args[@]}" pyproject.toml requirements/cpu.in -o requirements/cpu.txt
+# triton is left out of the CPU image's lock: only xgrammar asks for it (for its CUDA kernels; on CPU it
+# masks in C++), and it would add ~1 GB; the image installs the lock --no-deps. CI's lock keeps it (the tests
+# run Triton's interpreter).
+"$uv" pip compile "${args[@]}" "${cpu_args[@]}" --no-emit-package triton pyproject.toml requirements/cpu.in \
+  -o requirements/cpu.txt
 echo "[lock] requirements/cpu-dev.txt" >&2
 "$uv" pip compile "${args[@]}" "${cpu_args[@]}" pyproject.toml requirements/cpu.in --extra dev --extra demo \
   -c requirements/cpu.txt -o requirements/cpu-dev.txt

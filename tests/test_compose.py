@@ -163,7 +163,7 @@ def test_dockerfile_installs_the_lock_from_a_wheelhouse():
     assert "COPY requirements/${VARIANT}.txt" in text and "COPY .wheelhouse/${VARIANT}" in text
     installs = re.findall(r"pip install(?:\\\n|[^\n])*", text)  # with its continuation lines
     assert len(installs) == 2 and all("--no-index" in i for i in installs)
-    assert "--require-hashes -r /tmp/lock.txt" in installs[0] and "--no-deps disagg-serve" in installs[1]
+    assert "--require-hashes --no-deps -r /tmp/lock.txt" in installs[0] and "--no-deps disagg-serve" in installs[1]
     assert "COPY .wheelhouse/${VARIANT}-app" in text  # the project's wheel, a layer of its own
     for variant in ("cpu", "cuda"):
         assert re.search(r"^smg==", open(os.path.join(ROOT, "requirements", f"{variant}.txt")).read(), re.M)
