@@ -48,6 +48,10 @@ class Handoff:
     first_position: int = 0  # output index of first_token; prompt_ids ends with that many outputs
     cached_tokens: int = 0  # leading prompt tokens whose KV the prefill side took from its prefix cache
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asks for logprobs
+    # n > 1 (SamplingParams.n): the first tokens of samples 1..n-1 (first_token is sample 0's), each
+    # drawn with sample_seed(seed, i), and their logprobs when the request asks (else empty)
+    more_first_tokens: tuple[int, ...] = ()
+    more_first_logprobs: tuple[TokenLogprobs, ...] = ()
     # EAGLE: the head's one layer of KV over the prompt, and its seed at the last position (the next
     # draft token(s) with their probabilities, and the head's hidden there)
     draft_k: list[torch.Tensor] | None = None
@@ -74,6 +78,14 @@ class Handoff:
     def check_record(self, vocab_size: int) -> None:
         """Raise ValueError unless the first token is in the vocabulary and the counts fit the prompt."""
         check_token(self.rid, "first token", self.first_token, vocab_size)
+        if len(self.more_first_tokens) != self.params.n - 1:
+            raise ValueError(
+                f"handoff {self.rid}: {1 + len(self.more_first_tokens)} first tokens for n = {self.params.n}"
+            )
+        for t in self.more_first_tokens:
+            check_token(self.rid, "first token", t, vocab_size)
+        if self.params.return_logprob and len(self.more_first_logprobs) != len(self.more_first_tokens):
+            raise ValueError(f"handoff {self.rid}: logprobs for {len(self.more_first_logprobs)} more first tokens")
         if not 0 <= self.first_position <= self.prompt_len:
             raise ValueError(f"handoff {self.rid}: first position {self.first_position} outside the prompt")
         if not 0 <= self.cached_tokens <= self.prompt_len:

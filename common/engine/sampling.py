@@ -19,6 +19,7 @@ from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, Logp
 from common.engine.penalties import MAX_LOGIT_BIAS, LogitProcessors, has_processors
 
 _MASK64 = (1 << 64) - 1
+MAX_N = 128  # OpenAI's bound on n
 
 
 @dataclass
@@ -45,6 +46,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf_grammar: str | None = None
     structural_tag: str | None = None
+    n: int = 1  # samples of one prompt (OpenAI's n): prefill runs it once; sample i draws with sample_seed(seed, i)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field."""
@@ -60,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("frequency_penalty", "presence_penalty"):  # OpenAI's ranges
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -120,6 +124,12 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         """The seed to use; call once per request and keep it (None draws a fresh one)."""
         return self.seed if self.seed is not None else random.getrandbits(63)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request whose resolved seed is `seed`: sample i draws
+    exactly as an n = 1 request with this seed would (sample 0 keeps `seed`)."""
+    return (seed + index) % (1 << 63)
 
 
 def _splitmix64(x: int) -> int:
