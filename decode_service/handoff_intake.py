@@ -54,6 +54,8 @@ class HandoffIntake:
         req = self._awaiting(msg.rid)
         if req is None or req.finished or msg.position != len(req.output_ids):
             return  # gone (or aborted), or a retry's resend of a token already streamed
+        if req.params.n > 1:
+            return  # the record brings every sample's first token (sample_group.py)
         if req.output_ids and self._finish_reason(req) is not None:
             return  # never stream a token past a finish
         check_token(msg.rid, "first token", msg.token, self.info.vocab_size)  # ValueError: _fail_reply

@@ -48,6 +48,7 @@ class RequestOutput:
     new_token_ids: list[int]  # may be empty (a finish with no new token)
     finish: Finish | None = None  # set on the request's last record only
     logprobs: list[TokenLogprobs] | None = None  # one per new id, when the request asked for logprobs
+    index: int = 0  # n > 1: the sample these ids belong to
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,7 @@ def build(
             return_logprob=p.return_logprob,
             top_logprobs_num=p.top_logprobs_num,
             token_ids_logprob=p.token_ids_logprob,
+            n=p.n,
             **({p.constraint[0]: p.constraint[1]} if p.constraint is not None else {}),
         ),
     )

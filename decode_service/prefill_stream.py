@@ -17,7 +17,7 @@ import time
 from common.engine.handoff import Handoff, HandoffRequest, check_token
 from common.wire import kv_chunks
 from common.wire.kv_chunks import KvAssembler, decode_seed
-from common.wire.logprobs_codec import logprobs_from_wire
+from common.wire.logprobs_codec import logprobs_from_wire, more_logprobs_from_wire
 
 MAX_PENDING_CHUNKS = 4  # per call: KV chunks handed to the scheduler and not yet written into the pool
 
@@ -80,6 +80,8 @@ class HandoffStream:
             raise ValueError("prefill stream sent a second first token")
         check_token(request.rid, "first token", token, self.config.vocab_size)
         self.first = token
+        if request.params.n > 1:
+            return  # the record brings every sample's first token; a retry re-prefills the prompt alone
         if len(self.sent) == request.first_position:
             self.sent.append(token)
         self.sink.deliver_first_token(request.rid, token, request.first_position)
@@ -116,6 +118,8 @@ class HandoffStream:
             first_position=request.first_position,
             cached_tokens=rec.cached_tokens,
             first_logprobs=logprobs_from_wire(rec, request.params, self.config.vocab_size),
+            more_first_tokens=tuple(rec.more_first_tokens),  # n > 1 (count and ids: check_record)
+            more_first_logprobs=more_logprobs_from_wire(rec, request.params, self.config.vocab_size),
             **decode_seed(rec),
         )
         handoff.check_record(cfg.vocab_size)

@@ -44,6 +44,8 @@ class DecodeReq:
     matched_stop_str: str | None = None
     held_first: bool = False  # the early first token is held back until the record brings its logprobs
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache (from the handoff)
+    index: int = 0  # n > 1: which sample of its request this is (sample_group.py)
+    group: object = None  # n > 1: the SampleGroup its samples share (None for n = 1)
     trace: tuple | None = None  # (parent span context, submission ns) from the front door; opaque here
     submitted_at: float = field(default_factory=time.monotonic)
 

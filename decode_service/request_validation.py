@@ -8,8 +8,9 @@ stop_token_ids: at most MAX_STOP_TOKEN_IDS (64), each in the vocabulary. Penalti
 OpenAI's ranges (SamplingParams.validate): frequency/presence in [-2, 2], repetition in (0, 2],
 logit_bias values in [-100, 100] with keys that are ids of the vocabulary. Logprobs: return_logprob
 with top_logprobs_num in [0, 20] and at most 64 token_ids_logprob; logprob_start_len -1 or 0 (prompt
-logprobs, > 0, are not served yet). A constraint (the oneof: regex, json_schema, ebnf_grammar,
-structural_tag) becomes SamplingParams' field of the same name (common/engine/grammar.py).
+logprobs, > 0, are not served yet). n in [1, 128] samples of the prompt (sample_group.py). A
+constraint (the oneof: regex, json_schema, ebnf_grammar, structural_tag) becomes SamplingParams'
+field of the same name (common/engine/grammar.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from decode_service.stop_strings import check_stop_strings
 def _unsupported(req, sp) -> str | None:
     """The name of the first set field we do not honour, or None."""
     checks = [
-        (sp.n > 1, "n > 1"),
         (sp.HasField("custom_params"), "custom_params"),
         (sp.HasField("stream_interval") and sp.stream_interval != 1, "stream_interval (only 1)"),
         (req.return_logprob and req.logprob_start_len > 0, "logprob_start_len (prompt logprobs)"),
@@ -98,6 +98,8 @@ def parse_generate(
         max_new = sp.max_new_tokens
     else:
         room = context_length if kv_room is None else min(context_length, kv_room)
+        if kv_room is not None and sp.n > 1 and kv_room > len(ids):  # the prompt's slots once, n samples' own
+            room = min(room, len(ids) + (kv_room - len(ids)) // sp.n)
         max_new = default_max_new_tokens(len(ids), default_max_new_tokens_, room) if ids else 1
     params = SamplingParams(
         max_new_tokens=max_new,
@@ -113,6 +115,7 @@ def parse_generate(
         presence_penalty=sp.presence_penalty,
         logit_bias=logit_bias(sp.logit_bias),
         stop_strings=stop_strings(sp.stop),
+        n=sp.n if sp.n != 0 else 1,
         return_logprob=req.return_logprob,  # top_logprobs_num / token_ids_logprob only with it (as SGLang)
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         token_ids_logprob=tuple(req.token_ids_logprob) if req.return_logprob else (),

@@ -2,8 +2,10 @@
 smg's GenerateResponse messages, with the call's metrics and its decode span on the way.
 
 A streaming call gets a chunk of the new ids whenever a record brings some, then one Complete; a
-non-streaming call gets only the Complete, with every id. A call with return_logprob gets each
-chunk's logprobs in the chunk and every id's in the Complete (`output_logprobs`). A finish ends the call's answer:
+non-streaming call gets only the Complete, with every id. With n > 1 every sample has its chunks and
+its Complete, tagged with its `index` (smg's contract), and the answer ends after the n-th Complete.
+A call with return_logprob gets each chunk's logprobs in the chunk and every id's in the Complete
+(`output_logprobs`). A sample's finish ends its answer:
   - "stop" / "length" / "abort": the Complete (reason, matched stop, cached prompt tokens, EAGLE's
     accepted and proposed drafts);
   - "abort" while the service drains: UNAVAILABLE (the call was cut short by the shutdown);
@@ -26,6 +28,15 @@ from common.request_rules import REFUSED
 from decode_service.output import Finish, RequestOutput
 
 
+class _Sample:
+    """One sample's answer so far (n > 1 has n of them): its ids, their logprobs, its times."""
+
+    def __init__(self, started: float, logprobs: bool):
+        self.ids: list[int] = []
+        self.logprobs: list | None = [] if logprobs else None  # TokenLogprobs of every id so far
+        self.first_at = self.last = started
+
+
 class Responder:
     def __init__(self, scheduler, metrics, tracer: tracing.Tracing, spec_steps: int, draining: Callable[[], bool]):
         self.scheduler, self.metrics, self.tracing = scheduler, metrics, tracer
@@ -33,54 +44,55 @@ class Responder:
         self.draining = draining
 
     async def stream(self, request, ids, outputs: asyncio.Queue, context, trace) -> AsyncIterator[pb.GenerateResponse]:
-        """The call's responses from the RequestOutputs its scheduler callback puts on `outputs`."""
-        all_ids: list[int] = []
-        all_logprobs = [] if request.return_logprob else None  # TokenLogprobs of every id so far
+        """The call's responses from the RequestOutputs its scheduler callback puts on `outputs`; with
+        n > 1 each sample's chunks and Complete carry its `index`, and the answer ends after n Completes."""
         m, started = self.metrics, time.perf_counter()
-        last = first_at = started
-        while True:
+        samples = [_Sample(started, request.return_logprob) for _ in range(max(1, request.sampling_params.n))]
+        still_open = len(samples)
+        while still_open:
             out = await self._next(outputs, context)
             if out is None:
                 continue
-            tokens, finish = out.new_token_ids, out.finish
+            s, tokens, finish = samples[out.index], out.new_token_ids, out.finish
             reason = finish.reason if finish is not None else None
             if tokens:
                 now = time.perf_counter()
-                if not all_ids:
-                    first_at = now
+                if not any(x.ids for x in samples):
                     m.ttft.observe(now - started)
-                    tokens_after_first = len(tokens) - 1
-                else:
-                    tokens_after_first = len(tokens)
-                for _ in range(tokens_after_first):
-                    m.itl.observe((now - last) / len(tokens))
-                last = now
+                if not s.ids:
+                    s.first_at = now
+                for _ in range(len(tokens) - 1 if not s.ids else len(tokens)):
+                    m.itl.observe((now - s.last) / len(tokens))
+                s.last = now
                 m.generation_tokens.inc(len(tokens))
-            all_ids.extend(tokens)
-            if all_logprobs is not None:
-                all_logprobs.extend(out.logprobs or ())
+            s.ids.extend(tokens)
+            if s.logprobs is not None:
+                s.logprobs.extend(out.logprobs or ())
             if reason is not None:
-                m.count_finish(reason, len(ids), started, first_at, len(all_ids))
-                if all_ids and self.tracing.enabled:
+                m.count_finish(reason, len(ids) if out.index == 0 else 0, started, s.first_at, len(s.ids))
+                if s.ids and self.tracing.enabled:
                     parent = trace[0] if trace is not None else None
                     self.tracing.record(
-                        "decode", parent, tracing.wall_ns(first_at), time.time_ns(), tokens=len(all_ids)
+                        "decode", parent, tracing.wall_ns(s.first_at), time.time_ns(), tokens=len(s.ids)
                     )
             if reason == "error":
                 await context.abort(*self._failure(finish))
             if reason == "abort" and self.draining():
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
             if tokens and request.stream:
-                chunk = pb.GenerateStreamChunk(token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(all_ids))
+                chunk = pb.GenerateStreamChunk(
+                    token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(s.ids), index=out.index
+                )
                 if out.logprobs is not None:
                     chunk.output_logprobs.CopyFrom(output_logprobs(tokens, out.logprobs, request))
                 yield pb.GenerateResponse(request_id=request.request_id, chunk=chunk)
             if finish is not None:
-                complete = self._complete(finish, ids, all_ids)
-                if all_logprobs is not None and finish.reason in ("stop", "length"):
-                    complete.output_logprobs.CopyFrom(output_logprobs(all_ids, all_logprobs, request))
+                complete = self._complete(finish, ids, s.ids)
+                complete.index = out.index
+                if s.logprobs is not None and finish.reason in ("stop", "length"):
+                    complete.output_logprobs.CopyFrom(output_logprobs(s.ids, s.logprobs, request))
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
-                return
+                still_open -= 1
 
     async def _next(self, outputs: asyncio.Queue, context) -> RequestOutput | None:
         """The next record, or None after a quiet second (never wait forever on a scheduler that died)."""

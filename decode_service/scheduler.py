@@ -27,7 +27,8 @@ Life of a request (queues named as in the code):
      rides in N+1; its result is skipped, never released twice. With EAGLE a step commits accept_len
      tokens per request and kv_committed_lens are not bumped: the next build resolves them from the
      step's publish (`worker.resolve_kv_committed_lens_cpu`, FutureMap invariant 3).
-  6. release: free KV slots and the request slot exactly once. Every device write the scheduler
+  6. release: free KV slots and the request slot exactly once (with n > 1 the prompt's slots go with
+     the last of its samples: sample_group.py). Every device write the scheduler
      asks for (KV, req_to_token, FutureMap) is worker stream work, so slot reuse is ordered after
      in-flight reads (invariant 7).
   7. abort(): waiting, awaiting its handoff, prebuilt or running; finish_reason "abort".
@@ -49,21 +50,22 @@ from collections.abc import Callable
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
-from common.request_rules import InvalidRequest, check_fits_pool, validate_prompt
 from decode_service.first_token import first_outputs
-from decode_service.grammar_state import check_request, finish_reason_of
+from decode_service.grammar_state import finish_reason_of
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
 from decode_service.output import Finish, OutputCallback, RequestOutput
 from decode_service.req import DecodeReq, ReqState
+from decode_service.sample_group import SampleGroups
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.scheduler_types import InvariantError, LaunchedStep, SpecStats
 from decode_service.stop_strings import StopStrings
+from decode_service.submit_checks import check_submit
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler(HandoffIntake):
+class DecodeScheduler(HandoffIntake, SampleGroups):
     def __init__(
         self,
         worker,
@@ -98,6 +100,7 @@ class DecodeScheduler(HandoffIntake):
         self.reqs: dict[str, DecodeReq] = {}
         self.waiting: deque[DecodeReq] = deque()
         self.prebuilt: list[DecodeReq] = []
+        self.sample_groups = {}  # n > 1: rid -> SampleGroup (sample_group.py)
         self.running_batch = ScheduleBatch.empty(self.info.device)
         self.last_launched: LaunchedStep | None = None
         self.step_count = 0
@@ -124,13 +127,7 @@ class DecodeScheduler(HandoffIntake):
         trace: tuple | None = None,
     ) -> None:
         """Queue a request; `on_output` gets its RequestOutputs, `trace` (span context, submission ns) rides along."""
-        validate_prompt(prompt_ids, params, self.info.vocab_size, self.info.context_length)
-        check_fits_pool(len(prompt_ids), params.max_new_tokens, self.worker.kv_allocator.size, self._extra)
-        if params.stop_strings and self.stop_strings is None:
-            raise InvalidRequest("stop strings need the tokenizer, and this decode service has none")
-        if self.spec and self.spec.eagle_topk > 1 and not params.greedy:
-            raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
-        check_request(self.worker, self.spec, params)  # a grammar compiles here, off the scheduler thread
+        check_submit(self, prompt_ids, params)  # InvalidRequest: nothing queued (submit_checks.py)
         req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace)
         self.inbox.post(Submit(req))
 
@@ -234,16 +231,11 @@ class DecodeScheduler(HandoffIntake):
     def pop_preallocated(self) -> None:
         """Admission, in order: reserve a request slot and KV for each waiting request that fits,
         then start its prefill; the first that does not fit waits, and everyone behind it."""
-        pool = self.worker.req_to_token_pool
-        kv = self.worker.kv_allocator
         while self.waiting:
             req = self.waiting[0]
-            need = req.reserve_len + self._extra  # + draft positions past the reservation
-            if pool.allocator.num_free == 0 or not kv.can_alloc(need):
+            if not self._reserve(req):  # n > 1: the prompt's slots once, each sample's own (sample_group.py)
                 return
             self.waiting.popleft()
-            req.req_pool_idx = pool.alloc()
-            req.kv_slots = kv.alloc(need)
             if self.metrics is not None:
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
             req.state = ReqState.AWAITING_HANDOFF
@@ -256,6 +248,7 @@ class DecodeScheduler(HandoffIntake):
         reqs = self.prebuilt
         self.prebuilt = []
         live, committed = [], []
+        landed = []
         for req in reqs:
             handoff = req.handoff
             req.handoff = None
@@ -267,6 +260,10 @@ class DecodeScheduler(HandoffIntake):
                 self._finish(req, "error", bad_reply(req.rid, e))
                 continue
             req.cached_tokens = handoff.cached_tokens  # the front door reports it with the finish
+            landed.append((req, handoff))
+            if req.group is not None:  # n > 1: samples 1..n-1 fork from it (sample_group.py)
+                landed.extend(self._fork_samples(req, handoff))
+        for req, handoff in landed:
             new, logprobs = first_outputs(req, handoff, self._finish_reason)
             reason = self._finish_reason(req)
             self._emit(req, new, reason, logprobs)
@@ -331,6 +328,8 @@ class DecodeScheduler(HandoffIntake):
         self.waiting.append(msg.req)
 
     def _on_abort(self, msg: Abort) -> None:
+        if self._abort_samples(msg.rid):  # n > 1, forked: every live sample
+            return
         req = self.reqs.get(msg.rid)
         if req is not None and not req.finished:
             self._abort(req)
@@ -366,9 +365,7 @@ class DecodeScheduler(HandoffIntake):
         if req.state == ReqState.RELEASED:
             raise InvariantError(f"request {req.rid} released twice")
         if req.kv_slots is not None:
-            self.worker.kv_allocator.free(req.kv_slots)
-            self.worker.req_to_token_pool.free(req.req_pool_idx)
-            self.worker.release_row(req.req_pool_idx)
+            self._free_slots(req)  # with n > 1 the prompt's slots go with the group's last sample
             req.kv_slots = None
             req.req_pool_idx = 0
         req.state = ReqState.RELEASED
@@ -380,7 +377,8 @@ class DecodeScheduler(HandoffIntake):
         if req.on_output is None:
             return
         try:
-            req.on_output(RequestOutput(req.rid, tokens, Finish.of(req, reason) if reason else None, logprobs))
+            finish = Finish.of(req, reason) if reason else None
+            req.on_output(RequestOutput(req.rid, tokens, finish, logprobs, req.index))
         except Exception:  # a broken consumer must not take the scheduler down: drop the request
             logger.exception("output callback of %s failed; aborting it", req.rid)
             req.on_output = None
@@ -395,6 +393,6 @@ class DecodeScheduler(HandoffIntake):
             for queue, state in ((self.waiting, ReqState.WAITING), (self.prebuilt, ReqState.PREBUILT)):
                 if sorted(r.rid for r in queue) != sorted(r.rid for r in self.reqs_in(state)):
                     raise InvariantError(f"the {state.value} queue disagrees with the request table")
-            live = [r for r in self.reqs.values() if r.kv_slots is not None]
-            self.worker.kv_allocator.check_integrity(holders=[r.kv_slots for r in live])
-            self.worker.req_to_token_pool.allocator.check_integrity(holders=[[r.req_pool_idx] for r in live])
+            kv_holders, pool_holders = self._slot_holders()
+            self.worker.kv_allocator.check_integrity(holders=kv_holders)
+            self.worker.req_to_token_pool.allocator.check_integrity(holders=pool_holders)

@@ -151,8 +151,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
                 rid, ids, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), trace=trace
             )
             async for response in self._responder.stream(request, ids, outputs, context, trace):
-                finished = response.HasField("complete")
                 yield response
+            finished = True  # every sample's Complete is out
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the server stopped)

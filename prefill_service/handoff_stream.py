@@ -10,8 +10,9 @@ scheduler, an async generator on the server's event loop:
      replica reaches, each bounded by the call's max_chunk_bytes. The sender's messages block, so
      they are taken one at a time on a small pool of single-intra-op threads (outbox.py). A
      KvTransferError ends the call with INTERNAL;
-  3. the PrebuiltRecord: prompt length, first token, how many KV messages came before it, queue and
-     compute times, cached tokens, and with EAGLE the draft seed;
+  3. the PrebuiltRecord: prompt length, first token (and with n > 1 those of samples 1..n-1; the
+     early FirstToken is sample 0's alone), how many KV messages came before it, queue and compute
+     times, cached tokens, first tokens' logprobs, and with EAGLE the draft seed;
   4. the books: handoff bytes by backend, transfer time and size, requests or failures, and the
      call's spans under decode's prefill_call span (the call's traceparent metadata).
 Hooks (hooks.py; None in production): `before_kv_message` before each KV message, and one
@@ -34,7 +35,7 @@ from common.kv_transfer.errors import KvTransferError
 from common.kv_transfer.sender import KvSender
 from common.metrics import PrefillMetrics
 from common.wire import kv_chunks
-from common.wire.logprobs_codec import logprobs_to_wire
+from common.wire.logprobs_codec import logprobs_to_wire, more_logprobs_to_wire
 from common.wire.proto_gen import prefill_pb2
 from prefill_service.hooks import FAIL, STALL_MAX_S, PrefillHooks
 from prefill_service.outbox import Outbox
@@ -159,5 +160,7 @@ def _record(call: PrefillCall, result, count: int, draft_seed) -> prefill_pb2.Pr
             compute_us=int(1e6 * (call.finished_at - call.started_at)),
             cached_tokens=result.cached_tokens,
             first_logprobs=logprobs_to_wire(result.first_logprobs),
+            more_first_tokens=result.more_first_tokens,  # n > 1: samples 1..n-1
+            more_first_logprobs=more_logprobs_to_wire(result.more_first_logprobs),
         )
     )

@@ -47,6 +47,7 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
         return_logprob=sp.return_logprob,
         top_logprobs_num=sp.top_logprobs_num,
         token_ids_logprob=token_ids_logprob(sp.token_ids_logprob),
+        n=sp.n or 1,  # 0 on the wire: one sample (validated to [1, MAX_N] below)
         **constraint(sp, runner),
     )
     prompt = list(request.input_ids)

@@ -11,8 +11,10 @@ Lifecycle of a request:
      (chunked_prefill.py's budget policy: short prompts first, the oldest never starves),
      continuing each from the KV already in the pool;
   3. in the step where its prompt completes: sample the first token (output position
-     `first_position` of the request's seeded stream); with EAGLE on, the draft extend over the
-     prompt (its features were kept during 2) gives the draft KV and the draft seed (draft_prefill.py);
+     `first_position` of the request's seeded stream; with n > 1, n draws from the same processed
+     logits, draw i seeded with sample_seed(seed, i): `_more_samples`); with EAGLE on, the draft
+     extend over the prompt (its features were kept during 2) gives the draft KV and the draft seed
+     (draft_prefill.py; of sample 0's first token);
   4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included), in
      the memory the KV transport stages it in (`staging`: the host, or the pool's device for a
      transport that reads device memory; then without waiting for the device: `Handoff.kv_ready`),
@@ -39,7 +41,7 @@ from common.engine.logprobs import first_token_logprobs
 from common.engine.model_runner import ModelRunner
 from common.engine.penalties import LogitProcessors, state_from_ids
 from common.engine.radix_cache import CacheStats, RadixCache
-from common.engine.sampling import sample
+from common.engine.sampling import sample, sample_seed
 from common.parallel.tp_shard import gather_kv_heads
 from common.request_rules import validate_prompt
 from prefill_service.draft_prefill import draft_extend
@@ -53,6 +55,8 @@ class _Running:
     prefilled: int = 0
     first_token: int | None = None
     first_logprobs: object = None  # TokenLogprobs, when the request asks for logprobs
+    more_tokens: tuple[int, ...] = ()  # n > 1: the first tokens of samples 1..n-1
+    more_logprobs: tuple = ()  # n > 1: their TokenLogprobs, when the request asks for logprobs
     prompt: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: target features, chunk by chunk
     cached: int = 0  # leading prompt tokens whose KV came from the radix cache (kv_slots[:cached] are the tree's)
@@ -236,8 +240,10 @@ class PrefillWorker:
         self.runner.req_to_token_pool.free(w.req_pool_idx)
 
     def _sample_first(self, done: list[_Running], logits: torch.Tensor, greedy: bool) -> None:
-        """The first token of each request: `logits` are already the argmax tokens when `greedy`."""
+        """The first token of each request (and, when n > 1, of its samples 1..n-1): `logits` are
+        already the argmax tokens when `greedy`."""
         params = [w.request.params for w in done]
+        forks = [i for i, p in enumerate(params) if p.n > 1]  # nothing more to do for n == 1 rows
         if greedy:
             tokens = logits
         else:
@@ -254,11 +260,17 @@ class PrefillWorker:
             lanes = [i for i, p in enumerate(params) if p.constraint is not None]
             if lanes:  # the grammar's mask, after penalties and bias (common/engine/grammar.py)
                 logits = mask_first_tokens(self.runner, [done[i].request for i in lanes], lanes, logits)
-            tokens = sample(logits, params, seeds, positions, self.runner.config.eos_token_ids)
+            eos = self.runner.config.eos_token_ids
+            tokens = sample(logits, params, seeds, positions, eos)
             for w, lp in zip(done, first_token_logprobs(raw, tokens, params)):  # of the raw logits
                 w.first_logprobs = lp
+            if forks:
+                _more_samples([done[i] for i in forks], to_device(forks, logits.device), raw, logits, eos)
         for w, t in zip(done, tokens.tolist()):
             w.first_token = t
+        if greedy:  # every draw of an argmax-only request is its argmax
+            for i in forks:
+                done[i].more_tokens = (done[i].first_token,) * (params[i].n - 1)
 
     @staticmethod
     def _keep_features(chunk: list, features: torch.Tensor) -> None:
@@ -308,9 +320,31 @@ class PrefillWorker:
             first_position=r.first_position,
             cached_tokens=w.cached,
             first_logprobs=w.first_logprobs,
+            more_first_tokens=w.more_tokens,
+            more_first_logprobs=w.more_logprobs,
             kv_ready=_recorded(self.staging),
             **extra,
         )
+
+
+def _more_samples(forks: list[_Running], rows: torch.Tensor, raw, logits, eos_token_ids) -> None:
+    """Samples 1..n-1 of each request of `forks` (whose rows of `logits`, penalised, biased and masked
+    as for sample 0, are `rows`): draw i at the same output position with sample_seed(seed, i), so it
+    is what an n = 1 request with that seed would draw; its logprobs of the `raw` logits."""
+    draws = [(w, i) for w in forks for i in range(1, w.request.params.n)]
+    params = [w.request.params for w, _ in draws]
+    seeds = [sample_seed(w.request.seed, i) for w, i in draws]
+    positions = [w.request.first_position for w, _ in draws]
+    idx = rows.repeat_interleave(to_device([w.request.params.n - 1 for w in forks], rows.device))
+    tokens = sample(logits[idx], params, seeds, positions, eos_token_ids)
+    logprobs = first_token_logprobs(raw[idx], tokens, params)
+    tokens = tokens.tolist()
+    start = 0
+    for w in forks:
+        end = start + w.request.params.n - 1
+        w.more_tokens = tuple(tokens[start:end])
+        w.more_logprobs = tuple(logprobs[start:end]) if w.request.params.return_logprob else ()
+        start = end
 
 
 def _recorded(device: torch.device):

@@ -63,7 +63,7 @@ BAD = [  # (field set, value, words the message must contain)
     ("sp_max_new_tokens", 10**6, "context length"),
     ("input_ids", [], "empty prompt"),
     ("input_ids", [5, 10**7], "vocabulary"),
-    ("sp_n", 2, "n > 1"),
+    ("sp_n", 129, "n must be in [1, 128]"),
     ("sp_stop", [""], "stop"),
     ("sp_stop_token_ids", [10**7], "stop_token_ids"),
     ("sp_regex", "(a+", "regex"),  # constraints that do not compile (tests/test_grammar.py: ones that do)

@@ -56,7 +56,7 @@ def test_bad_requests_get_invalid_argument_before_any_data(checkpoint):
         ([5, 10_000], {}, "vocabulary"),
         ([5] * 300, {}, "context"),
         ([5] * 200, dict(max_new_tokens=100), "exceeds the context"),
-        ([5], dict(n=2), "n > 1"),
+        ([5], dict(n=129), "n must be in [1, 128]"),
         ([5], dict(stop=["x" * 300]), "stop"),
         ([5], dict(regex="(a+"), "regex"),  # does not compile
         ([5], dict(frequency_penalty=2.5), "frequency_penalty"),

@@ -228,7 +228,8 @@ def test_held_first_token_streams_with_its_logprobs_and_aborts_free_once(checkpo
 
 def test_logprobs_and_penalties_with_tensor_parallel_services(checkpoint):
     """Both services at --tp-size 2: the followers run the same penalised steps (the batch's cached
-    processors and logprob rows travel in the step message) and logprobs still match HF."""
+    processors and logprob rows travel in the step message) and logprobs still match HF; an n = 2
+    request's samples both give HF's greedy (penalised) tokens."""
     path = checkpoint("llama")
     tp = dict(tp_size=2, linear_layout="mkl")
     pair = GrpcPair(path, prefill_kw=tp, decode_kw=tp)
@@ -239,5 +240,10 @@ def test_logprobs_and_penalties_with_tensor_parallel_services(checkpoint):
             assert list(complete.output_ids) == tokens, f"prompt {i}"
             for j, (v, t) in enumerate(zip(complete.output_logprobs.token_logprobs, tokens)):
                 assert abs(v - float(ref[j, t])) < 1e-4, (i, j)
+        n2 = _request("n2", PROMPTS[0], _params()[0], False)  # n = 2: the forked sample's row on every rank
+        n2.sampling_params.n = 2
+        completes = sorted((r.complete for r in pair.stub.Generate(n2)), key=lambda c: c.index)
+        tokens, _ = hf_reference(path, PROMPTS[0], _params()[0])
+        assert [c.index for c in completes] == [0, 1] and [list(c.output_ids) for c in completes] == [tokens] * 2
     finally:
         pair.close()

@@ -1,9 +1,7 @@
 """Issue 42 through smg's OpenAI API (the wire format an OpenAI SDK sees): chat logprobs with
 top_logprobs and frequency / presence penalties, once refused with HTTP 400 "unsupported field",
 now answered; the text and every logprob match HF (penalised greedy tokens, log-softmax of the raw
-logits). n > 1 is still refused (400), which this test pins until it is built."""
-
-import urllib.error
+logits); and n = 3 (one prompt, three samples sharing its KV on decode): three choices, indexed 0..2."""
 
 import pytest
 
@@ -65,9 +63,22 @@ def test_chat_logprobs_and_penalties_through_smg(gateway, stream):  # noqa: F811
         assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, top)) < 1e-4, i
 
 
-def test_n_above_one_is_still_refused(gateway):  # noqa: F811
-    base, _, _, _ = gateway
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2}
-    with pytest.raises(urllib.error.HTTPError) as err:
-        _post(base, "/v1/chat/completions", body)
-    assert err.value.code == 400 and "n > 1" in err.value.read().decode()
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_n_samples_through_smg(gateway, temperature):  # noqa: F811
+    base, path, _, _ = gateway
+    tok = load_tokenizer(path)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "n": 3, "temperature": temperature}
+    choices = _post(base, "/v1/chat/completions", body)["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2]
+    texts = [c["message"]["content"] or "" for c in sorted(choices, key=lambda c: c["index"])]
+    assert all(c["finish_reason"] in ("stop", "length") for c in choices)
+    if temperature == 0:  # greedy: every sample is HF's greedy answer
+        ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        from tests.oracle import hf_greedy
+
+        want = hf_greedy(path, ids, 6)
+        eos = set(tok.all_special_ids)
+        cut = next((i for i, t in enumerate(want) if t in eos), None)
+        text = tok.decode(want if cut is None else want[: cut + 1], skip_special_tokens=True)
+        assert [t.rstrip("\ufffd") for t in texts] == [text.rstrip("\ufffd")] * 3  # smg holds a partial character

@@ -1,4 +1,6 @@
-"""The first token's logprobs on the Prefill stream (PrebuiltRecord.first_logprobs), both ways.
+"""The first tokens' logprobs on the Prefill stream (PrebuiltRecord.first_logprobs, and with n > 1
+more_first_logprobs for samples 1..n-1), both ways: one TokenLogprobs message per token, read and
+checked by the same code for every sample.
 
 A prefill peer is trusted with nothing but its own request: what it sends must be as wide as the
 request asked (top_logprobs_num candidates in the vocabulary, one value per token_ids_logprob id),
@@ -24,13 +26,30 @@ def logprobs_to_wire(lp: TokenLogprobs | None) -> prefill_pb2.TokenLogprobs | No
     )
 
 
+def more_logprobs_to_wire(lps) -> list[prefill_pb2.TokenLogprobs]:
+    """PrebuiltRecord.more_first_logprobs: the logprobs of samples 1..n-1 (empty when not asked)."""
+    return [logprobs_to_wire(lp) for lp in lps]
+
+
 def logprobs_from_wire(record, params, vocab_size: int | None = None) -> TokenLogprobs | None:
     """The record's first-token logprobs for a request with `params` (None when it asked for none)."""
     if not params.return_logprob:
         return None
     if not record.HasField("first_logprobs"):
         raise ValueError("the request asked for logprobs, but the prefill record carries none")
-    w = record.first_logprobs
+    return _from_wire(record.first_logprobs, params, vocab_size)
+
+
+def more_logprobs_from_wire(record, params, vocab_size: int | None = None) -> tuple[TokenLogprobs, ...]:
+    """The record's logprobs of samples 1..n-1 (empty when the request asked for none; how many there
+    are against the more first tokens is Handoff.check_record's)."""
+    if not params.return_logprob:
+        return ()
+    return tuple(_from_wire(w, params, vocab_size) for w in record.more_first_logprobs)
+
+
+def _from_wire(w: prefill_pb2.TokenLogprobs, params, vocab_size: int | None) -> TokenLogprobs:
+    """One token's logprobs, as wide as `params` asked, ids in the vocabulary, values <= 0."""
     if len(w.top_ids) != params.top_logprobs_num or len(w.top_values) != params.top_logprobs_num:
         raise ValueError(f"record's top logprobs: {len(w.top_ids)} ids, {params.top_logprobs_num} asked")
     if len(w.ids_logprobs) != len(params.token_ids_logprob):

@@ -1,0 +1,137 @@
+"""SampleGroups: n > 1 (OpenAI's n), one prompt and n samples that share its KV (a mixin of DecodeScheduler).
+
+Life of an n > 1 request, beside the scheduler's steps (scheduler.py):
+  1. admission reserves, all or nothing: the prompt's KV slots once (the group's, read-only once
+     written), and for each of the n samples a request slot and max_new_tokens KV slots of its own.
+     The request itself is sample 0 (its kv_slots: the prompt's, then its own), and its prefill call
+     writes the prompt's KV once;
+  2. the prefill side samples the n first tokens from the prompt's last logits, sample i with
+     `sample_seed(seed, i)`, and sends them in the record (`Handoff.more_first_tokens`); nothing is
+     streamed early for n > 1;
+  3. at the prebuilt batch sample 0 lands as any request; samples 1..n-1 fork from it: each maps its
+     row to the shared prompt slots and its own, and seeds its FutureMap row, penalties and grammar
+     matcher with its own first token (the record's KV is not written again). From then on each
+     sample is a request of its own (rid `<rid>/<i>`, `index` i) in the running batch;
+  4. release frees a sample's own slots and request slot once; the last sample of the group to go
+     frees the prompt's slots. An abort names the request: every sample still live ends with it. A
+     request freed before it forked (abort, failed handoff) frees the reservations of samples 1..n-1.
+So sample i of an n > 1 request decodes exactly as an n = 1 request with seed sample_seed(seed, i).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from common.engine.sampling import sample_seed
+from decode_service.req import DecodeReq, ReqState
+
+
+@dataclass
+class SampleGroup:
+    rid: str  # the request's (sample 0's)
+    prompt_len: int
+    prompt_slots: torch.Tensor  # the prompt's KV slots, read by every sample
+    reserved: list[tuple[int, torch.Tensor]]  # (request slot, own KV slots) of samples 1..n-1 until they fork
+    samples: list[DecodeReq] = field(default_factory=list)  # every sample made so far, sample 0 first
+    holders: int = 0  # samples (reserved or live) that still hold the prompt's slots
+
+
+class SampleGroups:
+    """The slot books of every request (reserve, free, holders), and the samples of n > 1 ones. Reads
+    and writes the scheduler's `reqs`, `sample_groups` (rid -> SampleGroup, until the group's last
+    sample is freed), `worker` and `_extra`; calls its `_abort`."""
+
+    def _reserve(self, req: DecodeReq) -> bool:
+        """Admission: reserve `req`'s request slot and KV (prompt + max_new_tokens + EAGLE's draft window
+        past it), with n > 1 everything its n samples need; or nothing (False)."""
+        pool, kv = self.worker.req_to_token_pool, self.worker.kv_allocator
+        n, max_new = req.params.n, req.params.max_new_tokens
+        if n == 1:
+            need = req.reserve_len + self._extra
+            if pool.allocator.num_free == 0 or not kv.can_alloc(need):
+                return False
+            req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(need)
+            return True
+        if pool.allocator.num_free < n or not kv.can_alloc(req.prompt_len + n * max_new):
+            return False
+        prompt = kv.alloc(req.prompt_len)
+        reserved = [(pool.alloc(), kv.alloc(max_new)) for _ in range(n - 1)]
+        req.req_pool_idx = pool.alloc()
+        req.kv_slots = torch.cat([prompt, kv.alloc(max_new)])
+        req.group = SampleGroup(req.rid, req.prompt_len, prompt, reserved, [req], holders=n)
+        self.sample_groups[req.rid] = req.group
+        return True
+
+    def _fork_samples(self, req: DecodeReq, handoff) -> list[tuple[DecodeReq, object]]:
+        """Samples 1..n-1 of `req` (sample 0, just written from `handoff`) with their own Handoffs, each
+        row mapped and seeded by the worker; they hold the reservations made at admission."""
+        group = req.group
+        forks = []
+        for i, ((idx, own), token) in enumerate(zip(group.reserved, handoff.more_first_tokens), start=1):
+            seed = sample_seed(req.seed, i)
+            lp = handoff.more_first_logprobs[i - 1] if handoff.more_first_logprobs else None
+            fork = DecodeReq(f"{req.rid}/{i}", req.prompt_ids, req.params, seed, req.on_output, trace=req.trace)
+            fork.index, fork.group, fork.req_pool_idx = i, group, idx
+            fork.kv_slots = torch.cat([group.prompt_slots, own])
+            fork.cached_tokens = handoff.cached_tokens
+            fork.state = ReqState.PREBUILT
+            mine = dataclasses.replace(
+                handoff, rid=fork.rid, seed=seed, first_token=token, first_logprobs=lp, k=None, v=None
+            )
+            self.worker.write_prebuilt(idx, fork.kv_slots, mine)  # the prompt's KV is written already
+            self.reqs[fork.rid] = fork
+            group.samples.append(fork)
+            forks.append((fork, mine))
+        group.reserved = []
+        return forks
+
+    def _abort_samples(self, rid: str) -> bool:
+        """An abort of an n > 1 request that has forked: every live sample ends. False if `rid` is not one."""
+        group = self.sample_groups.get(rid)
+        if group is None or group.reserved:  # not forked: sample 0's abort frees the reservations
+            return False
+        for sample in group.samples:
+            if not sample.finished:
+                self._abort(sample)
+        return True
+
+    def _free_slots(self, req: DecodeReq) -> None:
+        """Free `req`'s request slot and KV slots once (with a group: its own, and the prompt's with the
+        group's last holder; before the fork also the reservations of samples 1..n-1)."""
+        kv, pool = self.worker.kv_allocator, self.worker.req_to_token_pool
+        group = req.group
+        own = req.kv_slots if group is None else req.kv_slots[group.prompt_len :]
+        kv.free(own)
+        pool.free(req.req_pool_idx)
+        self.worker.release_row(req.req_pool_idx)
+        if group is None:
+            return
+        group.holders -= 1 + len(group.reserved)
+        for idx, slots in group.reserved:  # never forked: nothing of theirs reached the device
+            kv.free(slots)
+            pool.free(idx)
+        group.reserved = []
+        if group.holders == 0:
+            kv.free(group.prompt_slots)
+            del self.sample_groups[group.rid]
+
+    def _slot_holders(self) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """(KV slot holders, request slot holders) of the live requests: each slot named exactly once."""
+        kv_holders, pool_holders, groups = [], [], {}
+        for r in self.reqs.values():
+            if r.kv_slots is None:
+                continue
+            pool_holders.append([r.req_pool_idx])
+            if r.group is None:
+                kv_holders.append(r.kv_slots)
+                continue
+            kv_holders.append(r.kv_slots[r.group.prompt_len :])
+            groups[id(r.group)] = r.group
+        for g in groups.values():
+            kv_holders.append(g.prompt_slots)
+            kv_holders.extend(slots for _, slots in g.reserved)
+            pool_holders.extend([idx] for idx, _ in g.reserved)
+        return kv_holders, pool_holders

@@ -1,0 +1,32 @@
+"""What DecodeScheduler.submit refuses before anything is queued (InvalidRequest, on the caller's thread).
+
+The prompt and its budget (common/request_rules.py): in the vocabulary, prompt + max_new_tokens within
+the context, and prompt + n x max_new_tokens (+ EAGLE's draft window) within the KV pool; then what
+this scheduler cannot serve: n > 1 with speculative decoding, stop strings without a tokenizer,
+temperature > 0 with an EAGLE tree; and a grammar, compiled here (grammar_state.check_request).
+"""
+
+from __future__ import annotations
+
+from common.engine.sampling import SamplingParams
+from common.request_rules import InvalidRequest, check_fits_pool, validate_prompt
+from decode_service.grammar_state import check_request
+
+
+def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams) -> None:
+    info, spec = scheduler.info, scheduler.spec
+    validate_prompt(prompt_ids, params, info.vocab_size, info.context_length)
+    room = scheduler.worker.kv_allocator.size
+    check_fits_pool(len(prompt_ids), params.max_new_tokens, room, scheduler._extra)
+    if params.n > 1 and spec:
+        raise InvalidRequest("n > 1 is not served with speculative decoding yet")
+    if len(prompt_ids) + params.n * params.max_new_tokens > room:  # the prompt's slots once, n samples' own
+        raise InvalidRequest(
+            f"prompt ({len(prompt_ids)} tokens) + n ({params.n}) x max_new_tokens ({params.max_new_tokens}) "
+            f"exceeds the {room} KV slots one request can reserve here (--max-total-tokens {room})"
+        )
+    if params.stop_strings and scheduler.stop_strings is None:
+        raise InvalidRequest("stop strings need the tokenizer, and this decode service has none")
+    if spec and spec.eagle_topk > 1 and not params.greedy:
+        raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
+    check_request(scheduler.worker, spec, params)  # a grammar compiles here, off the scheduler thread
