@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from common.engine.sampling import SamplingParams
 
+MAX_PROMPT_LOGPROB_VALUES = 1 << 20  # ~8 MB on the wire: well inside gRPC's 64 MiB message bound
+
 
 class InvalidRequest(ValueError):
     """The request is malformed or does not fit this model (INVALID_ARGUMENT)."""
@@ -39,6 +41,19 @@ def validate_prompt(
         params.validate(vocab_size)
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
+    if params.prompt_logprobs and params.logprob_start_len >= len(prompt):
+        raise InvalidRequest(
+            f"logprob_start_len ({params.logprob_start_len}) must be below the prompt length ({len(prompt)})"
+        )
+    if params.prompt_logprobs:  # the handoff record and the answer carry them all: bound their size
+        width = 1 + 2 * params.top_logprobs_num + len(params.token_ids_logprob)
+        values = (len(prompt) - params.logprob_start_len) * width
+        if values > MAX_PROMPT_LOGPROB_VALUES:
+            raise InvalidRequest(
+                f"prompt logprobs from logprob_start_len ({params.logprob_start_len}) with top_logprobs_num "
+                f"({params.top_logprobs_num}) and {len(params.token_ids_logprob)} token_ids_logprob are {values} "
+                f"values; at most {MAX_PROMPT_LOGPROB_VALUES} are served: raise logprob_start_len"
+            )
     if len(prompt) + params.max_new_tokens > context_length:
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context "

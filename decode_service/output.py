@@ -49,6 +49,7 @@ class RequestOutput:
     finish: Finish | None = None  # set on the request's last record only
     logprobs: list[TokenLogprobs] | None = None  # one per new id, when the request asked for logprobs
     index: int = 0  # n > 1: the sample these ids belong to
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # each sample's first record, when it asked
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,7 @@ def build(
             top_logprobs_num=p.top_logprobs_num,
             token_ids_logprob=p.token_ids_logprob,
             n=p.n,
+            **({"logprob_start_len": p.logprob_start_len} if p.prompt_logprobs else {}),
             **({p.constraint[0]: p.constraint[1]} if p.constraint is not None else {}),
         ),
     )

@@ -17,7 +17,7 @@ import time
 from common.engine.handoff import Handoff, HandoffRequest, check_token
 from common.wire import kv_chunks
 from common.wire.kv_chunks import KvAssembler, decode_seed
-from common.wire.logprobs_codec import logprobs_from_wire, more_logprobs_from_wire
+from common.wire.logprobs_codec import logprobs_from_wire, more_logprobs_from_wire, prompt_logprobs_from_wire
 
 MAX_PENDING_CHUNKS = 4  # per call: KV chunks handed to the scheduler and not yet written into the pool
 
@@ -120,6 +120,7 @@ class HandoffStream:
             first_logprobs=logprobs_from_wire(rec, request.params, self.config.vocab_size),
             more_first_tokens=tuple(rec.more_first_tokens),  # n > 1 (count and ids: check_record)
             more_first_logprobs=more_logprobs_from_wire(rec, request.params, self.config.vocab_size),
+            prompt_logprobs=prompt_logprobs_from_wire(rec, request.params, self.config.vocab_size),
             **decode_seed(rec),
         )
         handoff.check_record(cfg.vocab_size)

@@ -7,10 +7,13 @@ spaces_between_special_tokens, no_stop_trim, require_reasoning, timestamp, log_m
 stop_token_ids: at most MAX_STOP_TOKEN_IDS (64), each in the vocabulary. Penalties and logit_bias in
 OpenAI's ranges (SamplingParams.validate): frequency/presence in [-2, 2], repetition in (0, 2],
 logit_bias values in [-100, 100] with keys that are ids of the vocabulary. Logprobs: return_logprob
-with top_logprobs_num in [0, 20] and at most 64 token_ids_logprob; logprob_start_len -1 or 0 (prompt
-logprobs, > 0, are not served yet). n in [1, 128] samples of the prompt (sample_group.py). A
-constraint (the oneof: regex, json_schema, ebnf_grammar, structural_tag) becomes SamplingParams'
-field of the same name (common/engine/grammar.py).
+with top_logprobs_num in [0, 20] and at most 64 token_ids_logprob; logprob_start_len (only read with
+return_logprob, as SGLang) -1 for none, or s in [0, prompt length) for the prompt logprobs of
+positions s.. (SGLang's: 0 is from the first token, which has no value; proto3's unset is 0, so a
+direct client leaves prompt logprobs off with -1, as smg always sends): computed on prefill
+(common/engine/prompt_logprobs.py), s beyond the prompt refused naming the field. n in [1, 128]
+samples of the prompt (sample_group.py). A constraint (the oneof: regex, json_schema, ebnf_grammar,
+structural_tag) becomes SamplingParams' field of the same name (common/engine/grammar.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ def _unsupported(req, sp) -> str | None:
     checks = [
         (sp.HasField("custom_params"), "custom_params"),
         (sp.HasField("stream_interval") and sp.stream_interval != 1, "stream_interval (only 1)"),
-        (req.return_logprob and req.logprob_start_len > 0, "logprob_start_len (prompt logprobs)"),
         (req.return_hidden_states, "return_hidden_states"),
         (req.HasField("mm_inputs"), "mm_inputs"),
         (req.lora_id != "", "lora_id"),
@@ -119,6 +121,7 @@ def parse_generate(
         return_logprob=req.return_logprob,  # top_logprobs_num / token_ids_logprob only with it (as SGLang)
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
         token_ids_logprob=tuple(req.token_ids_logprob) if req.return_logprob else (),
+        logprob_start_len=req.logprob_start_len if req.return_logprob else -1,  # < -1: validate names it
         **constraint(sp),
     )
     if len(req.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:

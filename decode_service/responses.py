@@ -5,7 +5,8 @@ A streaming call gets a chunk of the new ids whenever a record brings some, then
 non-streaming call gets only the Complete, with every id. With n > 1 every sample has its chunks and
 its Complete, tagged with its `index` (smg's contract), and the answer ends after the n-th Complete.
 A call with return_logprob gets each chunk's logprobs in the chunk and every id's in the Complete
-(`output_logprobs`). A sample's finish ends its answer:
+(`output_logprobs`); with prompt logprobs (logprob_start_len >= 0) each sample's first chunk and its
+Complete carry them too (`input_logprobs`, the same for every sample). A sample's finish ends its answer:
   - "stop" / "length" / "abort": the Complete (reason, matched stop, cached prompt tokens, EAGLE's
     accepted and proposed drafts);
   - "abort" while the service drains: UNAVAILABLE (the call was cut short by the shutdown);
@@ -34,6 +35,7 @@ class _Sample:
     def __init__(self, started: float, logprobs: bool):
         self.ids: list[int] = []
         self.logprobs: list | None = [] if logprobs else None  # TokenLogprobs of every id so far
+        self.prompt = None  # the prompt logprobs, once the first record brought them (when asked)
         self.first_at = self.last = started
 
 
@@ -68,6 +70,8 @@ class Responder:
             s.ids.extend(tokens)
             if s.logprobs is not None:
                 s.logprobs.extend(out.logprobs or ())
+            if out.prompt_logprobs is not None:
+                s.prompt = out.prompt_logprobs
             if reason is not None:
                 m.count_finish(reason, len(ids) if out.index == 0 else 0, started, s.first_at, len(s.ids))
                 if s.ids and self.tracing.enabled:
@@ -85,12 +89,16 @@ class Responder:
                 )
                 if out.logprobs is not None:
                     chunk.output_logprobs.CopyFrom(output_logprobs(tokens, out.logprobs, request))
+                if out.prompt_logprobs is not None:
+                    chunk.input_logprobs.CopyFrom(input_logprobs(ids, out.prompt_logprobs, request))
                 yield pb.GenerateResponse(request_id=request.request_id, chunk=chunk)
             if finish is not None:
                 complete = self._complete(finish, ids, s.ids)
                 complete.index = out.index
                 if s.logprobs is not None and finish.reason in ("stop", "length"):
                     complete.output_logprobs.CopyFrom(output_logprobs(s.ids, s.logprobs, request))
+                    if s.prompt is not None:
+                        complete.input_logprobs.CopyFrom(input_logprobs(ids, s.prompt, request))
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 still_open -= 1
 
@@ -143,4 +151,23 @@ def output_logprobs(ids: list[int], logprobs, request) -> pb.OutputLogProbs:
         msg.top_logprobs.add(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
         if request.token_ids_logprob:
             msg.token_ids_logprobs.add(values=list(lp.ids), token_ids=list(request.token_ids_logprob))
+    return msg
+
+
+def input_logprobs(ids: list[int], values, request) -> pb.InputLogProbs:
+    """smg's InputLogProbs of the prompt `ids` from logprob_start_len = s, as SGLang's servicer fills it:
+    one entry per prompt id from s, position 0 (when s = 0) without a value and with no candidates;
+    the other positions' `values` (Handoff.prompt_logprobs) with their top candidates when asked. The
+    proto has no field for the token_ids_logprob values of prompt positions (in-process they are in
+    the TokenLogprobs)."""
+    start, top = request.logprob_start_len, request.top_logprobs_num > 0
+    msg = pb.InputLogProbs(token_ids=ids[start:])
+    if start == 0:
+        msg.token_logprobs.add()
+        if top:
+            msg.top_logprobs.add()
+    for lp in values:
+        msg.token_logprobs.add(value=lp.logprob)
+        if top:
+            msg.top_logprobs.add(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top])
     return msg

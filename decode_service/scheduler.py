@@ -264,9 +264,9 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
             if req.group is not None:  # n > 1: samples 1..n-1 fork from it (sample_group.py)
                 landed.extend(self._fork_samples(req, handoff))
         for req, handoff in landed:
-            new, logprobs = first_outputs(req, handoff, self._finish_reason)
+            new, logprobs, prompt_logprobs = first_outputs(req, handoff, self._finish_reason)
             reason = self._finish_reason(req)
-            self._emit(req, new, reason, logprobs)
+            self._emit(req, new, reason, logprobs, prompt_logprobs)
             if reason is None:
                 req.state = ReqState.RUNNING
                 live.append(req)
@@ -371,14 +371,14 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         req.state = ReqState.RELEASED
         self.reqs.pop(req.rid, None)
 
-    def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None, logprobs=None) -> None:
+    def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None, logprobs=None, prompt_lp=None) -> None:
         """Hand `req`'s consumer a RequestOutput: `tokens` gained now (with their logprobs when it asked),
         and a Finish when `reason` is set."""
         if req.on_output is None:
             return
         try:
             finish = Finish.of(req, reason) if reason else None
-            req.on_output(RequestOutput(req.rid, tokens, finish, logprobs, req.index))
+            req.on_output(RequestOutput(req.rid, tokens, finish, logprobs, req.index, prompt_lp))
         except Exception:  # a broken consumer must not take the scheduler down: drop the request
             logger.exception("output callback of %s failed; aborting it", req.rid)
             req.on_output = None

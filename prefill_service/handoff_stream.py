@@ -35,7 +35,7 @@ from common.kv_transfer.errors import KvTransferError
 from common.kv_transfer.sender import KvSender
 from common.metrics import PrefillMetrics
 from common.wire import kv_chunks
-from common.wire.logprobs_codec import logprobs_to_wire, more_logprobs_to_wire
+from common.wire.logprobs_codec import logprobs_to_wire, more_logprobs_to_wire, prompt_logprobs_to_wire
 from common.wire.proto_gen import prefill_pb2
 from prefill_service.hooks import FAIL, STALL_MAX_S, PrefillHooks
 from prefill_service.outbox import Outbox
@@ -162,5 +162,6 @@ def _record(call: PrefillCall, result, count: int, draft_seed) -> prefill_pb2.Pr
             first_logprobs=logprobs_to_wire(result.first_logprobs),
             more_first_tokens=result.more_first_tokens,  # n > 1: samples 1..n-1
             more_first_logprobs=more_logprobs_to_wire(result.more_first_logprobs),
+            prompt_logprobs=prompt_logprobs_to_wire(result.prompt_logprobs),
         )
     )

@@ -48,6 +48,7 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
         top_logprobs_num=sp.top_logprobs_num,
         token_ids_logprob=token_ids_logprob(sp.token_ids_logprob),
         n=sp.n or 1,  # 0 on the wire: one sample (validated to [1, MAX_N] below)
+        logprob_start_len=sp.logprob_start_len if sp.HasField("logprob_start_len") else -1,
         **constraint(sp, runner),
     )
     prompt = list(request.input_ids)
@@ -56,6 +57,8 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
     )
     if request.first_output_position >= len(prompt):
         raise ValueError("first_output_position must be < len(input_ids)")
+    if params.prompt_logprobs and params.logprob_start_len >= len(prompt) - request.first_output_position:
+        raise ValueError("logprob_start_len must be below the prompt's length (input_ids less the resent outputs)")
     params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
     return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
 

@@ -5,17 +5,20 @@ Lifecycle of a request:
   1. `admit` validates it against this model (non-empty, ids in the vocabulary, fits the context),
      takes the KV of its longest cached prefix from the radix cache (radix_cache.py; locked while it
      runs; at most all but the last prompt token; with EAGLE only positions whose head KV was made
-     with this prompt's next token), and reserves a request slot and KV slots for the rest, evicting
+     with this prompt's next token; with prompt logprobs only positions below logprob_start_len - 1,
+     whose logits it does not report), and reserves a request slot and KV slots for the rest, evicting
      unlocked cached prefixes when the pool is short (`can_admit` says whether that is possible);
   2. each `step` runs one extend forward of at most `chunk_size` tokens over the running prompts
      (chunked_prefill.py's budget policy: short prompts first, the oldest never starves),
-     continuing each from the KV already in the pool;
+     continuing each from the KV already in the pool; a request that asks for prompt logprobs gets
+     the logits of its chunk's positions too (common/engine/prompt_logprobs.py, kept on the device);
   3. in the step where its prompt completes: sample the first token (output position
      `first_position` of the request's seeded stream; with n > 1, n draws from the same processed
      logits, draw i seeded with sample_seed(seed, i): `_more_samples`); with EAGLE on, the draft
      extend over the prompt (its features were kept during 2) gives the draft KV and the draft seed
      (draft_prefill.py; of sample 0's first token);
-  4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included), in
+  4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included, and
+     the prompt logprobs when asked, copied to the host), in
      the memory the KV transport stages it in (`staging`: the host, or the pool's device for a
      transport that reads device memory; then without waiting for the device: `Handoff.kv_ready`),
      insert the prompt into the radix cache (its own slots that duplicate cached ones are freed),
@@ -40,6 +43,7 @@ from common.engine.host_copy import to_device
 from common.engine.logprobs import first_token_logprobs
 from common.engine.model_runner import ModelRunner
 from common.engine.penalties import LogitProcessors, state_from_ids
+from common.engine.prompt_logprobs import PromptParts, PromptRows, cacheable_prefix
 from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample, sample_seed
 from common.parallel.tp_shard import gather_kv_heads
@@ -61,6 +65,7 @@ class _Running:
     features: list[torch.Tensor] = field(default_factory=list)  # EAGLE: target features, chunk by chunk
     cached: int = 0  # leading prompt tokens whose KV came from the radix cache (kv_slots[:cached] are the tree's)
     node: object = None  # the radix node locked for those (None without the cache)
+    prompt_parts: PromptParts | None = None  # its prompt logprobs so far, when it asks for them
 
 
 class PrefillWorker:
@@ -102,20 +107,24 @@ class PrefillWorker:
             kv_capacity=kv.size,
         )
 
-    def _reusable(self, prompt: list[int]) -> tuple[torch.Tensor, object]:
+    def _reusable(self, request: HandoffRequest) -> tuple[torch.Tensor, object]:
         """(cached slots this prompt may reuse, the node to lock) - see step 1."""
         if self.cache is None:
             return torch.empty(0, dtype=torch.int64), None
+        prompt = request.prompt_ids
         slots, node, draft_ok = self.cache.match_prefix(prompt)
         # the last prompt token is always computed (its logits give the first token); with EAGLE only
-        # positions whose head KV was made with this prompt's next token (radix_cache.Node.draft_next)
+        # positions whose head KV was made with this prompt's next token (radix_cache.Node.draft_next);
+        # with prompt logprobs none whose logits it reports (prompt_logprobs.cacheable_prefix)
         keep = min(draft_ok if self.runner.draft is not None else len(slots), len(prompt) - 1)
+        bound = cacheable_prefix(request.params)
+        keep = keep if bound is None else min(keep, bound)
         return slots[: max(keep, 0)], node
 
     def can_admit(self, request: HandoffRequest) -> bool:
         if self.runner.req_to_token_pool.allocator.num_free == 0:
             return False
-        cached, node = self._reusable(request.prompt_ids)
+        cached, node = self._reusable(request)
         need = len(request.prompt_ids) - len(cached)
         if self.cache is None:
             return self.runner.kv_allocator.can_alloc(need)
@@ -129,7 +138,7 @@ class PrefillWorker:
         self.validate(request)
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         prompt = list(request.prompt_ids)
-        cached, node = self._reusable(prompt)
+        cached, node = self._reusable(request)
         need = len(prompt) - len(cached)
         if self.cache is not None:
             self.cache.lock(node)
@@ -147,9 +156,10 @@ class PrefillWorker:
             raise
         slots = torch.cat([cached, own])
         pool.write(row, 0, slots)
-        self.running.append(
-            _Running(request, row, slots, prefilled=len(cached), prompt=prompt, cached=len(cached), node=node)
-        )
+        w = _Running(request, row, slots, prefilled=len(cached), prompt=prompt, cached=len(cached), node=node)
+        if request.params.prompt_logprobs:
+            w.prompt_parts = PromptParts(request.params, len(prompt), request.first_position)
+        self.running.append(w)
         self.stats.count(len(prompt), len(cached))
 
     def abort(self, request: HandoffRequest) -> bool:
@@ -180,8 +190,14 @@ class PrefillWorker:
         sampled, before its KV is copied out (and, with EAGLE, before the draft extend)."""
         spec = self.runner.draft is not None
         greedy = all(w.request.params.argmax_only for w in self.running)
+        asking = any(w.prompt_parts is not None for w in self.running)  # never with greedy (return_logprob)
         finished, logits = prefill_step(  # greedy: the first tokens themselves (the greedy head's, on CPU)
-            self.runner, self.running, self.chunk_size, self._keep_features if spec else None, greedy=greedy
+            self.runner,
+            self.running,
+            self.chunk_size,
+            self._keep_features if spec else None,
+            greedy=greedy,
+            prompt_rows=self._prompt_rows if asking else None,
         )
         if not finished:
             return []
@@ -273,6 +289,10 @@ class PrefillWorker:
                 done[i].more_tokens = (done[i].first_token,) * (params[i].n - 1)
 
     @staticmethod
+    def _prompt_rows(chunk: list) -> PromptRows | None:
+        return PromptRows.plan(chunk, lambda w: w.prompt_parts)
+
+    @staticmethod
     def _keep_features(chunk: list, features: torch.Tensor) -> None:
         start = 0
         for w, _, ids in chunk:
@@ -322,6 +342,7 @@ class PrefillWorker:
             first_logprobs=w.first_logprobs,
             more_first_tokens=w.more_tokens,
             more_first_logprobs=w.more_logprobs,
+            prompt_logprobs=w.prompt_parts.to_host() if w.prompt_parts is not None else None,
             kv_ready=_recorded(self.staging),
             **extra,
         )

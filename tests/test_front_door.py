@@ -76,7 +76,8 @@ BAD = [  # (field set, value, words the message must contain)
     ("sp_logit_bias", 150.0, "logit_bias"),
     ("sp_custom_params", None, "custom_params"),
     ("sp_stream_interval", 4, "stream_interval"),
-    ("logprob_start_len", 2, "logprob_start_len"),  # prompt logprobs: not served yet
+    ("logprob_start_len", len(OK_PROMPT), "logprob_start_len"),  # prompt logprobs from beyond the prompt
+    ("logprob_start_len", -2, "logprob_start_len"),
     ("top_logprobs_num", 21, "top_logprobs_num"),
     ("token_ids_logprob", [10**7], "token_ids_logprob"),
     ("return_hidden_states", True, "return_hidden_states"),

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from common.engine.forward_batch import ForwardBatch
+from common.engine.host_copy import to_device
 
 
 def plan_chunk(reqs: list, chunk_size: int) -> list[tuple[object, int]]:
@@ -46,9 +49,12 @@ def prefill_step(
     on_features: Callable[[list, object], None] | None = None,
     capture: tuple[int, ...] | None = None,
     greedy: bool = False,
+    prompt_rows: Callable[[list], object] | None = None,
 ) -> tuple[list, object]:
     """One extend forward under the budget; (requests completed in it, their last-position logits,
-    or with `greedy` those logits' argmax tokens: ModelRunner.forward's greedy)."""
+    or with `greedy` those logits' argmax tokens: ModelRunner.forward's greedy). `prompt_rows(chunk)`:
+    the PromptRows of the chunk's requests that ask for prompt logprobs, or None (no extra logits;
+    common/engine/prompt_logprobs.py); it gets its rows' raw logits (never with `greedy`)."""
     plan = plan_chunk(reqs, chunk_size)
     if not plan:
         return [], None
@@ -59,10 +65,17 @@ def prefill_step(
         [start for _, start, _ in chunk],
         [ids for _, _, ids in chunk],
     )
+    extra = prompt_rows(chunk) if prompt_rows is not None else None
+    if extra is not None:  # after the usual last rows: logits[: len(chunk)] stay what they were
+        assert not greedy, "prompt logprobs need the raw logits"
+        batch.logits_indices = torch.cat([batch.logits_indices, to_device(extra.rows, batch.logits_indices.device)])
     if on_features:
         logits, features = runner.forward_features(batch, capture, greedy=greedy)
     else:
         logits, features = runner.forward(batch, greedy=greedy)
+    if extra is not None:
+        extra.take(logits[len(chunk) :])
+        logits = logits[: len(chunk)]
     if on_features:
         on_features(chunk, features)
     done = []

@@ -60,6 +60,8 @@ class ColocatedLoop:
             validate_prompt(p, sp, self.runner.config.vocab_size, self.runner.context_length)
             if sp.constraint is not None:  # never silently unconstrained
                 raise ValueError(f"{sp.constraint[0]}: grammars are served by the decode pair, not this reference loop")
+            if sp.prompt_logprobs:  # never silently without them
+                raise ValueError("logprob_start_len: prompt logprobs are served by the pair, not this reference loop")
         reqs = [Request(list(p), sp, sp.resolved_seed()) for p, sp in zip(prompts, params)]
         self._reserve(reqs)
         try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.logprobs import TokenLogprobs
+from common.engine.prompt_logprobs import logit_positions
 from common.engine.sampling import SamplingParams
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -52,6 +53,9 @@ class Handoff:
     # drawn with sample_seed(seed, i), and their logprobs when the request asks (else empty)
     more_first_tokens: tuple[int, ...] = ()
     more_first_logprobs: tuple[TokenLogprobs, ...] = ()
+    # prompt logprobs (params.logprob_start_len = s >= 0): positions max(s, 1).. of the prompt (the
+    # prompt_ids less a retry's first_position resent outputs), one each; None when not asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # EAGLE: the head's one layer of KV over the prompt, and its seed at the last position (the next
     # draft token(s) with their probabilities, and the head's hidden there)
     draft_k: list[torch.Tensor] | None = None
@@ -88,6 +92,9 @@ class Handoff:
             raise ValueError(f"handoff {self.rid}: logprobs for {len(self.more_first_logprobs)} more first tokens")
         if not 0 <= self.first_position <= self.prompt_len:
             raise ValueError(f"handoff {self.rid}: first position {self.first_position} outside the prompt")
+        want = len(logit_positions(self.params, self.prompt_len, self.first_position))
+        if self.params.prompt_logprobs and len(self.prompt_logprobs or ()) != want:
+            raise ValueError(f"handoff {self.rid}: {len(self.prompt_logprobs or ())} prompt logprobs, {want} asked")
         if not 0 <= self.cached_tokens <= self.prompt_len:
             raise ValueError(
                 f"handoff {self.rid}: {self.cached_tokens} cached tokens, but the prompt has {self.prompt_len}"

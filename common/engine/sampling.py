@@ -40,6 +40,9 @@ class SamplingParams:
     return_logprob: bool = False  # output logprobs of the raw logits (common/engine/logprobs.py)
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = field(default_factory=tuple)
+    # prompt logprobs (with return_logprob) of prompt positions logprob_start_len.. (-1: none; 0: from the
+    # first token, which has none): computed on prefill (common/engine/prompt_logprobs.py)
+    logprob_start_len: int = -1
     stop_strings: tuple[str, ...] = field(default_factory=tuple)  # matched in the decoded text (decode side)
     # at most one constraint: the mask of common/engine/grammar.py (after penalties and bias)
     json_schema: str | None = None
@@ -78,6 +81,8 @@ class SamplingParams:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
         if len(self.token_ids_logprob) > MAX_TOKEN_IDS_LOGPROB:
             raise ValueError(f"token_ids_logprob has more than {MAX_TOKEN_IDS_LOGPROB} ids")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 (none) or >= 0, got {self.logprob_start_len}")
         check_constraint(self)  # GrammarError is a ValueError naming the field
         if vocab_size is not None:
             bad = [t for t in self.token_ids_logprob if not 0 <= t < vocab_size]
@@ -89,6 +94,11 @@ class SamplingParams:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"logit_bias token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """The request asks for the logprobs of its prompt from position logprob_start_len."""
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,8 @@
 """The first tokens' logprobs on the Prefill stream (PrebuiltRecord.first_logprobs, and with n > 1
-more_first_logprobs for samples 1..n-1), both ways: one TokenLogprobs message per token, read and
-checked by the same code for every sample.
+more_first_logprobs for samples 1..n-1) and the prompt logprobs (PrebuiltRecord.prompt_logprobs,
+common/engine/prompt_logprobs.py), both ways: one TokenLogprobs message per token or prompt
+position, read and checked by the same code for every one (their count against the prompt:
+Handoff.check_record).
 
 A prefill peer is trusted with nothing but its own request: what it sends must be as wide as the
 request asked (top_logprobs_num candidates in the vocabulary, one value per token_ids_logprob id),
@@ -29,6 +31,18 @@ def logprobs_to_wire(lp: TokenLogprobs | None) -> prefill_pb2.TokenLogprobs | No
 def more_logprobs_to_wire(lps) -> list[prefill_pb2.TokenLogprobs]:
     """PrebuiltRecord.more_first_logprobs: the logprobs of samples 1..n-1 (empty when not asked)."""
     return [logprobs_to_wire(lp) for lp in lps]
+
+
+def prompt_logprobs_to_wire(lps) -> list[prefill_pb2.TokenLogprobs]:
+    """PrebuiltRecord.prompt_logprobs (empty when not asked)."""
+    return [logprobs_to_wire(lp) for lp in lps or ()]
+
+
+def prompt_logprobs_from_wire(record, params, vocab_size: int | None = None) -> tuple[TokenLogprobs, ...] | None:
+    """The record's prompt logprobs (None when the request asked for none)."""
+    if not params.prompt_logprobs:
+        return None
+    return tuple(_from_wire(w, params, vocab_size) for w in record.prompt_logprobs)
 
 
 def logprobs_from_wire(record, params, vocab_size: int | None = None) -> TokenLogprobs | None:

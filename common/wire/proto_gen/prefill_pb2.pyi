@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens", "min_new_tokens", "stop_token_ids", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "return_logprob", "top_logprobs_num", "token_ids_logprob", "json_schema", "regex", "ebnf_grammar", "structural_tag", "n")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens", "min_new_tokens", "stop_token_ids", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "return_logprob", "top_logprobs_num", "token_ids_logprob", "json_schema", "regex", "ebnf_grammar", "structural_tag", "n", "logprob_start_len")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SamplingParams(_message.Message):
     EBNF_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -65,7 +66,8 @@ class SamplingParams(_message.Message):
     ebnf_grammar: str
     structural_tag: str
     n: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf_grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    logprob_start_len: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf_grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., n: _Optional[int] = ..., logprob_start_len: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_values", "ids_logprobs")
@@ -186,7 +188,7 @@ class KvWritten(_message.Message):
     def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., draft: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrebuiltRecord(_message.Message):
-    __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed", "queue_us", "compute_us", "cached_tokens", "first_logprobs", "more_first_tokens", "more_first_logprobs")
+    __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed", "queue_us", "compute_us", "cached_tokens", "first_logprobs", "more_first_tokens", "more_first_logprobs", "prompt_logprobs")
     class DraftSeedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +206,7 @@ class PrebuiltRecord(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt_len: int
     first_token: int
     num_kv_chunks: int
@@ -214,7 +217,8 @@ class PrebuiltRecord(_message.Message):
     first_logprobs: TokenLogprobs
     more_first_tokens: _containers.RepeatedScalarFieldContainer[int]
     more_first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., more_first_tokens: _Optional[_Iterable[int]] = ..., more_first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., more_first_tokens: _Optional[_Iterable[int]] = ..., more_first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("first_token", "kv", "record", "written")
