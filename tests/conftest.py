@@ -13,6 +13,7 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under its
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common.tools.tiny_checkpoint import build
+from tests.drills import is_drill
 
 # name -> build() keyword arguments
 CHECKPOINTS = {
@@ -34,6 +35,12 @@ def pytest_configure(config):
     # services it starts, not the user's
     config.linear_table_dir = tempfile.mkdtemp(prefix="disagg-linear-tables-")
     os.environ["DISAGG_LINEAR_TABLE_DIR"] = config.linear_table_dir
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # the drill tier (tests/drills.py), before -m selects
+        if is_drill(item.nodeid):
+            item.add_marker(pytest.mark.drill)
 
 
 def pytest_unconfigure(config):

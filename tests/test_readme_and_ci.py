@@ -29,6 +29,7 @@ def test_readme_has_exactly_two_one_line_commands():
 def test_ci_run_executes_the_readme_test_command():
     script = open(os.path.join(ROOT, ".ci", "run")).read()
     assert "sed -n 2p" in script and 'eval "$cmd"' in script
+    assert script.index('eval "$cmd"') < script.index("pytest -q -m drill")  # then the drill tier
     setup = open(os.path.join(ROOT, ".ci", "setup")).read()
     assert "torch==2.13.0" in setup and setup.index("torch==2.13.0") < setup.index("-e '.[dev")
 
