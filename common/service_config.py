@@ -94,6 +94,11 @@ class ModelFlags(FlagGroup, title="model"):
         choices=list(GREEDY_CHOICES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
+    constrained_json_disable_any_whitespace: bool = flag(
+        False,
+        "json_schema constraints (and smg's json_object) compile without free whitespace between JSON tokens "
+        "(SGLang's flag; give both services the same value: prefill masks the first token, decode the rest)",
+    )
 
 
 @dataclass(kw_only=True)
@@ -117,10 +122,24 @@ class CapacityFlags(FlagGroup, title="capacity"):
 
 @dataclass(kw_only=True)
 class ParallelFlags(FlagGroup, title="parallel"):
-    """Tensor (and expert) parallelism on this host."""
+    """Tensor (and expert) parallelism, on this host or across several (--nnodes)."""
 
-    tp_size: int = flag(1, "tensor parallel ranks on this host: rank 0 serves, the others follow (gloo on CPU)")
-    tp_port: int = flag(0, "loopback port of the tensor-parallel group (0 = any free port)")
+    tp_size: int = flag(1, "tensor parallel ranks (on all nodes together): rank 0 serves, the others follow")
+    tp_port: int = flag(0, "loopback port of the tensor-parallel group (0 = any free port; --nnodes 1 only)")
+    nnodes: int = flag(1, "hosts the TP group spans: each runs --tp-size / --nnodes ranks (same flags on every node)")
+    node_rank: int = flag(0, "this host's place in the group: 0 runs the service, others only follower ranks")
+    dist_init_addr: str | None = flag(
+        None,
+        "HOST:PORT where rank 0's group store listens (bound to exactly HOST); the other nodes connect to it. "
+        "Required with --nnodes > 1",
+        type=str,
+    )
+    tp_key_file: str | None = flag(
+        None,
+        "file holding the TP group's key (every node the same file; chmod 600): required with --nnodes > 1; "
+        "without it each launch makes its own key",
+        type=str,
+    )
     ep_size: int = flag(
         1,
         "expert parallelism of mixture-of-experts layers under --tp-size: 1 = every rank holds a slice of "

@@ -10,14 +10,19 @@ from common import omp_spin
 omp_spin.set_default("decode")  # before anything below imports torch (and so loads libgomp)
 
 from common.engine import shared_memory
+from common.parallel import launch
 from common.wire.grpc_server import wait_for_shutdown_signal
 from decode_service.config import parse_args
 from decode_service.server import DecodeService
+from decode_service.tp_worker import follower_main
 
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
     config = parse_args(argv)
+    launch.exit_if_refused(config, "decode")  # bad TP or node flags: said before anything loads
+    if config.node_rank > 0:  # another node of a group across hosts: follower ranks only, no server
+        raise SystemExit(launch.run_node(config, follower_main, "decode"))
     service = DecodeService(config).start()
     logging.info(
         "decode service serving %s as %r on %s (prefill: %s)",

@@ -4,7 +4,8 @@ A prefill peer is trusted with nothing but its own request. Each reply is checke
 the first token is an id of the vocabulary; a KV chunk fits the pools and the reservation
 (handoff_writes.check_kv, before anything is written); the handoff's record fits the request
 (first token, positions, cached tokens, `Handoff.check_continues`) and, with EAGLE, its seed is
-sound (top-k ids in the vocabulary, finite probabilities and hidden of the target's width). A reply
+sound (top-k ids in the vocabulary, finite probabilities and hidden of the target's width); under a
+grammar, every first token (streamed or in the record) and resent output is one it allows. A reply
 that fails a check, or any exception while one is handled, ends that request with an error
 (`_fail_reply`: freed once, now or at the prefill's last word while a transfer engine may still
 write its slots); only our own books (InvariantError) or a failed stream stop the scheduler.
@@ -16,6 +17,7 @@ import logging
 
 from common.engine.handoff import check_token
 from common.engine.streams import StreamFailed
+from decode_service.grammar_state import check_outputs
 from decode_service.inbox import FirstTokenArrived, HandoffArrived, HandoffFailed, KvChunkArrived
 from decode_service.req import ReqState
 from decode_service.scheduler_types import InvariantError
@@ -59,6 +61,7 @@ class HandoffIntake:
         if req.output_ids and self._finish_reason(req) is not None:
             return  # never stream a token past a finish
         check_token(msg.rid, "first token", msg.token, self.info.vocab_size)  # ValueError: _fail_reply
+        check_outputs(self.worker, req.params.constraint, req.output_ids, [msg.token])  # before it is streamed
         req.output_ids.append(msg.token)
         if req.params.return_logprob:  # its logprobs come with the record (first_token.py)
             req.held_first = True
@@ -89,6 +92,8 @@ class HandoffIntake:
         if self.spec:
             handoff.check_draft(self.info.hidden_size, self.info.vocab_size)
         handoff.check_continues(req.prompt_ids, req.output_ids)
+        resent = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :]  # the grammar accepts them all
+        check_outputs(self.worker, req.params.constraint, resent, [handoff.first_token, *handoff.more_first_tokens])
         req.handoff = handoff
         req.state = ReqState.PREBUILT
         self.prebuilt.append(req)

@@ -11,15 +11,20 @@ from common import omp_spin
 
 omp_spin.set_default("prefill")  # before anything below imports torch (and so loads libgomp)
 
+from common.parallel import launch
 from common.wire.grpc_server import wait_for_shutdown_signal
 from prefill_service.config import parse_args
 from prefill_service.hooks import PrefillHooks
 from prefill_service.server import PrefillService
+from prefill_service.tp_worker import follower_main
 
 
 def main(argv=None, hooks: PrefillHooks | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
     config = parse_args(argv)
+    launch.exit_if_refused(config, "prefill")  # bad TP or node flags: said before anything loads
+    if config.node_rank > 0:  # another node of a group across hosts: follower ranks only, no server
+        raise SystemExit(launch.run_node(config, follower_main, "prefill"))
     service = PrefillService(config, hooks=hooks).start()
     logging.info("prefill service serving %s on %s", config.model_path, service.address)
     wait_for_shutdown_signal()

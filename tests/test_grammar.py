@@ -1,10 +1,13 @@
-"""Grammars through xgrammar (issue 43, parts 1-3, 5, 6): regex, EBNF and JSON schema constraints,
-greedy output token-exact against HF generate with xgrammar's own HF logits processor
+"""Grammars through xgrammar (issue 43): regex, EBNF and JSON schema constraints, greedy output
+token-exact against HF generate with xgrammar's own HF logits processor
 (`xgr.contrib.hf.LogitsProcessor`, the same compiled grammar) in-process with overlap on and off
 and over the gRPC pair (prefill masks the first token, decode advances its matcher from the
-handoff's first token); a grammar's end is "stop"; malformed constraints are INVALID_ARGUMENT
-naming the field; constrained requests are refused with speculative decoding."""
+handoff's first token), also with --constrained-json-disable-any-whitespace on both services; a
+grammar's end is "stop"; malformed constraints are INVALID_ARGUMENT naming the field; constrained
+requests are refused with speculative decoding; a first token the grammar refuses (a hostile or
+buggy prefill peer) fails its own request only."""
 
+import dataclasses
 import json
 import re
 import time
@@ -16,7 +19,7 @@ from common.engine import grammar
 from common.engine.sampling import SamplingParams
 from common.request_rules import InvalidRequest
 from decode_service.grammar_state import check_request
-from tests.decode_harness import Pair
+from tests.decode_harness import ManualPair, Pair
 from tests.grpc_harness import GrpcPair, assert_invalid_fields
 from tests.oracle import hf_model
 
@@ -53,7 +56,7 @@ def compiler(path: str) -> grammar.GrammarCompiler:
 
 
 @torch.inference_mode()
-def hf_constrained(path: str, prompt: list[int], constraint, max_new: int = N) -> list[int]:
+def hf_constrained(path: str, prompt: list[int], constraint, max_new: int = N, any_whitespace=True) -> list[int]:
     """HF greedy with xgrammar's HF processor, stopping at the model's EOS ids (the grammar's stops)."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
@@ -69,7 +72,7 @@ def hf_constrained(path: str, prompt: list[int], constraint, max_new: int = N) -
     compiled = {
         "regex": c.compile_regex,
         "ebnf_grammar": c.compile_grammar,
-        "json_schema": lambda s: c.compile_json_schema(s, any_whitespace=True),
+        "json_schema": lambda s: c.compile_json_schema(s, any_whitespace=any_whitespace),
         "structural_tag": c.compile_structural_tag,
     }[field](text)
     out = hf_model(path).generate(
@@ -197,3 +200,72 @@ def test_sampled_grammar_output_is_the_same_with_and_without_overlap_and_matches
     tok = AutoTokenizer.from_pretrained(path)
     for ids in got[0]:
         assert ids[-1] in (2, 4) and re.fullmatch(regex, tok.decode(ids[:-1])), tok.decode(ids)
+
+
+def test_json_without_free_whitespace_matches_hf_over_grpc(cases):
+    """--constrained-json-disable-any-whitespace on both services: their compilers refuse a
+    whitespace token after "{" that the default accepts, and the answers are HF's with the schema
+    compiled any_whitespace=False (the tiny model picks whitespace wherever it may: they differ)."""
+    from transformers import AutoTokenizer
+
+    path, want = cases
+    schema = CONSTRAINTS[2]
+    tok = AutoTokenizer.from_pretrained(path)
+    brace, space = tok.encode("{", add_special_tokens=False), tok.encode(" ", add_special_tokens=False)
+    strict = [hf_constrained(path, p, schema, any_whitespace=False) for p in PROMPTS]
+    loose = [hf_constrained(path, p, schema) for p in PROMPTS]
+    assert strict != loose
+    flag = dict(constrained_json_disable_any_whitespace=True)
+    pair = GrpcPair(path, prefill_kw=flag, decode_kw=flag)
+    try:
+        for runner in (pair.prefill.runner, pair.decode.scheduler.worker.runner):
+            m = grammar.new_matcher(grammar.runner_compiler(runner).compile(schema), brace)
+            assert len(space) == 1 and not m.accept_token(space[0]), "the strict compiler took a space"
+        m = grammar.new_matcher(compiler(path).compile(schema), brace)  # the default compiler does
+        assert m.accept_token(space[0])
+        for i, p in enumerate(PROMPTS):
+            ids, _ = pair.collect(pair.generate(p, N, stream=i % 2 == 0, rid=f"w{i}", json_schema=schema[1]))
+            assert ids == strict[i], tok.decode(ids)
+            if ids[-1] in (2, 4):  # the grammar ended: the text is the JSON
+                assert isinstance(json.loads(tok.decode(ids, skip_special_tokens=True)), dict)
+    finally:
+        pair.close()
+
+
+def refused_first_token(path: str, constraint) -> int:
+    """A token the grammar refuses at its start."""
+    m = grammar.new_matcher(compiler(path).compile(constraint))
+    return next(t for t in range(3, 384) if not m.accept_token(t))
+
+
+@pytest.mark.parametrize("where", ["in the record", "streamed", "of the second sample"])
+def test_a_first_token_the_grammar_refuses_fails_its_request_alone(cases, where):
+    """A hostile or buggy prefill peer sends a first token the grammar does not allow: that request
+    ends with an error (checked on the scheduler's thread before anything of it is submitted, so no
+    matcher is seeded with it), its slots are freed once, and a constrained sibling is HF's exactly."""
+    path, want = cases
+    bad_constraint = CONSTRAINTS[0]
+    refused = refused_first_token(path, bad_constraint)
+    pair = ManualPair(path)
+    try:
+        n = 2 if where == "of the second sample" else 1
+        pair.submit("bad", PROMPTS[0], params_of(bad_constraint, n=n))
+        pair.submit("good", PROMPTS[2], params_of(CONSTRAINTS[2]))
+        pair.scheduler.step()  # admission: both reserved
+        handoffs = {h.rid: h for h in pair.prefill_worker.prefill(pair.pending)}
+        pair.pending.clear()
+        bad = handoffs["bad"]
+        if where == "in the record":
+            bad = dataclasses.replace(bad, first_token=refused)
+        elif where == "streamed":
+            pair.scheduler.inbox.deliver_first_token("bad", refused)  # before the (sound) record
+        else:
+            bad = dataclasses.replace(bad, more_first_tokens=(refused,))
+        for h in (bad, handoffs["good"]):
+            pair.scheduler.inbox.deliver_handoff(h)
+    finally:
+        pair.close()  # runs to idle (a scheduler-fatal error raises here), checks integrity and the pools
+    assert pair.scheduler.alive and pair.out.reasons == {"bad": "error", "good": pair.out.reasons["good"]}
+    assert f"token {refused} is not allowed" in pair.out.finishes["bad"].error
+    assert refused not in pair.out.tokens.get("bad", [])  # never streamed
+    assert pair.out.tokens["good"] == want[2] and pair.out.reasons["good"] in ("stop", "length")

@@ -5,6 +5,7 @@ Fails (does not skip) when smg is missing: it is part of the dev extra.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,15 +37,12 @@ def _smg_binary() -> str:
     return found
 
 
-@pytest.fixture(scope="module")
-def gateway(checkpoint):
-    path = checkpoint("llama")
-    pair = GrpcPair(path, decode_kw=dict(served_model_name=MODEL, default_max_new_tokens=16))
-    sched, reasons = pair.decode.scheduler, {}
-    finish = sched._finish
-    sched._finish = lambda req, reason, *a, **k: (reasons.__setitem__(req.rid, reason), finish(req, reason, *a, **k))
+@contextlib.contextmanager
+def smg_in_front_of(decode_address: str, log_path: str, *extra: str):
+    """smg launched in front of one decode service (its log at `log_path`): yields its base URL once
+    ready; terminated after."""
     port = _free_port()
-    log = open(os.path.join(os.path.dirname(path), "smg.log"), "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [
             _smg_binary(),
@@ -58,29 +56,46 @@ def gateway(checkpoint):
             "--prometheus-port",
             str(_free_port()),
             "--worker-urls",
-            f"grpc://{pair.decode.address}",
+            f"grpc://{decode_address}",
             "--worker-startup-check-interval",
             "1",
             "--health-check-interval-secs",
             "5",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            if '"ready"' in urllib.request.urlopen(f"{base}/readiness", timeout=2).read().decode():
-                break
-        except OSError:
-            pass
-        assert time.time() < deadline and proc.poll() is None, "smg did not become ready"
-        time.sleep(0.3)
-    yield base, path, pair, reasons
-    proc.terminate()
-    proc.wait(timeout=20)
-    pair.close()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                if '"ready"' in urllib.request.urlopen(f"{base}/readiness", timeout=2).read().decode():
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, "smg did not become ready"
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(checkpoint):
+    path = checkpoint("llama")
+    pair = GrpcPair(path, decode_kw=dict(served_model_name=MODEL, default_max_new_tokens=16))
+    sched, reasons = pair.decode.scheduler, {}
+    finish = sched._finish
+    sched._finish = lambda req, reason, *a, **k: (reasons.__setitem__(req.rid, reason), finish(req, reason, *a, **k))
+    try:
+        with smg_in_front_of(pair.decode.address, os.path.join(os.path.dirname(path), "smg.log")) as base:
+            yield base, path, pair, reasons
+    finally:
+        pair.close()
 
 
 def _post(base: str, route: str, body: dict, stream: bool = False):

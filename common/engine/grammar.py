@@ -6,8 +6,11 @@ one model's tokenizer, off the calling thread (a small pool), once per distinct 
 bounded LRU of futures, so concurrent requests with one schema compile it once), within a time
 bound; a constraint that does not compile, or not in time, is a `GrammarError` (a ValueError naming
 the field: the front doors answer INVALID_ARGUMENT before anything is reserved).
-`compiler_for(path, vocab_size, stop_ids)` is one compiler per model folder in a process (prefill
-and decode in one process share it).
+`compiler_for(path, vocab_size, stop_ids, any_whitespace)` is one compiler per model folder in a
+process (prefill and decode in one process share it). `--constrained-json-disable-any-whitespace`
+(SGLang's flag, RunnerArgs) compiles JSON schemas with xgrammar's any_whitespace=False: no free
+whitespace between JSON tokens; both services must take the same value (prefill masks the first
+token with its compiler, decode the rest with its own).
 
 The mask (DESIGN 7b): after penalties and logit_bias, before temperature and filters, for the
 constrained rows only: a bitmask per row filled from its `xgr.GrammarMatcher`
@@ -162,12 +165,13 @@ _compilers: dict[tuple, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(path: str, vocab_size: int, stop_token_ids) -> GrammarCompiler:
-    """This process's compiler for the tokenizer in `path` (one per folder, vocabulary and stop ids)."""
-    key = (path, vocab_size, tuple(stop_token_ids))
+def compiler_for(path: str, vocab_size: int, stop_token_ids, any_whitespace: bool = True) -> GrammarCompiler:
+    """This process's compiler for the tokenizer in `path` (one per folder, vocabulary, stop ids and
+    JSON whitespace rule)."""
+    key = (path, vocab_size, tuple(stop_token_ids), any_whitespace)
     with _compilers_lock:
         if key not in _compilers:
-            _compilers[key] = GrammarCompiler(path, vocab_size, tuple(stop_token_ids))
+            _compilers[key] = GrammarCompiler(path, vocab_size, tuple(stop_token_ids), any_whitespace=any_whitespace)
         return _compilers[key]
 
 
@@ -180,7 +184,8 @@ def runner_compiler(runner) -> GrammarCompiler:
             "constraints (json_schema, regex, ebnf_grammar, structural_tag) are not served with --tp-size > 1"
         )
     cfg = runner.config
-    return compiler_for(runner.args.model_path, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    any_ws = not getattr(runner.args, "constrained_json_disable_any_whitespace", False)
+    return compiler_for(runner.args.model_path, cfg.vocab_size, tuple(cfg.eos_token_ids), any_ws)
 
 
 def new_matcher(compiled, tokens: list[int] = ()):

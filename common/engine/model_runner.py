@@ -45,6 +45,7 @@ class RunnerArgs:
     kv_shared_dir: str | None = None  # CPU decode with the shm handoff: KV pools as files here (kv_pool.py)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
     ep_size: int = 1  # mixtures of experts under TP: 1 (a slice of every expert) or tp.size (whole experts)
+    constrained_json_disable_any_whitespace: bool = False  # JSON schemas compile with any_whitespace=False
 
     @classmethod
     def from_service_config(cls, config) -> RunnerArgs:
@@ -61,6 +62,7 @@ class RunnerArgs:
             linear_layout=config.linear_layout,
             greedy_head=config.greedy_head,
             ep_size=config.ep_size,
+            constrained_json_disable_any_whitespace=config.constrained_json_disable_any_whitespace,
             **config.decode_step_args(),  # graphs, compile, shm KV: decode's flags; prefill runs no decode steps
             spec=SpecArgs(
                 config.speculative_algorithm,

@@ -3,8 +3,8 @@ rank-0-leads protocol need.
 
 1. `TPGroup.init(rank, size, "tcp://HOST:PORT", device, key=...)`: rank 0 hosts a TCPStore there
    (listening on HOST only); every rank proves the launch's key, then joins a gloo group bound to HOST
-   (control messages, and the tensors on CPU) and on CUDA an NCCL group (tensors). What the key
-   guards, and how: common/parallel/tp_auth.py.
+   (a rank on another node: its own address) for control messages and the tensors on CPU, and on
+   CUDA an NCCL group (tensors). What the key guards, and how: common/parallel/tp_auth.py.
    The groups are the service's own objects, not torch.distributed's process-wide default: two
    services in one process (tests) each keep their own. `TPGroup.single()` is TP 1: every collective
    is the identity.
@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from common.parallel import tp_auth, tp_codec
+
+IDLE_TIMEOUT = timedelta(days=365)  # a follower's wait for rank 0's next message: no timeout in effect
 
 
 def _parse(init_method: str) -> tuple[str, int]:
@@ -66,10 +68,14 @@ class TPGroup:
         timeout_s: float = 60.0,
         key: str = "",
         listener: socket.socket | None = None,
+        bind_host: str | None = None,
+        local_rank: int | None = None,
     ) -> TPGroup:
         """Join (rank 0: host) the group. `key`: the launch's secret (tp_auth.new_key()), the same on
         every rank. `listener`: rank 0's listening socket from tp_auth.listen (else it binds HOST:PORT
-        itself); the group owns it from this call on, and closes it on failure."""
+        itself); the group owns it from this call on, and closes it on failure. `bind_host`: where this
+        rank's gloo listens (default HOST: a rank of another node passes its own address);
+        `local_rank`: its device index on this host (default `rank`: every rank on one host)."""
         try:
             if not 0 <= rank < size:
                 raise ValueError(f"--tp-rank must be in [0, {size}), got {rank}")
@@ -96,15 +102,16 @@ class TPGroup:
         tp_auth.join(store, rank, size)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or host)]
         cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, options)
         dev = torch.device(device)
         group = cpu
         if dev.type == "cuda":
             if _is_loopback(host):
                 os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # NCCL's bootstrap on loopback too
-            torch.cuda.set_device(rank)  # one GPU per rank of this host
-            dev = torch.device("cuda", rank)
+            index = rank if local_rank is None else local_rank
+            torch.cuda.set_device(index)  # one GPU per rank of this host
+            dev = torch.device("cuda", index)
             group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
         return cls(rank, size, cpu, group, dev, store, secret)
 
@@ -129,9 +136,13 @@ class TPGroup:
         return x if self.size == 1 else torch.cat(self.all_gather(x), dim=-1)
 
     # ---- Python objects from rank 0 (the gloo group) ------------------------------------------------
-    def _bcast(self, t: torch.Tensor) -> None:
+    def _bcast(self, t: torch.Tensor, idle: bool = False) -> None:
+        """`idle`: a follower waiting for rank 0's next message, however long the service idles (the
+        group's timeout would end it after `timeout_s`); a dead rank 0 still fails it (socket closed)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        if idle and self.rank != 0:
+            opts.timeout = IDLE_TIMEOUT
         self.cpu.broadcast([t], opts).wait()
 
     def _label(self, src: int, dst: str) -> str:
@@ -152,7 +163,7 @@ class TPGroup:
         data = self._dump(obj, "all") if self.rank == 0 else None
         try:
             n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-            self._bcast(n)
+            self._bcast(n, idle=True)
             buf = (
                 torch.frombuffer(data, dtype=torch.uint8)
                 if data is not None
@@ -189,7 +200,7 @@ class TPGroup:
             blobs = [self._dump(p, str(r)) for r, p in enumerate(parts)]
             sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
         try:
-            self._bcast(sizes)
+            self._bcast(sizes, idle=True)
             width = int(sizes.max())
             out = torch.empty(width, dtype=torch.uint8)
             opts = dist.ScatterOptions()
