@@ -7,6 +7,9 @@ it (`sglang:time_to_first_token_seconds`, `sglang:num_running_reqs`, `sglang:tok
 (TTFT, ITL, end-to-end, queue time before its slots are reserved, the handoff's transfer time and
 bytes, finishes by reason, retries, EAGLE accept length); prefill records its own queue and compute
 time, the time and bytes it streams, failures and injected faults. Gauges are read when scraped.
+Mixtures of experts add the experts' load (both services, `watch_expert_load`): tokens routed to each
+expert summed over the MoE layers, per EP rank with --ep-size > 1, and each layer's imbalance, read
+from the device counters (common/models/expert_load.py) once per scrape.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 except ImportError:  # a machine without it (a bare GPU node) still runs the services; --metrics-port says why
     CollectorRegistry = Counter = Gauge = Histogram = start_http_server = None
 
@@ -109,6 +113,13 @@ class _Metrics:
             lambda: getattr(runner.model.greedy_head, "fallback_rows", 0),
         )
 
+    def watch_expert_load(self, runner) -> None:
+        """With an MoE model (`runner.expert_load`, rank 0's device counters): the experts' load
+        series, computed from one read of the counters per scrape. Nothing for a dense model."""
+        load = getattr(runner, "expert_load", None)
+        if load is not None and self.registry is not None:
+            self.registry.register(_ExpertLoadCollector(load, self.model_name))
+
     def _transfer_histograms(self) -> None:
         self.kv_transfer_latency = self._histogram(
             "kv_transfer_latency_ms", "one handoff's KV transfer: first message to record (ms)", TRANSFER_MS_BUCKETS
@@ -136,6 +147,55 @@ class _Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _ExpertLoadCollector:
+    """The experts' load series, bounded by the experts, layers and EP ranks (not their product):
+    `disagg_moe_expert_tokens_total{expert}` (a token counts once per MoE layer for each of its top-k
+    experts), `disagg_moe_layer_imbalance{layer}` (a layer's busiest expert's tokens since start over
+    the mean; 0 before any token), `disagg_moe_imbalance` (the worst layer's) and, with --ep-size > 1,
+    `disagg_moe_ep_rank_tokens_total{rank}` (the tokens routed to the experts each rank holds)."""
+
+    def __init__(self, load, model_name: str):
+        self.load, self.model_name = load, model_name
+
+    def collect(self):
+        from common.models.expert_load import imbalance
+
+        counts = self.load.read()  # the one device read of this scrape
+        per_expert = counts.sum(dim=0).tolist()
+        m = [self.model_name]
+        tokens = CounterMetricFamily(
+            series_name("moe_expert_tokens_total"),
+            "tokens routed to each expert, summed over the MoE layers (one per top-k choice)",
+            labels=["model_name", "expert"],
+        )
+        for e, n in enumerate(per_expert):
+            tokens.add_metric([*m, str(e)], n)
+        yield tokens
+        ratios = imbalance(counts)
+        layer = GaugeMetricFamily(
+            series_name("moe_layer_imbalance"),
+            "a MoE layer's busiest expert's tokens over the mean (1 = even; 0 before any token)",
+            labels=["model_name", "layer"],
+        )
+        for i, r in zip(self.load.layers, ratios):
+            layer.add_metric([*m, str(i)], r)
+        yield layer
+        worst = GaugeMetricFamily(
+            series_name("moe_imbalance"), "the worst MoE layer's imbalance", labels=["model_name"]
+        )
+        worst.add_metric(m, max(ratios, default=0.0))
+        yield worst
+        if self.load.ep_ranks:
+            ranks = CounterMetricFamily(
+                series_name("moe_ep_rank_tokens_total"),
+                "tokens routed to the experts each expert-parallel rank holds, summed over the MoE layers",
+                labels=["model_name", "rank"],
+            )
+            for r, experts in enumerate(self.load.ep_ranks):
+                ranks.add_metric([*m, str(r)], sum(per_expert[e] for e in experts))
+            yield ranks
 
 
 class DecodeMetrics(_Metrics):

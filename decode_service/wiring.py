@@ -68,6 +68,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
         model_name=name,
     )
     metrics.watch_greedy_head(runner)
+    metrics.watch_expert_load(runner)
     inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
     # the KV transport's decode side: with mooncake or shm our pools registered (or shared) and named
     # in each call, prefill writes KV into them; with grpc no destination (KV comes as bytes)

@@ -92,6 +92,7 @@ def build(
         model_name=os.path.basename(os.path.abspath(config.model_path)),  # as decode's default name
     )
     metrics.watch_greedy_head(runner)
+    metrics.watch_expert_load(runner)
     streams = HandoffStreams(sender, metrics, tracer, config.max_chunk_bytes, hooks)
     return PrefillParts(sender, tp_ranks, runner, tracer, worker, scheduler, metrics, streams)
 

@@ -26,6 +26,8 @@ CHECKPOINTS = {
     "deepseek-v3": dict(arch="deepseek_v3"),
     "deepseek-v3-nolora": dict(arch="deepseek_v3_nolora"),
     "deepseek-v3-mtp": dict(arch="deepseek_v3", mtp=True),  # deepseek-v3's target plus an MTP layer
+    # deepseek-v3-mtp's layout in DeepSeek's block-quantized fp8 (blocks of 16 x 24: ragged edge blocks)
+    "deepseek-v3-fp8": dict(arch="deepseek_v3", mtp=True, fp8_block=(16, 24)),
 }
 
 

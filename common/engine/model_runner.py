@@ -20,6 +20,7 @@ from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
 from common.models import compiled_layers, linear_tuning, packed_linear
 from common.models.config import ModelConfig, load_model_config
+from common.models.expert_load import ExpertLoad
 from common.models.loader import load_model, resolve_dtype
 from common.parallel import tp_shard
 from common.parallel.tp_group import TPGroup
@@ -103,6 +104,7 @@ class ModelRunner:
         model = load_model(args.model_path, self.device, self.dtype, cfg)
         self.model = tp_shard.shard_model(model, args.tp, args.ep_size)  # MoE: common/parallel/moe_shard.py
         self.tp = args.tp
+        self.expert_load = ExpertLoad.attach(self.model, args.tp, args.ep_size)  # MoE, rank 0: tokens per expert
         kv_heads = len(tp_shard.kv_heads_of(cfg, args.tp.rank, args.tp.size))  # this rank's KV heads
         if args.linear_layout not in linear_tuning.CHOICES:
             raise ValueError(f"--linear-layout must be one of {linear_tuning.CHOICES}, got {args.linear_layout!r}")
@@ -218,6 +220,8 @@ class ModelRunner:
                 lambda: compiled_layers.compile_and_time(compiled, self._warm_decode, self._warm_decode),
                 self._threads,
             )
+        if self.expert_load is not None:  # the metrics count served tokens, not warm-up's
+            self.expert_load.reset()
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))

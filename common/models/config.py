@@ -122,6 +122,9 @@ def load_model_config(path: str) -> ModelConfig:
             f"config.json: field 'architectures' is {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}"
         )
     arch = archs[0]
+    from common.models.fp8 import fp8_spec
+
+    fp8_spec(getattr(hf, "quantization_config", None))  # fp8 blocks only: refuse other methods early
     if getattr(hf, "use_sliding_window", False):
         raise CheckpointError("config.json: field 'use_sliding_window' is true; sliding window is not supported")
     if getattr(hf, "hidden_act", "silu") != "silu":

@@ -2,7 +2,8 @@
 
 Handles a single `model.safetensors` and sharded checkpoints (`model.safetensors.index.json`).
 Fails with a message naming the problem: unknown architecture (from ModelConfig), a missing,
-unexpected or mis-shaped tensor, or a shard file the index names but the folder lacks.
+unexpected or mis-shaped tensor, or a shard file the index names but the folder lacks. DeepSeek's
+block-quantized fp8 checkpoints are dequantized at load (common/models/fp8.py).
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from contextlib import ExitStack
 
 import torch
 from safetensors import safe_open
 
+from common.models import fp8
 from common.models.config import CheckpointError, ModelConfig, load_model_config
 from common.models.decoder import DecoderLM
 
@@ -62,24 +65,45 @@ def load_tensors(
     """Copy every tensor of the checkpoint folder `path` into `params` (name -> destination, checked
     shape), after `rename`; tensors whose name `skip`s are not read. A tensor missing from its shard,
     one `params` does not expect (named for `owner`), or one of `params` left unfilled is a
-    CheckpointError (messages start with `label`)."""
+    CheckpointError (messages start with `label`). A block-quantized fp8 checkpoint's weights (those
+    with a `*_scale_inv` sibling, common/models/fp8.py) are dequantized into their parameters."""
+    spec = fp8.checkpoint_spec(path)
     loaded: set[str] = set()
-    for file, names in checkpoint_files(path).items():
-        with safe_open(os.path.join(path, file), framework="pt") as f:
+    dequantized = 0
+    with ExitStack() as stack:
+        where: dict[str, tuple[str, object]] = {}  # tensor name -> (its file, the open file)
+        for file, names in checkpoint_files(path).items():
+            f = stack.enter_context(safe_open(os.path.join(path, file), framework="pt"))
             present = set(f.keys())
             for name in names if names is not None else sorted(present):
                 if name not in present:
                     raise CheckpointError(f"{label}{file}: tensor '{name}' listed in {INDEX_FILE} is missing")
-                key = rename(name)
-                if key.endswith(_IGNORED_SUFFIXES) or skip(key):
-                    continue
-                if key not in params:
-                    raise CheckpointError(f"{label}{file}: unexpected tensor '{name}' for {owner}")
-                copy_checked(f.get_tensor(name), params[key], f"{label}{file}: tensor '{name}'")
-                loaded.add(key)
+                where[name] = (file, f)
+        for name, (file, f) in where.items():
+            if name.endswith(fp8.SCALE_SUFFIX) and name.removesuffix(fp8.SCALE_SUFFIX) in where:
+                continue  # read with its weight
+            key = rename(name)
+            if key.endswith(_IGNORED_SUFFIXES) or skip(key):
+                continue
+            if key not in params:
+                raise CheckpointError(f"{label}{file}: unexpected tensor '{name}' for {owner}")
+            what, scale = f"{label}{file}: tensor '{name}'", name + fp8.SCALE_SUFFIX
+            tensor = f.get_tensor(name)
+            if scale in where:
+                if spec is None:
+                    raise CheckpointError(f"{what} has a '{scale}' but config.json has no fp8 quantization_config")
+                fp8.dequantize_into(tensor, where[scale][1].get_tensor(scale), spec, params[key], what)
+                dequantized += 1
+            elif tensor.element_size() == 1 and tensor.is_floating_point():
+                raise CheckpointError(f"{what} is {tensor.dtype} without a '{scale}' to dequantize it by")
+            else:
+                copy_checked(tensor, params[key], what)
+            loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{label}{path}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if dequantized:
+        fp8.log_dequantized(f"{label}{path}", dequantized, spec, next(iter(params.values())).dtype)
 
 
 def load_weights(model: DecoderLM, path: str) -> None:

@@ -23,6 +23,8 @@ experts: with expert parallelism 1 a slice of every expert's intermediate column
 parallelism = the TP size its own experts whole (`first_expert` on: pairs routed elsewhere are
 skipped). Either way each rank's output is a partial sum (with the shared experts' partial output
 added), and one all-reduce sums it: no token moves, since every rank already holds every token.
+
+`load_counts` (common/models/expert_load.py): when set, the router's choices are counted on the device.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.models.direct_call import DirectCall
+from common.models.expert_load import count_routed
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ class SparseMoE(DirectCall):
 
     tp = None  # a TPGroup once split: the output is this rank's partial sum until the all-reduce
     first_expert = None  # expert parallelism: the global id of this rank's first expert
+    load_counts = None  # [E] int64 on the device: tokens routed to each expert (common/models/expert_load.py)
 
     def __init__(self, hidden: int, spec: MoeSpec, shared: nn.Module | None = None):
         super().__init__()
@@ -184,6 +188,8 @@ class SparseMoE(DirectCall):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.load_counts is not None:
+            count_routed(self.load_counts, ids)
         out = run_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.first_expert)
         if hasattr(self, "shared_experts"):  # under TP its partial output (its own tp stays None)
             out = out + self.shared_experts(x)

@@ -10,11 +10,14 @@ decided by float noise.
     python -m common.tools.tiny_checkpoint --arch qwen3 --out /tmp/tiny-qwen3 [--tied] [--shard-bytes N]
 
 `mtp` (DeepSeek-V3 only) also writes a random MTP (NextN) layer where DeepSeek keeps it (tiny_mtp.py).
+`fp8_block` (DeepSeek-V3 only, `--fp8-block 16,24`) saves it in DeepSeek's block-quantized fp8 layout
+(`write_fp8`; blocks small enough that the tiny shapes have ragged edge blocks).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -182,6 +185,7 @@ def build(
     hidden_size: int = 64,
     num_layers: int = 2,
     mtp: bool = False,
+    fp8_block: tuple[int, int] | None = None,
 ) -> str:
     """Write a tiny checkpoint + tokenizer into `out_dir` and return its absolute path."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -190,6 +194,8 @@ def build(
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
     if mtp and not arch.startswith("deepseek_v3"):
         raise ValueError("an MTP layer is DeepSeek-V3's (--arch deepseek_v3 / deepseek_v3_nolora)")
+    if fp8_block and not arch.startswith("deepseek_v3"):
+        raise ValueError("the block-quantized fp8 layout is DeepSeek-V3's (--arch deepseek_v3 / deepseek_v3_nolora)")
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(out_dir)
     bos, eos = tok.convert_tokens_to_ids("<s>"), tok.convert_tokens_to_ids("</s>")
@@ -206,7 +212,71 @@ def build(
         from common.tools.tiny_mtp import mtp_tensors, write_mtp
 
         write_mtp(out_dir, mtp_tensors(model, seed + 7))
+    if fp8_block:
+        write_fp8(out_dir, fp8_block)
     return os.path.abspath(out_dir)
+
+
+def fp8_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """Whether DeepSeek's published fp8 checkpoints quantize this tensor: the decoder layers' linear
+    projections (attention, dense MLP, routed and shared experts), the MTP layer's included; not the
+    embeddings, norms, router (`mlp.gate`), lm_head, nor the MTP layer's eh_proj / shared_head."""
+    if not (name.startswith("model.layers.") and name.endswith(".weight") and tensor.dim() == 2):
+        return False
+    return (
+        "norm" not in name
+        and not name.endswith("mlp.gate.weight")
+        and "eh_proj" not in name
+        and all(part not in name for part in ("shared_head", "embed_tokens"))
+    )
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block) with weight ~ fp8 * scale_inv; the edge
+    blocks of a shape that is not a multiple of the block are the cut-short ones."""
+    (rows, cols), (bn, bk) = weight.shape, block
+    grid = (-(-rows // bn), -(-cols // bk))
+    padded = torch.zeros(grid[0] * bn, grid[1] * bk)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.reshape(grid[0], bn, grid[1], bk)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    quantized = (blocks / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(padded.shape)
+    return quantized[:rows, :cols].contiguous(), scale_inv.contiguous()
+
+
+def write_fp8(out_dir: str, block: tuple[int, int]) -> None:
+    """Rewrite the checkpoint in DeepSeek-V3's fp8 layout: each quantized `W` as float8_e4m3fn with
+    its `W_scale_inv` beside it (in its shard; the index updated), and config.json's
+    quantization_config as DeepSeek publishes it, with `block` as weight_block_size."""
+    from safetensors.torch import load_file, save_file
+
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    data = None
+    if os.path.exists(index):
+        with open(index) as f:
+            data = json.load(f)
+    files = sorted(set(data["weight_map"].values())) if data else ["model.safetensors"]
+    for file in files:
+        tensors = load_file(os.path.join(out_dir, file))
+        for name in [n for n in sorted(tensors) if fp8_quantized(n, tensors[n])]:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensors[name], block)
+            if data:
+                data["weight_map"][name + "_scale_inv"] = file
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+    if data:
+        with open(index, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+    config = os.path.join(out_dir, "config.json")
+    with open(config) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
+    with open(config, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
 
 
 def main(argv=None) -> None:
@@ -219,6 +289,9 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden-size", type=int, default=64, help="bigger models for benchmarks")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--mtp", action="store_true", help="DeepSeek-V3: add a random MTP (NextN) layer")
+    parser.add_argument(
+        "--fp8-block", default=None, help="DeepSeek-V3: save in the block-quantized fp8 layout, blocks ROWS,COLS"
+    )
     args = parser.parse_args(argv)
     path = build(
         args.out,
@@ -229,6 +302,7 @@ def main(argv=None) -> None:
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
         mtp=args.mtp,
+        fp8_block=tuple(int(b) for b in args.fp8_block.split(",")) if args.fp8_block else None,
     )
     print(f"built tiny {args.arch} checkpoint at {path}")
 
