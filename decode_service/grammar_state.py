@@ -85,7 +85,8 @@ class GrammarMatchers:
 
 def check_request(worker, spec, params):
     """The scheduler's submit check of a constrained request (on the caller's thread, before anything
-    is queued): not with speculative decoding, and its grammar compiles (cached from then on).
+    is queued): not with speculative decoding, and its grammar compiles. Returns the compiled grammar
+    (None without a constraint), which the request keeps: the scheduler's thread never compiles.
     Raises InvalidRequest naming the field."""
     try:
         constraint = params.constraint
@@ -95,20 +96,20 @@ def check_request(worker, spec, params):
             raise grammar.GrammarError(f"{constraint[0]} is not served with speculative decoding (EAGLE) on")
         if not hasattr(worker, "grammar_compiler"):
             raise grammar.GrammarError(f"{constraint[0]}: this worker serves no grammars")
-        worker.grammar_compiler().compile(constraint)
+        return worker.grammar_compiler().compile(constraint)
     except grammar.GrammarError as e:
         raise InvalidRequest(str(e)) from None
 
 
-def check_outputs(worker, constraint, outputs: list[int], firsts=()) -> None:
+def check_outputs(req, outputs: list[int], firsts=()) -> None:
     """A prefill peer's tokens against the request's grammar, on the scheduler's thread before
     anything of the record is submitted: `outputs` (committed) and then each of `firsts` (the first
     token of each sample) must be accepted, else GrammarError (a ValueError: that request's error,
-    never the grammar thread's). A fresh matcher per check: tens of microseconds; the grammar is
-    cached since the request's submit check."""
-    if constraint is None or not hasattr(worker, "grammar_compiler"):
+    never the grammar thread's). A fresh matcher per check: tens of microseconds, from the grammar the
+    request keeps since its submit check (`DecodeReq.grammar`), never a compile here."""
+    compiled, constraint = req.grammar, req.params.constraint
+    if compiled is None:
         return
-    compiled = worker.grammar_compiler().compile(constraint)
     matcher = grammar.new_matcher(compiled, outputs)
     for token in firsts:
         if not matcher.accept_token(int(token)):

@@ -61,7 +61,7 @@ class HandoffIntake:
         if req.output_ids and self._finish_reason(req) is not None:
             return  # never stream a token past a finish
         check_token(msg.rid, "first token", msg.token, self.info.vocab_size)  # ValueError: _fail_reply
-        check_outputs(self.worker, req.params.constraint, req.output_ids, [msg.token])  # before it is streamed
+        check_outputs(req, req.output_ids, [msg.token])  # before it is streamed
         req.output_ids.append(msg.token)
         if req.params.return_logprob:  # its logprobs come with the record (first_token.py)
             req.held_first = True
@@ -93,7 +93,7 @@ class HandoffIntake:
             handoff.check_draft(self.info.hidden_size, self.info.vocab_size)
         handoff.check_continues(req.prompt_ids, req.output_ids)
         resent = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :]  # the grammar accepts them all
-        check_outputs(self.worker, req.params.constraint, resent, [handoff.first_token, *handoff.more_first_tokens])
+        check_outputs(req, resent, [handoff.first_token, *handoff.more_first_tokens])
         req.handoff = handoff
         req.state = ReqState.PREBUILT
         self.prebuilt.append(req)

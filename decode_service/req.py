@@ -46,6 +46,7 @@ class DecodeReq:
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache (from the handoff)
     index: int = 0  # n > 1: which sample of its request this is (sample_group.py)
     group: object = None  # n > 1: the SampleGroup its samples share (None for n = 1)
+    grammar: object = None  # its compiled grammar (from the submit check), when it has a constraint
     trace: tuple | None = None  # (parent span context, submission ns) from the front door; opaque here
     submitted_at: float = field(default_factory=time.monotonic)
 

@@ -73,7 +73,9 @@ class SampleGroups:
         for i, ((idx, own), token) in enumerate(zip(group.reserved, handoff.more_first_tokens), start=1):
             seed = sample_seed(req.seed, i)
             lp = handoff.more_first_logprobs[i - 1] if handoff.more_first_logprobs else None
-            fork = DecodeReq(f"{req.rid}/{i}", req.prompt_ids, req.params, seed, req.on_output, trace=req.trace)
+            fork = DecodeReq(
+                f"{req.rid}/{i}", req.prompt_ids, req.params, seed, req.on_output, trace=req.trace, grammar=req.grammar
+            )
             fork.index, fork.group, fork.req_pool_idx = i, group, idx
             fork.kv_slots = torch.cat([group.prompt_slots, own])
             fork.cached_tokens = handoff.cached_tokens

@@ -127,8 +127,8 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         trace: tuple | None = None,
     ) -> None:
         """Queue a request; `on_output` gets its RequestOutputs, `trace` (span context, submission ns) rides along."""
-        check_submit(self, prompt_ids, params)  # InvalidRequest: nothing queued (submit_checks.py)
-        req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace)
+        grammar = check_submit(self, prompt_ids, params)  # InvalidRequest: nothing queued (submit_checks.py)
+        req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace, grammar=grammar)
         self.inbox.post(Submit(req))
 
     @property

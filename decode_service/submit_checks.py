@@ -13,7 +13,8 @@ from common.request_rules import InvalidRequest, check_fits_pool, validate_promp
 from decode_service.grammar_state import check_request
 
 
-def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams) -> None:
+def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams):
+    """Returns the request's compiled grammar (None without a constraint): the request keeps it."""
     info, spec = scheduler.info, scheduler.spec
     validate_prompt(prompt_ids, params, info.vocab_size, info.context_length)
     room = scheduler.worker.kv_allocator.size
@@ -29,4 +30,4 @@ def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams) -> No
         raise InvalidRequest("stop strings need the tokenizer, and this decode service has none")
     if spec and spec.eagle_topk > 1 and not params.greedy:
         raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
-    check_request(scheduler.worker, spec, params)  # a grammar compiles here, off the scheduler thread
+    return check_request(scheduler.worker, spec, params)  # a grammar compiles here, off the scheduler thread
