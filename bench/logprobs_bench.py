@@ -7,15 +7,13 @@ given checkpoint; the two arms alternate, each timed from the first decode step 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from common.engine.model_runner import ModelRunner, RunnerArgs
+from bench.batch_pair import args_and_runners
 from common.engine.sampling import SamplingParams
 from decode_service.scheduler import DecodeScheduler
 from decode_service.worker import DecodeWorker
-from prefill_service.worker import PrefillWorker
 
 
 def measure(prefill, decode, batch: int, steps: int, params: SamplingParams, prompt_len: int = 16) -> float:
@@ -38,19 +36,7 @@ def measure(prefill, decode, batch: int, steps: int, params: SamplingParams, pro
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model-path", default=None)
-    args = ap.parse_args()
-    if args.model_path is None:
-        from common.tools.smollm2 import ensure_smollm2
-
-        args.model_path = ensure_smollm2()
-    sizes = dict(max_running_requests=args.batch, max_total_tokens=args.batch * (16 + args.steps + 2))
-    prefill = PrefillWorker(ModelRunner(RunnerArgs(args.model_path, **sizes)), chunk_size=4096)
-    decode = ModelRunner(RunnerArgs(args.model_path, **sizes))
+    args, prefill, decode = args_and_runners(__doc__)
     arms = {
         "none": SamplingParams(max_new_tokens=args.steps, ignore_eos=True),
         "top-5 logprobs": SamplingParams(
