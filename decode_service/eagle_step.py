@@ -30,6 +30,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.host_copy import to_device
 from common.engine.spec_sampling import SpecDraws, draw, verify_chain
+from decode_service.grammar_state import VerifyMask
 from decode_service.worker_batch import WorkerBatch
 
 
@@ -67,19 +68,22 @@ def draft_chain(runner, fm, batch: WorkerBatch, num_steps: int) -> ChainDraft:
     return ChainDraft(bonus, torch.stack(drafts, dim=1), q, draws)
 
 
-def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft):
-    """Steps 2-5. Returns (tokens [B, S+1], accepted drafts A [B], logprobs of the rows asking or None)
+def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft, matchers=None):
+    """Steps 2-5; constrained lanes mask each node by the grammar state along the chain before it
+    (`matchers`: the worker's GrammarMatchers, or None). Returns (tokens [B, S+1], accepted drafts
+    A [B], logprobs of the rows asking or None)
     on the device: request i commits tokens[i, :A+1]."""
     draft, table = runner.draft, runner.req_to_token_pool.req_to_token
     indices, rows, committed_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.kv_committed_lens_cpu
     size, num_steps, proposed, draws = len(batch), chain.proposed.shape[1], chain.proposed, chain.draws
     verify_ids = torch.cat([chain.bonus[:, None], proposed], dim=1).flatten()
+    nodes = verify_ids.view(size, num_steps + 1)
+    masks = VerifyMask.of(matchers, batch, nodes)  # filled on the grammar thread while the verify runs
     fb = ForwardBatch.extend_fixed(table, indices, rows, committed_cpu, verify_ids, num_steps + 1)
     greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
     logits, features = runner.forward_features(fb, greedy=greedy)  # 2. verify
     raw = logits
     procs = batch.sampling.processors(indices.device)
-    nodes = verify_ids.view(size, num_steps + 1)
     if greedy:
         target = logits.view(size, num_steps + 1)
     else:
@@ -88,6 +92,8 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft):
             state = fm.penalties.gather(indices[procs.rows])
             paths = chain_anc.expand(size, -1, -1)
             logits = procs.apply_on_paths(logits.view(size, num_steps + 1, -1), *state, paths, nodes).flatten(0, 1)
+        if masks is not None:  # after penalties and bias, before the min_new_tokens hold-back and sampling
+            logits = masks.apply(logits)
         window = torch.arange(num_steps + 1, device=indices.device).expand(size, -1)  # node j: output first + j
         first = [n - lane.prompt_len + 1 for n, lane in zip(committed_cpu, batch.lanes)]
         eos = runner.config.eos_token_ids
@@ -109,6 +115,8 @@ def verify_chain_step(runner, fm, batch: WorkerBatch, chain: ChainDraft):
         picked[torch.arange(len(draws.lanes), device=indices.device), n_ok] = extra
         target = target.index_copy(0, draws.lanes, picked)
         accepted = accepted.index_copy(0, draws.lanes, n_ok)
+    if masks is not None:
+        masks.advance(target, accepted)
     if procs is not None:  # the committed path (the bonus, d1..dA) joins the output counts
         on_path = torch.arange(num_steps + 1, device=indices.device)[None, :] <= accepted[:, None]
         fm.penalties.add(indices[procs.rows], nodes[procs.rows], on_path[procs.rows])

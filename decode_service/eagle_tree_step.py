@@ -30,6 +30,7 @@ import torch
 
 from common.engine.forward_batch import ForwardBatch
 from common.engine.host_copy import to_device
+from decode_service.grammar_state import VerifyMask
 from decode_service.worker_batch import WorkerBatch
 
 
@@ -143,14 +144,17 @@ def draft_tree(runner, fm, batch: WorkerBatch, spec) -> TreeDraft:
     return TreeDraft(*_build_tree(*cand, bonus, spec.num_draft_tokens, spec.eagle_topk))
 
 
-def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft):
-    """Steps 3-7. Returns (tokens [B, S+1], accepted drafts A [B], logprobs of the rows asking or None)
+def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft, matchers=None):
+    """Steps 3-7; constrained lanes mask each node by the grammar state along its path (`matchers`:
+    the worker's GrammarMatchers, or None). Returns (tokens [B, S+1], accepted drafts A [B], logprobs
+    of the rows asking or None)
     on the device: request i commits tokens[i, :A+1]."""
     draft, table = runner.draft, runner.req_to_token_pool.req_to_token
     indices, rows, committed_cpu = batch.req_pool_indices, batch.req_pool_indices_cpu, batch.kv_committed_lens_cpu
     node_tokens, parent, depth, anc = tree.node_tokens, tree.parent, tree.depth, tree.ancestors
     size, m, steps = len(batch), node_tokens.shape[1], runner.draft.spec.num_steps
     device = indices.device
+    masks = VerifyMask.of(matchers, batch, node_tokens, parent)  # filled on the grammar thread meanwhile
     fb = ForwardBatch.tree(table, indices, rows, committed_cpu, node_tokens.flatten(), depth, list(range(m)), anc)
     greedy = batch.sampling.argmax_only  # then the target's argmax is all verify needs (the greedy head)
     logits, features = runner.forward_features(fb, greedy=greedy)  # 3.
@@ -162,6 +166,8 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft):
         if procs is not None:  # each node is penalised with the tokens on its own path
             state = fm.penalties.gather(indices[procs.rows])
             logits = procs.apply_on_paths(logits.view(size, m, -1), *state, anc, node_tokens).flatten(0, 1)
+        if masks is not None:  # after penalties and bias, before the hold-back and the argmax
+            logits = masks.apply(logits)
         first = [n - lane.prompt_len + 1 for n, lane in zip(committed_cpu, batch.lanes)]  # node: output first + depth
         held = batch.sampling.hold_back_stops_at(logits.view(size, m, -1), first, depth, runner.config.eos_token_ids)
         target = held.argmax(-1)
@@ -179,6 +185,8 @@ def verify_tree_step(runner, fm, batch: WorkerBatch, tree: TreeDraft):
     path = on_level.to(torch.int64).argmax(-1)  # [B, S+1]
     tokens = torch.cat([node_tokens.gather(1, path[:, 1:]), node_tokens[:, :1]], dim=1)
     tokens[lanes_t, accepted] = target[lanes_t, last]
+    if masks is not None:
+        masks.advance(tokens, accepted)
     asking, logprobs = batch.sampling.logprob_rows(device), None  # path node d's raw logits gave tokens[:, d]
     if asking is not None:  # read before the draft extend (a replayed graph reuses its logits buffer)
         on_path = raw.view(size, m, -1).gather(1, path[..., None].expand(-1, -1, raw.shape[-1]))

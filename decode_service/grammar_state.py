@@ -11,6 +11,9 @@ queued from stream work, so the jobs run in stream order:
     On CUDA the tokens are copied to the host without waiting, behind an event the job waits for,
     so the stream work never waits for the device; the next `fill` queues behind it;
   - `release(row)` (with the row's release, after every step that still carries it).
+  - EAGLE (`VerifyMask`): `fill_tree(rows, nodes, parents)` once the drafts are known, a mask per
+    draft node from the state along its path (accept, fill, roll back), and `advance_runs` with each
+    row's committed run (the accepted drafts and the bonus) after the verify.
 A batch without a constrained row queues nothing and never waits. The scheduler learns a grammar's
 end from the token itself: a constrained request ends ("stop") at an EOS, which the mask allows
 only where the grammar may end.
@@ -25,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from common.engine import grammar
-from common.engine.host_copy import to_host
+from common.engine.host_copy import to_device, to_host
 from common.engine.streams import make_event
 from common.request_rules import InvalidRequest, finish_reason
 
@@ -68,6 +71,37 @@ class GrammarMatchers:
 
         self._submit(job)
 
+    def fill_tree(self, rows: list[int], nodes: torch.Tensor, parent: torch.Tensor | None) -> Future:
+        """EAGLE's verify: a future of the bitmask [len(rows) * M, W] (host) for the rows' draft nodes
+        [len(rows), M] (on the device; node 0 is the pending bonus, already in the matcher) with their
+        parents [len(rows), M] (None: a chain), filled once the drafts reach the host (an event on
+        CUDA, as `advance`) and every job queued before this one ran."""
+        host_nodes, host_parent = to_host(nodes), to_host(parent) if parent is not None else None
+        ready = make_event(self.device)
+        ready.set_here()
+
+        def job():
+            ready.synchronize()
+            parents = host_parent.tolist() if host_parent is not None else None
+            matchers = [self._matchers.get(r) for r in rows]
+            return grammar.fill_tree_bitmask(matchers, host_nodes.tolist(), parents, self.vocab_size)
+
+        return self._thread.submit(job)
+
+    def advance_runs(self, rows: list[int], tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """EAGLE: row i committed tokens[i, :accepted[i] + 1] (both on the device), into its matcher."""
+        host_tokens, host_accepted = to_host(tokens), to_host(accepted)
+        ready = make_event(self.device)
+        ready.set_here()
+
+        def job():
+            ready.synchronize()
+            for row, run, a in zip(rows, host_tokens.tolist(), host_accepted.tolist()):
+                for token in run[: a + 1]:
+                    grammar.advance(self._matchers.get(row), token)
+
+        self._submit(job)
+
     def _submit(self, job) -> None:
         """A job nobody waits for: its failure is logged (a row left without its matcher stays unmasked)."""
 
@@ -83,17 +117,46 @@ class GrammarMatchers:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
-def check_request(worker, spec, params):
+class VerifyMask:
+    """One EAGLE verify's grammar work for its batch's constrained lanes: the masks of their draft
+    nodes (asked for before the verify forward, filled on the grammar thread while it runs), applied
+    to the verify logits after penalties and bias, and the committed run of each lane into its
+    matcher afterwards. `of` gives None for a batch without a constrained lane (nothing queued)."""
+
+    def __init__(self, matchers: GrammarMatchers, lanes: list[int], rows: list[int], nodes, parent):
+        m, device = nodes.shape[1], nodes.device
+        self.matchers, self.rows = matchers, rows
+        self.lanes = to_device(lanes, device)
+        self.node_rows = to_device([lane * m + j for lane in lanes for j in range(m)], device)
+        sub_parent = parent.index_select(0, self.lanes) if parent is not None else None
+        self.mask = matchers.fill_tree(rows, nodes.index_select(0, self.lanes), sub_parent)
+
+    @classmethod
+    def of(cls, matchers, batch, nodes: torch.Tensor, parent: torch.Tensor | None = None) -> VerifyMask | None:
+        """nodes [B, M] (node 0 the pending bonus), parent [B, M] or None for a chain."""
+        lanes = batch.sampling.constrained if matchers is not None else []
+        if not lanes:
+            return None
+        return cls(matchers, lanes, [batch.req_pool_indices_cpu[i] for i in lanes], nodes, parent)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B * M, V] -> a copy with the constrained lanes' nodes masked (waits for the fill)."""
+        return grammar.apply_bitmask(logits, self.node_rows, self.mask.result())
+
+    def advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """tokens [B, S + 1], accepted [B] (the step's output): each lane's committed run to its matcher."""
+        self.matchers.advance_runs(self.rows, tokens.index_select(0, self.lanes), accepted.index_select(0, self.lanes))
+
+
+def check_request(worker, params):
     """The scheduler's submit check of a constrained request (on the caller's thread, before anything
-    is queued): not with speculative decoding, and its grammar compiles. Returns the compiled grammar
-    (None without a constraint), which the request keeps: the scheduler's thread never compiles.
+    is queued): its grammar compiles (EAGLE masks each draft node: VerifyMask). Returns the compiled
+    grammar (None without a constraint), which the request keeps: the scheduler's thread never compiles.
     Raises InvalidRequest naming the field."""
     try:
         constraint = params.constraint
         if constraint is None:
             return
-        if spec is not None:
-            raise grammar.GrammarError(f"{constraint[0]} is not served with speculative decoding (EAGLE) on")
         if not hasattr(worker, "grammar_compiler"):
             raise grammar.GrammarError(f"{constraint[0]}: this worker serves no grammars")
         return worker.grammar_compiler().compile(constraint)

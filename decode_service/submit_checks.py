@@ -30,4 +30,4 @@ def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams):
         raise InvalidRequest("stop strings need the tokenizer, and this decode service has none")
     if spec and spec.eagle_topk > 1 and not params.greedy:
         raise InvalidRequest("temperature > 0 needs chain drafting (--speculative-eagle-topk 1), not a tree")
-    return check_request(scheduler.worker, spec, params)  # a grammar compiles here, off the scheduler thread
+    return check_request(scheduler.worker, params)  # a grammar compiles here, off the scheduler thread

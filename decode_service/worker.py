@@ -159,9 +159,9 @@ class DecodeWorker:
             return tokens, None, logprobs
         if spec.eagle_topk > 1:
             tree = self.propose_tree(batch, draft_tree(runner, fm, batch, spec))
-            return verify_tree_step(runner, fm, batch, tree)
+            return verify_tree_step(runner, fm, batch, tree, self.grammar)
         chain = self.propose(batch, draft_chain(runner, fm, batch, spec.num_steps))
-        return verify_chain_step(runner, fm, batch, chain)
+        return verify_chain_step(runner, fm, batch, chain, self.grammar)
 
     def propose(self, batch: WorkerBatch, chain: ChainDraft) -> ChainDraft:
         """The chain drafts to verify (tests override this to plant drafts)."""

@@ -3,8 +3,8 @@ token-exact against HF generate with xgrammar's own HF logits processor
 (`xgr.contrib.hf.LogitsProcessor`, the same compiled grammar) in-process with overlap on and off
 and over the gRPC pair (prefill masks the first token, decode advances its matcher from the
 handoff's first token), also with --constrained-json-disable-any-whitespace on both services; a
-grammar's end is "stop"; malformed constraints are INVALID_ARGUMENT naming the field; constrained
-requests are refused with speculative decoding; a first token the grammar refuses (a hostile or
+grammar's end is "stop"; malformed constraints are INVALID_ARGUMENT naming the field (EAGLE:
+tests/test_grammar_eagle.py); a first token the grammar refuses (a hostile or
 buggy prefill peer) fails its own request only."""
 
 import dataclasses
@@ -122,9 +122,9 @@ def test_a_compile_past_the_time_bound_is_refused(checkpoint):
     slow.close()
 
 
-def test_constrained_requests_are_refused_with_speculative_decoding():
-    with pytest.raises(InvalidRequest, match="speculative"):
-        check_request(object(), object(), params_of(CONSTRAINTS[0]))
+def test_a_worker_without_grammars_refuses_constrained_requests():
+    with pytest.raises(InvalidRequest, match="serves no grammars"):
+        check_request(object(), params_of(CONSTRAINTS[0]))
 
 
 @pytest.mark.parametrize("overlap", [True, False])

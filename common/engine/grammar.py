@@ -211,6 +211,37 @@ def fill_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
     return mask
 
 
+def fill_tree_bitmask(matchers: list, tokens: list[list[int]], parents: list[list[int]] | None, vocab_size: int):
+    """EAGLE's verify: a bitmask [len(matchers) * M, W] (host int32), row r * M + i the allowed next
+    tokens after the path from node 0 (committed: the matcher stands after it) to node i of request
+    r's draft tree; `tokens[r]` the M node tokens, `parents[r]` each node's parent (None: a chain, node
+    i's parent is i - 1). Each path is accepted into the matcher and rolled back, so the matcher ends
+    where it began. A node whose path the grammar refuses (it can never be accepted: its parent's mask
+    excludes it) or ends (after a stop token) keeps its row all-allowed, as a None matcher's rows."""
+    import xgrammar as xgr
+
+    m_nodes = len(tokens[0]) if tokens else 0
+    mask = xgr.allocate_token_bitmask(len(matchers) * m_nodes, vocab_size)
+    for r, m in enumerate(matchers):
+        if m is None or m.is_terminated():
+            continue
+        for i in range(m_nodes):
+            path, j = [], i
+            while j != 0:
+                path.append(tokens[r][j])
+                j = parents[r][j] if parents is not None else j - 1
+            taken = 0
+            for t in reversed(path):
+                if m.is_terminated() or not m.accept_token(int(t)):
+                    break
+                taken += 1
+            if taken == len(path) and not m.is_terminated():
+                m.fill_next_token_bitmask(mask, r * m_nodes + i)
+            if taken:
+                m.rollback(taken)
+    return mask
+
+
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> a copy whose `rows` (device int64 [R]) are masked by `mask` [R, W] (host)."""
     import xgrammar as xgr
