@@ -45,7 +45,7 @@ class GrammarMatchers:
 
     def seed(self, row: int, constraint: tuple[str, str], outputs: list[int]) -> None:
         def job():
-            compiled = self._compiler_of().compile(constraint)  # cached since the request's validation
+            compiled = grammar.compiled_on_rank(self._compiler_of(), constraint)  # cached since the submit check
             self._matchers[row] = grammar.new_matcher(compiled, outputs)
 
         self._submit(job)

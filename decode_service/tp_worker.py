@@ -7,7 +7,8 @@ Lifecycle (decode service with --tp-size N):
   3. each stream item on rank 0 first scatters a message of tp_messages.py to the ranks (in stream
      order, so all ranks run the same forwards in the same order), then runs the same message itself:
        Forward(batch)       a decode or EAGLE step; every rank gathers the full logits and samples
-                            the same tokens, so each rank's FutureMap stays identical;
+                            the same tokens, so each rank's FutureMap stays identical (and each
+                            rank's grammar matchers, seeded and released with the rows below);
        WriteKvChunk(...)    a handed-over KV chunk, cut to the KV heads that rank holds;
        WritePrebuilt(...)   a handoff's row, KV (cut the same way) and FutureMap seeds;
        ReleaseRow(row)      a released row's guard cleared;
@@ -70,8 +71,11 @@ def apply(worker: DecodeWorker, message: DecodeTPMessage) -> None:
         write_kv_chunk(pool, message.kv_slots, message.token_start, message.layer_start, message.k, message.v)
     elif isinstance(message, WritePrebuilt):
         write_prebuilt(worker.runner, worker.future_map, message.req_pool_idx, message.kv_slots, message.handoff)
+        if message.handoff.params.constraint is not None:  # every rank keeps its own matchers
+            worker.seed_grammar(message.req_pool_idx, message.handoff)
     elif isinstance(message, ReleaseRow):
         worker.future_map.reset_rows(to_device([message.req_pool_idx], worker.future_map.device, torch.int64))
+        worker.release_grammar(message.req_pool_idx)
     else:
         raise ValueError(f"unknown TP message {type(message).__name__}")
 

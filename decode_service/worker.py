@@ -125,19 +125,24 @@ class DecodeWorker:
     def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
         """Map the row, write KV carried in the record, seed the FutureMap row (invariant 8)."""
         submit_prebuilt(self.stream, self.runner, self.future_map, req_pool_idx, kv_slots, handoff)
-        constraint = handoff.params.constraint
-        if constraint is not None:  # the matcher, advanced by the outputs so far (the first token's last)
-            outputs = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :] + [handoff.first_token]
-            matchers = self._grammar()
-            self.stream.submit(lambda: matchers.seed(req_pool_idx, constraint, outputs))
+        if handoff.params.constraint is not None:
+            self.stream.submit(lambda: self.seed_grammar(req_pool_idx, handoff))
+
+    def seed_grammar(self, req_pool_idx: int, handoff: Handoff) -> None:
+        """Stream side: the row's matcher, advanced by the outputs so far (the first token's last)."""
+        outputs = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :] + [handoff.first_token]
+        self._grammar().seed(req_pool_idx, handoff.params.constraint, outputs)
 
     def release_row(self, req_pool_idx: int) -> None:
         """A released row's consume-once guard is cleared after the forwards that may still use it."""
         row = to_device([req_pool_idx], self.future_map.device, torch.int64)
         self.stream.submit(lambda: self.future_map.reset_rows(row))
+        self.stream.submit(lambda: self.release_grammar(req_pool_idx))
+
+    def release_grammar(self, req_pool_idx: int) -> None:
+        """Stream side: the row's matcher dropped (after every step that still carries the row)."""
         if self.grammar is not None:
-            matchers = self.grammar
-            self.stream.submit(lambda: matchers.release(req_pool_idx))
+            self.grammar.release(req_pool_idx)
 
     def raise_if_failed(self) -> None:
         self.stream.raise_if_failed()

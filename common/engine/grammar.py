@@ -176,16 +176,18 @@ def compiler_for(path: str, vocab_size: int, stop_token_ids, any_whitespace: boo
 
 
 def runner_compiler(runner) -> GrammarCompiler:
-    """The compiler of a ModelRunner's model; GrammarError where grammars are not served (tensor
-    parallelism: every rank samples, and only this one would hold matchers)."""
-    tp = getattr(runner, "tp", None)
-    if tp is not None and tp.size > 1:
-        raise GrammarError(
-            "constraints (json_schema, regex, ebnf_grammar, structural_tag) are not served with --tp-size > 1"
-        )
+    """The compiler of a ModelRunner's model (under tensor parallelism every rank has its own: each
+    samples the same tokens, so each masks alike)."""
     cfg = runner.config
     any_ws = not getattr(runner.args, "constrained_json_disable_any_whitespace", False)
     return compiler_for(runner.args.model_path, cfg.vocab_size, tuple(cfg.eos_token_ids), any_ws)
+
+
+def compiled_on_rank(compiler: GrammarCompiler, constraint: tuple[str, str]):
+    """The compiled grammar for stream work, with no time bound: the front door compiled it within
+    one already (here it comes from the cache), and on a tensor-parallel follower rank this is its
+    first compile, which must not fail where rank 0's succeeded (every rank masks alike)."""
+    return compiler.compile_async(constraint).result()
 
 
 def new_matcher(compiled, tokens: list[int] = ()):
@@ -270,6 +272,6 @@ def mask_first_tokens(runner, requests: list, lanes: list[int], logits: torch.Te
     matchers = []
     for r in requests:
         start = len(r.prompt_ids) - r.first_position
-        matchers.append(new_matcher(compiler.compile(r.params.constraint), r.prompt_ids[start:]))
+        matchers.append(new_matcher(compiled_on_rank(compiler, r.params.constraint), r.prompt_ids[start:]))
     mask = fill_bitmask(matchers, runner.config.vocab_size)
     return apply_bitmask(logits, to_device(lanes, logits.device), mask)
