@@ -133,18 +133,28 @@ def test_a_follower_waits_out_an_idle_rank_0():
 
 
 # ---- two nodes on loopback (drills) ------------------------------------------------------------------
-def _node(path: str, rank: int, port: int, key_file: str | None, service: str = "prefill") -> subprocess.Popen:
+def _node(
+    path: str, rank: int, port: int, key_file: str | None, service: str = "prefill", ep_size: int = 1
+) -> subprocess.Popen:
     """Node `rank` of a 2-node group: `python -m prefill_service --node-rank rank` (or decode_service)."""
     flags = ["--model-path", path, "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank)]
     flags += ["--dist-init-addr", f"127.0.0.1:{port}", "--linear-layout", "mkl", "--torch-threads", "1"]
     flags += ["--tp-key-file", key_file] if key_file else []
+    flags += ["--ep-size", str(ep_size)] if ep_size > 1 else []
     if service == "decode":  # the same flags as node 0's (its prefill address is not used here)
         flags += ["--prefill-addr", "127.0.0.1:1", "--disable-overlap-schedule"]
     return subprocess.Popen([sys.executable, "-m", f"{service}_service", *flags, "--debug-checks"], cwd=ROOT)
 
 
-def _node0_kw(port: int, key_file: str) -> dict:
-    return dict(tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}", tp_key_file=key_file, linear_layout="mkl")
+def _node0_kw(port: int, key_file: str, ep_size: int = 1) -> dict:
+    return dict(
+        tp_size=2,
+        nnodes=2,
+        dist_init_addr=f"127.0.0.1:{port}",
+        tp_key_file=key_file,
+        linear_layout="mkl",
+        ep_size=ep_size,
+    )
 
 
 def _end(proc: subprocess.Popen, timeout: float = 30) -> int:
@@ -156,22 +166,24 @@ def _end(proc: subprocess.Popen, timeout: float = 30) -> int:
             proc.wait()
 
 
-def test_groups_across_two_nodes_match_hf_greedy(checkpoint, tmp_path):
+@pytest.mark.parametrize("variant,ep_size", [("qwen3", 1), ("qwen3-moe", 2), ("deepseek-v3", 2)])
+def test_groups_across_two_nodes_match_hf_greedy(checkpoint, tmp_path, variant, ep_size):
     """Prefill and decode each TP 2 over two nodes: node 0 of each in this process, node 1 of each a
-    process of its own; node 1 ends (exit 0) when its node 0 stops the group."""
-    path, key_file = checkpoint("qwen3"), _key_file(tmp_path)
+    process of its own; node 1 ends (exit 0) when its node 0 stops the group. The MoE families with
+    their experts split between the nodes (EP 2), DeepSeek's latent whole on both."""
+    path, key_file = checkpoint(variant), _key_file(tmp_path)
     ports = {"prefill": free_port(), "decode": free_port()}
-    node1 = [_node(path, 1, port, key_file, service) for service, port in ports.items()]
+    node1 = [_node(path, 1, port, key_file, service, ep_size) for service, port in ports.items()]
     try:
         pair = GrpcPair(
             path,
             overlap=False,
-            prefill_kw=_node0_kw(ports["prefill"], key_file),
-            decode_kw=_node0_kw(ports["decode"], key_file),
+            prefill_kw=_node0_kw(ports["prefill"], key_file, ep_size),
+            decode_kw=_node0_kw(ports["decode"], key_file, ep_size),
         )
         try:
             for service in (pair.prefill, pair.decode):
-                assert service.runner.kv_pool.k[0].shape[1] == 1  # rank 0's share of the 2 KV heads
+                assert service.runner.kv_pool.k[0].shape[1] == 1  # 1 of 2 KV heads, or the whole latent
                 assert service.tp_ranks.procs == []  # node 0's only rank is this process
             pair.check_against_oracle(path, PROMPTS, 10)
         finally:
