@@ -4,7 +4,9 @@
 puts rows, prefix and new-token counts, packed query starts and visible KV lengths on the device,
 and picks the decode split count from the longest sequence. `forward` writes this forward's K/V
 into the pool and runs `common/attention/triton_kernels.py`: the decode kernel for a DECODE batch
-(one token per request), the extend kernel (causal, or through the tree mask) otherwise.
+(one token per request), the extend kernel (causal, or through the tree mask) otherwise. MLA's
+layers call `latent_attention`: the latent decode kernel (common/attention/triton_latent.py) for a
+DECODE batch, the torch loop over the latent pool (common/attention/latent.py) otherwise.
 
 On a CUDA device the kernels compile; on CPU they need Triton's interpreter (`TRITON_INTERPRET=1`
 before Triton loads), which is slow and meant for tests: the backend says so rather than fail
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from common.attention.base import AttentionBackend
+from common.attention.latent import latent_attention
 from common.engine.forward_batch import ForwardBatch, ForwardMode
 from common.engine.host_copy import to_device
 
@@ -64,9 +67,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self, kv_pool, req_to_token_pool):
         super().__init__(kv_pool, req_to_token_pool)
         check_usable(kv_pool.k[0].device)
-        from common.attention import triton_kernels  # Triton loads only when this backend is chosen
+        from common.attention import triton_kernels, triton_latent  # Triton loads only when this backend is chosen
 
-        self._kernels = triton_kernels
+        self._kernels, self._latent = triton_kernels, triton_latent
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         device = self.req_to_token_pool.req_to_token.device
@@ -119,4 +122,19 @@ class TritonBackend(AttentionBackend):
             self._kernels.decode_attention(q, k_buf, v_buf, out, table, self._meta, scale, self._splits)
         else:
             self._kernels.extend_attention(q, k_buf, v_buf, out, table, self._meta, scale, self._tree)
+        return out
+
+    def latent_attention(self, q, latent, v_dim, layer, forward_batch, scale):
+        """MLA, absorbed (common/models/mla.py): q [T, H, D], latent [T, 1, D] -> [T, H, v_dim], as
+        common/attention/latent.py's `latent_attention`, through the latent decode kernel when this
+        forward is a DECODE batch (metadata from device tensors: no host sync)."""
+        if not self._decode:  # extend, verify, tree: the torch loop over the latent pool
+            return latent_attention(self, q, latent, v_dim, layer, forward_batch, scale)
+        buf = self.kv_pool.k[layer]
+        buf.index_copy_(0, forward_batch.out_cache_loc, latent.to(buf.dtype))
+        out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+        q = q.to(buf.dtype) if q.dtype != buf.dtype else q
+        self._latent.latent_decode(
+            q.contiguous(), buf, out, self.req_to_token_pool.req_to_token, self._meta, scale, self._splits
+        )
         return out

@@ -133,8 +133,14 @@ class ModelRunner:
         if self.model.compiled_layers is not None:  # one graph per bucket: decodes of 2+ requests have a mask
             self.backend.mask_decodes_up_to = self.model.compiled_layers.max_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
+        if self.attention_backend == "triton" and cfg.moe is not None:  # the experts as a grouped GEMM too
+            from common.models.triton_moe import use_triton_experts
+
+            use_triton_experts(self.model, *(() if self.draft is None else (self.draft.head,)))
         capture = args.cuda_graph and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graph", False)
-        capture = capture and cfg.moe is None and cfg.mla is None  # their kernels sync with the host
+        # MLA's extends and verifies loop over host lists, the torch experts sync (the Triton experts and
+        # latent decode do not: capturing MoE / MLA decode steps is a follow-up)
+        capture = capture and cfg.moe is None and cfg.mla is None
         self.decode_graphs = self.verify_graphs = None
         if capture or args.static_decode_buffers:
             max_bs = args.cuda_graph_max_bs or args.max_running_requests

@@ -12,7 +12,8 @@ W_UV [H, v, R] (views) and absorbed:
     score_h(s) = q_nope_h . (W_UK_h c_s) + q_pe_h . k_pe_s = [q_nope_h W_UK_h, q_pe_h] . [c_s, k_pe_s]
     out_h = sum_s p_s W_UV_h c_s = W_UV_h (sum_s p_s c_s)
 so attention is multi-query over the latent, with the latent's first R columns as the value
-(common/attention/latent.py), then W_UV per head and o_proj. Prefill and decode both run this form.
+(common/attention/latent.py; the triton backend's decode batches through its Triton kernel,
+common/attention/triton_latent.py), then W_UV per head and o_proj. Prefill and decode both run this form.
 Under tensor parallelism each rank keeps its query heads (their W_UK, W_UV and o_proj columns) and
 the whole latent: the latent is the same on every rank, and o_proj's partial outputs are summed.
 
@@ -117,6 +118,8 @@ class MLAttention(DirectCall):
         w_uk, w_uv = w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]
         query = torch.cat((q_latent, q_pe), dim=-1)
-        out = latent_attention(backend, query, latent, m.kv_lora_rank, self.layer, forward_batch, m.scale)
+        attend = getattr(backend, "latent_attention", None)  # a backend's own kernel (triton), else the torch loop
+        args = (query, latent, m.kv_lora_rank, self.layer, forward_batch, m.scale)
+        out = attend(*args) if attend is not None else latent_attention(backend, *args)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return row_parallel(self.o_proj, out.reshape(t, heads * m.v_head_dim), residual, self.tp)

@@ -15,7 +15,9 @@ The experts' weights are held stacked ([E, 2I, H] gate+up, [E, H, I] down) and l
 published per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...; `checkpoint_names`). The
 kernel (`run_experts`): the (token, choice) pairs sorted by expert, the tokens gathered once in that
 order, one GEMM pair per expert that got tokens, each row scaled by its routing weight, and one
-index_add_ back to the tokens (expert by expert, as HF's eager experts add them).
+index_add_ back to the tokens (expert by expert, as HF's eager experts add them). It reads each
+expert's row count on the host (a sync per layer); under `--attention-backend triton` the runner swaps
+in common/models/triton_moe.py's grouped GEMM (`experts_kernel`), which computes the same on the device.
 
 Under tensor parallelism (common/parallel/moe_shard.py) every rank routes the same tokens (the
 hidden state is the same on every rank after attention's all-reduce) and runs its part of the
@@ -176,6 +178,7 @@ class SparseMoE(DirectCall):
     tp = None  # a TPGroup once split: the output is this rank's partial sum until the all-reduce
     first_expert = None  # expert parallelism: the global id of this rank's first expert
     load_counts = None  # [E] int64 on the device: tokens routed to each expert (common/models/expert_load.py)
+    experts_kernel = None  # run_experts' replacement: the Triton grouped GEMM (common/models/triton_moe.py)
 
     def __init__(self, hidden: int, spec: MoeSpec, shared: nn.Module | None = None):
         super().__init__()
@@ -190,7 +193,8 @@ class SparseMoE(DirectCall):
         weights, ids = self.gate(x)
         if self.load_counts is not None:
             count_routed(self.load_counts, ids)
-        out = run_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.first_expert)
+        kernel = self.experts_kernel or run_experts
+        out = kernel(x, ids, weights, self.experts_gate_up, self.experts_down, self.first_expert)
         if hasattr(self, "shared_experts"):  # under TP its partial output (its own tp stays None)
             out = out + self.shared_experts(x)
         if self.tp is not None:  # every rank's partial sums (routed and shared) added: one all-reduce
