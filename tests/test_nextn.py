@@ -161,6 +161,33 @@ def test_grpc_pair_matches_hf_greedy(mtp, refs, topk, overlap, transfer):
         pair.close()
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp,ep_size,topk", [(1, 2, 2, 1), (2, 1, 1, 2)])
+def test_tp_pairs_with_the_mtp_draft_match_hf_greedy(mtp, refs, prefill_tp, decode_tp, ep_size, topk):
+    """The MTP layer under tensor parallelism: its MoE split like the target's (EP 2: its experts
+    shared out among the ranks), its latent whole on every rank; prefill and decode TP differing."""
+    from tests.grpc_harness import GrpcPair
+
+    steps, nodes = (3, 4) if topk == 1 else (3, 6)
+    flags = dict(
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=nodes,
+        linear_layout="mkl",
+    )
+    pair = GrpcPair(
+        mtp,
+        prefill_kw=dict(flags, tp_size=prefill_tp, ep_size=min(ep_size, prefill_tp)),
+        decode_kw=dict(flags, tp_size=decode_tp, ep_size=min(ep_size, decode_tp)),
+    )
+    try:
+        for i, p in enumerate(PROMPTS):
+            ids, complete = pair.collect(pair.generate(p, NEW, rid=f"r{i}", ignore_eos=True))
+            assert ids == refs[i] and complete.spec_draft_tokens > 0, f"prompt {i}"
+    finally:
+        pair.close()
+
+
 def test_start_up_errors_name_the_problem(checkpoint, mtp):
     runner_args = dict(max_total_tokens=128, max_running_requests=2)
     with pytest.raises(CheckpointError, match="missing tensor"):  # deepseek-v3 has no MTP tensors
