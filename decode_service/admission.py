@@ -40,6 +40,7 @@ class Admission:
                 self.runner.context_length,
                 self.config.default_max_new_tokens,
                 kv_room=self.scheduler.kv_room,
+                spec_extra=self.scheduler.spec.extra_slots if self.scheduler.spec else 0,
             )
         except InvalidRequest as e:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e

@@ -76,6 +76,17 @@ def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handof
             to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype),
         )
         fm.seed_kv_committed_lens(dev_row, torch.tensor([handoff.prompt_len]))  # a host value: the seed moves it
+        if handoff.fork_last_from is not None:  # n > 1: a forked sample's own slot at the last prompt position
+            write_fork_last(runner, handoff, loc[-1:])
+
+
+def write_fork_last(runner, handoff: Handoff, last: torch.Tensor) -> None:
+    """A forked sample's slot `last` at the last prompt position: the target KV there is the prompt's
+    (copied from `fork_last_from` in every layer), the head's KV its own (from the record)."""
+    src = to_device([handoff.fork_last_from], runner.device, torch.int64)
+    for whole in (runner.kv_pool.k_all, runner.kv_pool.v_all):
+        whole.index_copy_(1, last, whole.index_select(1, src))
+    runner.draft.kv_pool.write_layers(0, last, handoff.fork_draft_k[None, None], handoff.fork_draft_v[None, None])
 
 
 def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None:
@@ -89,6 +100,7 @@ def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None
         kvs.append((runner.draft.kv_pool, handoff.draft_k, handoff.draft_v))
         if handoff.draft_hidden is None or tuple(handoff.draft_hidden.shape) != tuple(fm.draft_hidden.shape[1:]):
             raise ValueError(f"handoff {handoff.rid}: draft hidden does not match the head's width")
+        check_sample_drafts(runner.draft.kv_pool, handoff)
     for pool, k, v in kvs:
         if k is None:
             continue
@@ -98,6 +110,23 @@ def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None
             check_kv(pool, n, 0, 0, layer_k[None], layer_v[None])
             if layer_k.shape[0] != n:
                 raise ValueError(f"handoff {handoff.rid}: KV of {layer_k.shape[0]} tokens, prompt has {n}")
+
+
+def check_sample_drafts(pool, handoff: Handoff) -> None:
+    """Raise ValueError unless the head KV rows for the samples' last prompt position (n > 1: samples
+    1..n-1's in the record, or a forked sample's own) fit the head's pool, floating."""
+    rows = handoff.params.n - 1 if handoff.more_draft_k is not None else 0
+    kvs = [(handoff.more_draft_k, handoff.more_draft_v, (rows,))] if rows else []
+    if handoff.fork_last_from is not None:
+        kvs.append((handoff.fork_draft_k, handoff.fork_draft_v, ()))
+    for k, v, lead in kvs:
+        for name, t, whole in (("K", k, pool.k_all), ("V", v, pool.v_all)):
+            want = (*lead, *whole.shape[2:])
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.dtype.is_floating_point:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"handoff {handoff.rid}: the samples' head {name} at the last position is {got}, expected {want}"
+                )
 
 
 def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:

@@ -16,7 +16,7 @@ import time
 
 from common.engine.handoff import Handoff, HandoffRequest, check_token
 from common.wire import kv_chunks
-from common.wire.kv_chunks import KvAssembler, decode_seed
+from common.wire.kv_chunks import KvAssembler, decode_more_draft, decode_seed
 from common.wire.logprobs_codec import logprobs_from_wire, more_logprobs_from_wire, prompt_logprobs_from_wire
 
 MAX_PENDING_CHUNKS = 4  # per call: KV chunks handed to the scheduler and not yet written into the pool
@@ -122,6 +122,7 @@ class HandoffStream:
             more_first_logprobs=more_logprobs_from_wire(rec, request.params, self.config.vocab_size),
             prompt_logprobs=prompt_logprobs_from_wire(rec, request.params, self.config.vocab_size),
             **decode_seed(rec),
+            **decode_more_draft(rec),  # EAGLE, n > 1 (rows and values: check_draft)
         )
         handoff.check_record(cfg.vocab_size)
         if self.draft_config is not None:

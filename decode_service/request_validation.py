@@ -80,10 +80,12 @@ def parse_generate(
     context_length: int,
     default_max_new_tokens_: int,
     kv_room: int | None = None,
+    spec_extra: int = 0,
 ) -> tuple[list[int], SamplingParams]:
     """(prompt ids, SamplingParams) of a GenerateRequest; InvalidRequest naming the field if it is bad.
     A request without max_new_tokens gets the default, clamped to the context and to `kv_room` (the
-    most prompt + output tokens one request can reserve in the decode pool)."""
+    most prompt + output tokens one request can reserve in the decode pool; `spec_extra`: EAGLE's
+    draft slots each sample reserves past that, and with n > 1 samples 1..n-1 one more each)."""
     ids = list(req.tokenized.input_ids)
     sp = req.sampling_params
     field = _unsupported(req, sp)
@@ -100,8 +102,9 @@ def parse_generate(
         max_new = sp.max_new_tokens
     else:
         room = context_length if kv_room is None else min(context_length, kv_room)
-        if kv_room is not None and sp.n > 1 and kv_room > len(ids):  # the prompt's slots once, n samples' own
-            room = min(room, len(ids) + (kv_room - len(ids)) // sp.n)
+        if kv_room is not None and sp.n > 1:  # the prompt's slots once, n samples' own (sample_group.py)
+            shared_out = kv_room + spec_extra - len(ids) - (sp.n - 1) * (1 if spec_extra else 0)
+            room = min(room, len(ids) + max(shared_out // sp.n - spec_extra, 0))
         max_new = default_max_new_tokens(len(ids), default_max_new_tokens_, room) if ids else 1
     params = SamplingParams(
         max_new_tokens=max_new,

@@ -2,20 +2,28 @@
 
 Life of an n > 1 request, beside the scheduler's steps (scheduler.py):
   1. admission reserves, all or nothing: the prompt's KV slots once (the group's, read-only once
-     written), and for each of the n samples a request slot and max_new_tokens KV slots of its own.
-     The request itself is sample 0 (its kv_slots: the prompt's, then its own), and its prefill call
-     writes the prompt's KV once;
+     written), and for each of the n samples a request slot and max_new_tokens KV slots of its own
+     (with EAGLE also its draft window, and for samples 1..n-1 one more: their own last prompt
+     position, below). The request itself is sample 0 (its kv_slots: the prompt's, then its own), and
+     its prefill call writes the prompt's KV once;
   2. the prefill side samples the n first tokens from the prompt's last logits, sample i with
      `sample_seed(seed, i)`, and sends them in the record (`Handoff.more_first_tokens`); nothing is
-     streamed early for n > 1;
+     streamed early for n > 1. With EAGLE the head at the last prompt position L - 1 reads the first
+     token, so the record also brings samples 1..n-1's own draft seeds and head KV there
+     (`Handoff.more_draft_*`, prefill_service/draft_prefill.py);
   3. at the prebuilt batch sample 0 lands as any request; samples 1..n-1 fork from it: each maps its
      row to the shared prompt slots and its own, and seeds its FutureMap row, penalties and grammar
-     matcher with its own first token (the record's KV is not written again). From then on each
-     sample is a request of its own (rid `<rid>/<i>`, `index` i) in the running batch;
-  4. release frees a sample's own slots and request slot once; the last sample of the group to go
-     frees the prompt's slots. An abort names the request: every sample still live ends with it. A
-     request freed before it forked (abort, failed handoff) frees the reservations of samples 1..n-1.
-So sample i of an n > 1 request decodes exactly as an n = 1 request with seed sample_seed(seed, i).
+     matcher with its own first token (the record's KV is not written again). With EAGLE a sample's
+     row names the shared slots for positions 0..L-2 only (`SampleGroup.shared_len`) and its own
+     slot for L - 1, which gets the prompt's target KV (copied from sample 0's slot there) and the
+     sample's own head KV, and its FutureMap row its own draft seed (handoff_writes.write_fork_last).
+     From then on each sample is a request of its own (rid `<rid>/<i>`, `index` i) in the running batch;
+  4. release frees a sample's own slots (its kv_slots past `shared_len`) and request slot once; the
+     last sample of the group to go frees the shared ones. An abort names the request: every sample
+     still live ends with it. A request freed before it forked (abort, failed handoff) frees the
+     reservations of samples 1..n-1.
+So sample i of an n > 1 request decodes exactly as an n = 1 request with seed sample_seed(seed, i),
+with or without EAGLE.
 """
 
 from __future__ import annotations
@@ -33,16 +41,17 @@ from decode_service.req import DecodeReq, ReqState
 class SampleGroup:
     rid: str  # the request's (sample 0's)
     prompt_len: int
-    prompt_slots: torch.Tensor  # the prompt's KV slots, read by every sample
+    prompt_slots: torch.Tensor  # the prompt's KV slots (sample 0's first prompt_len kv_slots)
     reserved: list[tuple[int, torch.Tensor]]  # (request slot, own KV slots) of samples 1..n-1 until they fork
     samples: list[DecodeReq] = field(default_factory=list)  # every sample made so far, sample 0 first
-    holders: int = 0  # samples (reserved or live) that still hold the prompt's slots
+    holders: int = 0  # samples (reserved or live) that still hold the shared slots
+    shared_len: int = 0  # leading prompt slots every sample reads (EAGLE: all but the last, each sample's own)
 
 
 class SampleGroups:
     """The slot books of every request (reserve, free, holders), and the samples of n > 1 ones. Reads
     and writes the scheduler's `reqs`, `sample_groups` (rid -> SampleGroup, until the group's last
-    sample is freed), `worker` and `_extra`; calls its `_abort`."""
+    sample is freed), `worker`, `spec` and `_extra`; calls its `_abort`."""
 
     def _reserve(self, req: DecodeReq) -> bool:
         """Admission: reserve `req`'s request slot and KV (prompt + max_new_tokens + EAGLE's draft window
@@ -55,13 +64,16 @@ class SampleGroups:
                 return False
             req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(need)
             return True
-        if pool.allocator.num_free < n or not kv.can_alloc(req.prompt_len + n * max_new):
+        last = 1 if self.spec else 0  # EAGLE: samples 1..n-1's own slot at the last prompt position
+        own = max_new + self._extra
+        if pool.allocator.num_free < n or not kv.can_alloc(req.prompt_len + n * own + (n - 1) * last):
             return False
         prompt = kv.alloc(req.prompt_len)
-        reserved = [(pool.alloc(), kv.alloc(max_new)) for _ in range(n - 1)]
+        reserved = [(pool.alloc(), kv.alloc(last + own)) for _ in range(n - 1)]
         req.req_pool_idx = pool.alloc()
-        req.kv_slots = torch.cat([prompt, kv.alloc(max_new)])
-        req.group = SampleGroup(req.rid, req.prompt_len, prompt, reserved, [req], holders=n)
+        req.kv_slots = torch.cat([prompt, kv.alloc(own)])
+        shared = req.prompt_len - last
+        req.group = SampleGroup(req.rid, req.prompt_len, prompt, reserved, [req], holders=n, shared_len=shared)
         self.sample_groups[req.rid] = req.group
         return True
 
@@ -77,12 +89,14 @@ class SampleGroups:
                 f"{req.rid}/{i}", req.prompt_ids, req.params, seed, req.on_output, trace=req.trace, grammar=req.grammar
             )
             fork.index, fork.group, fork.req_pool_idx = i, group, idx
-            fork.kv_slots = torch.cat([group.prompt_slots, own])
+            fork.kv_slots = torch.cat([group.prompt_slots[: group.shared_len], own])
             fork.cached_tokens = handoff.cached_tokens
             fork.state = ReqState.PREBUILT
             mine = dataclasses.replace(
                 handoff, rid=fork.rid, seed=seed, first_token=token, first_logprobs=lp, k=None, v=None
             )
+            if self.spec:
+                mine = _own_draft(mine, handoff, i - 1, int(group.prompt_slots[-1]))
             self.worker.write_prebuilt(idx, fork.kv_slots, mine)  # the prompt's KV is written already
             self.reqs[fork.rid] = fork
             group.samples.append(fork)
@@ -105,7 +119,7 @@ class SampleGroups:
         group's last holder; before the fork also the reservations of samples 1..n-1)."""
         kv, pool = self.worker.kv_allocator, self.worker.req_to_token_pool
         group = req.group
-        own = req.kv_slots if group is None else req.kv_slots[group.prompt_len :]
+        own = req.kv_slots if group is None else req.kv_slots[group.shared_len :]
         kv.free(own)
         pool.free(req.req_pool_idx)
         self.worker.release_row(req.req_pool_idx)
@@ -117,7 +131,7 @@ class SampleGroups:
             pool.free(idx)
         group.reserved = []
         if group.holders == 0:
-            kv.free(group.prompt_slots)
+            kv.free(group.prompt_slots[: group.shared_len])
             del self.sample_groups[group.rid]
 
     def _slot_holders(self) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -130,10 +144,32 @@ class SampleGroups:
             if r.group is None:
                 kv_holders.append(r.kv_slots)
                 continue
-            kv_holders.append(r.kv_slots[r.group.prompt_len :])
+            kv_holders.append(r.kv_slots[r.group.shared_len :])
             groups[id(r.group)] = r.group
         for g in groups.values():
-            kv_holders.append(g.prompt_slots)
+            kv_holders.append(g.prompt_slots[: g.shared_len])
             kv_holders.extend(slots for _, slots in g.reserved)
             pool_holders.extend([idx] for idx, _ in g.reserved)
         return kv_holders, pool_holders
+
+
+def _own_draft(mine, handoff, row: int, last_slot: int):
+    """A forked sample's Handoff with EAGLE: its own draft seed and head KV at the last prompt position
+    (row `row` of the record's `more_draft_*`), its target KV there copied from `last_slot`; the
+    prompt's draft KV is written already."""
+    return dataclasses.replace(
+        mine,
+        draft_k=None,
+        draft_v=None,
+        draft_topk_ids=handoff.more_draft_topk_ids[row],
+        draft_topk_p=handoff.more_draft_topk_p[row],
+        draft_hidden=handoff.more_draft_hidden[row],
+        more_draft_topk_ids=None,
+        more_draft_topk_p=None,
+        more_draft_hidden=None,
+        more_draft_k=None,
+        more_draft_v=None,
+        fork_last_from=last_slot,
+        fork_draft_k=handoff.more_draft_k[row],
+        fork_draft_v=handoff.more_draft_v[row],
+    )

@@ -1,9 +1,11 @@
 """What DecodeScheduler.submit refuses before anything is queued (InvalidRequest, on the caller's thread).
 
 The prompt and its budget (common/request_rules.py): in the vocabulary, prompt + max_new_tokens within
-the context, and prompt + n x max_new_tokens (+ EAGLE's draft window) within the KV pool; then what
-this scheduler cannot serve: n > 1 with speculative decoding, stop strings without a tokenizer,
-temperature > 0 with an EAGLE tree; and a grammar, compiled here (grammar_state.check_request).
+the context, and prompt + n x max_new_tokens (+ EAGLE's draft window per sample, and with n > 1 one
+slot per sample past the first for its own last prompt position: sample_group.py) within the KV pool;
+then what this scheduler cannot serve: stop strings without a tokenizer, temperature > 0 with an
+EAGLE tree; and a grammar, compiled here (grammar_state.check_request). n > 1 is served with EAGLE
+(chain; a tree for greedy requests, as for n = 1).
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams):
     validate_prompt(prompt_ids, params, info.vocab_size, info.context_length)
     room = scheduler.worker.kv_allocator.size
     check_fits_pool(len(prompt_ids), params.max_new_tokens, room, scheduler._extra)
-    if params.n > 1 and spec:
-        raise InvalidRequest("n > 1 is not served with speculative decoding yet")
-    if len(prompt_ids) + params.n * params.max_new_tokens > room:  # the prompt's slots once, n samples' own
+    extra, last = scheduler._extra, (params.n - 1 if spec else 0)  # EAGLE: samples 1..n-1's own last position
+    if len(prompt_ids) + params.n * (params.max_new_tokens + extra) + last > room:  # the prompt's slots once
+        drafts = f" (+ {extra} draft slots per sample, + {last} for the samples' own last prompt position)"
         raise InvalidRequest(
-            f"prompt ({len(prompt_ids)} tokens) + n ({params.n}) x max_new_tokens ({params.max_new_tokens}) "
-            f"exceeds the {room} KV slots one request can reserve here (--max-total-tokens {room})"
+            f"prompt ({len(prompt_ids)} tokens) + n ({params.n}) x max_new_tokens ({params.max_new_tokens})"
+            f"{drafts if spec else ''} exceeds the {room} KV slots one request can reserve here "
+            f"(--max-total-tokens {room})"
         )
     if params.stop_strings and scheduler.stop_strings is None:
         raise InvalidRequest("stop strings need the tokenizer, and this decode service has none")

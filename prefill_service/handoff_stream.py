@@ -163,5 +163,6 @@ def _record(call: PrefillCall, result, count: int, draft_seed) -> prefill_pb2.Pr
             more_first_tokens=result.more_first_tokens,  # n > 1: samples 1..n-1
             more_first_logprobs=more_logprobs_to_wire(result.more_first_logprobs),
             prompt_logprobs=prompt_logprobs_to_wire(result.prompt_logprobs),
+            more_draft=kv_chunks.encode_more_draft(result),  # EAGLE, n > 1: samples 1..n-1 at the last position
         )
     )

@@ -6,7 +6,8 @@ Lifecycle of a request:
      takes the KV of its longest cached prefix from the radix cache (radix_cache.py; locked while it
      runs; at most all but the last prompt token; with EAGLE only positions whose head KV was made
      with this prompt's next token; with prompt logprobs only positions below logprob_start_len - 1,
-     whose logits it does not report), and reserves a request slot and KV slots for the rest, evicting
+     whose logits it does not report), and reserves a request slot and KV slots for the rest (with
+     EAGLE and n > 1, n - 1 more: the samples' scratch for their head KV at the last position), evicting
      unlocked cached prefixes when the pool is short (`can_admit` says whether that is possible);
   2. each `step` runs one extend forward of at most `chunk_size` tokens over the running prompts
      (chunked_prefill.py's budget policy: short prompts first, the oldest never starves),
@@ -16,7 +17,8 @@ Lifecycle of a request:
      `first_position` of the request's seeded stream; with n > 1, n draws from the same processed
      logits, draw i seeded with sample_seed(seed, i): `_more_samples`); with EAGLE on, the draft
      extend over the prompt (its features were kept during 2) gives the draft KV and the draft seed
-     (draft_prefill.py; of sample 0's first token);
+     (draft_prefill.py; of sample 0's first token; with n > 1 one more head forward gives samples
+     1..n-1 their own seeds and head KV at the last position);
   4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included, and
      the prompt logprobs when asked, copied to the host), in
      the memory the KV transport stages it in (`staging`: the host, or the pool's device for a
@@ -48,7 +50,7 @@ from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample, sample_seed
 from common.parallel.tp_shard import gather_kv_heads
 from common.request_rules import validate_prompt
-from prefill_service.draft_prefill import draft_extend
+from prefill_service.draft_prefill import draft_extend, sample_drafts
 
 
 @dataclass
@@ -66,6 +68,7 @@ class _Running:
     cached: int = 0  # leading prompt tokens whose KV came from the radix cache (kv_slots[:cached] are the tree's)
     node: object = None  # the radix node locked for those (None without the cache)
     prompt_parts: PromptParts | None = None  # its prompt logprobs so far, when it asks for them
+    scratch: torch.Tensor | None = None  # EAGLE, n > 1: n - 1 KV slots for the samples' heads (draft_prefill.py)
 
 
 class PrefillWorker:
@@ -125,7 +128,7 @@ class PrefillWorker:
         if self.runner.req_to_token_pool.allocator.num_free == 0:
             return False
         cached, node = self._reusable(request)
-        need = len(request.prompt_ids) - len(cached)
+        need = len(request.prompt_ids) - len(cached) + self._scratch_len(request)
         if self.cache is None:
             return self.runner.kv_allocator.can_alloc(need)
         self.cache.lock(node)  # what it would reuse does not count as evictable
@@ -139,7 +142,8 @@ class PrefillWorker:
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         prompt = list(request.prompt_ids)
         cached, node = self._reusable(request)
-        need = len(prompt) - len(cached)
+        scratch = self._scratch_len(request)
+        need = len(prompt) - len(cached) + scratch
         if self.cache is not None:
             self.cache.lock(node)
             if kv.num_free < need:
@@ -154,9 +158,10 @@ class PrefillWorker:
             if self.cache is not None:
                 self.cache.unlock(node)
             raise
-        slots = torch.cat([cached, own])
+        slots = torch.cat([cached, own[: need - scratch]])
         pool.write(row, 0, slots)
         w = _Running(request, row, slots, prefilled=len(cached), prompt=prompt, cached=len(cached), node=node)
+        w.scratch = own[need - scratch :]
         if request.params.prompt_logprobs:
             w.prompt_parts = PromptParts(request.params, len(prompt), request.first_position)
         self.running.append(w)
@@ -250,7 +255,12 @@ class PrefillWorker:
             self.runner.kv_allocator.free(w.kv_slots[w.cached : present])
         self._release(w)
 
+    def _scratch_len(self, request: HandoffRequest) -> int:
+        return request.params.n - 1 if self.runner.draft is not None else 0
+
     def _release(self, w: _Running) -> None:
+        if w.scratch is not None:
+            self.runner.kv_allocator.free(w.scratch)
         if self.cache is not None:
             self.cache.unlock(w.node)
         self.runner.req_to_token_pool.free(w.req_pool_idx)
@@ -316,16 +326,10 @@ class PrefillWorker:
         r = w.request
         extra = {}
         if self.runner.draft is not None:
-            extra = draft_extend(
-                self.runner,
-                w.req_pool_idx,
-                w.prompt,
-                w.cached,
-                w.first_token,
-                torch.cat(w.features),
-                self.chunk_size,
-                self.runner.draft.spec.eagle_topk,
-            )
+            row, topk, features = w.req_pool_idx, self.runner.draft.spec.eagle_topk, torch.cat(w.features)
+            extra = draft_extend(self.runner, row, w.prompt, w.cached, w.first_token, features, self.chunk_size, topk)
+            more = (row, len(w.prompt), w.first_token, w.more_tokens, features[-1:], w.scratch, extra, topk)
+            extra.update(sample_drafts(self.runner, *more))  # n > 1: samples 1..n-1's own at the last position
             w.features = []
             draft_k, draft_v = self.runner.draft.kv_pool.gather(to_device(w.kv_slots, self.runner.draft.kv_pool.device))
             extra.update(draft_k=[draft_k[0].to(self.staging)], draft_v=[draft_v[0].to(self.staging)])

@@ -208,5 +208,6 @@ def test_submit_refuses_what_n_samples_cannot_serve():
     with pytest.raises(InvalidRequest, match=r"n \(3\) x max_new_tokens \(20\)"):
         check_submit(plain, PROMPT, SamplingParams(max_new_tokens=20, n=3))
     eagle = SimpleNamespace(info=info, spec=SimpleNamespace(eagle_topk=1), worker=pool, _extra=4, stop_strings=None)
-    with pytest.raises(InvalidRequest, match="speculative"):
-        check_submit(eagle, PROMPT, SamplingParams(max_new_tokens=4, n=2))
+    check_submit(eagle, PROMPT, SamplingParams(max_new_tokens=14, n=3))  # 7 + 3 x (14 + 4) + 2 = 63: fits
+    with pytest.raises(InvalidRequest, match="own last prompt position"):  # EAGLE: samples 1..2's own last slot
+        check_submit(eagle, PROMPT, SamplingParams(max_new_tokens=15, n=3))  # 7 + 3 x (15 + 4) + 2 = 66

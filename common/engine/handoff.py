@@ -63,6 +63,21 @@ class Handoff:
     draft_topk_ids: torch.Tensor | None = None
     draft_topk_p: torch.Tensor | None = None
     draft_hidden: torch.Tensor | None = None
+    # EAGLE with n > 1: the head at the last prompt position reads the sample's own first token, so
+    # samples 1..n-1 each have their own seed and head KV there (prefill_service/draft_prefill.py),
+    # stacked over the samples: top-k ids and probabilities [n-1, k], hidden [n-1, H], the head's
+    # K and V at that position [n-1, kv_heads, head_dim] (its one layer); None without EAGLE or n = 1
+    more_draft_topk_ids: torch.Tensor | None = None
+    more_draft_topk_p: torch.Tensor | None = None
+    more_draft_hidden: torch.Tensor | None = None
+    more_draft_k: torch.Tensor | None = None
+    more_draft_v: torch.Tensor | None = None
+    # decode side only, a forked sample of such a request (decode_service/sample_group.py): its own
+    # slot at the last prompt position takes the target KV of slot `fork_last_from` (the prompt's,
+    # written by sample 0's handoff) and the head's K / V `fork_draft_k` / `fork_draft_v` [kv_heads, head_dim]
+    fork_last_from: int | None = None
+    fork_draft_k: torch.Tensor | None = None
+    fork_draft_v: torch.Tensor | None = None
     # KV staged on a device (a transfer engine reads it there): a CUDA event recorded after its
     # copy-out, which whoever reads the KV on another thread waits for; None when it is ready now
     kv_ready: object | None = None
@@ -106,28 +121,41 @@ class Handoff:
         target's width. Raise ValueError naming what is wrong."""
         if self.draft_topk_ids is None or self.draft_topk_p is None or self.draft_hidden is None:
             raise ValueError(f"handoff {self.rid}: no draft seed, but speculative decoding is on here")
-        ids, p, hidden = self.draft_topk_ids, self.draft_topk_p, self.draft_hidden
+        self._check_seed("", self.draft_topk_ids, self.draft_topk_p, self.draft_hidden, hidden_size, vocab_size)
+        more = (self.more_draft_topk_ids, self.more_draft_topk_p, self.more_draft_hidden)
+        rows = self.params.n - 1
+        if rows and (any(t is None for t in more) or self.more_draft_k is None or self.more_draft_v is None):
+            raise ValueError(f"handoff {self.rid}: no draft seeds for samples 1..{rows}, but n = {self.params.n}")
+        if rows and any(t.dim() < 2 or len(t) != rows for t in (*more, self.more_draft_k, self.more_draft_v)):
+            raise ValueError(f"handoff {self.rid}: the samples' draft seeds and KV are not {rows} rows each")
+        for i in range(rows):
+            self._check_seed(f"sample {i + 1}'s ", *(t[i] for t in more), hidden_size, vocab_size)
+        if self.draft_k is not None and any(t.shape[0] != self.prompt_len for t in self.draft_k + self.draft_v):
+            raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt")
+
+    def _check_seed(self, who: str, ids, p, hidden, hidden_size: int, vocab_size: int) -> None:
+        """One draft seed (`who`: whose, for the message): see check_draft."""
         if ids.dim() != 1 or not len(ids) or ids.dtype not in _INT_DTYPES:
-            raise ValueError(f"handoff {self.rid}: draft top-k ids {ids.dtype} {tuple(ids.shape)}, expected int [k]")
+            raise ValueError(
+                f"handoff {self.rid}: {who}draft top-k ids {ids.dtype} {tuple(ids.shape)}, expected int [k]"
+            )
         # values are checked where they came off the wire (host tensors); a device seed is our own
         # engine's (in-process), and reading its values here would stall the host on the device
         wire = ids.device.type == "cpu"
         bad = ids[(ids < 0) | (ids >= vocab_size)] if wire else ids[:0]
         if len(bad):
             raise ValueError(
-                f"handoff {self.rid}: draft top-k ids {bad.tolist()[:4]} outside the vocabulary [0, {vocab_size})"
+                f"handoff {self.rid}: {who}draft top-k ids {bad.tolist()[:4]} outside the vocabulary [0, {vocab_size})"
             )
         if p.shape != ids.shape or not p.dtype.is_floating_point or (wire and not bool(torch.isfinite(p).all())):
-            raise ValueError(f"handoff {self.rid}: draft top-k probabilities must be {len(ids)} finite floats")
+            raise ValueError(f"handoff {self.rid}: {who}draft top-k probabilities must be {len(ids)} finite floats")
         if tuple(hidden.shape) != (hidden_size,) or not hidden.dtype.is_floating_point:
             raise ValueError(
-                f"handoff {self.rid}: draft hidden {hidden.dtype} of shape {tuple(hidden.shape)}, expected "
+                f"handoff {self.rid}: {who}draft hidden {hidden.dtype} of shape {tuple(hidden.shape)}, expected "
                 f"floating ({hidden_size},)"
             )
         if wire and not bool(torch.isfinite(hidden).all()):
-            raise ValueError(f"handoff {self.rid}: draft hidden holds NaN or infinity")
-        if self.draft_k is not None and any(t.shape[0] != self.prompt_len for t in self.draft_k + self.draft_v):
-            raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt")
+            raise ValueError(f"handoff {self.rid}: {who}draft hidden holds NaN or infinity")
 
     def check_continues(self, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Raise ValueError unless the record continues exactly what the receiver has: it prefilled

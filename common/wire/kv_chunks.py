@@ -136,3 +136,25 @@ def decode_seed(record: prefill_pb2.PrebuiltRecord) -> dict:
     if names != set(SEED_FIELDS):
         raise ValueError(f"draft seed has fields {sorted(names)}, expected {list(SEED_FIELDS)}")
     return {name: tensor_codec.decode(record.draft_seed[name]) for name in SEED_FIELDS}
+
+
+MORE_DRAFT_FIELDS = ("draft_topk_ids", "draft_topk_p", "draft_hidden", "draft_k", "draft_v")
+
+
+def encode_more_draft(handoff) -> dict:
+    """n > 1 with EAGLE: samples 1..n-1's seeds and head KV at the last position as the record's
+    `more_draft` map (empty otherwise)."""
+    if handoff.more_draft_hidden is None:
+        return {}
+    return {name: tensor_codec.encode(getattr(handoff, f"more_{name}")) for name in MORE_DRAFT_FIELDS}
+
+
+def decode_more_draft(record: prefill_pb2.PrebuiltRecord) -> dict:
+    """The record's `more_draft` map as Handoff fields; raises ValueError if it is partial
+    (Handoff.check_draft checks the rows against n, and handoff_writes.check_prebuilt the KV's shape)."""
+    names = set(record.more_draft)
+    if not names:
+        return {}
+    if names != set(MORE_DRAFT_FIELDS):
+        raise ValueError(f"samples' draft seeds have fields {sorted(names)}, expected {list(MORE_DRAFT_FIELDS)}")
+    return {f"more_{name}": tensor_codec.decode(record.more_draft[name]) for name in MORE_DRAFT_FIELDS}

@@ -188,8 +188,15 @@ class KvWritten(_message.Message):
     def __init__(self, token_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., draft: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrebuiltRecord(_message.Message):
-    __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed", "queue_us", "compute_us", "cached_tokens", "first_logprobs", "more_first_tokens", "more_first_logprobs", "prompt_logprobs")
+    __slots__ = ("prompt_len", "first_token", "num_kv_chunks", "draft_seed", "queue_us", "compute_us", "cached_tokens", "first_logprobs", "more_first_tokens", "more_first_logprobs", "prompt_logprobs", "more_draft")
     class DraftSeedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    class MoreDraftEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +214,7 @@ class PrebuiltRecord(_message.Message):
     MORE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MORE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     prompt_len: int
     first_token: int
     num_kv_chunks: int
@@ -218,7 +226,8 @@ class PrebuiltRecord(_message.Message):
     more_first_tokens: _containers.RepeatedScalarFieldContainer[int]
     more_first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., more_first_tokens: _Optional[_Iterable[int]] = ..., more_first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    more_draft: _containers.MessageMap[str, Tensor]
+    def __init__(self, prompt_len: _Optional[int] = ..., first_token: _Optional[int] = ..., num_kv_chunks: _Optional[int] = ..., draft_seed: _Optional[_Mapping[str, Tensor]] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., more_first_tokens: _Optional[_Iterable[int]] = ..., more_first_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., more_draft: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
 
 class PrefillChunk(_message.Message):
     __slots__ = ("first_token", "kv", "record", "written")
