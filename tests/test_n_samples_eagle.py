@@ -149,11 +149,12 @@ def test_an_abort_frees_each_samples_own_last_slot_once(checkpoint, fitted_head,
     pair.close()  # integrity: every slot back exactly once
 
 
-@pytest.mark.parametrize("transfer", ["grpc", pytest.param("mooncake", marks=needs_mooncake)])
-def test_samples_over_the_grpc_pair_equal_their_twins(checkpoint, fitted_head, transfer):
+@pytest.mark.parametrize("transfer,tp", [("grpc", 1), ("grpc", 2), pytest.param("mooncake", 1, marks=needs_mooncake)])
+def test_samples_over_the_grpc_pair_equal_their_twins(checkpoint, fitted_head, transfer, tp):
     """The samples' seeds and head KV travel in the record (PrebuiltRecord.more_draft) beside KV sent as
-    gRPC chunks or written by the transfer engine. Requests go in at the decode scheduler (the
-    client API carries no seed), their prefill over the real Prefill call."""
+    gRPC chunks or written by the transfer engine; with tp 2 both services split over two ranks (a
+    fork's last-slot writes reach the follower). Requests go in at the decode scheduler (the client
+    API carries no seed), their prefill over the real Prefill call."""
     from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
     from tests.grpc_harness import GrpcPair
@@ -165,6 +166,7 @@ def test_samples_over_the_grpc_pair_equal_their_twins(checkpoint, fitted_head, t
         speculative_draft_model_path=fitted_head("llama", "EAGLE"),
         speculative_num_steps=STEPS,
         speculative_num_draft_tokens=STEPS + 1,
+        **(dict(tp_size=tp, linear_layout="mkl") if tp > 1 else {}),
     )
     pair = GrpcPair(path, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=flags, transfer=transfer)
     out, scheduler = Outputs(), pair.decode.scheduler

@@ -188,6 +188,32 @@ def test_tp_pairs_with_the_mtp_draft_match_hf_greedy(mtp, refs, prefill_tp, deco
         pair.close()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_n_samples_through_the_mtp_draft_equal_their_twins(fitted, overlap):
+    """n = 3 at temperature 1 through the fitted MTP layer: each sample has its own draft seed and
+    latent at the last prompt position, and equals an n = 1 request with seed + i."""
+    from common.engine.sampling import sample_seed
+
+    pair = Pair(fitted, overlap=overlap, spec=SpecArgs("NEXTN", None, 3, 1, 4))
+    prompt = list(range(5, 14))
+
+    def params(**kw):
+        return SamplingParams(**{"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "seed": 99, **kw})
+
+    try:
+        pair.submit("m", prompt, params(n=3))
+        pair.wait(["m", "m/1", "m/2"])
+        for i in range(3):
+            pair.submit(f"o{i}", prompt, params(seed=sample_seed(99, i)))
+        pair.wait([f"o{i}" for i in range(3)])
+    finally:
+        pair.close()  # integrity: each sample's own last-position slot freed once
+    got = [pair.out.tokens[r] for r in ("m", "m/1", "m/2")]
+    assert got == [pair.out.tokens[f"o{i}"] for i in range(3)]
+    assert len({t[0] for t in got}) > 1, "every sample began alike: the per-sample draft rows went untested"
+    assert pair.scheduler.spec_stats.accepted > 0
+
+
 def test_start_up_errors_name_the_problem(checkpoint, mtp):
     runner_args = dict(max_total_tokens=128, max_running_requests=2)
     with pytest.raises(CheckpointError, match="missing tensor"):  # deepseek-v3 has no MTP tensors
