@@ -8,9 +8,14 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    threads, best of 3 passes: bytes / seconds. The floor = the model's parameter bytes (a tied
    lm_head counted once) / that bandwidth.
 2. ours: a ModelRunner (`--linear-layout`, default auto: the host's table) decoding one request
-   at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts);
-   with `--variants eager,compiled` also one with `--enable-torch-compile` (batch 1 compiled at
-   warm-up, kept only where warm-up timed it faster: common/models/compiled_layers.py).
+   at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts),
+   the runners' forwards interleaved step by step (order rotated), with each runner's median
+   per-step ratio to the first (a neighbour's load falls on both of a pair of steps alike);
+   `--variants` picks the runners, timed in turn within each round: eager (torch ops only, the fused
+   CPU ops off), fused (the fused C++ ops of common/models/cpu_fused.py: norms, SiLU-and-mul, the
+   decode attention), compiled (`--enable-torch-compile`: batch 1 compiled at warm-up, kept only where
+   warm-up timed it faster: common/models/compiled_layers.py). `--op-count` first counts each
+   runner's dispatched ops per batch-1 decode forward (torch.profiler, deterministic).
 3. ours, the linears alone: every linear of the first runner's model once at one row, in model
    order, each in its batch-1 layout (median of --steps passes): the part of a step that streams
    the weights. What a step takes beyond it is per-op work outside the linears (norms, rotary, the
@@ -83,6 +88,63 @@ def hf_ms_per_token(model, prompt: list[int], new_tokens: int) -> float:
     return 1e3 * (run(new_tokens) - run(1)) / (new_tokens - 1)
 
 
+def interleaved_ms(runners: list, steps: int) -> tuple[list[float], list[float]]:
+    """Batch-1 decode forwards of every runner in turn, step by step (the order rotated each step), so
+    a neighbour's load falls on all alike: each runner's median ms, and the median per-step ratio of
+    each later runner to the first."""
+    from bench.linear_layouts import PREFIX
+    from common.engine.forward_batch import ForwardBatch
+
+    rows = []
+    for runner in runners:
+        pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
+        rows.append(pool.alloc())
+        pool.write(rows[-1], 0, runner.kv_allocator.alloc(PREFIX + steps + 3))
+        runner.forward(ForwardBatch.extend(table, [rows[-1]], [0], [[5] * PREFIX]))
+    times = [[] for _ in runners]
+    for step in range(steps + 2):
+        order = [(step + i) % len(runners) for i in range(len(runners))]
+        for i in order:
+            table = runners[i].req_to_token_pool.req_to_token
+            fb = ForwardBatch.decode(table, torch.tensor([rows[i]]), [PREFIX + step], torch.tensor([7]))
+            start = time.perf_counter()
+            runners[i].forward(fb)
+            times[i].append(time.perf_counter() - start)
+    for runner, row in zip(runners, rows):
+        table = runner.req_to_token_pool.req_to_token
+        runner.kv_allocator.free(table[row, : PREFIX + steps + 3].to(torch.int64))
+        runner.req_to_token_pool.free(row)
+    kept = [t[2:] for t in times]  # the first two warm up
+    ratios = [statistics.median(a / b for a, b in zip(t, kept[0])) for t in kept[1:]]
+    return [1e3 * statistics.median(t) for t in kept], ratios
+
+
+def op_counts(runner, forwards: int = 5) -> tuple[float, float]:
+    """(all dispatched ops, top-level ops) per batch-1 decode forward, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.linear_layouts import PREFIX
+    from common.engine.forward_batch import ForwardBatch
+
+    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
+    row = pool.alloc()
+    pool.write(row, 0, runner.kv_allocator.alloc(PREFIX + forwards + 1))
+    with torch.inference_mode():
+        runner.forward(ForwardBatch.extend(table, [row], [0], [[5] * PREFIX]))
+        batches = [
+            ForwardBatch.decode(table, torch.tensor([row]), [PREFIX + i], torch.tensor([7])) for i in range(forwards)
+        ]
+        runner.forward(batches[0])  # warm
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for fb in batches[1:]:
+                runner.forward(fb)
+    runner.kv_allocator.free(table[row, : PREFIX + forwards + 1].to(torch.int64))
+    pool.free(row)
+    events = [e for e in prof.events() if "::" in e.name and not e.name.startswith("<")]
+    top = [e for e in events if e.cpu_parent is None or "::" not in e.cpu_parent.name]
+    return len(events) / (forwards - 1), len(top) / (forwards - 1)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None)
@@ -93,12 +155,12 @@ def main(argv=None) -> None:
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--linear-layout", default="auto")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
-    parser.add_argument("--variants", default="eager", help="ours: eager, compiled (comma-separated)")
+    parser.add_argument("--variants", default="eager,fused", help="ours: eager, fused, compiled (comma-separated)")
+    parser.add_argument("--op-count", action="store_true", help="print each runner's ops per decode forward")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the layout table and its start-up check
     from transformers import AutoModelForCausalLM
 
-    from bench.linear_layouts import decode_ms
     from common.engine.model_runner import ModelRunner, RunnerArgs
     from common.tools.smollm2 import ensure_smollm2
 
@@ -112,28 +174,36 @@ def main(argv=None) -> None:
                 max_running_requests=1,
                 max_total_tokens=256,
                 linear_layout=args.linear_layout,
-                torch_compile_max_bs={"eager": 0, "compiled": 1}[variant],
+                torch_compile_max_bs={"eager": 0, "fused": 0, "compiled": 1}[variant],
+                cpu_fused=variant == "fused",
             )
         )
+        if variant == "fused" and runners[variant].cpu_fused is None:
+            print("fused: left out (the fused CPU ops did not load: see the log line above)", flush=True)
+            del runners[variant]
+            continue
         try:
             runners[variant].warmup()  # the compiled variant compiles (and times) its batch-1 step here
         except RuntimeError as e:  # no C++ compiler for Inductor, say: the other variants still run
             print(f"{variant}: left out ({e})", flush=True)
             del runners[variant]
+    if args.op_count:
+        for variant, runner in runners.items():
+            every, top = op_counts(runner)
+            print(f"{variant}: {every:.0f} dispatched ops per batch-1 decode forward ({top:.0f} top-level)", flush=True)
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if hf is not None:
         hf.generation_config.eos_token_id = None
     nbytes = weight_bytes(hf if hf is not None else next(iter(runners.values())).model)
     buffer = torch.ones(args.buffer_mib * 2**20 // 4)
-    probe, rows = HostProbe(), []
+    probe, rows, ratios = HostProbe(), [], []
     print(f"{host.describe()}, {args.threads} threads, weights {nbytes / 1e6:.0f} MB", flush=True)
     for r in range(args.rounds):
         before = probe.sample()
         gbs = intra_op.on_own_thread(lambda: bandwidth_gbs(buffer), args.threads)
-        ours = [
-            intra_op.on_own_thread(lambda runner=runner: decode_ms(runner, 1, args.steps), args.threads)
-            for runner in runners.values()
-        ]
+        timed = intra_op.on_own_thread(lambda: interleaved_ms(list(runners.values()), args.steps), args.threads)
+        ours, step_ratios = timed
+        ratios.append(step_ratios)
         model = next(iter(runners.values())).model
         ours.append(intra_op.on_own_thread(lambda m=model: linears_ms(m, args.steps), args.threads))
         theirs = float("nan")
@@ -161,6 +231,10 @@ def main(argv=None) -> None:
         ratio = [o / f for f, o in zip(cols[1], ms)]
         print(f"| {name}, ms per token | {statistics.median(ms):.1f} | {min(ms):.1f} |")
         print(f"| {name} / floor | {statistics.median(ratio):.2f}x | {min(ratio):.2f}x |")
+    for i, name in enumerate(list(runners)[1:], 1):
+        per_round = [r[i - 1] for r in ratios]
+        print(f"| ours ({name}) / ours ({next(iter(runners))}), paired steps | {statistics.median(per_round):.3f}x "
+              f"| {min(per_round):.3f}x |")  # fmt: skip
     for name, runner in runners.items():
         compiled = runner.model.compiled_layers
         if compiled is not None:

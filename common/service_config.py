@@ -94,6 +94,11 @@ class ModelFlags(FlagGroup, title="model"):
         choices=list(GREEDY_CHOICES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
+    disable_cpu_fused: bool = flag(
+        False,
+        "CPU fp32: run RMSNorm, SiLU-and-mul and decode attention through torch ops instead of the fused C++ "
+        "ops (built once per host on first use; without a compiler the torch ops run anyway)",
+    )
     constrained_json_disable_any_whitespace: bool = flag(
         False,
         "json_schema constraints (and smg's json_object) compile without free whitespace between JSON tokens "

@@ -18,6 +18,9 @@ elsewhere (and on torch < 2.5) K/V are repeat_interleave'd, since on CUDA `enabl
 falls back to the math kernel.
 Work and memory grow with the padded box B * Q_max * S_max, so very ragged batches waste compute
 on padding, but there is no Python loop over requests per layer.
+With the fused CPU ops (fp32, common/models/cpu_fused.py) a decode batch skips all of that:
+Attention.forward hands qkv_proj's output to `fused_decode`, one C++ call per layer that norms and
+rotates q/k, writes K/V and attends each request over its own slots (no gather, no padding work).
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def fold_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale) -
 class BatchedBackend(AttentionBackend):
     _scratch = None  # CPU: [2, rows, kv_heads, d] gathered K/V, reused by every layer, grown as needed
     mask_decodes_up_to = 1  # decodes of 2..N requests get a mask even without padding (torch compile)
+    fused = None  # CPU fp32: the fused ops (common/models/cpu_fused.py); decode batches go through them
+    fused_decode_now = False  # this forward's decode runs as one fused call per layer (`fused_decode`)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         table = self.req_to_token_pool.req_to_token
@@ -92,7 +97,18 @@ class BatchedBackend(AttentionBackend):
                 ~allowed, float("-inf")
             )
         self._batch, self._q_max = batch, q_max
-        k0 = self.kv_pool.k[0]  # on CPU, faulting in fresh pages each layer costs more than the gather
+        k0 = self.kv_pool.k[0]
+        self.fused_decode_now = (
+            self.fused is not None
+            and q_max == 1
+            and forward_batch.tree_mask is None
+            and k0.dtype == torch.float32
+            and k0.device.type == "cpu"
+            and forward_batch.out_cache_loc.dtype == torch.int64
+        )
+        # for the fused call, which reads each request's slots itself (no gather, no mask)
+        self._seq_t, self._slots_2d = seq_t, self._slots.view(batch, s_max)
+        # on CPU, faulting in fresh pages each layer costs more than the gather
         if k0.device.type == "cpu" and (self._scratch is None or self._scratch.shape[1] < batch * s_max):
             self._scratch = k0.new_empty((2, batch * s_max) + k0.shape[1:])
         self._flat = None  # None: packed queries are already [B, Q_max] in order
@@ -115,6 +131,19 @@ class BatchedBackend(AttentionBackend):
         cols = (prefix_t[:, None, None] + torch.arange(tree.shape[2], device=k_pos.device)).expand(-1, q_max, -1)
         block.scatter_(2, cols, tree)
         return ((k_pos[None, None, :] < prefix_t[:, None, None]) | block).unsqueeze(1)
+
+    def fused_decode(self, qkv, cos, sin, attn, forward_batch) -> torch.Tensor:
+        """A decode batch's attention from qkv_proj's output [B, (heads + 2 kv_heads) * d] in one call:
+        q/k norm (Qwen3), rotary, K/V written at out_cache_loc, attention over each request's slots
+        -> [B, heads * d] (what `forward` and the torch modules around it compute)."""
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        return self.fused.decode_attention(
+            qkv.contiguous(), cos, sin,  # cos / sin [B, 1, d], contiguous
+            None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+            q_norm.eps if q_norm is not None else 0.0, self.kv_pool.k[attn.layer], self.kv_pool.v[attn.layer],
+            forward_batch.out_cache_loc.contiguous(), self._slots_2d, self._seq_t,
+            attn.num_heads, attn.num_kv_heads, attn.scale,
+        )  # fmt: skip
 
     def forward(self, q, k, v, layer, forward_batch, scale):
         self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)

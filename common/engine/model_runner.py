@@ -18,7 +18,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
-from common.models import compiled_layers, linear_tuning, packed_linear
+from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear
 from common.models.config import ModelConfig, load_model_config
 from common.models.expert_load import ExpertLoad
 from common.models.loader import load_model, resolve_dtype
@@ -43,6 +43,7 @@ class RunnerArgs:
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
     static_decode_buffers: bool = False  # without capture (CPU): decode through the graphs' static buffers
     torch_compile_max_bs: int = 0  # CPU: decode batches up to this size through torch.compile (0 = off)
+    cpu_fused: bool = True  # CPU fp32: norms, SiLU-mul and decode attention as fused C++ ops (cpu_fused.py)
     kv_shared_dir: str | None = None  # CPU decode with the shm handoff: KV pools as files here (kv_pool.py)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
     ep_size: int = 1  # mixtures of experts under TP: 1 (a slice of every expert) or tp.size (whole experts)
@@ -62,6 +63,7 @@ class RunnerArgs:
             attention_backend=config.attention_backend,
             linear_layout=config.linear_layout,
             greedy_head=config.greedy_head,
+            cpu_fused=not config.disable_cpu_fused,
             ep_size=config.ep_size,
             constrained_json_disable_any_whitespace=config.constrained_json_disable_any_whitespace,
             **config.decode_step_args(),  # graphs, compile, shm KV: decode's flags; prefill runs no decode steps
@@ -77,7 +79,9 @@ class RunnerArgs:
 
 
 class ModelRunner:
-    def __init__(self, args: RunnerArgs, config: ModelConfig | None = None):
+    def __init__(self, args: RunnerArgs, config: ModelConfig | None = None, fused_build=cpu_fused.build_extension):
+        """`fused_build`: what builds the fused CPU ops (tests hand in a stand-in that fails)."""
+        self._fused_build = fused_build
         threads = torch.get_num_threads()  # the computing thread's count: layouts are timed (and compiled) with it
         self._threads = threads
         with intra_op.single_threaded():  # loading starts no OpenMP pool on this thread (intra_op.py)
@@ -133,6 +137,7 @@ class ModelRunner:
         if self.model.compiled_layers is not None:  # one graph per bucket: decodes of 2+ requests have a mask
             self.backend.mask_decodes_up_to = self.model.compiled_layers.max_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
+        self.cpu_fused = self._attach_cpu_fused(args)
         if self.attention_backend == "triton" and cfg.moe is not None:  # the experts as a grouped GEMM too
             from common.models.triton_moe import use_triton_experts
 
@@ -154,6 +159,19 @@ class ModelRunner:
                 block = per_row if tree else None
                 self.verify_graphs = CudaGraphRunner(verify, self.backend, self.device, max_bs, capture,
                                                   tokens_per_row=per_row, tree_block=block)  # fmt: skip
+
+    def _attach_cpu_fused(self, args: RunnerArgs):
+        """The fused CPU ops where they apply (built on first use; None, after a log line, where not)."""
+        # off by flag; not CPU fp32 or under TP; compiled (Inductor traces the torch ops and fuses them itself)
+        if not args.cpu_fused or cpu_fused.usable(self.device, self.dtype, args.tp.size) is not None:
+            return None
+        if self.model.compiled_layers is not None:
+            return None
+        ops = cpu_fused.load(self._fused_build)
+        cpu_fused.attach(self.model, self.backend, ops)
+        if self.draft is not None:  # the EAGLE head's layer and its one-layer pool's backend too
+            cpu_fused.attach(self.draft.head, self.draft.backend, ops)
+        return ops
 
     def _graph_sets(self) -> list:
         """Every static-buffer step runner with its name: target decode, verify, draft steps and extend."""

@@ -27,12 +27,16 @@ from common.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(DirectCall):
+    fused = None  # CPU fp32: the fused ops (common/models/cpu_fused.py), one pass per row
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous():
+            return self.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op (each op costs a few microseconds on CPU)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
@@ -73,6 +77,9 @@ class Attention(DirectCall):
         """o_proj(attention(x)), plus `residual` when given."""
         t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if self.tp is None and getattr(backend, "fused_decode_now", False) and cos.shape[-1] == d:
+            out = backend.fused_decode(qkv, cos, sin, self, forward_batch)  # norm, rotary, KV write, attention
+            return row_parallel(self.o_proj, out, residual, self.tp)
         qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
         v = qkv[:, qk_size:].view(t, kv_heads, d)
         if hasattr(self, "q_norm"):
@@ -90,6 +97,7 @@ class Attention(DirectCall):
 
 class MLP(DirectCall):
     tp = None
+    fused = None  # CPU fp32: silu(gate) * up in one op (common/models/cpu_fused.py)
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
@@ -99,8 +107,12 @@ class MLP(DirectCall):
 
     def forward(self, x, residual=None):
         """down(silu(gate) * up), plus `residual` when given."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+            h = self.fused.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
         return row_parallel(self.down_proj, h, residual, self.tp)
 
 

@@ -1,0 +1,219 @@
+// Fused CPU fp32 ops for small decode batches (common/models/cpu_fused.py builds and loads this file).
+//
+// A batch-1 decode forward on CPU is the weights streamed once plus ~2,000 small dispatched torch ops
+// (norm, rotary, KV write, paged gather, SDPA, SiLU-mul): each costs a few microseconds whatever its
+// size. These ops do the same arithmetic in one call each:
+//   rms_norm(x [N, D], w [D], eps)                      -> x * rsqrt(mean(x^2) + eps) * w
+//   silu_and_mul(gate_up [N, 2I])                       -> silu(gate) * up  [N, I]
+//   decode_attention(qkv [B, (H + 2 KV) d], ...)        -> [B, H d]: what the batched backend's decode
+//     path computes between qkv_proj and o_proj: optional per-head q/k RMSNorm (Qwen3), the half-split
+//     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
+//     request's query heads attending over its first seq_lens[b] slots (slots [B, S_max], read from
+//     req_to_token), GQA heads h -> kv head h / (H / KV) (HF's repeat_kv order), softmax in fp32.
+// Work is split over (request, kv head) with at::parallel_for once it is large enough to pay for a
+// parallel region; the inner loops are left to the compiler (-O3 -march=native, omp simd reductions).
+// Padded lanes may share out_loc 0 (the padding slot, never read for a real request).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kParallelWork = 1 << 17;  // elements touched: below this a parallel region costs more
+
+int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_item));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void rms_row(const float* x, const float* w, float eps, int64_t d, float* out) {
+  const float inv = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// out = x * cos + [x2, x1] * sin (sin's first half already negated), as rope.apply_rotary
+inline void rotary(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+// the rows a few slots ahead: slots are scattered, so the hardware prefetchers cannot see them coming
+constexpr int64_t kAhead = 8;
+inline void prefetch_row(const float* p, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(p + i);
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, ": CPU float32 expected");
+  TORCH_CHECK(t.is_contiguous(), name, ": contiguous expected");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  const int64_t d = x.size(-1), n = d ? x.numel() / d : 0;
+  TORCH_CHECK(w.numel() == d, "weight: ", d, " elements expected");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, n, grain_for(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_row(px + r * d, pw, e, d, po + r * d);
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_f32(gate_up, "gate_up");
+  const int64_t two_i = gate_up.size(-1), inter = two_i / 2, n = two_i ? gate_up.numel() / two_i : 0;
+  TORCH_CHECK(two_i % 2 == 0, "gate_up: an even last dimension expected");
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  const float* pg = gate_up.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(two_i), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = pg + r * two_i, *u = g + inter;
+      float* o = po + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attention(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
+    double scale) {
+  for (auto* t : {&qkv, &cos, &sin, &k_cache, &v_cache}) check_f32(*t, "qkv/cos/sin/k_cache/v_cache");
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  const int64_t batch = qkv.size(0), d = k_cache.size(-1), group = heads / kv_heads;
+  const int64_t width = (heads + 2 * kv_heads) * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "qkv: [B, (heads + 2 kv_heads) head_dim] expected");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == kv_heads && v_cache.sizes() == k_cache.sizes(),
+              "k_cache / v_cache: [slots, kv_heads, head_dim] expected");
+  TORCH_CHECK(cos.numel() == batch * d && sin.numel() == batch * d, "cos / sin: [B, head_dim] expected");
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  for (auto* t : {&out_loc, &slots, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
+                "out_loc / slots / seq_lens: contiguous int64 expected");
+  }
+  TORCH_CHECK(out_loc.numel() == batch && seq_lens.numel() == batch && slots.dim() == 2 && slots.size(0) == batch,
+              "out_loc [B], slots [B, S_max], seq_lens [B] expected");
+  const float *qn = nullptr, *kn = nullptr;
+  if (q_norm.has_value()) {
+    check_f32(*q_norm, "q_norm");
+    qn = q_norm->data_ptr<float>();
+  }
+  if (k_norm.has_value()) {
+    check_f32(*k_norm, "k_norm");
+    kn = k_norm->data_ptr<float>();
+  }
+  const int64_t s_max = slots.size(1), num_slots = k_cache.size(0);
+  const int64_t *ploc = out_loc.data_ptr<int64_t>(), *pslots = slots.data_ptr<int64_t>();
+  const int64_t* pseq = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(pseq[b] >= 1 && pseq[b] <= s_max, "seq_lens out of range");
+    TORCH_CHECK(ploc[b] >= 0 && ploc[b] < num_slots, "out_loc out of range");
+  }
+  at::Tensor out = at::empty({batch, heads * d}, qkv.options());
+  const float *pqkv = qkv.data_ptr<float>(), *pcos = cos.data_ptr<float>(), *psin = sin.data_ptr<float>();
+  float *pk = k_cache.data_ptr<float>(), *pv = v_cache.data_ptr<float>(), *pout = out.data_ptr<float>();
+  const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
+  const int64_t row = kv_heads * d;  // one slot's K (or V) of one layer
+
+  at::parallel_for(0, batch * kv_heads, grain_for(s_max * d * (group + 1) * 2), [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(d), q(group * d), acc(group * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, seq = pseq[b];
+      const float *src = pqkv + b * width, *c = pcos + b * d, *s = psin + b * d;
+      // this token's K (normed, rotated) and V into the pool
+      const float* k_in = src + (heads + h) * d;
+      if (kn != nullptr) {
+        rms_row(k_in, kn, e, d, tmp.data());
+        k_in = tmp.data();
+      }
+      rotary(k_in, c, s, d, pk + ploc[b] * row + h * d);
+      std::copy(src + (heads + kv_heads + h) * d, src + (heads + kv_heads + h + 1) * d, pv + ploc[b] * row + h * d);
+      // the group's queries
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q_in = src + (h * group + g) * d;
+        if (qn != nullptr) {
+          rms_row(q_in, qn, e, d, tmp.data());
+          q_in = tmp.data();
+        }
+        rotary(q_in, c, s, d, q.data() + g * d);
+      }
+      // scores over the request's slots, softmax, weighted V
+      scores.resize(group * seq);
+      const int64_t* sl = pslots + b * s_max;
+      for (int64_t j = 0; j < seq; ++j) {
+        if (j + kAhead < seq) prefetch_row(pk + sl[j + kAhead] * row + h * d, d);
+        const float* key = pk + sl[j] * row + h * d;
+        for (int64_t g = 0; g < group; ++g) scores[g * seq + j] = dot(q.data() + g * d, key, d) * sc;
+      }
+      std::vector<float> inv_sum(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* p = scores.data() + g * seq;
+        const float m = *std::max_element(p, p + seq);
+        float sum = 0.f;
+        for (int64_t j = 0; j < seq; ++j) {
+          p[j] = std::exp(p[j] - m);
+          sum += p[j];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < seq; ++j) {
+        if (j + kAhead < seq) prefetch_row(pv + sl[j + kAhead] * row + h * d, d);
+        const float* val = pv + sl[j] * row + h * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * seq + j];
+          float* a = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] += p * val[i];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = pout + b * heads * d + (h * group + g) * d;
+        const float* a = acc.data() + g * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) o[i] = a[i] * inv_sum[g];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(disagg_cpu_fused, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def(
+      "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "
+      "int kv_heads, float scale) -> Tensor",
+      &decode_attention);
+}

@@ -1,0 +1,129 @@
+"""Fused CPU fp32 ops (common/kernels/cpu_fused.cpp), built on first use on this host, or None.
+
+A batch-1 CPU decode forward of SmolLM2-135M streams its weights in ~1.0-1.1x the bandwidth floor,
+then spends ~8-11 ms more in ~2,000 small dispatched ops outside the linears (BENCHMARKS.md). The
+extension does each layer's RMSNorms, SiLU-and-mul, and (decode batches) q/k norm + rotary + KV write
++ paged attention in one call each (`attach` wires them in: RMSNorm, MLP, the batched backend; the
+target's and the EAGLE head's).
+
+The build runs once per host, torch and source: `torch.utils.cpp_extension.load` with `-O3
+-march=native`, cached under ~/.cache/disagg-serve/cpu-fused/<key> (the key hashes the CPU's
+flags, torch's version and the source, since -march=native code is for this CPU only); the log says
+when it compiles (12-15 s on a 2-core AMD EPYC) and how long it took. Where the build or the load fails (no
+compiler, no ninja, an error), one log line says why and everything runs the torch path as before.
+`--disable-cpu-fused` turns it off. A test hands `load` a stand-in `build` to prove the fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu_fused.cpp")
+NAME = "disagg_cpu_fused"
+_lock = threading.Lock()
+_loaded: dict[object, FusedOps | None] = {}  # per build callable
+
+
+def cpu_flags() -> str:
+    """The CPU's model and ISA flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("flags", "model name"))][:2]
+        return "".join(sorted(lines))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_dir() -> str:
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(cpu_flags().encode() + torch.__version__.encode() + source).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "disagg-serve", "cpu-fused", key)
+
+
+def build_extension() -> None:
+    """Compile (or find compiled) and load the library into torch.ops.disagg_cpu_fused."""
+    from torch.utils import cpp_extension
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+    folder = build_dir()
+    os.makedirs(folder, exist_ok=True)
+    fresh = not any(name.endswith(".so") for name in os.listdir(folder))
+    if fresh:
+        log.info("CPU fused ops: compiling %s for this host into %s (once per host and torch; ~15 s)", SOURCE, folder)
+    start = time.perf_counter()
+    cpp_extension.load(
+        NAME,
+        [SOURCE],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],  # libgomp: torch's own, already loaded
+        extra_ldflags=["-fopenmp"],
+        build_directory=folder,
+        is_python_module=False,
+        verbose=False,
+    )
+    if fresh:
+        log.info("CPU fused ops: built in %.1f s", time.perf_counter() - start)
+
+
+class FusedOps:
+    """The loaded ops (torch.ops.disagg_cpu_fused), called by the modules `attach` marks."""
+
+    def __init__(self):
+        ops = getattr(torch.ops, NAME)
+        self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
+
+
+def load(build: Callable[[], None] = build_extension) -> FusedOps | None:
+    """The fused ops, built and loaded once per process (per `build`), or None after one log line."""
+    with _lock:
+        if build not in _loaded:
+            try:
+                build()
+                _loaded[build] = FusedOps()
+                log.info("CPU fused ops: loaded (RMSNorm, SiLU-and-mul, decode attention; --disable-cpu-fused: off)")
+            except Exception as e:  # noqa: BLE001 (any failure: the torch path serves)
+                reason = " ".join(str(e).split())  # one line, even for a compiler's output
+                reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-200:]}"
+                log.warning("CPU fused ops unavailable (%s: %s); using the torch path", type(e).__name__, reason)
+                _loaded[build] = None
+        return _loaded[build]
+
+
+def usable(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
+    """Why the fused ops do not apply to this runner (None: they do)."""
+    if device.type != "cpu":
+        return "not on CPU"
+    if dtype != torch.float32:
+        return f"dtype {dtype}, not float32"
+    if tp_size > 1:
+        return "tensor parallelism"
+    return None
+
+
+def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
+    """Give the model's RMSNorms and dense MLPs and the batched backend (whose decode batches then
+    run each layer's attention as one call from Attention.forward) the ops, or with None take them
+    away; returns how many modules got them."""
+    from common.models.decoder import MLP, RMSNorm
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, MLP)):
+            module.fused = ops
+            n += 1
+    if hasattr(backend, "fused_decode"):
+        backend.fused = ops
+        n += 1
+    return n if ops is not None else 0

@@ -1,0 +1,165 @@
+"""The fused CPU ops (common/kernels/cpu_fused.cpp) against the torch composites they replace, within
+fp32 rounding; greedy tokens through them token-exact with HF; a failed build leaves the torch path."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.attention.batched import BatchedBackend
+from common.engine.colocated import ColocatedLoop
+from common.engine.forward_batch import ForwardBatch
+from common.engine.kv_pool import KVPool
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.req_to_token_pool import ReqToTokenPool
+from common.engine.sampling import SamplingParams
+from common.models import cpu_fused
+from common.models.decoder import RMSNorm
+from common.models.rope import RotaryEmbedding, apply_rotary
+from tests.oracle import hf_greedy
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu_fused.load()
+    if loaded is None:
+        pytest.skip("the fused CPU ops did not build here (the log says why)")
+    return loaded
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (300, 128), (2, 3, 32)])
+def test_rms_norm_matches_torch(ops, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x, w = torch.randn(shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    ref = F.rms_norm(x, w.shape, w, 1e-6)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ref, **TOL)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # HF's composite
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), h, **TOL)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 74), (129, 256)])
+def test_silu_and_mul_matches_torch(ops, shape):
+    gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
+
+
+def _decode_case(lengths, heads, kv_heads, d, seed):
+    """A decode batch over scattered KV slots, each request's prefix KV already in the pool."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots, layers = 400, 2
+    pool = KVPool(num_slots, layers, kv_heads, d, torch.float32)
+    pool.k_all.copy_(torch.randn(pool.k_all.shape, generator=g))
+    pool.v_all.copy_(torch.randn(pool.v_all.shape, generator=g))
+    r2t = ReqToTokenPool(8, 64)
+    free = (torch.randperm(num_slots, generator=g) + 1).tolist()  # slot 0 is padding
+    rows = []
+    for n in lengths:  # n = the KV length after this step (prefix n - 1, then the new token)
+        rows.append(r2t.alloc())
+        r2t.write(rows[-1], 0, torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32))
+    fb = ForwardBatch.decode(r2t.req_to_token, torch.tensor(rows), [n - 1 for n in lengths], torch.zeros(len(rows)))
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * d, generator=g)
+    return pool, r2t, fb, qkv
+
+
+@pytest.mark.parametrize("lengths", [[20], [1], [7, 33, 1, 18]], ids=["b1", "b1-first", "ragged4"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)], ids=["group1", "group3"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, d, qk_norm):
+    pool, r2t, fb, qkv = _decode_case(lengths, heads, kv_heads, d, seed=len(lengths) * d + heads)
+    layer, b = 1, len(lengths)
+    cos, sin = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, d).cos_sin(fb.positions, torch.float32)
+    attn = SimpleNamespace(layer=layer, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, scale=d**-0.5)
+    if qk_norm:
+        attn.q_norm, attn.k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight = torch.nn.Parameter(torch.rand(d) + 0.5, requires_grad=False)
+    # the torch path: Attention.forward's q/k norm and rotary, then the backend's write, gather and SDPA
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    q, k, v = q.reshape(b, heads, d), k.reshape(b, kv_heads, d), v.reshape(b, kv_heads, d)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    ref_pool = KVPool(400, 2, kv_heads, d, torch.float32)
+    ref_pool.k_all.copy_(pool.k_all), ref_pool.v_all.copy_(pool.v_all)
+    ref = BatchedBackend(ref_pool, r2t)
+    ref.init_forward_metadata(fb)
+    assert not ref.fused_decode_now
+    expected = ref.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, fb, attn.scale)
+
+    fused = BatchedBackend(pool, r2t)
+    fused.fused = ops
+    fused.init_forward_metadata(fb)
+    assert fused.fused_decode_now
+    out = fused.fused_decode(qkv, cos, sin, attn, fb)
+    torch.testing.assert_close(out, expected.reshape(b, heads * d), **TOL)
+    torch.testing.assert_close(pool.k_all, ref_pool.k_all, **TOL)  # the new K (rotated) and V written alike
+    torch.testing.assert_close(pool.v_all, ref_pool.v_all, rtol=0, atol=0)
+
+
+def test_extends_and_trees_keep_the_torch_attention(ops, checkpoint):
+    """Only batches of one query per request without a tree go through the fused attention."""
+    runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=128, max_running_requests=2))
+    assert runner.cpu_fused is ops and runner.backend.fused is ops
+    table, row = runner.req_to_token_pool.req_to_token, runner.req_to_token_pool.alloc()
+    runner.req_to_token_pool.write(row, 0, runner.kv_allocator.alloc(8))
+    runner.backend.init_forward_metadata(ForwardBatch.extend(table, [row], [0], [[5, 6, 7]]))
+    assert not runner.backend.fused_decode_now
+    one_node = torch.ones(1, 1, 1, dtype=torch.bool)  # a tree of one node: one query, but a tree mask
+    tree = ForwardBatch.tree(
+        table, torch.tensor([row]), [row], [3], torch.tensor([9]), torch.zeros(1, 1), [0], one_node
+    )
+    runner.backend.init_forward_metadata(tree)
+    assert not runner.backend.fused_decode_now
+    runner.backend.init_forward_metadata(ForwardBatch.decode(table, torch.tensor([row]), [3], torch.tensor([9])))
+    assert runner.backend.fused_decode_now
+
+
+PROMPTS = [[5, 17, 99, 3], [7] * 11, [200, 13]]
+NEW = 12
+
+
+def _greedy(runner) -> list[list[int]]:
+    reqs = ColocatedLoop(runner, chunk_size=16).generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    return [r.output for r in reqs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_through_the_fused_ops_matches_hf(ops, checkpoint, arch):
+    path = checkpoint(arch)
+    runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4))
+    assert runner.backend.fused is ops and runner.model.model.norm.fused is ops
+    assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
+
+
+class BrokenBuild:
+    """A stand-in for a build that fails (no compiler, a compile error)."""
+
+    calls = 0
+
+    def __call__(self):
+        BrokenBuild.calls += 1
+        raise RuntimeError("stand-in: the compiler failed")
+
+
+def test_a_failed_build_leaves_the_torch_path(checkpoint, caplog):
+    path, broken = checkpoint("llama"), BrokenBuild()
+    with caplog.at_level(logging.WARNING, logger=cpu_fused.__name__):
+        runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4), fused_build=broken)
+        ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4), fused_build=broken)
+    lines = [r.getMessage() for r in caplog.records if r.name == cpu_fused.__name__]
+    assert lines == ["CPU fused ops unavailable (RuntimeError: stand-in: the compiler failed); using the torch path"]
+    assert BrokenBuild.calls == 1  # tried once per process, not once per runner
+    assert runner.cpu_fused is None and runner.backend.fused is None and runner.model.model.norm.fused is None
+    assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
+
+
+def test_the_flag_turns_it_off(checkpoint):
+    runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=1, cpu_fused=False))
+    assert runner.cpu_fused is None and runner.backend.fused is None
