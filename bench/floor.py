@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     if hf is not None:
         hf.generation_config.eos_token_id = None
     nbytes = weight_bytes(hf if hf is not None else next(iter(runners.values())).model)
-    buffer = torch.ones(args.buffer_mib * 2**20 // 4)
+    buffer = torch.rand(args.buffer_mib * 2**20 // 4)  # not all-equal pages: a host may merge those (KSM)
     probe, rows, ratios = HostProbe(), [], []
     print(f"{host.describe()}, {args.threads} threads, weights {nbytes / 1e6:.0f} MB", flush=True)
     for r in range(args.rounds):

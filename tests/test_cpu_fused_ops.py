@@ -50,6 +50,32 @@ def test_silu_and_mul_matches_torch(ops, shape):
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, **TOL)
 
 
+@pytest.mark.parametrize(
+    "rows,n,k,bias,residual",
+    [(1, 960, 576, False, False), (2, 577, 64, True, False), (4, 13, 1536, True, True), (3, 1024, 100, False, True)],
+)
+def test_gemv_matches_the_rowblock_bmm(ops, rows, n, k, bias, residual):
+    """The rowblock layout's few-row path: the same as its bmm (and F.linear) within fp32 rounding,
+    bias and residual added in the op; above GEMV_ROWS rows the bmm serves."""
+    from common.models.packed_linear import GEMV_ROWS, LinearWeight
+
+    g = torch.Generator().manual_seed(rows * n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    res = torch.randn(rows, n, generator=g) if residual else None
+    lw = LinearWeight(w, b)
+    plain = lw.run("rowblock", x, res)
+    lw.gemv = ops.gemv
+    fused = lw.run("rowblock", x, res)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused, F.linear(x, w, b) + (0 if res is None else res), rtol=1e-5, atol=1e-4)
+    calls = []
+    lw.gemv = lambda *a: calls.append(a) or ops.gemv(*a)
+    lw.run("rowblock", torch.randn(GEMV_ROWS + 1, k, generator=g))
+    lw.run("rowblock", x)
+    assert len(calls) == 1  # rows above GEMV_ROWS went to the bmm
+
+
 def _decode_case(lengths, heads, kv_heads, d, seed):
     """A decode batch over scattered KV slots, each request's prefix KV already in the pool."""
     g = torch.Generator().manual_seed(seed)

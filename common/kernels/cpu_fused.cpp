@@ -5,6 +5,9 @@
 // size. These ops do the same arithmetic in one call each:
 //   rms_norm(x [N, D], w [D], eps)                      -> x * rsqrt(mean(x^2) + eps) * w
 //   silu_and_mul(gate_up [N, 2I])                       -> silu(gate) * up  [N, I]
+//   gemv(x [R, K], w [N, K], bias?, residual?)         -> residual + x @ w.T + bias [R, N], for a few
+//     rows R (a decode step's): each thread streams its own contiguous run of w's rows once, every
+//     x row dotted against each weight row while it is in cache (the weights cross memory once);
 //   decode_attention(qkv [B, (H + 2 KV) d], ...)        -> [B, H d]: what the batched backend's decode
 //     path computes between qkv_proj and o_proj: optional per-head q/k RMSNorm (Qwen3), the half-split
 //     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
@@ -206,11 +209,56 @@ at::Tensor decode_attention(
   return out;
 }
 
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+               const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [R, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv: float32 only");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv: contiguous x and w");
+  const int64_t rows = x.size(0), n = w.size(0), k = w.size(1);
+  at::Tensor out = residual.has_value() ? residual->contiguous().clone() : at::empty({rows, n}, x.options());
+  if (!residual.has_value()) out.zero_();
+  const float* px = x.data_ptr<float>();
+  const float* pw = w.data_ptr<float>();
+  const float* pb = bias.has_value() ? bias->contiguous().data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  // a grain of weight rows per task: whole runs of ~64 KiB, so each thread streams contiguous memory
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    int64_t j = begin;
+    for (; j + 4 <= end; j += 4) {  // four weight rows at a time: four streams in flight per thread
+      const float *w0 = pw + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = px + r * k;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t i = 0; i < k; ++i) {
+          s0 += xr[i] * w0[i];
+          s1 += xr[i] * w1[i];
+          s2 += xr[i] * w2[i];
+          s3 += xr[i] * w3[i];
+        }
+        float* o = po + r * n + j;
+        o[0] += s0 + (pb != nullptr ? pb[j] : 0.f);
+        o[1] += s1 + (pb != nullptr ? pb[j + 1] : 0.f);
+        o[2] += s2 + (pb != nullptr ? pb[j + 2] : 0.f);
+        o[3] += s3 + (pb != nullptr ? pb[j + 3] : 0.f);
+      }
+    }
+    for (; j < end; ++j) {
+      const float* wr = pw + j * k;
+      const float add = pb != nullptr ? pb[j] : 0.f;
+      for (int64_t r = 0; r < rows; ++r) po[r * n + j] += dot(px + r * k, wr, k) + add;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor", &gemv);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "

@@ -3,8 +3,8 @@
 A batch-1 CPU decode forward of SmolLM2-135M streams its weights in ~1.0-1.1x the bandwidth floor,
 then spends ~8-11 ms more in ~2,000 small dispatched ops outside the linears (BENCHMARKS.md). The
 extension does each layer's RMSNorms, SiLU-and-mul, and (decode batches) q/k norm + rotary + KV write
-+ paged attention in one call each (`attach` wires them in: RMSNorm, MLP, the batched backend; the
-target's and the EAGLE head's).
++ paged attention in one call each, and the rowblock layout's GEMV for up to 4 rows (`attach` wires
+them in: RMSNorm, MLP, the linear weights, the batched backend; the target's and the EAGLE head's).
 
 The build runs once per host, torch and source: `torch.utils.cpp_extension.load` with `-O3
 -march=native`, cached under ~/.cache/disagg-serve/cpu-fused/<key> (the key hashes the CPU's
@@ -83,6 +83,7 @@ class FusedOps:
     def __init__(self):
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
+        self.gemv = ops.gemv
 
 
 def load(build: Callable[[], None] = build_extension) -> FusedOps | None:
@@ -114,10 +115,14 @@ def usable(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None
 
 def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     """Give the model's RMSNorms and dense MLPs and the batched backend (whose decode batches then
-    run each layer's attention as one call from Attention.forward) the ops, or with None take them
-    away; returns how many modules got them."""
+    run each layer's attention as one call from Attention.forward) the ops, and its linear weights
+    the gemv of their rowblock layout, or with None take them away; returns how many modules (norms,
+    MLPs, the backend) got them."""
     from common.models.decoder import MLP, RMSNorm
+    from common.models.packed_linear import linear_weights
 
+    for weight in linear_weights(model):  # the rowblock layout's few-row steps (lm_head too)
+        weight.gemv = None if ops is None else ops.gemv
     n = 0
     for module in model.modules():
         if isinstance(module, (RMSNorm, MLP)):

@@ -10,7 +10,10 @@ it. The layouts:
 - `mkl`: `F.linear` on the plain weight (MKL's sgemm; what transformers runs);
 - `onednn`: oneDNN's blocked format, re-laid once (`BATCH_HINT`); its epilogue adds a residual;
 - `rowblock`: `weight.view(parts, out / parts, in)` and one `torch.bmm`, which streams a GEMV's
-  weight on all threads (a view of the plain weight: no copy).
+  weight on all threads (a view of the plain weight: no copy); for up to GEMV_ROWS rows, where the
+  fused CPU ops are loaded (common/models/cpu_fused.py), their `gemv` instead: each thread streams its
+  own run of weight rows once and adds bias and residual itself (2-row steps 0.70-0.85x of bmm's on
+  a 2-core AMD EPYC, 1 row 0.9-1.0x).
 `pack_linears(model)` swaps every nn.Linear for a `PackedLinear`; `LinearWeight` (also used for
 lm_heads) holds the layouts of one weight. The oneDNN copy is dropped once the plan never uses it.
 Results equal F.linear within fp32 rounding (another summation order). Only for CPU: on CUDA,
@@ -29,6 +32,7 @@ BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine f
 LAYOUTS = ("mkl", "onednn", "rowblock")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows r use the plan of the first bucket >= r (the last above)
 DEFAULT_PLAN = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)  # before tuning: the AMD host's choice
+GEMV_ROWS = 4  # the fused gemv serves rowblock up to this many rows (a GEMM's blocking wins above)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -62,7 +66,7 @@ class LinearWeight:
         parts = next(p for p in (8, 4, 2, 1) if self.out_features % p == 0)
         self.blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
         self.plan = DEFAULT_PLAN
-
+        self.gemv = None  # the fused CPU ops' gemv (cpu_fused.attach), or None: bmm
     @property
     def shape_key(self) -> tuple[int, int, bool]:
         """Weights with one key time alike: tuning measures one of them."""
@@ -96,6 +100,8 @@ class LinearWeight:
             if residual is not None and self.bias is None:  # the add inside the GEMM (beta = 1): one op fewer
                 return torch.addmm(residual, x2, self.weight.t())
             out = F.linear(x2, self.weight, self.bias)
+        elif self.gemv is not None and x2.shape[0] <= GEMV_ROWS:
+            return self.gemv(x2.contiguous(), self.weight, self.bias, residual)
         else:
             rows = x2.shape[0]
             out = torch.bmm(self.blocks, x2.t().unsqueeze(0).expand(self.blocks.shape[0], -1, -1))
