@@ -175,8 +175,11 @@ class PrefillScheduler:
         self._close(RuntimeError("prefill service stopping"))
 
     def event_loop(self) -> None:
+        threads = intra_op.held_threads()  # the computing count this thread was started with
         while True:
             self.wait_for_work()
+            if threads is not None:
+                intra_op.hold(threads)  # set back if something changed it (intra_op.hold)
             stopping = self.process_input_requests()
             self.drop_cancelled()
             self.get_new_batch()

@@ -100,3 +100,25 @@ def test_services_set_their_openmp_spin_before_torch_loads():
         check=True,
     ).stdout
     assert out.strip().splitlines()[-1] == "123"
+
+
+def test_a_stream_sets_its_count_back_when_something_changed_it():
+    """intra_op.hold: the forward stream checks its count before each piece of work (in the decode
+    service something dropped it to 1 a few forwards in, and every later forward ran on one core)."""
+    import torch
+
+    from common.engine.streams import WorkerStream
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        stream = WorkerStream("hold")
+    finally:
+        torch.set_num_threads(before)
+    seen = []
+    stream.submit(lambda: seen.append(torch.get_num_threads()))
+    stream.submit(lambda: torch.set_num_threads(1))  # as the unknown cause does
+    stream.submit(lambda: seen.append(torch.get_num_threads()))
+    stream.synchronize(timeout=30)
+    stream.close()
+    assert seen == [2, 2] and stream._restored == 1

@@ -24,6 +24,12 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+_held = threading.local()  # the count a computing thread was started with (thread_target)
+
+
+def held_threads() -> int | None:
+    """The calling thread's computing count if it is a computing thread (thread_target), else None."""
+    return getattr(_held, "threads", None)
 
 
 def pin(threads: int) -> None:
@@ -32,6 +38,19 @@ def pin(threads: int) -> None:
     and a later `torch.set_num_threads` on another thread cannot reach this one."""
     torch.set_num_threads(threads)
     torch.get_num_threads()
+
+
+def hold(threads: int) -> bool:
+    """Set the calling computing thread's count back to `threads` where something changed it; True
+    if it had to. Measured in the decode service (2026-11-26): a few forwards after start-up the
+    forward stream's count read 1 instead of 2 (the OpenMP count of the thread, omp_get_max_threads,
+    with it), and every later forward ran on one core (a batch-64 step 425-496 ms against 290 ms in
+    one process); where it comes from is not found yet, so the computing threads check it before each
+    piece of work (a read of a thread-local, far below a microsecond)."""
+    if torch.get_num_threads() == threads:
+        return False
+    pin(threads)
+    return True
 
 
 def pin_single() -> None:
@@ -58,6 +77,7 @@ def thread_target(fn: Callable[[], T], threads: int | None = None) -> Callable[[
 
     def run() -> T:
         pin(threads)
+        _held.threads = threads
         return fn()
 
     return run

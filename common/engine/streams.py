@@ -23,6 +23,7 @@ The event contract, the same on both (DESIGN section 6, invariant 3):
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -32,6 +33,8 @@ from collections.abc import Callable
 import torch
 
 from common.engine import intra_op
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a waiter re-checks a stream for failure (the event itself wakes it at once)
 
@@ -70,7 +73,9 @@ class WorkerStream:
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         # the process's computing thread, with the creator's intra-op thread count (intra_op.py)
-        self._thread = threading.Thread(target=intra_op.thread_target(self._loop), name=f"{name}-stream", daemon=True)
+        self._threads, self._restored = torch.get_num_threads(), 0  # its computing count, and how often restored
+        target = intra_op.thread_target(self._loop, self._threads)
+        self._thread = threading.Thread(target=target, name=f"{name}-stream", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
@@ -81,6 +86,10 @@ class WorkerStream:
             fn, is_signal = item
             if self._error is not None and not is_signal:
                 continue  # after a failure only event signals run, so `record`ed events still fire
+            if intra_op.hold(self._threads):
+                self._restored += 1
+                if self._restored == 1:  # said once: the count was changed under this thread
+                    log.warning("forward stream: its intra-op thread count had changed; set back to %d", self._threads)
             try:
                 fn()
             except BaseException as e:  # surfaced to the schedule side
