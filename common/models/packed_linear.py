@@ -67,6 +67,7 @@ class LinearWeight:
         self.blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
         self.plan = DEFAULT_PLAN
         self.gemv = None  # the fused CPU ops' gemv (cpu_fused.attach), or None: bmm
+
     @property
     def shape_key(self) -> tuple[int, int, bool]:
         """Weights with one key time alike: tuning measures one of them."""
