@@ -89,7 +89,7 @@ class WorkerStream:
             if intra_op.hold(self._threads):
                 self._restored += 1
                 if self._restored == 1:  # said once: the count was changed under this thread
-                    log.warning("forward stream: its intra-op thread count had changed; set back to %d", self._threads)
+                    log.info("forward stream: its intra-op thread count had changed; set back to %d", self._threads)
             try:
                 fn()
             except BaseException as e:  # surfaced to the schedule side
