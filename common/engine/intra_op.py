@@ -42,11 +42,14 @@ def pin(threads: int) -> None:
 
 def hold(threads: int) -> bool:
     """Set the calling computing thread's count back to `threads` where something changed it; True
-    if it had to. Measured in the decode service (2026-11-26): a few forwards after start-up the
-    forward stream's count read 1 instead of 2 (the OpenMP count of the thread, omp_get_max_threads,
-    with it), and every later forward ran on one core (a batch-64 step 425-496 ms against 290 ms in
-    one process); where it comes from is not found yet, so the computing threads check it before each
-    piece of work (a read of a thread-local, far below a microsecond)."""
+    if it had to. Seen in the decode service (2026-11-26): at its first decode step the forward
+    stream's count fell from 2 to 1 and every later step ran on one core (a batch-64 step 425-496 ms
+    against 290 ms in one process). The cause: a library compiled against ATen (the fused CPU ops)
+    carries its own copy of ATen's lazy per-thread count set-up, whose first parallel call on a
+    thread re-reads torch's process-wide count, i.e. the last `torch.set_num_threads` of any thread
+    (1, from `pin_single` in the helper pools). The fused ops no longer use that set-up
+    (common/kernels/cpu_fused.cpp); this check stays as a guard against any other such library (a
+    read of a thread-local per piece of work, far below a microsecond)."""
     if torch.get_num_threads() == threads:
         return False
     pin(threads)

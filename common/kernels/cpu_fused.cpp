@@ -13,15 +13,16 @@
 //     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
 //     request's query heads attending over its first seq_lens[b] slots (slots [B, S_max], read from
 //     req_to_token), GQA heads h -> kv head h / (H / KV) (HF's repeat_kv order), softmax in fp32.
-// Work is split over (request, kv head) with at::parallel_for once it is large enough to pay for a
+// Work is split over (request, kv head) with parallel_range (below) once it is large enough to pay for a
 // parallel region; the inner loops are left to the compiler (-O3 -march=native, omp simd reductions).
 // Padded lanes may share out_loc 0 (the padding slot, never read for a real request).
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +35,29 @@ constexpr int64_t kParallelWork = 1 << 17;  // elements touched: below this a pa
 
 int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_item));
+}
+
+// at::parallel_for's split (chunks of at least `grain` items over the calling thread's OpenMP team)
+// without its lazy thread-count set-up: compiled into this library, that set-up keeps a per-thread
+// flag of its own, so its first call on a thread re-read torch's process-wide count (the last
+// torch.set_num_threads of any thread: 1 from the services' helper threads) and dropped the decode
+// service's forward stream to one core. Here the team is the caller's own omp_get_max_threads().
+template <typename F>
+void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t team = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t threads = std::min<int64_t>(team, (n + grain - 1) / grain);
+  if (threads <= 1) {
+    f(begin, end);
+    return;
+  }
+  const int64_t chunk = (n + threads - 1) / threads;
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int64_t first = begin + omp_get_thread_num() * chunk;
+    if (first < end) f(first, std::min(end, first + chunk));
+  }
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -78,7 +102,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
   float* po = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, n, grain_for(d), [&](int64_t begin, int64_t end) {
+  parallel_range(0, n, grain_for(d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_row(px + r * d, pw, e, d, po + r * d);
   });
   return out;
@@ -93,7 +117,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty(shape, gate_up.options());
   const float* pg = gate_up.data_ptr<float>();
   float* po = out.data_ptr<float>();
-  at::parallel_for(0, n, grain_for(two_i), [&](int64_t begin, int64_t end) {
+  parallel_range(0, n, grain_for(two_i), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *g = pg + r * two_i, *u = g + inter;
       float* o = po + r * inter;
@@ -146,7 +170,7 @@ at::Tensor decode_attention(
   const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
   const int64_t row = kv_heads * d;  // one slot's K (or V) of one layer
 
-  at::parallel_for(0, batch * kv_heads, grain_for(s_max * d * (group + 1) * 2), [&](int64_t begin, int64_t end) {
+  parallel_range(0, batch * kv_heads, grain_for(s_max * d * (group + 1) * 2), [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(d), q(group * d), acc(group * d), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, seq = pseq[b];
@@ -223,7 +247,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   float* po = out.data_ptr<float>();
   // a grain of weight rows per task: whole runs of ~64 KiB, so each thread streams contiguous memory
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  parallel_range(0, n, grain, [&](int64_t begin, int64_t end) {
     int64_t j = begin;
     for (; j + 4 <= end; j += 4) {  // four weight rows at a time: four streams in flight per thread
       const float *w0 = pw + j * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
