@@ -119,6 +119,16 @@ def test_in_process_pair_matches_hf_greedy(mtp, refs, shape, overlap):
         pair.close()  # pool integrity: no draft tail leaked
 
 
+def nextn_flags(topk: int) -> dict:
+    """Both services' flags for the target's own MTP layer: a chain of 3, or a tree of 6 nodes."""
+    return dict(
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=4 if topk == 1 else 6,
+    )
+
+
 @pytest.mark.parametrize(
     "topk,overlap,transfer",
     [
@@ -134,13 +144,7 @@ def test_grpc_pair_matches_hf_greedy(mtp, refs, topk, overlap, transfer):
     both services take NEXTN with no draft path: the target's own MTP layer."""
     from tests.grpc_harness import GrpcPair
 
-    steps, nodes = (3, 4) if topk == 1 else (3, 6)
-    flags = dict(
-        speculative_algorithm="NEXTN",
-        speculative_num_steps=steps,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=nodes,
-    )
+    flags = nextn_flags(topk)
     pair = GrpcPair(
         mtp, overlap=overlap, prefill_kw=dict(flags, max_chunk_bytes=2048), decode_kw=flags, transfer=transfer
     )
@@ -156,7 +160,7 @@ def test_grpc_pair_matches_hf_greedy(mtp, refs, topk, overlap, transfer):
         drafted = sum(c.spec_draft_tokens for _, c in results)
         accepted = sum(c.spec_accepted_tokens for _, c in results)
         assert drafted > 0
-        print(f"NEXTN over {transfer} topk {topk}: accept length {1 + accepted / (drafted / steps):.2f}")
+        print(f"NEXTN over {transfer} topk {topk}: accept length {1 + accepted / (drafted / 3):.2f}")
     finally:
         pair.close()
 
@@ -167,14 +171,7 @@ def test_tp_pairs_with_the_mtp_draft_match_hf_greedy(mtp, refs, prefill_tp, deco
     shared out among the ranks), its latent whole on every rank; prefill and decode TP differing."""
     from tests.grpc_harness import GrpcPair
 
-    steps, nodes = (3, 4) if topk == 1 else (3, 6)
-    flags = dict(
-        speculative_algorithm="NEXTN",
-        speculative_num_steps=steps,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=nodes,
-        linear_layout="mkl",
-    )
+    flags = dict(nextn_flags(topk), linear_layout="mkl")
     pair = GrpcPair(
         mtp,
         prefill_kw=dict(flags, tp_size=prefill_tp, ep_size=min(ep_size, prefill_tp)),
