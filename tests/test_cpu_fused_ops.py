@@ -52,7 +52,8 @@ def test_silu_and_mul_matches_torch(ops, shape):
 
 @pytest.mark.parametrize(
     "rows,n,k,bias,residual",
-    [(1, 960, 576, False, False), (2, 577, 64, True, False), (4, 13, 1536, True, True), (3, 1024, 100, False, True)],
+    [(1, 960, 576, False, False), (2, 577, 64, True, False), (4, 13, 1536, True, True), (3, 1024, 100, False, True),
+     (1, 33, 7, True, True), (2, 40, 136, False, True)],
 )
 def test_gemv_matches_the_rowblock_bmm(ops, rows, n, k, bias, residual):
     """The rowblock layout's few-row path: the same as its bmm (and F.linear) within fp32 rounding,
@@ -74,6 +75,15 @@ def test_gemv_matches_the_rowblock_bmm(ops, rows, n, k, bias, residual):
     lw.run("rowblock", torch.randn(GEMV_ROWS + 1, k, generator=g))
     lw.run("rowblock", x)
     assert len(calls) == 1  # rows above GEMV_ROWS went to the bmm
+
+
+def test_gemv_runs_any_row_count_in_groups_of_four(ops):
+    """Called directly with more rows than one pass holds (6: a group of 4, then 2), and a
+    non-contiguous residual: still x @ w.T + bias + residual."""
+    g = torch.Generator().manual_seed(6)
+    w, x, b = torch.randn(300, 200, generator=g), torch.randn(6, 200, generator=g), torch.randn(300, generator=g)
+    res = torch.randn(300, 6, generator=g).t()
+    torch.testing.assert_close(ops.gemv(x, w, b, res), F.linear(x, w, b) + res, rtol=1e-5, atol=1e-4)
 
 
 def _decode_case(lengths, heads, kv_heads, d, seed):
