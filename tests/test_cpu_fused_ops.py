@@ -52,8 +52,14 @@ def test_silu_and_mul_matches_torch(ops, shape):
 
 @pytest.mark.parametrize(
     "rows,n,k,bias,residual",
-    [(1, 960, 576, False, False), (2, 577, 64, True, False), (4, 13, 1536, True, True), (3, 1024, 100, False, True),
-     (1, 33, 7, True, True), (2, 40, 136, False, True)],
+    [
+        (1, 960, 576, False, False),
+        (2, 577, 64, True, False),
+        (4, 13, 1536, True, True),
+        (3, 1024, 100, False, True),
+        (1, 33, 7, True, True),
+        (2, 40, 136, False, True),
+    ],
 )
 def test_gemv_matches_the_rowblock_bmm(ops, rows, n, k, bias, residual):
     """The rowblock layout's few-row path: the same as its bmm (and F.linear) within fp32 rounding,
