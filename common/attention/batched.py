@@ -140,9 +140,15 @@ class BatchedBackend(AttentionBackend):
         return self.fused.decode_attention(
             qkv.contiguous(), cos, sin,  # cos / sin [B, 1, d], contiguous
             None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-            q_norm.eps if q_norm is not None else 0.0, self.kv_pool.k[attn.layer], self.kv_pool.v[attn.layer],
-            forward_batch.out_cache_loc.contiguous(), self._slots_2d, self._seq_t,
-            attn.num_heads, attn.num_kv_heads, attn.scale,
+            q_norm.eps if q_norm is not None else 0.0, *self.fused_pool_args(attn, forward_batch),
+        )  # fmt: skip
+
+    def fused_pool_args(self, attn, forward_batch) -> tuple:
+        """The fused attention's pool arguments for `attn`'s layer: k_cache, v_cache, out_loc, slots,
+        seq_lens, heads, kv_heads, scale (the fused decode layer passes them on too)."""
+        return (
+            self.kv_pool.k[attn.layer], self.kv_pool.v[attn.layer], forward_batch.out_cache_loc.contiguous(),
+            self._slots_2d, self._seq_t, attn.num_heads, attn.num_kv_heads, attn.scale,
         )  # fmt: skip
 
     def forward(self, q, k, v, layer, forward_batch, scale):

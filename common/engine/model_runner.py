@@ -18,7 +18,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
-from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear
+from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear, weight_arena
 from common.models.config import ModelConfig, load_model_config
 from common.models.expert_load import ExpertLoad
 from common.models.loader import load_model, resolve_dtype
@@ -95,6 +95,8 @@ class ModelRunner:
             )
             if head is not None and not any(head.plan):
                 self.model.greedy_head = None  # never faster here: its bf16 copy's memory back
+            with intra_op.single_threaded():  # one arena of 2 MiB pages: streamed at full bandwidth
+                weight_arena.place(weights, self.model, *self.draft_linear_roots())
 
     def _build(self, args: RunnerArgs, config: ModelConfig | None) -> None:
         self.args = args

@@ -13,6 +13,8 @@
 //     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
 //     request's query heads attending over its first seq_lens[b] slots (slots [B, S_max], read from
 //     req_to_token), GQA heads h -> kv head h / (H / KV) (HF's repeat_kv order), softmax in fp32.
+//   decode_layer(x, ...)                                -> a dense decoder layer's decode step: the ops
+//     above in the modules' order (two norms, four gemvs, the attention, SiLU-and-mul), one call;
 // Work is split over (request, kv head) with parallel_range (below) once it is large enough to pay for a
 // parallel region; the inner loops are left to the compiler (-O3 -march=native, omp simd reductions).
 // Padded lanes may share out_loc 0 (the padding slot, never read for a real request).
@@ -30,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -68,6 +71,25 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// e^x within ~2 ulp, branch-free so that loops over it vectorize (std::exp does not without
+// -ffast-math): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts), e^r by Cephes' expf
+// polynomial, 2^n built in the exponent bits. x is clamped to [-87.3, 88.3] (2^n stays a normal float).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (|n| < 2^22)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return (p * r * r + r + 1.f) * scale;
 }
 
 inline void rms_row(const float* x, const float* w, float eps, int64_t d, float* out) {
@@ -125,7 +147,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       const float *g = pg + r * two_i, *u = g + inter;
       float* o = po + r * inter;
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
     }
   });
   return out;
@@ -208,8 +230,9 @@ at::Tensor decode_attention(
         float* p = scores.data() + g * seq;
         const float m = *std::max_element(p, p + seq);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < seq; ++j) {
-          p[j] = std::exp(p[j] - m);
+          p[j] = exp_approx(p[j] - m);
           sum += p[j];
         }
         inv_sum[g] = 1.f / sum;
@@ -338,6 +361,27 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   return out;
 }
 
+// A dense decoder layer's decode step for a few rows (a Llama / Qwen2 / Qwen3 layer whose linears
+// run as the gemv), as the torch modules compute it, in one call: no Python between its ops.
+//   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
+//   out = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
+at::Tensor decode_layer(
+    const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
+    const c10::optional<at::Tensor>& qkv_b, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens,
+    int64_t heads, int64_t kv_heads, double scale, const at::Tensor& o_w, const c10::optional<at::Tensor>& o_b,
+    const at::Tensor& gate_up_w, const c10::optional<at::Tensor>& gate_up_b, const at::Tensor& down_w,
+    const c10::optional<at::Tensor>& down_b) {
+  const c10::optional<at::Tensor> none;
+  const at::Tensor qkv = gemv(rms_norm(x, input_norm, eps), qkv_w, qkv_b, none);
+  const at::Tensor attn = decode_attention(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, out_loc, slots,
+                                           seq_lens, heads, kv_heads, scale);
+  const at::Tensor h = gemv(attn, o_w, o_b, x);
+  const at::Tensor gate_up = gemv(rms_norm(h, post_norm, eps), gate_up_w, gate_up_b, none);
+  return gemv(silu_and_mul(gate_up), down_w, down_b, h);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(disagg_cpu_fused, m) {
@@ -349,4 +393,10 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "
       "int kv_heads, float scale) -> Tensor",
       &decode_attention);
+  m.def(
+      "decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_w, Tensor? qkv_b, "
+      "Tensor? q_norm, Tensor? k_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, int kv_heads, float scale, Tensor o_w, Tensor? o_b, "
+      "Tensor gate_up_w, Tensor? gate_up_b, Tensor down_w, Tensor? down_b) -> Tensor",
+      &decode_layer);
 }

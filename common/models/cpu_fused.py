@@ -83,7 +83,60 @@ class FusedOps:
     def __init__(self):
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
-        self.gemv = ops.gemv
+        self.gemv, self.decode_layer = ops.gemv, ops.decode_layer
+
+
+class FusedLayer:
+    """A dense decoder layer's decode step as one `decode_layer` call (DecoderLayer.fused): for decode
+    batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of the layer is in
+    the rowblock layout at that row count (the gemv; the host's table may pick another)."""
+
+    def __init__(self, layer: torch.nn.Module, ops: FusedOps):
+        a, m = layer.self_attn, layer.mlp
+        self.layer, self.ops = layer, ops
+        self.linears = [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
+        self.head_dim = a.head_dim
+
+    def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
+        from common.models.packed_linear import GEMV_ROWS, bucket_index
+
+        rows = x.shape[0]
+        if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
+            return False
+        i = bucket_index(rows)
+        return all(lw.plan[i] == "rowblock" for lw in self.linears)
+
+    def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
+        layer = self.layer
+        a, qkv, o, gate_up, down = layer.self_attn, *self.linears
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        return self.ops.decode_layer(
+            x.contiguous(), layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            layer.input_layernorm.eps, qkv.weight, qkv.bias, None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight, cos, sin, *backend.fused_pool_args(a, forward_batch),
+            o.weight, o.bias, gate_up.weight, gate_up.bias, down.weight, down.bias,
+        )  # fmt: skip
+
+
+def fusable(layer: torch.nn.Module) -> bool:
+    """A layer `decode_layer` computes: a plain DecoderLayer with both RMSNorms, grouped-query
+    attention and the dense MLP, packed linears, one RMSNorm epsilon throughout, no tensor parallelism."""
+    from common.models.decoder import MLP, Attention, DecoderLayer, RMSNorm
+    from common.models.packed_linear import PackedLinear
+
+    a, m = layer.self_attn, layer.mlp
+    if type(layer) is not DecoderLayer or type(a) is not Attention or type(m) is not MLP or a.tp or m.tp:
+        return False  # EAGLE3's layer and MoE / latent attention layers: their own forwards
+    if not isinstance(layer.input_layernorm, RMSNorm) or not isinstance(layer.post_attention_layernorm, RMSNorm):
+        return False  # EAGLE's head layer: no input norm
+    if not all(isinstance(lin, PackedLinear) for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
+        return False
+    norms = [
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        *(getattr(a, n, None) for n in ("q_norm", "k_norm")),
+    ]
+    return len({n.eps for n in norms if n is not None}) == 1
 
 
 def load(build: Callable[[], None] = build_extension) -> FusedOps | None:
@@ -115,10 +168,11 @@ def usable(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None
 
 def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     """Give the model's RMSNorms and dense MLPs and the batched backend (whose decode batches then
-    run each layer's attention as one call from Attention.forward) the ops, and its linear weights
-    the gemv of their rowblock layout, or with None take them away; returns how many modules (norms,
-    MLPs, the backend) got them."""
-    from common.models.decoder import MLP, RMSNorm
+    run each layer's attention as one call from Attention.forward) the ops, its dense decoder layers
+    a FusedLayer (their whole decode step as one call), and its linear weights the gemv of their
+    rowblock layout, or with None take them away; returns how many modules (norms, MLPs, layers, the
+    backend) got them."""
+    from common.models.decoder import MLP, DecoderLayer, RMSNorm
     from common.models.packed_linear import linear_weights
 
     for weight in linear_weights(model):  # the rowblock layout's few-row steps (lm_head too)
@@ -127,6 +181,9 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     for module in model.modules():
         if isinstance(module, (RMSNorm, MLP)):
             module.fused = ops
+            n += 1
+        elif isinstance(module, DecoderLayer) and fusable(module):
+            module.fused = None if ops is None else FusedLayer(module, ops)
             n += 1
     if hasattr(backend, "fused_decode"):
         backend.fused = ops

@@ -136,6 +136,8 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class DecoderLayer(DirectCall):
+    fused = None  # CPU fp32, dense layers: a decode step as one call (common/models/cpu_fused.FusedLayer)
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = attention_for(cfg, layer)
@@ -144,6 +146,8 @@ class DecoderLayer(DirectCall):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, forward_batch, backend):
+        if self.fused is not None and self.fused.serves(x, cos, backend):
+            return self.fused(x, cos, sin, forward_batch, backend)
         x = self.self_attn(self.input_layernorm(x), cos, sin, forward_batch, backend, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 

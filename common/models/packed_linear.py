@@ -68,6 +68,11 @@ class LinearWeight:
         self.plan = DEFAULT_PLAN
         self.gemv = None  # the fused CPU ops' gemv (cpu_fused.attach), or None: bmm
 
+    def relocate(self, weight: torch.Tensor) -> None:
+        """Serve from `weight` (the same values elsewhere: common/models/weight_arena.py)."""
+        self.weight = weight
+        self.blocks = weight.view(self.blocks.shape)
+
     @property
     def shape_key(self) -> tuple[int, int, bool]:
         """Weights with one key time alike: tuning measures one of them."""

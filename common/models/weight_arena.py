@@ -1,0 +1,77 @@
+"""CPU linear weights in one arena backed by 2 MiB pages, so a decode step streams them at the
+host's full memory bandwidth.
+
+A batch-1 CPU decode step is the weights read once. Measured on a 2-core AMD EPYC (AVX2,
+2026-11-26), a streaming read over SmolLM2-135M's 121 linear weights as torch allocated them (each
+its own allocation, 4 KiB pages: transparent huge pages are `madvise` on most distributions, and
+torch asks for none) ran at 0.89x the bandwidth of one read over one large buffer; the same weights
+copied into one arena whose pages were advised huge ran at 0.99x. Fewer page walks (one TLB entry
+per 2 MiB instead of per 4 KiB) and no page-boundary gaps between allocations.
+
+1. `hugepage_empty(numel)`: an fp32 tensor 2 MiB-aligned, `madvise(MADV_HUGEPAGE)` on its range
+   before any page is touched (so the first write faults in huge pages); where THP is off or this
+   is not Linux, a plain aligned tensor (nothing lost but the pages' size).
+2. `place(weights, *roots)`: copies each LinearWeight's plain weight into the arena (in the given
+   order: the model's), points the LinearWeight at its view (`relocate`), and every parameter of
+   `roots` that shared the old storage (a tied embedding) at the same view, so nothing is held twice;
+   the old tensors are freed when the last reference goes. Weights that are one tensor are placed once.
+`bench.floor` reads its bandwidth buffer from `hugepage_empty` too: the floor it reports is the
+host's best, not one that 4 KiB pages lower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # Linux
+
+
+def _advise_huge(address: int, length: int) -> bool:
+    if not sys.platform.startswith("linux") or length <= 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+
+
+def hugepage_empty(numel: int) -> torch.Tensor:
+    """An uninitialized fp32 tensor of `numel` elements, 2 MiB-aligned, its pages advised huge."""
+    slack = HUGE_PAGE // 4
+    raw = torch.empty(numel + slack, dtype=torch.float32)  # this large: freshly mapped, untouched pages
+    start = raw.data_ptr()
+    aligned = -(-start // HUGE_PAGE) * HUGE_PAGE
+    offset = (aligned - start) // 4
+    end = start + raw.numel() * 4
+    if not _advise_huge(aligned, (end - aligned) // HUGE_PAGE * HUGE_PAGE):
+        log.debug("weight arena: madvise(MADV_HUGEPAGE) refused (errno %d); 4 KiB pages", ctypes.get_errno())
+    return raw[offset : offset + numel]
+
+
+def place(weights: list, *roots: torch.nn.Module) -> int:
+    """Move `weights` (LinearWeights, CPU fp32) into one arena; returns its bytes."""
+    unique: dict[int, torch.Tensor] = {}
+    for w in weights:
+        unique.setdefault(w.weight.data_ptr(), w.weight)
+    total = sum(t.numel() for t in unique.values())
+    if total == 0:
+        return 0
+    arena = hugepage_empty(total)
+    views: dict[int, torch.Tensor] = {}
+    offset = 0
+    for ptr, t in unique.items():
+        views[ptr] = arena[offset : offset + t.numel()].view(t.shape).copy_(t)
+        offset += t.numel()
+    for w in weights:
+        w.relocate(views[w.weight.data_ptr()])
+    for root in roots:
+        for p in root.parameters() if isinstance(root, torch.nn.Module) else ():
+            view = views.get(p.data_ptr())
+            if view is not None and p.shape == view.shape and p.dtype == view.dtype:
+                p.data = view
+    return total * 4

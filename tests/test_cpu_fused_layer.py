@@ -1,0 +1,124 @@
+"""A dense decoder layer's decode step as one fused call (cpu_fused.FusedLayer, `decode_layer`) against
+the modules' own path, and the CPU linears' weight arena (common/models/weight_arena.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.forward_batch import ForwardBatch
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.models import cpu_fused, weight_arena
+from common.models.packed_linear import linear_weights
+from tests.oracle import hf_greedy
+from tests.test_cpu_fused_ops import NEW, PROMPTS, _greedy
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu_fused.load()
+    if loaded is None:
+        pytest.skip("the fused CPU ops did not build here (the log says why)")
+    return loaded
+
+
+class Counting:
+    """The ops with `decode_layer` calls counted."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, 0
+
+    def decode_layer(self, *args):
+        self.calls += 1
+        return self.ops.decode_layer(*args)
+
+
+def _count(runner) -> Counting:
+    counting = Counting(runner.cpu_fused)
+    for layer in runner.model.model.layers:
+        layer.fused.ops = counting
+    return counting
+
+
+def _decode_hidden(runner, row, prefix: int, token: int) -> torch.Tensor:
+    table = runner.req_to_token_pool.req_to_token
+    fb = ForwardBatch.decode(table, torch.tensor([row]), [prefix], torch.tensor([token]))
+    with torch.inference_mode():
+        return runner.model(fb, runner.backend)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_fused_layer_computes_what_the_modules_do(ops, checkpoint, arch):
+    """One decode step through every layer's `decode_layer`, then the same step (same slot: the same K/V
+    written again) through the modules: the final hidden states agree within fp32 rounding."""
+    runner = ModelRunner(RunnerArgs(checkpoint(arch), max_total_tokens=64, max_running_requests=1,
+                                    linear_layout="rowblock"))  # fmt: skip
+    layers = runner.model.model.layers
+    assert all(isinstance(layer.fused, cpu_fused.FusedLayer) for layer in layers)
+    counting = _count(runner)
+    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
+    row = pool.alloc()
+    pool.write(row, 0, runner.kv_allocator.alloc(12))
+    with torch.inference_mode():
+        runner.model(ForwardBatch.extend(table, [row], [0], [[5, 17, 99, 3, 8, 1, 42]]), runner.backend)
+    fused = _decode_hidden(runner, row, 7, 11)
+    assert counting.calls == len(layers)
+    saved = [layer.fused for layer in layers]
+    for layer in layers:
+        layer.fused = None
+    plain = _decode_hidden(runner, row, 7, 11)
+    for layer, f in zip(layers, saved):
+        layer.fused = f
+    assert counting.calls == len(layers)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_through_the_fused_layer_matches_hf(ops, checkpoint, arch):
+    path = checkpoint(arch)
+    runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4, linear_layout="rowblock"))
+    counting = _count(runner)
+    assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
+    assert counting.calls > 0  # batches of 1-3 decode rows went through it
+
+
+def test_layers_whose_linears_use_another_layout_keep_the_modules(ops, checkpoint):
+    """The fused layer runs its linears as the gemv, so where the host's table picked another layout
+    for the batch's rows (here every bucket: mkl) the modules serve, and tokens stay exact."""
+    path = checkpoint("llama")
+    runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4, linear_layout="mkl"))
+    counting = _count(runner)
+    assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
+    assert counting.calls == 0
+
+
+def test_the_linears_live_in_one_aligned_arena(checkpoint):
+    """Every linear weight of the runner (the tied lm_head too) is a view of one 2 MiB-aligned buffer in
+    model order, the tied embedding reads the same memory (nothing held twice), and tokens stay HF's."""
+    path = checkpoint("qwen2-tied")
+    runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4))
+    weights = linear_weights(runner.model)
+    storages = {w.weight.untyped_storage().data_ptr() for w in weights}
+    assert len(storages) == 1
+    starts = sorted(w.weight.data_ptr() for w in weights)
+    assert starts[0] % weight_arena.HUGE_PAGE == 0
+    ends = sorted(w.weight.data_ptr() + w.weight.numel() * 4 for w in weights)
+    assert starts[1:] == ends[:-1]  # back to back
+    assert runner.model.model.embed_tokens.weight.data_ptr() == runner.model._lm_head_cpu.weight.data_ptr()
+    for w in weights:
+        assert w.blocks.data_ptr() == w.weight.data_ptr()  # the rowblock view follows the weight
+    assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
+
+
+def test_hugepage_empty_is_aligned_and_advised():
+    t = weight_arena.hugepage_empty(3 * weight_arena.HUGE_PAGE // 4 + 5)
+    assert t.data_ptr() % weight_arena.HUGE_PAGE == 0 and t.numel() == 3 * weight_arena.HUGE_PAGE // 4 + 5
+    t.fill_(1.0)
+    assert float(t.sum()) == t.numel()
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this host")
+    if "[never]" not in thp:
+        assert weight_arena._advise_huge(t.data_ptr(), weight_arena.HUGE_PAGE)
