@@ -4,13 +4,16 @@
 
 A decode step at batch 1 reads every weight once, so on CPU it cannot take less than the model's
 weight bytes over the memory bandwidth. Each round measures, interleaved (the host is shared):
-1. bandwidth: `torch.sum` over a --buffer-mib fp32 buffer (far beyond the caches) on --threads
-   threads, best of 3 passes: bytes / seconds. The floor = the model's parameter bytes (a tied
+1. bandwidth: `torch.sum` over a --buffer-mib fp32 buffer (far beyond the caches; on 2 MiB pages,
+   as the model's linear weights are: common/models/weight_arena.py) on --threads threads, best of 3
+   passes: bytes / seconds. The floor = the model's parameter bytes (a tied
    lm_head counted once) / that bandwidth.
 2. ours: a ModelRunner (`--linear-layout`, default auto: the host's table) decoding one request
    at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts),
    the runners' forwards interleaved step by step (order rotated), with each runner's median
    per-step ratio to the first (a neighbour's load falls on both of a pair of steps alike);
+   and after each step one bandwidth pass (below), whose floor each step is divided by: the
+   "paired steps" ratio, which a drift of the host's bandwidth between the two cannot skew;
    `--variants` picks the runners, timed in turn within each round: eager (torch ops only, the fused
    CPU ops off), fused (the fused C++ ops of common/models/cpu_fused.py: norms, SiLU-and-mul, the
    decode attention), compiled (`--enable-torch-compile`: batch 1 compiled at warm-up, kept only where
@@ -41,11 +44,13 @@ from common.engine import intra_op
 from common.host_load import HostProbe
 from common.models.packed_linear import linear_weights
 from common.models.table_check import time_pass
+from common.models.weight_arena import hugepage_empty
 
 
-def bandwidth_gbs(buffer: torch.Tensor, passes: int = 3) -> float:
+def bandwidth_gbs(buffer: torch.Tensor, passes: int = 3, warm: bool = True) -> float:
     """GB/s of the best of `passes` sums over `buffer` (the calling thread's intra-op count)."""
-    buffer.sum()  # warm: the pages are touched, the pool is up
+    if warm:
+        buffer.sum()  # the pages are touched, the pool is up
     best = float("inf")
     for _ in range(passes):
         start = time.perf_counter()
@@ -55,9 +60,10 @@ def bandwidth_gbs(buffer: torch.Tensor, passes: int = 3) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters, each tensor once (a tied lm_head is the embedding)."""
+    """Bytes of the model's weights, each tensor once (a tied lm_head is the embedding): its parameters
+    and, for ours, the packed linears' weights (no longer parameters)."""
     seen: dict[int, int] = {}
-    for p in model.parameters():
+    for p in [*model.parameters(), *(w.weight for w in linear_weights(model))]:
         seen[p.data_ptr()] = p.numel() * p.element_size()
     return sum(seen.values())
 
@@ -88,10 +94,11 @@ def hf_ms_per_token(model, prompt: list[int], new_tokens: int) -> float:
     return 1e3 * (run(new_tokens) - run(1)) / (new_tokens - 1)
 
 
-def interleaved_ms(runners: list, steps: int) -> tuple[list[float], list[float]]:
+def interleaved_ms(runners: list, steps: int, floor_pass=None) -> tuple[list[float], list[float], list[float]]:
     """Batch-1 decode forwards of every runner in turn, step by step (the order rotated each step), so
-    a neighbour's load falls on all alike: each runner's median ms, and the median per-step ratio of
-    each later runner to the first."""
+    a neighbour's load falls on all alike: each runner's median ms, the median per-step ratio of each
+    later runner to the first, and with `floor_pass` (the floor's seconds, measured by a pass over
+    the bandwidth buffer) run after each step, each runner's median per-step ratio to that floor."""
     from bench.linear_layouts import PREFIX
     from common.engine.forward_batch import ForwardBatch
 
@@ -101,7 +108,7 @@ def interleaved_ms(runners: list, steps: int) -> tuple[list[float], list[float]]
         rows.append(pool.alloc())
         pool.write(rows[-1], 0, runner.kv_allocator.alloc(PREFIX + steps + 3))
         runner.forward(ForwardBatch.extend(table, [rows[-1]], [0], [[5] * PREFIX]))
-    times = [[] for _ in runners]
+    times, floors = [[] for _ in runners], []
     for step in range(steps + 2):
         order = [(step + i) % len(runners) for i in range(len(runners))]
         for i in order:
@@ -110,13 +117,15 @@ def interleaved_ms(runners: list, steps: int) -> tuple[list[float], list[float]]
             start = time.perf_counter()
             runners[i].forward(fb)
             times[i].append(time.perf_counter() - start)
+        floors.append(floor_pass() if floor_pass is not None else float("nan"))
     for runner, row in zip(runners, rows):
         table = runner.req_to_token_pool.req_to_token
         runner.kv_allocator.free(table[row, : PREFIX + steps + 3].to(torch.int64))
         runner.req_to_token_pool.free(row)
     kept = [t[2:] for t in times]  # the first two warm up
     ratios = [statistics.median(a / b for a, b in zip(t, kept[0])) for t in kept[1:]]
-    return [1e3 * statistics.median(t) for t in kept], ratios
+    to_floor = [statistics.median(a / f for a, f in zip(t, floors[2:])) for t in kept]
+    return [1e3 * statistics.median(t) for t in kept], ratios, to_floor
 
 
 def op_counts(runner, forwards: int = 5) -> tuple[float, float]:
@@ -195,15 +204,20 @@ def main(argv=None) -> None:
     if hf is not None:
         hf.generation_config.eos_token_id = None
     nbytes = weight_bytes(hf if hf is not None else next(iter(runners.values())).model)
-    buffer = torch.rand(args.buffer_mib * 2**20 // 4)  # not all-equal pages: a host may merge those (KSM)
-    probe, rows, ratios = HostProbe(), [], []
+    # random (all-equal pages a host may merge: KSM), on 2 MiB pages as our weights are (weight_arena.py)
+    buffer = hugepage_empty(args.buffer_mib * 2**20 // 4).uniform_()
+    probe, rows, ratios, paired_rounds = HostProbe(), [], [], []
     print(f"{host.describe()}, {args.threads} threads, weights {nbytes / 1e6:.0f} MB", flush=True)
     for r in range(args.rounds):
         before = probe.sample()
         gbs = intra_op.on_own_thread(lambda: bandwidth_gbs(buffer), args.threads)
-        timed = intra_op.on_own_thread(lambda: interleaved_ms(list(runners.values()), args.steps), args.threads)
-        ours, step_ratios = timed
+        floor_pass = lambda: nbytes / (bandwidth_gbs(buffer, 1, warm=False) * 1e9)  # noqa: E731
+        timed = intra_op.on_own_thread(
+            lambda f=floor_pass: interleaved_ms(list(runners.values()), args.steps, f), args.threads
+        )
+        ours, step_ratios, paired = timed
         ratios.append(step_ratios)
+        paired_rounds.append(paired)
         model = next(iter(runners.values())).model
         ours.append(intra_op.on_own_thread(lambda m=model: linears_ms(m, args.steps), args.threads))
         theirs = float("nan")
@@ -231,6 +245,9 @@ def main(argv=None) -> None:
         ratio = [o / f for f, o in zip(cols[1], ms)]
         print(f"| {name}, ms per token | {statistics.median(ms):.1f} | {min(ms):.1f} |")
         print(f"| {name} / floor | {statistics.median(ratio):.2f}x | {min(ratio):.2f}x |")
+    for i, name in enumerate(runners):
+        per_round = [r[i] for r in paired_rounds]
+        print(f"| ours ({name}) / floor, paired steps | {statistics.median(per_round):.2f}x | {min(per_round):.2f}x |")
     for i, name in enumerate(list(runners)[1:], 1):
         per_round = [r[i - 1] for r in ratios]
         print(f"| ours ({name}) / ours ({next(iter(runners))}), paired steps | {statistics.median(per_round):.3f}x "

@@ -1,4 +1,4 @@
-"""A dense decoder layer's decode step as one fused call (cpu_fused.FusedLayer, `decode_layer`) against
+"""A dense decoder stack's decode step as one fused call (cpu_fused.FusedLayers, `decode_layers`) against
 the modules' own path, and the CPU linears' weight arena (common/models/weight_arena.py)."""
 
 from __future__ import annotations
@@ -23,20 +23,19 @@ def ops():
 
 
 class Counting:
-    """The ops with `decode_layer` calls counted."""
+    """The ops with `decode_layers` calls counted."""
 
     def __init__(self, ops):
         self.ops, self.calls = ops, 0
 
-    def decode_layer(self, *args):
+    def decode_layers(self, *args):
         self.calls += 1
-        return self.ops.decode_layer(*args)
+        return self.ops.decode_layers(*args)
 
 
 def _count(runner) -> Counting:
     counting = Counting(runner.cpu_fused)
-    for layer in runner.model.model.layers:
-        layer.fused.ops = counting
+    runner.model.fused_layers.ops = counting
     return counting
 
 
@@ -48,13 +47,12 @@ def _decode_hidden(runner, row, prefix: int, token: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_fused_layer_computes_what_the_modules_do(ops, checkpoint, arch):
-    """One decode step through every layer's `decode_layer`, then the same step (same slot: the same K/V
-    written again) through the modules: the final hidden states agree within fp32 rounding."""
+def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch):
+    """One decode step through `decode_layers`, then the same step (same slot: the same K/V written
+    again) through the modules: the final hidden states agree within fp32 rounding."""
     runner = ModelRunner(RunnerArgs(checkpoint(arch), max_total_tokens=64, max_running_requests=1,
                                     linear_layout="rowblock"))  # fmt: skip
-    layers = runner.model.model.layers
-    assert all(isinstance(layer.fused, cpu_fused.FusedLayer) for layer in layers)
+    assert isinstance(runner.model.fused_layers, cpu_fused.FusedLayers)
     counting = _count(runner)
     pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
     row = pool.alloc()
@@ -62,15 +60,31 @@ def test_the_fused_layer_computes_what_the_modules_do(ops, checkpoint, arch):
     with torch.inference_mode():
         runner.model(ForwardBatch.extend(table, [row], [0], [[5, 17, 99, 3, 8, 1, 42]]), runner.backend)
     fused = _decode_hidden(runner, row, 7, 11)
-    assert counting.calls == len(layers)
-    saved = [layer.fused for layer in layers]
-    for layer in layers:
-        layer.fused = None
+    assert counting.calls == 1
+    saved, runner.model.fused_layers = runner.model.fused_layers, None
     plain = _decode_hidden(runner, row, 7, 11)
-    for layer, f in zip(layers, saved):
-        layer.fused = f
-    assert counting.calls == len(layers)
+    runner.model.fused_layers = saved
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_only_all_dense_stacks_fuse(ops, checkpoint):
+    """MoE and latent-attention models, and EAGLE heads (no input norm), keep their modules."""
+    for name in ("qwen3-moe", "deepseek-v3"):
+        runner = ModelRunner(RunnerArgs(checkpoint(name), max_total_tokens=64, max_running_requests=1))
+        assert runner.cpu_fused is ops and runner.model.fused_layers is None
+    from common.models.decoder import DecoderLayer
+    from common.models.eagle import Eagle3Layer
+
+    runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=1))
+    layer = runner.model.model.layers[0]
+    assert cpu_fused.fusable(layer)
+    layer.input_layernorm = torch.nn.Identity()  # EAGLE's head layer
+    assert not cpu_fused.fusable(layer)
+    assert issubclass(Eagle3Layer, DecoderLayer)  # a subclass with its own forward: never fused
+    eagle3 = Eagle3Layer.__new__(Eagle3Layer)
+    torch.nn.Module.__init__(eagle3)
+    eagle3.self_attn, eagle3.mlp = layer.self_attn, layer.mlp
+    assert not cpu_fused.fusable(eagle3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -95,8 +95,6 @@ class ModelRunner:
             )
             if head is not None and not any(head.plan):
                 self.model.greedy_head = None  # never faster here: its bf16 copy's memory back
-            with intra_op.single_threaded():  # one arena of 2 MiB pages: streamed at full bandwidth
-                weight_arena.place(weights, self.model, *self.draft_linear_roots())
 
     def _build(self, args: RunnerArgs, config: ModelConfig | None) -> None:
         self.args = args
@@ -139,6 +137,9 @@ class ModelRunner:
         if self.model.compiled_layers is not None:  # one graph per bucket: decodes of 2+ requests have a mask
             self.backend.mask_decodes_up_to = self.model.compiled_layers.max_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None
+        if self.packs_linears:  # one arena of 2 MiB pages, streamed at full bandwidth; placed before the
+            roots = (self.model, *self.draft_linear_roots())  # fused ops keep the weights' tensors
+            weight_arena.place(packed_linear.linear_weights(*roots), *roots)
         self.cpu_fused = self._attach_cpu_fused(args)
         if self.attention_backend == "triton" and cfg.moe is not None:  # the experts as a grouped GEMM too
             from common.models.triton_moe import use_triton_experts

@@ -83,19 +83,41 @@ class FusedOps:
     def __init__(self):
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
-        self.gemv, self.decode_layer = ops.gemv, ops.decode_layer
+        self.gemv, self.decode_layers = ops.gemv, ops.decode_layers
 
 
-class FusedLayer:
-    """A dense decoder layer's decode step as one `decode_layer` call (DecoderLayer.fused): for decode
-    batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of the layer is in
-    the rowblock layout at that row count (the gemv; the host's table may pick another)."""
+class FusedLayers:
+    """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
+    decode batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of every
+    layer is in the rowblock layout at that row count (the gemv; the host's table may pick another).
+    The weight list is built on first use: the weights stay where they are once the runner is built
+    (weight_arena.place runs before the ops are attached)."""
 
-    def __init__(self, layer: torch.nn.Module, ops: FusedOps):
-        a, m = layer.self_attn, layer.mlp
-        self.layer, self.ops = layer, ops
-        self.linears = [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
-        self.head_dim = a.head_dim
+    def __init__(self, layers: list[torch.nn.Module], ops: FusedOps):
+        a = layers[0].self_attn
+        self.layers, self.ops, self.attn = layers, ops, a
+        self.head_dim, self.eps = a.head_dim, layers[0].input_layernorm.eps
+        self.linears = [
+            lin.weight
+            for layer in layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        self._weights = None
+
+    def weights(self) -> list[torch.Tensor | None]:
+        """decode_layers' list: per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b,
+        gate_up_w, gate_up_b, down_w, down_b (None where the layer has none)."""
+        if self._weights is None:
+            out = []
+            for layer in self.layers:
+                a, m = layer.self_attn, layer.mlp
+                qkv, o, gate_up, down = (lin.weight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
+                q_norm, k_norm = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
+                out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv.weight, qkv.bias]
+                out += [None if n is None else n.weight for n in (q_norm, k_norm)]
+                out += [o.weight, o.bias, gate_up.weight, gate_up.bias, down.weight, down.bias]
+            self._weights = [None if w is None else w.detach() for w in out]
+        return self._weights
 
     def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
         from common.models.packed_linear import GEMV_ROWS, bucket_index
@@ -107,19 +129,15 @@ class FusedLayer:
         return all(lw.plan[i] == "rowblock" for lw in self.linears)
 
     def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
-        layer = self.layer
-        a, qkv, o, gate_up, down = layer.self_attn, *self.linears
-        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        return self.ops.decode_layer(
-            x.contiguous(), layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            layer.input_layernorm.eps, qkv.weight, qkv.bias, None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight, cos, sin, *backend.fused_pool_args(a, forward_batch),
-            o.weight, o.bias, gate_up.weight, gate_up.bias, down.weight, down.bias,
-        )  # fmt: skip
+        pool = backend.kv_pool
+        _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
+        return self.ops.decode_layers(
+            x, self.weights(), pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale
+        )
 
 
 def fusable(layer: torch.nn.Module) -> bool:
-    """A layer `decode_layer` computes: a plain DecoderLayer with both RMSNorms, grouped-query
+    """A layer `decode_layers` computes: a plain DecoderLayer with both RMSNorms, grouped-query
     attention and the dense MLP, packed linears, one RMSNorm epsilon throughout, no tensor parallelism."""
     from common.models.decoder import MLP, Attention, DecoderLayer, RMSNorm
     from common.models.packed_linear import PackedLinear
@@ -168,11 +186,11 @@ def usable(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None
 
 def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     """Give the model's RMSNorms and dense MLPs and the batched backend (whose decode batches then
-    run each layer's attention as one call from Attention.forward) the ops, its dense decoder layers
-    a FusedLayer (their whole decode step as one call), and its linear weights the gemv of their
-    rowblock layout, or with None take them away; returns how many modules (norms, MLPs, layers, the
-    backend) got them."""
-    from common.models.decoder import MLP, DecoderLayer, RMSNorm
+    run each layer's attention as one call from Attention.forward) the ops, a decoder whose layers are
+    all dense FusedLayers (the whole stack's decode step as one call), and its linear weights the gemv
+    of their rowblock layout, or with None take them away; returns how many modules (norms, MLPs, the
+    stack, the backend) got them."""
+    from common.models.decoder import MLP, RMSNorm
     from common.models.packed_linear import linear_weights
 
     for weight in linear_weights(model):  # the rowblock layout's few-row steps (lm_head too)
@@ -182,9 +200,12 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
         if isinstance(module, (RMSNorm, MLP)):
             module.fused = ops
             n += 1
-        elif isinstance(module, DecoderLayer) and fusable(module):
-            module.fused = None if ops is None else FusedLayer(module, ops)
-            n += 1
+
+    layers = list(getattr(getattr(model, "model", None), "layers", ()))
+    if hasattr(model, "fused_layers"):  # a decoder whose every layer is dense: its decode step as one call
+        whole = bool(layers) and all(fusable(layer) for layer in layers)
+        model.fused_layers = FusedLayers(layers, ops) if whole and ops is not None else None
+        n += model.fused_layers is not None
     if hasattr(backend, "fused_decode"):
         backend.fused = ops
         n += 1

@@ -136,8 +136,6 @@ def mlp_for(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class DecoderLayer(DirectCall):
-    fused = None  # CPU fp32, dense layers: a decode step as one call (common/models/cpu_fused.FusedLayer)
-
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = attention_for(cfg, layer)
@@ -146,8 +144,6 @@ class DecoderLayer(DirectCall):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, forward_batch, backend):
-        if self.fused is not None and self.fused.serves(x, cos, backend):
-            return self.fused(x, cos, sin, forward_batch, backend)
         x = self.self_attn(self.input_layernorm(x), cos, sin, forward_batch, backend, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
@@ -166,6 +162,7 @@ class DecoderLM(nn.Module):
     tp = None  # a TPGroup once split: the embedding and lm_head hold a vocabulary shard
     greedy_head = None  # CPU fp32: greedy tokens through a bf16 pass (common/models/greedy_head.py)
     compiled_layers = None  # CPU, opt-in: small decode batches through torch.compile (compiled_layers.py)
+    fused_layers = None  # CPU fp32, dense layers: a decode step's layers as one call (cpu_fused.FusedLayers)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -197,6 +194,9 @@ class DecoderLM(nn.Module):
         return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
 
     def run_layers(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
+        fused = self.fused_layers
+        if fused is not None and fused.serves(x, cos, backend):
+            return fused(x, cos, sin, forward_batch, backend)
         for layer in self.model.layers:
             x = layer(x, cos, sin, forward_batch, backend)
         return x
