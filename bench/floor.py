@@ -4,9 +4,11 @@
 
 A decode step at batch 1 reads every weight once, so on CPU it cannot take less than the model's
 weight bytes over the memory bandwidth. Each round measures, interleaved (the host is shared):
-1. bandwidth: `torch.sum` over a --buffer-mib fp32 buffer (far beyond the caches; on 2 MiB pages,
-   as the model's linear weights are: common/models/weight_arena.py) on --threads threads, best of 3
-   passes: bytes / seconds. The floor = the model's parameter bytes (a tied
+1. bandwidth: the fastest read of a --buffer-mib fp32 buffer (far beyond the caches; on 2 MiB pages,
+   as the model's linear weights are: common/models/weight_arena.py) on --threads threads, picked
+   once at the start among `torch.sum` and the fused ops' `stream_sum` with 1, 2 or 4 streams per
+   thread (how their gemv reads weights; torch.sum's one stream per thread read ~0.9x of four on a
+   2-core AMD EPYC), best of 3 passes: bytes / seconds. The floor = the model's parameter bytes (a tied
    lm_head counted once) / that bandwidth.
 2. ours: a ModelRunner (`--linear-layout`, default auto: the host's table) decoding one request
    at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts),
@@ -47,16 +49,40 @@ from common.models.table_check import time_pass
 from common.models.weight_arena import hugepage_empty
 
 
-def bandwidth_gbs(buffer: torch.Tensor, passes: int = 3, warm: bool = True) -> float:
-    """GB/s of the best of `passes` sums over `buffer` (the calling thread's intra-op count)."""
+def bandwidth_gbs(buffer: torch.Tensor, passes: int = 3, warm: bool = True, read=None) -> float:
+    """GB/s of the best of `passes` reads of `buffer` (the calling thread's intra-op count) by `read`
+    (default: torch.sum)."""
+    read = read or torch.sum
     if warm:
-        buffer.sum()  # the pages are touched, the pool is up
+        read(buffer)  # the pages are touched, the pool is up
     best = float("inf")
     for _ in range(passes):
         start = time.perf_counter()
-        buffer.sum()
+        read(buffer)
         best = min(best, time.perf_counter() - start)
     return buffer.numel() * buffer.element_size() / best / 1e9
+
+
+def fastest_read(buffer: torch.Tensor, threads: int) -> tuple[str, object]:
+    """The fastest read of `buffer` here: torch.sum, or (where the fused CPU ops load) their stream_sum
+    with 1, 2 or 4 streams per thread, the way their gemv reads weights; (name, read)."""
+    from common.models import cpu_fused
+
+    reads = {"torch.sum": torch.sum}
+    ops = cpu_fused.load()
+    if ops is not None:
+        for streams in (1, 2, 4):
+            reads[f"stream_sum x{streams}"] = lambda b, s=streams: ops.stream_sum(b, s)
+    rates = {
+        name: intra_op.on_own_thread(lambda r=r: bandwidth_gbs(buffer, read=r), threads) for name, r in reads.items()
+    }
+    name = max(rates, key=rates.get)
+    print(
+        "bandwidth probe, GB/s: "
+        + ", ".join(f"{n} {g:.1f}" for n, g in rates.items())
+        + f"; the floor reads with {name}"
+    )
+    return name, reads[name]
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -206,12 +232,13 @@ def main(argv=None) -> None:
     nbytes = weight_bytes(hf if hf is not None else next(iter(runners.values())).model)
     # random (all-equal pages a host may merge: KSM), on 2 MiB pages as our weights are (weight_arena.py)
     buffer = hugepage_empty(args.buffer_mib * 2**20 // 4).uniform_()
+    _, read = fastest_read(buffer, args.threads)
     probe, rows, ratios, paired_rounds = HostProbe(), [], [], []
     print(f"{host.describe()}, {args.threads} threads, weights {nbytes / 1e6:.0f} MB", flush=True)
     for r in range(args.rounds):
         before = probe.sample()
-        gbs = intra_op.on_own_thread(lambda: bandwidth_gbs(buffer), args.threads)
-        floor_pass = lambda: nbytes / (bandwidth_gbs(buffer, 1, warm=False) * 1e9)  # noqa: E731
+        gbs = intra_op.on_own_thread(lambda: bandwidth_gbs(buffer, read=read), args.threads)
+        floor_pass = lambda: nbytes / (bandwidth_gbs(buffer, 1, warm=False, read=read) * 1e9)  # noqa: E731
         timed = intra_op.on_own_thread(
             lambda f=floor_pass: interleaved_ms(list(runners.values()), args.steps, f), args.threads
         )

@@ -90,6 +90,14 @@ def test_gemv_matches_the_rowblock_bmm(ops, rows, n, k, bias, residual):
     assert len(calls) == 1  # rows above GEMV_ROWS went to the bmm
 
 
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 37, 1000, 300_001])
+def test_stream_sum_is_the_sum(ops, n, streams):
+    """bench.floor's bandwidth probe reads every element once, whatever the split's remainders."""
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n), dtype=torch.float32)
+    assert abs(float(ops.stream_sum(x, streams)) - float(x.double().sum())) <= 1e-4 * n
+
+
 def test_gemv_runs_any_row_count_in_groups_of_four(ops):
     """Called directly with more rows than one pass holds (6: a group of 4, then 2), and a
     non-contiguous residual: still x @ w.T + bias + residual."""

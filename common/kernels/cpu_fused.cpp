@@ -1,4 +1,5 @@
-// Fused CPU fp32 ops for small decode batches (common/models/cpu_fused.py builds and loads this file).
+// Fused CPU fp32 ops for small decode batches (common/models/cpu_fused.py builds and loads this file
+// with cpu_gemv.cpp; cpu_common.h is what they share).
 //
 // A batch-1 decode forward on CPU is the weights streamed once plus ~2,000 small dispatched torch ops
 // (norm, rotary, KV write, paged gather, SDPA, SiLU-mul): each costs a few microseconds whatever its
@@ -6,8 +7,7 @@
 //   rms_norm(x [N, D], w [D], eps)                      -> x * rsqrt(mean(x^2) + eps) * w
 //   silu_and_mul(gate_up [N, 2I])                       -> silu(gate) * up  [N, I]
 //   gemv(x [R, K], w [N, K], bias?, residual?)         -> residual + x @ w.T + bias [R, N], for a few
-//     rows R (a decode step's): each thread streams its own contiguous run of w's rows once, every
-//     x row dotted against each weight row while it is in cache (the weights cross memory once);
+//     rows R (a decode step's), and stream_sum: cpu_gemv.cpp;
 //   decode_attention(qkv [B, (H + 2 KV) d], ...)        -> [B, H d]: what the batched backend's decode
 //     path computes between qkv_proj and o_proj: optional per-head q/k RMSNorm (Qwen3), the half-split
 //     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
@@ -24,10 +24,6 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
-#include <omp.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -35,36 +31,9 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "cpu_common.h"
 
-constexpr int64_t kParallelWork = 1 << 17;  // elements touched: below this a parallel region costs more
-
-int64_t grain_for(int64_t work_per_item) {
-  return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_item));
-}
-
-// at::parallel_for's split (chunks of at least `grain` items over the calling thread's OpenMP team)
-// without its lazy thread-count set-up: compiled into this library, that set-up keeps a per-thread
-// flag of its own, so its first call on a thread re-read torch's process-wide count (the last
-// torch.set_num_threads of any thread: 1 from the services' helper threads) and dropped the decode
-// service's forward stream to one core. Here the team is the caller's own omp_get_max_threads().
-template <typename F>
-void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  const int64_t n = end - begin;
-  if (n <= 0) return;
-  const int64_t team = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const int64_t threads = std::min<int64_t>(team, (n + grain - 1) / grain);
-  if (threads <= 1) {
-    f(begin, end);
-    return;
-  }
-  const int64_t chunk = (n + threads - 1) / threads;
-#pragma omp parallel num_threads(static_cast<int>(threads))
-  {
-    const int64_t first = begin + omp_get_thread_num() * chunk;
-    if (first < end) f(first, std::min(end, first + chunk));
-  }
-}
+namespace disagg_cpu {
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -111,11 +80,6 @@ inline void rotary(const float* x, const float* cos, const float* sin, int64_t d
 constexpr int64_t kAhead = 8;
 inline void prefetch_row(const float* p, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(p + i);
-}
-
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, ": CPU float32 expected");
-  TORCH_CHECK(t.is_contiguous(), name, ": contiguous expected");
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -259,108 +223,6 @@ at::Tensor decode_attention(
   return out;
 }
 
-// SIMD for the gemv's weight stream: -march=native picks AVX-512 or AVX2+FMA; elsewhere one lane (the
-// compiler may still vectorize). Multi-row weight blocks (four rows' streams interleaved) ran at
-// 0.62-0.70x the bandwidth of one sequential row stream on a 2-core AMD EPYC (AVX2), so each thread
-// reads its run of weight rows front to back, one row at a time, every x row dotted against it.
-#if defined(__AVX512F__)
-using vec = __m512;
-constexpr int64_t kLanes = 16;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using vec = __m256;
-constexpr int64_t kLanes = 8;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#else
-using vec = float;
-constexpr int64_t kLanes = 1;
-inline vec vzero() { return 0.f; }
-inline vec vload(const float* p) { return *p; }
-inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
-inline vec vadd(vec a, vec b) { return a + b; }
-inline float vsum(vec v) { return v; }
-#endif
-
-// rows [begin, end) of out [R, n] = x [R, k] @ w.T (+ bias, + residual): R x rows (in cache) against
-// each weight row as it streams by; U accumulators per x row hide the FMA latency (U = 4 / R)
-template <int R>
-void gemv_rows(const float* x, const float* w, const float* bias, const float* residual, float* out, int64_t n,
-               int64_t k, int64_t begin, int64_t end) {
-  constexpr int U = 4 / R;
-  constexpr int64_t step = U * kLanes;
-  for (int64_t j = begin; j < end; ++j) {
-    const float* wr = w + j * k;
-    vec acc[R][U];
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) acc[r][u] = vzero();
-    int64_t i = 0;
-    for (; i + step <= k; i += step) {
-      for (int u = 0; u < U; ++u) {
-        const vec wv = vload(wr + i + u * kLanes);
-        for (int r = 0; r < R; ++r) acc[r][u] = vfma(wv, vload(x + r * k + i + u * kLanes), acc[r][u]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      vec a = acc[r][0];
-      for (int u = 1; u < U; ++u) a = vadd(a, acc[r][u]);
-      float s = vsum(a);
-      for (int64_t t = i; t < k; ++t) s += wr[t] * x[r * k + t];
-      if (bias != nullptr) s += bias[j];
-      if (residual != nullptr) s += residual[r * n + j];
-      out[r * n + j] = s;
-    }
-  }
-}
-
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-               const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [R, K], w [N, K]");
-  check_f32(x, "gemv: x");
-  check_f32(w, "gemv: w");
-  const int64_t rows = x.size(0), n = w.size(0), k = w.size(1);
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const at::Tensor res = residual.has_value() ? residual->contiguous() : at::Tensor();
-  if (b.defined()) {
-    check_f32(b, "gemv: bias");
-    TORCH_CHECK(b.numel() == n, "gemv: bias [N] expected");
-  }
-  if (res.defined()) {
-    check_f32(res, "gemv: residual");
-    TORCH_CHECK(res.numel() == rows * n, "gemv: residual [R, N] expected");
-  }
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
-  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  const float* pr = res.defined() ? res.data_ptr<float>() : nullptr;
-  float* po = out.data_ptr<float>();
-  // a grain of weight rows per thread: at least ~64 KiB, so each thread streams contiguous memory
-  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));
-  parallel_range(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // a decode step's few rows: one pass over the weights
-      const int64_t r = std::min<int64_t>(4, rows - r0);
-      const float *xr = px + r0 * k, *rr = pr == nullptr ? nullptr : pr + r0 * n;
-      float* o = po + r0 * n;
-      if (r == 1) gemv_rows<1>(xr, pw, pb, rr, o, n, k, begin, end);
-      else if (r == 2) gemv_rows<2>(xr, pw, pb, rr, o, n, k, begin, end);
-      else if (r == 3) gemv_rows<3>(xr, pw, pb, rr, o, n, k, begin, end);
-      else gemv_rows<4>(xr, pw, pb, rr, o, n, k, begin, end);
-    }
-  });
-  return out;
-}
-
 // A dense decoder layer's decode step for a few rows (a Llama / Qwen2 / Qwen3 layer whose linears
 // run as the gemv), as the torch modules compute it:
 //   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
@@ -405,12 +267,15 @@ at::Tensor decode_layers(const at::Tensor& x, const c10::List<c10::optional<at::
   return h;
 }
 
-}  // namespace
+}  // namespace disagg_cpu
+
+using namespace disagg_cpu;
 
 TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor", &gemv);
+  m.def("stream_sum(Tensor x, int streams) -> Tensor", &stream_sum);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "

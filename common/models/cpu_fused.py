@@ -1,16 +1,19 @@
-"""Fused CPU fp32 ops (common/kernels/cpu_fused.cpp), built on first use on this host, or None.
+"""Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_common.h), built on first use
+on this host, or None.
 
-A batch-1 CPU decode forward of SmolLM2-135M streams its weights in ~1.0-1.1x the bandwidth floor,
-then spends ~8-11 ms more in ~2,000 small dispatched ops outside the linears (BENCHMARKS.md). The
-extension does each layer's RMSNorms, SiLU-and-mul, and (decode batches) q/k norm + rotary + KV write
-+ paged attention in one call each, and the rowblock layout's GEMV for up to 4 rows (`attach` wires
-them in: RMSNorm, MLP, the linear weights, the batched backend; the target's and the EAGLE head's).
+A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
+~2,000 small dispatched ops outside the linears on SmolLM2-135M (BENCHMARKS.md). The extension runs
+each RMSNorm and SiLU-and-mul as one op, a decode batch's q/k norm + rotary + KV write + paged
+attention as one call per layer, the rowblock layout's GEMV for up to 4 rows (a few sequential
+weight streams per thread), and a dense decoder's whole stack for such a step as one call
+(`FusedLayers`). `attach` wires them in: RMSNorm, MLP, the linear weights, the decoder's layers, the
+batched backend; the target's and the EAGLE head's.
 
 The build runs once per host, torch and source: `torch.utils.cpp_extension.load` with `-O3
 -march=native`, cached under ~/.cache/disagg-serve/cpu-fused/<key> (the key hashes the CPU's
-flags, torch's version and the source, since -march=native code is for this CPU only); the log says
-when it compiles (12-15 s on a 2-core AMD EPYC) and how long it took. Where the build or the load fails (no
-compiler, no ninja, an error), one log line says why and everything runs the torch path as before.
+flags, torch's version and the sources, since -march=native code is for this CPU only); the log says
+when it compiles (~20 s on a 2-core AMD EPYC) and how long it took. Where the build or the load fails
+(no compiler, no ninja, an error), one log line says why and everything runs the torch path as before.
 `--disable-cpu-fused` turns it off. A test hands `load` a stand-in `build` to prove the fallback.
 """
 
@@ -28,7 +31,9 @@ from collections.abc import Callable
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu_fused.cpp")
+KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+SOURCES = [os.path.join(KERNELS, name) for name in ("cpu_fused.cpp", "cpu_gemv.cpp")]
+HEADERS = [os.path.join(KERNELS, "cpu_common.h")]
 NAME = "disagg_cpu_fused"
 _lock = threading.Lock()
 _loaded: dict[object, FusedOps | None] = {}  # per build callable
@@ -45,8 +50,10 @@ def cpu_flags() -> str:
 
 
 def build_dir() -> str:
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            source += f.read()
     key = hashlib.sha256(cpu_flags().encode() + torch.__version__.encode() + source).hexdigest()[:16]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "disagg-serve", "cpu-fused", key)
@@ -62,11 +69,11 @@ def build_extension() -> None:
     os.makedirs(folder, exist_ok=True)
     fresh = not any(name.endswith(".so") for name in os.listdir(folder))
     if fresh:
-        log.info("CPU fused ops: compiling %s for this host into %s (once per host and torch; ~15 s)", SOURCE, folder)
+        log.info("CPU fused ops: compiling %s for this host into %s (once per host and torch; ~20 s)", KERNELS, folder)
     start = time.perf_counter()
     cpp_extension.load(
         NAME,
-        [SOURCE],
+        SOURCES,
         extra_cflags=["-O3", "-march=native", "-fopenmp"],  # libgomp: torch's own, already loaded
         extra_ldflags=["-fopenmp"],
         build_directory=folder,
@@ -83,7 +90,7 @@ class FusedOps:
     def __init__(self):
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
-        self.gemv, self.decode_layers = ops.gemv, ops.decode_layers
+        self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
 
 
 class FusedLayers:

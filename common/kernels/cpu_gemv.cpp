@@ -1,0 +1,132 @@
+// The few-row GEMV of the fused CPU ops (registered in cpu_fused.cpp):
+//   gemv(x [R, K], w [N, K], bias?, residual?) -> residual + x @ w.T + bias [R, N], for a decode step's
+//     few rows R: each thread streams its own contiguous run of w's rows once, as a few sequential
+//     streams side by side, every x row dotted against each weight row while it is in cache;
+//   stream_sum(x, streams) -> the sum of x, read the same way (bench/floor.py's bandwidth probe).
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace disagg_cpu {
+
+// rows [begin, end) of out [R, n] = x [R, k] @ w.T (+ bias, + residual): R x rows (in cache) against
+// the weight rows as they stream by, the run split into S parts read side by side (S sequential
+// streams, far apart: rows begin + s * part + j). One stream per thread ran at ~0.89x the bandwidth of
+// a torch.sum over one large buffer on a 2-core AMD EPYC (AVX2); two 0.97-0.99x, four 1.03-1.13x:
+// more independent streams keep more cache-line fills in flight. Two accumulators per (row, stream)
+// hide the FMA latency; R * S <= 4 keeps them in registers.
+template <int R, int S>
+void gemv_rows(const float* x, const float* w, const float* bias, const float* residual, float* out, int64_t n,
+               int64_t k, int64_t begin, int64_t end) {
+  constexpr int64_t step = 2 * kLanes;
+  const int64_t part = (end - begin) / S;
+  for (int64_t j = 0; j < part; ++j) {
+    const float* ws[S];
+    vec acc[S][R][2];
+    for (int s = 0; s < S; ++s) {
+      ws[s] = w + (begin + s * part + j) * k;
+      for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = vzero();
+    }
+    int64_t i = 0;
+    for (; i + step <= k; i += step) {
+      for (int r = 0; r < R; ++r) {
+        const vec x0 = vload(x + r * k + i), x1 = vload(x + r * k + i + kLanes);
+        for (int s = 0; s < S; ++s) {
+          acc[s][r][0] = vfma(vload(ws[s] + i), x0, acc[s][r][0]);
+          acc[s][r][1] = vfma(vload(ws[s] + i + kLanes), x1, acc[s][r][1]);
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const int64_t row = begin + s * part + j;
+      for (int r = 0; r < R; ++r) {
+        float sum = vsum(vadd(acc[s][r][0], acc[s][r][1]));
+        for (int64_t t = i; t < k; ++t) sum += ws[s][t] * x[r * k + t];
+        if (bias != nullptr) sum += bias[row];
+        if (residual != nullptr) sum += residual[r * n + row];
+        out[r * n + row] = sum;
+      }
+    }
+  }
+  if constexpr (S > 1) gemv_rows<R, 1>(x, w, bias, residual, out, n, k, begin + S * part, end);  // the remainder
+}
+
+// The sum of x's elements, each thread's half read as S streams side by side (as the gemv reads its
+// weights): bench/floor.py's bandwidth probe, so that the floor it reports is what this host's best
+// read reaches and not torch.sum's one stream per thread.
+template <int S>
+float stream_sum_part(const float* p, int64_t n) {
+  const int64_t part = n / S / (2 * kLanes) * (2 * kLanes);
+  vec acc[S][2];
+  for (int s = 0; s < S; ++s) acc[s][0] = acc[s][1] = vzero();
+  for (int64_t i = 0; i < part; i += 2 * kLanes) {
+    for (int s = 0; s < S; ++s) {
+      acc[s][0] = vadd(acc[s][0], vload(p + s * part + i));
+      acc[s][1] = vadd(acc[s][1], vload(p + s * part + i + kLanes));
+    }
+  }
+  float total = 0.f;
+  for (int s = 0; s < S; ++s) total += vsum(vadd(acc[s][0], acc[s][1]));
+  for (int64_t i = S * part; i < n; ++i) total += p[i];
+  return total;
+}
+
+at::Tensor stream_sum(const at::Tensor& x, int64_t streams) {
+  check_f32(x, "stream_sum: x");
+  TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "stream_sum: 1, 2 or 4 streams");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  std::vector<double> parts(static_cast<size_t>(omp_get_max_threads()), 0.0);
+  parallel_range(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    const float* q = p + begin;
+    const float sum = streams == 4 ? stream_sum_part<4>(q, end - begin)
+                      : streams == 2 ? stream_sum_part<2>(q, end - begin) : stream_sum_part<1>(q, end - begin);
+    parts[static_cast<size_t>(omp_get_thread_num())] += sum;
+  });
+  double total = 0.0;
+  for (double v : parts) total += v;
+  return at::scalar_tensor(total, x.options());
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+               const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [R, K], w [N, K]");
+  check_f32(x, "gemv: x");
+  check_f32(w, "gemv: w");
+  const int64_t rows = x.size(0), n = w.size(0), k = w.size(1);
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const at::Tensor res = residual.has_value() ? residual->contiguous() : at::Tensor();
+  if (b.defined()) {
+    check_f32(b, "gemv: bias");
+    TORCH_CHECK(b.numel() == n, "gemv: bias [N] expected");
+  }
+  if (res.defined()) {
+    check_f32(res, "gemv: residual");
+    TORCH_CHECK(res.numel() == rows * n, "gemv: residual [R, N] expected");
+  }
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
+  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* pr = res.defined() ? res.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  // a grain of weight rows per thread: at least ~64 KiB, so each thread streams contiguous memory
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));
+  parallel_range(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // a decode step's few rows: one pass over the weights
+      const int64_t r = std::min<int64_t>(4, rows - r0);
+      const float *xr = px + r0 * k, *rr = pr == nullptr ? nullptr : pr + r0 * n;
+      float* o = po + r0 * n;
+      if (r == 1) gemv_rows<1, 4>(xr, pw, pb, rr, o, n, k, begin, end);
+      else if (r == 2) gemv_rows<2, 2>(xr, pw, pb, rr, o, n, k, begin, end);
+      else if (r == 3) gemv_rows<3, 1>(xr, pw, pb, rr, o, n, k, begin, end);
+      else gemv_rows<4, 1>(xr, pw, pb, rr, o, n, k, begin, end);
+    }
+  });
+  return out;
+}
+
+}  // namespace disagg_cpu
