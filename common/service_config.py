@@ -96,8 +96,9 @@ class ModelFlags(FlagGroup, title="model"):
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     disable_cpu_fused: bool = flag(
         False,
-        "CPU fp32: run RMSNorm, SiLU-and-mul and decode attention through torch ops instead of the fused C++ "
-        "ops (built once per host on first use; without a compiler the torch ops run anyway)",
+        "CPU fp32: run RMSNorm, SiLU-and-mul, decode attention, the few-row GEMV and the dense decode step "
+        "through torch ops instead of the fused C++ ops (built once per host on first use; without a "
+        "compiler the torch ops run anyway)",
     )
     constrained_json_disable_any_whitespace: bool = flag(
         False,

@@ -171,7 +171,7 @@ def load(build: Callable[[], None] = build_extension) -> FusedOps | None:
             try:
                 build()
                 _loaded[build] = FusedOps()
-                log.info("CPU fused ops: loaded (RMSNorm, SiLU-and-mul, decode attention; --disable-cpu-fused: off)")
+                log.info("CPU fused ops: loaded (norms, SiLU-and-mul, decode attention, GEMV; --disable-cpu-fused: off)")
             except Exception as e:  # noqa: BLE001 (any failure: the torch path serves)
                 reason = " ".join(str(e).split())  # one line, even for a compiler's output
                 reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-200:]}"
