@@ -9,7 +9,7 @@ import torch
 from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.models import cpu_fused, weight_arena
-from common.models.packed_linear import linear_weights
+from common.models.packed_linear import ROW_BUCKETS, linear_weights
 from tests.oracle import hf_greedy
 from tests.test_cpu_fused_ops import NEW, PROMPTS, _greedy
 
@@ -39,31 +39,38 @@ def _count(runner) -> Counting:
     return counting
 
 
-def _decode_hidden(runner, row, prefix: int, token: int) -> torch.Tensor:
+def _decode_hidden(runner, rows: list[int], prefixes: list[int], token: int) -> torch.Tensor:
     table = runner.req_to_token_pool.req_to_token
-    fb = ForwardBatch.decode(table, torch.tensor([row]), [prefix], torch.tensor([token]))
+    fb = ForwardBatch.decode(table, torch.tensor(rows), prefixes, torch.tensor([token] * len(rows)))
     with torch.inference_mode():
         return runner.model(fb, runner.backend)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch):
-    """One decode step through `decode_layers`, then the same step (same slot: the same K/V written
-    again) through the modules: the final hidden states agree within fp32 rounding."""
-    runner = ModelRunner(RunnerArgs(checkpoint(arch), max_total_tokens=64, max_running_requests=1,
+def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch, batch):
+    """One decode step of `batch` requests (prefixes of different lengths) through `decode_layers`, then
+    the same step (same slots: the same K/V written again) through the modules with F.linear: the
+    final hidden states agree within fp32 rounding."""
+    runner = ModelRunner(RunnerArgs(checkpoint(arch), max_total_tokens=96, max_running_requests=batch,
                                     linear_layout="rowblock"))  # fmt: skip
     assert isinstance(runner.model.fused_layers, cpu_fused.FusedLayers)
     counting = _count(runner)
     pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
-    row = pool.alloc()
-    pool.write(row, 0, runner.kv_allocator.alloc(12))
-    with torch.inference_mode():
-        runner.model(ForwardBatch.extend(table, [row], [0], [[5, 17, 99, 3, 8, 1, 42]]), runner.backend)
-    fused = _decode_hidden(runner, row, 7, 11)
+    prompts = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1]][:batch]
+    rows = []
+    for prompt in prompts:
+        rows.append(pool.alloc())
+        pool.write(rows[-1], 0, runner.kv_allocator.alloc(len(prompt) + 1))
+        with torch.inference_mode():
+            runner.model(ForwardBatch.extend(table, [rows[-1]], [0], [prompt]), runner.backend)
+    prefixes = [len(p) for p in prompts]
+    fused = _decode_hidden(runner, rows, prefixes, 11)
     assert counting.calls == 1
-    saved, runner.model.fused_layers = runner.model.fused_layers, None
-    plain = _decode_hidden(runner, row, 7, 11)
-    runner.model.fused_layers = saved
+    for lw in linear_weights(runner.model):  # the modules with F.linear: no fused op on the reference's path
+        lw.set_plan(("mkl",) * len(ROW_BUCKETS))
+    plain = _decode_hidden(runner, rows, prefixes, 11)
+    assert counting.calls == 1  # the layout is not the gemv's: the modules served
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
 
 

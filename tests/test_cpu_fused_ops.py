@@ -66,6 +66,8 @@ def test_silu_and_mul_over_the_float_range(ops):
         (3, 1024, 100, False, True),
         (1, 33, 7, True, True),
         (2, 40, 136, False, True),
+        (1, 5, 16384, True, True),  # two threads with fewer rows each than the gemv's streams
+        (2, 3, 16384, False, True),
     ],
 )
 def test_gemv_matches_the_rowblock_bmm(ops, rows, n, k, bias, residual):

@@ -37,9 +37,10 @@ void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
     f(begin, end);
     return;
   }
-  const int64_t chunk = (n + threads - 1) / threads;
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
+    const int64_t team_size = omp_get_num_threads();  // what OpenMP gave, which may be fewer than asked
+    const int64_t chunk = (n + team_size - 1) / team_size;
     const int64_t first = begin + omp_get_thread_num() * chunk;
     if (first < end) f(first, std::min(end, first + chunk));
   }

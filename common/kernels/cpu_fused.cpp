@@ -55,7 +55,7 @@ inline float exp_approx(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(n == n ? n : 0.f) + 127) << 23;  // NaN: r carries it
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return (p * r * r + r + 1.f) * scale;

@@ -7,8 +7,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 
-#include <vector>
-
 #include "cpu_common.h"
 
 namespace disagg_cpu {
@@ -80,15 +78,14 @@ at::Tensor stream_sum(const at::Tensor& x, int64_t streams) {
   TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "stream_sum: 1, 2 or 4 streams");
   const float* p = x.data_ptr<float>();
   const int64_t n = x.numel();
-  std::vector<double> parts(static_cast<size_t>(omp_get_max_threads()), 0.0);
+  double total = 0.0;
   parallel_range(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
     const float* q = p + begin;
     const float sum = streams == 4 ? stream_sum_part<4>(q, end - begin)
                       : streams == 2 ? stream_sum_part<2>(q, end - begin) : stream_sum_part<1>(q, end - begin);
-    parts[static_cast<size_t>(omp_get_thread_num())] += sum;
+#pragma omp atomic
+    total += sum;
   });
-  double total = 0.0;
-  for (double v : parts) total += v;
   return at::scalar_tensor(total, x.options());
 }
 

@@ -171,7 +171,7 @@ def load(build: Callable[[], None] = build_extension) -> FusedOps | None:
             try:
                 build()
                 _loaded[build] = FusedOps()
-                log.info("CPU fused ops: loaded (norms, SiLU-and-mul, decode attention, GEMV; --disable-cpu-fused: off)")
+                log.info("CPU fused ops: loaded (norms, SiLU-mul, attention, GEMV; --disable-cpu-fused: off)")
             except Exception as e:  # noqa: BLE001 (any failure: the torch path serves)
                 reason = " ".join(str(e).split())  # one line, even for a compiler's output
                 reason = reason if len(reason) <= 400 else f"{reason[:200]} ... {reason[-200:]}"
@@ -211,6 +211,10 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     layers = list(getattr(getattr(model, "model", None), "layers", ()))
     if hasattr(model, "fused_layers"):  # a decoder whose every layer is dense: its decode step as one call
         whole = bool(layers) and all(fusable(layer) for layer in layers)
+        if whole:  # decode_layers takes one epsilon and one attention shape for every layer
+            a = [layer.self_attn for layer in layers]
+            shapes = {(x.num_heads, x.num_kv_heads, x.head_dim, x.scale) for x in a}
+            whole = len(shapes) == 1 and len({layer.input_layernorm.eps for layer in layers}) == 1
         model.fused_layers = FusedLayers(layers, ops) if whole and ops is not None else None
         n += model.fused_layers is not None
     if hasattr(backend, "fused_decode"):

@@ -54,24 +54,30 @@ def hugepage_empty(numel: int) -> torch.Tensor:
 
 
 def place(weights: list, *roots: torch.nn.Module) -> int:
-    """Move `weights` (LinearWeights, CPU fp32) into one arena; returns its bytes."""
-    unique: dict[int, torch.Tensor] = {}
+    """Move `weights` (LinearWeights, CPU fp32) into one arena; returns its bytes. Each old tensor is
+    let go as soon as its copy is made (the arena's pages fault in as they are written), so the
+    peak is about the weights once plus the largest of them."""
+    groups: dict[int, list] = {}  # an old tensor's address -> the LinearWeights that serve from it
     for w in weights:
-        unique.setdefault(w.weight.data_ptr(), w.weight)
-    total = sum(t.numel() for t in unique.values())
+        groups.setdefault(w.weight.data_ptr(), []).append(w)
+    shared: dict[int, list[torch.nn.Parameter]] = {}  # parameters on the same memory (a tied embedding)
+    for root in roots:
+        for p in root.parameters() if isinstance(root, torch.nn.Module) else ():
+            if p.data_ptr() in groups:
+                shared.setdefault(p.data_ptr(), []).append(p)
+    total = sum(ws[0].weight.numel() for ws in groups.values())
     if total == 0:
         return 0
     arena = hugepage_empty(total)
-    views: dict[int, torch.Tensor] = {}
     offset = 0
-    for ptr, t in unique.items():
-        views[ptr] = arena[offset : offset + t.numel()].view(t.shape).copy_(t)
-        offset += t.numel()
-    for w in weights:
-        w.relocate(views[w.weight.data_ptr()])
-    for root in roots:
-        for p in root.parameters() if isinstance(root, torch.nn.Module) else ():
-            view = views.get(p.data_ptr())
-            if view is not None and p.shape == view.shape and p.dtype == view.dtype:
+    for ptr, ws in groups.items():
+        old = ws[0].weight
+        view = arena[offset : offset + old.numel()].view(old.shape).copy_(old)
+        offset += old.numel()
+        for w in ws:
+            w.relocate(view)
+        for p in shared.get(ptr, ()):
+            if p.shape == view.shape and p.dtype == view.dtype:
                 p.data = view
+        del old
     return total * 4
