@@ -3,6 +3,8 @@ the modules' own path, and the CPU linears' weight arena (common/models/weight_a
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -143,3 +145,15 @@ def test_hugepage_empty_is_aligned_and_advised():
         pytest.skip("no transparent huge pages on this host")
     if "[never]" not in thp:
         assert weight_arena._advise_huge(t.data_ptr(), weight_arena.HUGE_PAGE)
+
+
+def test_a_refused_madvise_is_said_once(monkeypatch, caplog):
+    """Where THP is off (madvise refused) the arena still works, on 4 KiB pages, and one log line says so."""
+    monkeypatch.setattr(weight_arena, "_advise_huge", lambda address, length: False)
+    monkeypatch.setattr(weight_arena, "_refusal_logged", False)
+    with caplog.at_level(logging.INFO, logger=weight_arena.__name__):
+        for _ in range(2):
+            t = weight_arena.hugepage_empty(1000)
+            assert t.data_ptr() % weight_arena.HUGE_PAGE == 0
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 1 and "4 KiB pages" in lines[0]

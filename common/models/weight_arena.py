@@ -10,7 +10,7 @@ per 2 MiB instead of per 4 KiB) and no page-boundary gaps between allocations.
 
 1. `hugepage_empty(numel)`: an fp32 tensor 2 MiB-aligned, `madvise(MADV_HUGEPAGE)` on its range
    before any page is touched (so the first write faults in huge pages); where THP is off or this
-   is not Linux, a plain aligned tensor (nothing lost but the pages' size).
+   is not Linux, a plain aligned tensor (nothing lost but the pages' size), and one log line says so.
 2. `place(weights, *roots)`: copies each LinearWeight's plain weight into the arena (in the given
    order: the model's), points the LinearWeight at its view (`relocate`), and every parameter of
    `roots` that shared the old storage (a tied embedding) at the same view, so nothing is held twice;
@@ -48,9 +48,25 @@ def hugepage_empty(numel: int) -> torch.Tensor:
     aligned = -(-start // HUGE_PAGE) * HUGE_PAGE
     offset = (aligned - start) // 4
     end = start + raw.numel() * 4
-    if not _advise_huge(aligned, (end - aligned) // HUGE_PAGE * HUGE_PAGE):
-        log.debug("weight arena: madvise(MADV_HUGEPAGE) refused (errno %d); 4 KiB pages", ctypes.get_errno())
+    if not _advise_huge(aligned, (end - aligned) // HUGE_PAGE * HUGE_PAGE) and not _refusal_logged:
+        _log_refusal()
     return raw[offset : offset + numel]
+
+
+_refusal_logged = False
+
+
+def _log_refusal() -> None:
+    """Once per process: the host keeps 4 KiB pages (a batch-1 CPU step then reads its weights slower)."""
+    global _refusal_logged
+    _refusal_logged = True
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
+    except OSError:
+        thp = "not available"
+    log.info("weight arena: 2 MiB pages refused (errno %d; transparent huge pages: %s); 4 KiB pages, slower "
+             "weight reads", ctypes.get_errno(), thp)  # fmt: skip
 
 
 def place(weights: list, *roots: torch.nn.Module) -> int:
@@ -69,6 +85,7 @@ def place(weights: list, *roots: torch.nn.Module) -> int:
     if total == 0:
         return 0
     arena = hugepage_empty(total)
+    log.info("CPU linear weights: %.0f MB in one arena of 2 MiB pages", total * 4 / 1e6)
     offset = 0
     for ptr, ws in groups.items():
         old = ws[0].weight
