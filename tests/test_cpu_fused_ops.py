@@ -222,3 +222,18 @@ def test_a_failed_build_leaves_the_torch_path(checkpoint, caplog):
 def test_the_flag_turns_it_off(checkpoint):
     runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=1, cpu_fused=False))
     assert runner.cpu_fused is None and runner.backend.fused is None
+
+
+def test_the_wheel_carries_every_kernel_source():
+    """The build reads every file of common/kernels at run time (cpu_fused.SOURCES + HEADERS), so the
+    package data must ship them all: a header the globs missed broke the image's build once."""
+    import fnmatch
+    import os
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["common"]
+    needed = [os.path.relpath(p, os.path.join(root, "common")) for p in cpu_fused.SOURCES + cpu_fused.HEADERS]
+    assert sorted(os.listdir(cpu_fused.KERNELS)) == sorted(os.path.basename(p) for p in needed)
+    assert all(any(fnmatch.fnmatch(p, g) for g in globs) for p in needed), (needed, globs)
