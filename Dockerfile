@@ -25,6 +25,13 @@ ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
 RUN if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then \
       apt-get update && apt-get install -y --no-install-recommends libibverbs1 && rm -rf /var/lib/apt/lists/*; \
     fi
+# The CPU image carries a C++ compiler and ninja: the fused CPU ops (common/kernels/) are compiled on
+# first start for the host's own CPU (-march=native), ~20 s; without them the torch ops serve, ~1.8x
+# slower at batch 1 (BENCHMARKS.md). The CUDA image leaves them out (CPU fp32 only).
+ARG VARIANT=cuda
+RUN if [ "$VARIANT" = cpu ]; then \
+      apt-get update && apt-get install -y --no-install-recommends g++ ninja-build && rm -rf /var/lib/apt/lists/*; \
+    fi
 # The services run as an unprivileged user (uid 1000, numeric so Kubernetes' runAsNonRoot can check it).
 # Its home holds what they write at run time: the linear-layout table and its lock (~/.cache/disagg-serve),
 # Triton's and TorchInductor's compiled kernels; /tmp is the other scratch place (an emptyDir each on

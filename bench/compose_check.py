@@ -9,7 +9,8 @@
    (deploy/docker/wheelhouse.sh cpu); `docker build --build-arg VARIANT=cpu`; its size;
 3. `up` with SmolLM2-135M-Instruct mounted (converted by common.tools.smollm2), timed until smg answers;
 4. an OpenAI chat through smg and a Generate straight to decode: the same answer, token for token the
-   in-process path's (bench/offline.py: both schedulers and workers in this process);
+   in-process path's (bench/offline.py: both schedulers and workers in this process); decode's log
+   says the fused CPU ops loaded (the image's compiler built them);
 5. prefill crashes mid-stream (its process killed from the host, as an OOM kill would): the stream
    finishes, decode's health probe says NOT_SERVING, the container comes back by itself (restart
    policy), the next request succeeds: each step timed;
@@ -162,6 +163,13 @@ def answers(stack: Stack, client, model_path: str, model_name: str, report: dict
     return ids
 
 
+def fused_ops_line(stack: Stack) -> str:
+    """decode's log line on the fused CPU ops (loaded, or why not: the image has g++ and ninja)."""
+    proc = run(["docker", "logs", stack.containers("decode")[0]], timeout=60)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "CPU fused ops" in line]
+    return lines[-1].strip() if lines else "(no CPU fused ops line in decode's log)"
+
+
 def crash_prefill(stack: Stack, client, ids: list[int], report: dict) -> None:
     [prefill] = stack.containers("prefill")
     [decode] = stack.containers("decode")
@@ -267,6 +275,9 @@ def check(engine: de.Engine, args, report: dict) -> None:
         bring_up(stack, model_name, report)
         client = Client("127.0.0.1:30000", tokenizer_path=model)
         ids = answers(stack, client, model, model_name, report)
+        report["decode_cpu_fused"] = fused_ops_line(stack)
+        log(f"decode: {report['decode_cpu_fused']}")
+        assert "CPU fused ops: loaded" in report["decode_cpu_fused"], "the CPU image should build the fused ops"
         crash_prefill(stack, client, ids, report)
         scale_prefill(stack, client, report)
         client.close()
