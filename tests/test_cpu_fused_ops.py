@@ -229,6 +229,7 @@ def test_the_wheel_carries_every_kernel_source():
     package data must ship them all: a header the globs missed broke the image's build once."""
     import fnmatch
     import os
+
     import tomllib
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
