@@ -50,6 +50,17 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
+def ops():
+    """The fused CPU ops (common/models/cpu_fused.py), built once; skips where they did not build."""
+    from common.models import cpu_fused
+
+    loaded = cpu_fused.load()
+    if loaded is None:
+        pytest.skip("the fused CPU ops did not build here (the log says why)")
+    return loaded
+
+
+@pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(name) -> path of a tiny checkpoint folder (built once per session)."""
     built: dict[str, str] = {}

@@ -16,14 +16,6 @@ from tests.oracle import hf_greedy
 from tests.test_cpu_fused_ops import NEW, PROMPTS, _greedy
 
 
-@pytest.fixture(scope="module")
-def ops():
-    loaded = cpu_fused.load()
-    if loaded is None:
-        pytest.skip("the fused CPU ops did not build here (the log says why)")
-    return loaded
-
-
 class Counting:
     """The ops with `decode_layers` calls counted."""
 
