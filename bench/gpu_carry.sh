@@ -4,7 +4,8 @@
 #                                        # Mooncake engine with the system libraries it loads, a tiny checkpoint
 #                                        # and a fitted EAGLE3 head); both ignored by git, carried by the device tool
 #   bash bench/gpu_carry.sh run BUDGET_S [steps]   # there, with carry [".gpu", ".whl"]
-# Steps (default all, in this order): check (bench.gpu_check: GPU tests + 1B bench), triton (1B with Triton and
+# Steps (default all, in this order): check (bench.gpu_check: GPU tests + 1B bench), tests (every GPU test alone, 4
+# workers), profile (bench.gpu_profile: kernels and host ops per decode step, 8B and 1B), triton (1B with Triton and
 # CUDA graphs), spec (EAGLE3 on the tiny target), handoff (gRPC vs Mooncake into a CUDA pool), big (8B, Triton
 # + graphs), big-eager (8B eager). Each step is bounded by the time left; logs go to $OUT.
 set -u
@@ -56,6 +57,9 @@ run() {
   for s in $steps; do case $s in
     check) PYTHONPATH=$PYTHONPATH:/tmp/mc/site LD_LIBRARY_PATH=/tmp/mclib PYTEST_ADDOPTS=--timeout=120 step check 260 \
       python3 -m bench.gpu_check --out-dir "$OUT/check" --shapes llama-3.2-1b;;  # the engine too: the Mooncake GPU tests
+    tests) PYTHONPATH=$PYTHONPATH:/tmp/mc/site LD_LIBRARY_PATH=/tmp/mclib step tests 300 \
+      python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider -n 4 --timeout=150;;
+    profile) step profile 300 python3 -m bench.gpu_profile --cuda-graph --out-dir "$OUT/profile" --trace-batch 1;;
     triton) step triton 120 python3 -m bench.gpu_bench --shapes llama-3.2-1b --attention-backend triton --cuda-graph;;
     spec) step spec 90 python3 -m bench.spec_bench --model-path .gpu/tiny --head .gpu/tiny-head --algorithm EAGLE3 \
       --num-prompts 16 --batch-sizes 1,16 --repeats 2 --new-tokens 48 --device cuda --dtype float32 \
