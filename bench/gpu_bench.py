@@ -113,10 +113,18 @@ def hf_step_ms(model, prompt: list[int], batch: int, new_tokens: int, device: st
 
 
 def load_runners(
-    path: str, max_batch: int, tokens_per_request: int, device: str, dtype: str, backend: str = "batched", graphs=False
+    path: str,
+    max_batch: int,
+    tokens_per_request: int,
+    device: str,
+    dtype: str,
+    backend: str = "batched",
+    graphs=False,
+    fused: bool = True,
 ) -> tuple:
     """(decode, prefill) ModelRunners sized for the largest batch, loaded once per shape; the decode
-    runner captures its CUDA graphs when `graphs` (needs the triton backend)."""
+    runner captures its CUDA graphs when `graphs` (needs the triton backend); `fused`: the fused
+    CUDA ops (common/models/cuda_fused.py) on."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
 
     args = dict(
@@ -125,6 +133,7 @@ def load_runners(
         max_running_requests=max_batch,
         max_total_tokens=max_batch * tokens_per_request + 64,
         attention_backend=backend,
+        cuda_fused=fused,
     )
     decode = ModelRunner(RunnerArgs(path, cuda_graph=graphs, **args))
     decode.warmup()
@@ -169,6 +178,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out-json", default=None)
     p.add_argument("--attention-backend", default="batched", help="batched | triton | torch")
     p.add_argument("--cuda-graph", action="store_true", help="decode steps replay CUDA graphs (with triton)")
+    p.add_argument("--fused", default="on", help="the fused CUDA ops: on | off | on,off (each, same checkpoint)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF generate (its figures do not change with ours)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     bw = bandwidth(args.device, 1 << 30 if args.device == "cuda" else 1 << 26)
@@ -179,8 +190,8 @@ def main(argv=None) -> list[dict]:
         flush=True,
     )
     print(
-        "| shape | B | HF ms/step | ours ms/step (overlap) | ours ms/step (no overlap) | floor ms | "
-        "occupancy on / off |\n| --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | fused | B | HF ms/step | ours ms/step (overlap) | ours ms/step (no overlap) | floor ms | "
+        "occupancy on / off |\n| --- | --- | --- | --- | --- | --- | --- | --- |",
         flush=True,
     )
     rows = []
@@ -190,43 +201,58 @@ def main(argv=None) -> list[dict]:
             vocab = SHAPES[shape]["vocab_size"]
             prompt = [(1000003 * i + 7) % (vocab - 3) + 3 for i in range(args.prompt_len)]
             batches = [int(x) for x in args.batch_sizes.split(",")]
-            runners = load_runners(
-                folder,
-                max(batches),
-                args.prompt_len + args.new_tokens,
-                args.device,
-                args.dtype,
-                args.attention_backend,
-                args.cuda_graph,
-            )
-            for b in batches:
-                hf = hf_step_ms(model, prompt, b, args.new_tokens, args.device)
-                on = ours(runners, prompt, b, args.new_tokens, args.device, overlap=True)
-                off = ours(runners, prompt, b, args.new_tokens, args.device, overlap=False)
-                row = dict(
-                    shape=shape,
-                    batch=b,
-                    hf_ms=hf,
-                    ours_ms=on["step_ms"],
-                    ours_no_overlap_ms=off["step_ms"],
-                    floor_ms=floor_ms(model, b, args.prompt_len + args.new_tokens // 2, bw),
-                    occupancy=on["occupancy"],
-                    occupancy_no_overlap=off["occupancy"],
-                    device=name,
+            hf = {
+                b: None if args.no_hf else hf_step_ms(model, prompt, b, args.new_tokens, args.device) for b in batches
+            }
+            for fused in args.fused.split(","):
+                runners = load_runners(
+                    folder,
+                    max(batches),
+                    args.prompt_len + args.new_tokens,
+                    args.device,
+                    args.dtype,
+                    args.attention_backend,
+                    args.cuda_graph,
+                    fused == "on",
                 )
-                rows.append(row)
-                occ = "-" if on["occupancy"] is None else f"{on['occupancy']:.0%} / {off['occupancy']:.0%}"
-                print(
-                    f"| {shape} | {b} | {hf:.2f} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | {row['floor_ms']:.2f} "
-                    f"| {occ} |",
-                    flush=True,
-                )
-            del model, runners
+                rows += _rows(runners, model, prompt, batches, hf, shape, fused, args, bw, name)
+                del runners
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+            del model
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump(rows, f, indent=2)
+    return rows
+
+
+def _rows(runners, model, prompt, batches, hf, shape, fused, args, bw, name) -> list[dict]:
+    rows = []
+    for b in batches:
+        on = ours(runners, prompt, b, args.new_tokens, args.device, overlap=True)
+        off = ours(runners, prompt, b, args.new_tokens, args.device, overlap=False)
+        row = dict(
+            shape=shape,
+            fused=fused,
+            batch=b,
+            hf_ms=hf[b],
+            ours_ms=on["step_ms"],
+            ours_no_overlap_ms=off["step_ms"],
+            floor_ms=floor_ms(model, b, args.prompt_len + args.new_tokens // 2, bw),
+            occupancy=on["occupancy"],
+            occupancy_no_overlap=off["occupancy"],
+            device=name,
+        )
+        rows.append(row)
+        occ = "-" if on["occupancy"] is None else f"{on['occupancy']:.0%} / {off['occupancy']:.0%}"
+        hf_ms = "-" if hf[b] is None else f"{hf[b]:.2f}"
+        print(
+            f"| {shape} | {fused} | {b} | {hf_ms} | {on['step_ms']:.2f} | {off['step_ms']:.2f} | "
+            f"{row['floor_ms']:.2f} | {occ} |",
+            flush=True,
+        )
     return rows
 
 

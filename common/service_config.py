@@ -100,6 +100,11 @@ class ModelFlags(FlagGroup, title="model"):
         "through torch ops instead of the fused C++ ops (built once per host on first use; without a "
         "compiler the torch ops run anyway)",
     )
+    disable_cuda_fused: bool = flag(
+        False,
+        "CUDA: run RMSNorm (and the residual add before it), SiLU-and-mul and rotary + the KV write through "
+        "torch ops instead of the fused Triton kernels",
+    )
     constrained_json_disable_any_whitespace: bool = flag(
         False,
         "json_schema constraints (and smg's json_object) compile without free whitespace between JSON tokens "

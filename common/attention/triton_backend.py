@@ -63,6 +63,12 @@ class TritonBackend(AttentionBackend):
         True  # decode, fixed-extend and verify-tree metadata from device tensors only (cuda_graph_runner.py)
     )
     fixed_decode_splits = False  # set while a graph is captured: the split count for the longest context
+    cuda_fused = None  # the fused CUDA ops (common/models/cuda_fused.py): rotary + KV write as one kernel
+
+    @property
+    def fused_decode_now(self) -> bool:
+        """Attention.forward hands qkv_proj's output to `fused_decode` (every mode, not only decode)."""
+        return self.cuda_fused is not None
 
     def __init__(self, kv_pool, req_to_token_pool):
         super().__init__(kv_pool, req_to_token_pool)
@@ -114,6 +120,18 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer, forward_batch, scale):
         self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)
+        return self._attend(q, layer, scale)
+
+    def fused_decode(self, qkv, cos, sin, attn, forward_batch) -> torch.Tensor:
+        """`forward` from qkv_proj's output [T, (heads + 2 kv_heads) * d]: q/k norm (Qwen3), rotary and the
+        K/V write as one kernel (cuda_fused.rotary_kv), then the attention kernels -> [T, heads * d]."""
+        layer = attn.layer
+        k_buf, v_buf = self.kv_pool.k[layer], self.kv_pool.v[layer]
+        q = self.cuda_fused.rotary_kv(qkv, cos, sin, attn, k_buf, v_buf, forward_batch.out_cache_loc)
+        return self._attend(q, layer, attn.scale).reshape(q.shape[0], -1)
+
+    def _attend(self, q, layer, scale):
+        """Attention of q [T, heads, d] over the pool (this forward's K/V already written)."""
         k_buf, v_buf = self.kv_pool.k[layer], self.kv_pool.v[layer]
         table = self.req_to_token_pool.req_to_token
         q = q.to(k_buf.dtype) if q.dtype != k_buf.dtype else q

@@ -112,16 +112,19 @@ class DraftRunner:
         """Target layers whose outputs the head reads (EAGLE3); empty: the final normed hidden (EAGLE)."""
         return self.config.aux_layer_ids
 
-    def use_cuda_graphs(self, max_bs: int, capture: bool) -> None:
+    def use_cuda_graphs(self, max_bs: int, capture: bool, extends: bool = True) -> None:
         """Draft steps (a chain's: decode forwards; a tree's: K nodes per request at each depth d < S,
         over a block of d * K entries), the head's hidden in, and the draft extend (S + 1 tokens per
-        request, the target's features in) through static buffers / graphs."""
+        request, the target's features in) through static buffers / graphs; without `extends` (a head
+        whose extends read host lists: MLA) only a chain's draft steps."""
         width, dtype, device = self.target.config.hidden_size, self.target.dtype, self.target.device
         forward = lambda fb, hidden: (self.forward_eager(fb, hidden),)  # noqa: E731
         k = self.spec.eagle_topk
         if k == 1:
             self.decode_graphs = CudaGraphRunner(forward, self.backend, device, max_bs, capture, width, dtype)
-        else:
+        if not extends:
+            return
+        if k > 1:
             self.tree_graphs = [
                 CudaGraphRunner(forward, self.backend, device, max_bs, capture, width, dtype, k, tree_block=d * k)
                 for d in range(1, self.spec.num_steps)

@@ -44,6 +44,9 @@ class RunnerArgs:
     static_decode_buffers: bool = False  # without capture (CPU): decode through the graphs' static buffers
     torch_compile_max_bs: int = 0  # CPU: decode batches up to this size through torch.compile (0 = off)
     cpu_fused: bool = True  # CPU fp32: norms, SiLU-mul and decode attention as fused C++ ops (cpu_fused.py)
+    cuda_fused: bool = (
+        True  # CUDA: norms (+ residual add), SiLU-mul, rotary + KV write as Triton kernels (cuda_fused.py)
+    )
     kv_shared_dir: str | None = None  # CPU decode with the shm handoff: KV pools as files here (kv_pool.py)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
     ep_size: int = 1  # mixtures of experts under TP: 1 (a slice of every expert) or tp.size (whole experts)
@@ -64,6 +67,7 @@ class RunnerArgs:
             linear_layout=config.linear_layout,
             greedy_head=config.greedy_head,
             cpu_fused=not config.disable_cpu_fused,
+            cuda_fused=not config.disable_cuda_fused,
             ep_size=config.ep_size,
             constrained_json_disable_any_whitespace=config.constrained_json_disable_any_whitespace,
             **config.decode_step_args(),  # graphs, compile, shm KV: decode's flags; prefill runs no decode steps
@@ -103,8 +107,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         cfg = self.config
         self.context_length = min(args.context_length or cfg.context_length, cfg.context_length)
-        if (cfg.moe is not None or cfg.mla is not None) and args.static_decode_buffers:
-            raise ValueError(f"{cfg.architecture}: static decode buffers are not supported yet")
         model = load_model(args.model_path, self.device, self.dtype, cfg)
         self.model = tp_shard.shard_model(model, args.tp, args.ep_size)  # MoE: common/parallel/moe_shard.py
         self.tp = args.tp
@@ -141,21 +143,24 @@ class ModelRunner:
             roots = (self.model, *self.draft_linear_roots())  # fused ops keep the weights' tensors
             weight_arena.place(packed_linear.linear_weights(*roots), *roots)
         self.cpu_fused = self._attach_cpu_fused(args)
+        self.cuda_fused = self._attach_cuda_fused(args)
         if self.attention_backend == "triton" and cfg.moe is not None:  # the experts as a grouped GEMM too
             from common.models.triton_moe import use_triton_experts
 
             use_triton_experts(self.model, *(() if self.draft is None else (self.draft.head,)))
         capture = args.cuda_graph and self.device.type == "cuda" and getattr(self.backend, "supports_cuda_graph", False)
-        # MLA's extends and verifies loop over host lists, the torch experts sync (the Triton experts and
-        # latent decode do not: capturing MoE / MLA decode steps is a follow-up)
-        capture = capture and cfg.moe is None and cfg.mla is None
+        # MoE runs the Triton experts with the triton backend (no host sync), MLA's decode the latent kernel
+        # (none either); MLA's extends (a verify, a draft extend, a tree's draft steps) loop over host lists,
+        # so those stay eager
+        extends = cfg.mla is None
         self.decode_graphs = self.verify_graphs = None
         if capture or args.static_decode_buffers:
             max_bs = args.cuda_graph_max_bs or args.max_running_requests
             forward = lambda fb, _: self._eager(fb, (), False)  # noqa: E731
             self.decode_graphs = CudaGraphRunner(forward, self.backend, self.device, max_bs, capture)
             if self.draft is not None:
-                self.draft.use_cuda_graphs(max_bs, capture)
+                self.draft.use_cuda_graphs(max_bs, capture, extends)
+            if self.draft is not None and extends:
                 tree = args.spec.eagle_topk > 1  # a tree's verify: M nodes and their mask; a chain's: S + 1 tokens
                 per_row = args.spec.num_draft_tokens if tree else args.spec.num_steps + 1
                 verify = lambda fb, _: self._eager(fb, self.draft.capture, False)  # noqa: E731
@@ -174,6 +179,20 @@ class ModelRunner:
         cpu_fused.attach(self.model, self.backend, ops)
         if self.draft is not None:  # the EAGLE head's layer and its one-layer pool's backend too
             cpu_fused.attach(self.draft.head, self.draft.backend, ops)
+        return ops
+
+    def _attach_cuda_fused(self, args: RunnerArgs):
+        """The fused CUDA ops (Triton) where they apply: CUDA, not under TP, not off by flag."""
+        if not args.cuda_fused or self.device.type != "cuda" or args.tp.size > 1:
+            return None
+        from common.models import cuda_fused  # Triton loads only where it runs
+
+        if cuda_fused.usable(self.device, self.dtype, args.tp.size) is not None:
+            return None
+        ops = cuda_fused.FusedOps()
+        cuda_fused.attach(self.model, self.backend, ops)
+        if self.draft is not None:  # the EAGLE head's norms and MLP, and its one-layer pool's backend
+            cuda_fused.attach(self.draft.head, self.draft.backend, ops)
         return ops
 
     def _graph_sets(self) -> list:
@@ -224,6 +243,8 @@ class ModelRunner:
 
     def _eager(self, forward_batch: ForwardBatch, capture: tuple[int, ...], greedy: bool):
         """(logits or greedy tokens of the logits rows, the hidden or the captured layers' features)."""
+        if self.expert_load is not None:  # which rows are padding (slot 0): a replayed graph's counts skip them
+            self.expert_load.slots = forward_batch.out_cache_loc
         if capture:
             hidden, features = self.model(forward_batch, self.backend, capture=capture)
         else:

@@ -92,6 +92,11 @@ class FusedOps:
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
         self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
 
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether rms_norm / silu_and_mul take x: fp32, contiguous."""
+        return x.dtype == torch.float32 and x.is_contiguous()
+
 
 class FusedLayers:
     """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
@@ -217,7 +222,7 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
             whole = len(shapes) == 1 and len({layer.input_layernorm.eps for layer in layers}) == 1
         model.fused_layers = FusedLayers(layers, ops) if whole and ops is not None else None
         n += model.fused_layers is not None
-    if hasattr(backend, "fused_decode"):
+    if hasattr(backend, "fused_pool_args"):  # the batched backend (the triton one takes the CUDA ops)
         backend.fused = ops
         n += 1
     return n if ops is not None else 0

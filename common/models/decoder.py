@@ -27,7 +27,7 @@ from common.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(DirectCall):
-    fused = None  # CPU fp32: the fused ops (common/models/cpu_fused.py), one pass per row
+    fused = None  # the fused ops, one kernel per row: CPU fp32 (common/models/cpu_fused.py), CUDA (cuda_fused.py)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -35,7 +35,7 @@ class RMSNorm(DirectCall):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous():
+        if self.fused is not None and self.fused.takes(x) and x.dtype == self.weight.dtype:
             return self.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op (each op costs a few microseconds on CPU)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -97,7 +97,7 @@ class Attention(DirectCall):
 
 class MLP(DirectCall):
     tp = None
-    fused = None  # CPU fp32: silu(gate) * up in one op (common/models/cpu_fused.py)
+    fused = None  # silu(gate) * up in one op: CPU fp32 (common/models/cpu_fused.py), CUDA (cuda_fused.py)
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
@@ -108,7 +108,7 @@ class MLP(DirectCall):
     def forward(self, x, residual=None):
         """down(silu(gate) * up), plus `residual` when given."""
         gate_up = self.gate_up_proj(x)
-        if self.fused is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+        if self.fused is not None and self.fused.takes(gate_up):
             h = self.fused.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -162,7 +162,8 @@ class DecoderLM(nn.Module):
     tp = None  # a TPGroup once split: the embedding and lm_head hold a vocabulary shard
     greedy_head = None  # CPU fp32: greedy tokens through a bf16 pass (common/models/greedy_head.py)
     compiled_layers = None  # CPU, opt-in: small decode batches through torch.compile (compiled_layers.py)
-    fused_layers = None  # CPU fp32, dense layers: a decode step's layers as one call (cpu_fused.FusedLayers)
+    fused_layers = None  # CPU fp32, dense: a decode step's layers as one call (cpu_fused.FusedLayers); CUDA: the
+    # layers with each residual add folded into the next norm (cuda_fused.FusedStack)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -5,8 +5,9 @@
 steps, EAGLE verifies alike) adds its router's top-k ids into that row with one in-place index_add_
 (`count_routed`): no host sync, one small temporary, and capturable in a CUDA graph (a kernel
 on a fixed buffer). A token counts once per layer for each of its k experts: its (token, choice)
-pairs. Padding rows of a fixed-shape forward would count too; MoE models run no CUDA graphs or
-static decode buffers today (model_runner.py), so every counted row is a real token.
+pairs. A fixed-shape forward (a replayed decode graph) pads its batch with rows at KV slot 0, the
+slot no request owns: the runner hands each forward's slots in (`slots`, set before the model runs,
+so a captured graph reads its static slot buffer), and a row at slot 0 counts nothing.
 
 Only the host reads the counts, and only when metrics are scraped (`read`: one copy to the host, off
 the forward's thread). Under tensor parallelism every rank runs the whole router on the same hidden
@@ -19,10 +20,15 @@ from __future__ import annotations
 import torch
 
 
-def count_routed(counts: torch.Tensor, ids: torch.Tensor) -> None:
-    """counts [E] int64 += the number of times each expert appears in ids [T, k] (on the device)."""
+def count_routed(counts: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+    """counts [E] int64 += the number of times each expert appears in ids [T, k] (on the device); with
+    `slots` (each token's KV slot [T]) the rows at the padding slot 0 left out."""
     flat = ids.reshape(-1)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
+    if slots is None:
+        ones = torch.ones_like(flat, dtype=counts.dtype)
+    else:
+        ones = (slots != 0)[:, None].expand(ids.shape).reshape(-1).to(counts.dtype)
+    counts.index_add_(0, flat, ones)
 
 
 class ExpertLoad:
@@ -31,6 +37,7 @@ class ExpertLoad:
         self.num_experts = num_experts
         self.counts = torch.zeros(len(layers), num_experts, dtype=torch.int64, device=device)
         self.ep_ranks = ep_ranks  # with --ep-size > 1: the experts each rank holds
+        self.slots = None  # the running forward's KV slot per token (ModelRunner sets it): padding rows skipped
 
     @classmethod
     def attach(cls, model, tp=None, ep_size: int = 1) -> ExpertLoad | None:
@@ -48,7 +55,7 @@ class ExpertLoad:
         ranks = tuple(local_experts(spec, r, size, ep_size) for r in range(size)) if ep_size > 1 else ()
         load = cls(tuple(i for i, _ in moes), spec.num_experts, moes[0][1].gate.weight.device, ranks)
         for row, (_, moe) in enumerate(moes):
-            moe.load_counts = load.counts[row]
+            moe.load_counts, moe.expert_load = load.counts[row], load
         return load
 
     def reset(self) -> None:

@@ -178,6 +178,7 @@ class SparseMoE(DirectCall):
     tp = None  # a TPGroup once split: the output is this rank's partial sum until the all-reduce
     first_expert = None  # expert parallelism: the global id of this rank's first expert
     load_counts = None  # [E] int64 on the device: tokens routed to each expert (common/models/expert_load.py)
+    expert_load = None  # the ExpertLoad holding load_counts (its `slots`: which rows are padding)
     experts_kernel = None  # run_experts' replacement: the Triton grouped GEMM (common/models/triton_moe.py)
 
     def __init__(self, hidden: int, spec: MoeSpec, shared: nn.Module | None = None):
@@ -192,7 +193,7 @@ class SparseMoE(DirectCall):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.load_counts is not None:
-            count_routed(self.load_counts, ids)
+            count_routed(self.load_counts, ids, self.expert_load.slots if self.expert_load is not None else None)
         kernel = self.experts_kernel or run_experts
         out = kernel(x, ids, weights, self.experts_gate_up, self.experts_down, self.first_expert)
         if hasattr(self, "shared_experts"):  # under TP its partial output (its own tp stays None)

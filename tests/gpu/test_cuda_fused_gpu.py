@@ -1,0 +1,127 @@
+"""On CUDA: the fused Triton ops (common/models/cuda_fused.py) compiled, rounding bf16 where the torch
+ops round, with no host sync; MoE and latent-attention decode steps, and the MTP draft's steps,
+replayed from captured CUDA graphs against HF greedy. The fp32 logic runs on CPU under the
+interpreter in tests/test_cuda_fused.py; the services' default CUDA path (every other GPU test) runs
+these ops too."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from common.engine.draft_runner import SpecArgs
+from common.engine.sampling import SamplingParams
+from common.models import cuda_fused
+from common.models.decoder import RMSNorm
+from common.models.rope import RotaryEmbedding, apply_rotary
+from tests.decode_harness import Pair
+from tests.oracle import hf_greedy
+
+pytestmark = pytest.mark.gpu
+
+
+@contextlib.contextmanager
+def no_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _same_rounding(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Equal but for rare last-bit flips (a reduction's order or exp's last bit moves a value across a
+    rounding boundary): at most 1 in 200 values differ, none by more than 1 bf16 ulp."""
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    differ = got != want
+    ulp = want.float().abs().clamp(min=1e-30) * 2.0**-7
+    assert differ.float().mean().item() <= 5e-3, f"{name}: {int(differ.sum())} of {want.numel()} differ"
+    assert ((got.float() - want.float()).abs() <= ulp * 1.01).all(), f"{name}: a value off by more than 1 ulp"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_ops_round_as_the_torch_ops_without_a_sync(dtype):
+    g = torch.Generator().manual_seed(0)
+    ops = cuda_fused.FusedOps()
+    t, width, heads, kv_heads, d = 37, 4096, 32, 8, 128
+    x = torch.randn(t, width, generator=g).to("cuda", dtype)
+    r = (torch.randn(t, width, generator=g) * 4).to("cuda", dtype)
+    norm = RMSNorm(width, 1e-5).to("cuda", dtype)
+    norm.weight.data = torch.randn(width, generator=g).to("cuda", dtype)
+    gate_up = torch.randn(t, 2 * 14336, generator=g).to("cuda", dtype)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to("cuda", dtype)
+    positions = torch.randint(0, 4000, (t,), generator=g).cuda()
+    cos, sin = RotaryEmbedding({"rope_type": "default", "rope_theta": 500000.0}, d).cos_sin(positions, dtype)
+    loc = torch.randperm(200, generator=g)[:t].cuda() + 1
+    k_buf, v_buf = (torch.zeros(201, kv_heads, d, dtype=dtype, device="cuda") for _ in range(2))
+
+    class Attn:
+        num_heads, num_kv_heads, head_dim = heads, kv_heads, d
+
+    qk = Attn()
+    qk.q_norm, qk.k_norm = RMSNorm(d, 1e-6).to("cuda", dtype), RMSNorm(d, 1e-6).to("cuda", dtype)
+    for n in (qk.q_norm, qk.k_norm):
+        n.weight.data = torch.randn(d, generator=g).to("cuda", dtype)
+    run = lambda: (  # noqa: E731
+        ops.rms_norm(x, norm.weight, norm.eps),
+        ops.add_rms_norm(x, r, norm.weight, norm.eps),
+        ops.silu_and_mul(gate_up),
+        ops.rotary_kv(qkv, cos, sin, Attn(), k_buf, v_buf, loc),
+        ops.rotary_kv(qkv, cos, sin, qk, k_buf, v_buf, loc),
+    )
+    run()  # compiles
+    with no_sync():
+        normed, (added, total), silu, q, q_normed = run()
+    _same_rounding(normed, norm(x), "rms_norm")
+    assert torch.equal(total, r + x), "add_rms_norm: the sum"
+    _same_rounding(added, norm(r + x), "add_rms_norm")
+    _same_rounding(silu, F.silu(gate_up[:, :14336]) * gate_up[:, 14336:], "silu_and_mul")
+    view = qkv.view(t, heads + 2 * kv_heads, d)
+    _same_rounding(q, apply_rotary(view[:, :heads], cos, sin), "rotary q")
+    q_ref = apply_rotary(qk.q_norm(view[:, :heads]), cos, sin)
+    _same_rounding(q_normed, q_ref, "rotary q after q_norm")
+    k_ref = apply_rotary(qk.k_norm(view[:, heads : heads + kv_heads]), cos, sin)
+    _same_rounding(k_buf[loc], k_ref, "rotary k after k_norm, written at its slots")
+    assert torch.equal(v_buf[loc], view[:, heads + kv_heads :]), "v written at its slots"
+
+
+@pytest.mark.parametrize("variant", ["qwen3-moe", "deepseek-v3", "deepseek-v3-nolora"])
+def test_moe_and_mla_decode_replays_cuda_graphs_and_matches_hf_greedy(checkpoint, variant):
+    """Captured (a host sync inside would fail the capture), replayed, token-exact."""
+    path = checkpoint(variant)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80)), list(range(100, 160))]
+    pair = Pair(path, device="cuda", dtype="float32", attention_backend="triton", cuda_graph=True)
+    try:
+        for i, p in enumerate(prompts):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        pair.wait([str(i) for i in range(len(prompts))])
+        for i, p in enumerate(prompts):
+            assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
+        graphs = pair.worker.runner.decode_graphs
+        assert graphs.graphs and sum(graphs.runs.values()) > 0
+    finally:
+        pair.close()
+
+
+def test_the_mtp_draft_steps_replay_cuda_graphs_and_match_hf_greedy(checkpoint):
+    """DeepSeek-V3's MTP layer as a chain of 3: the target's decode and the draft's steps replayed (the
+    latent extends, verify and draft extend, stay eager)."""
+    path = checkpoint("deepseek-v3-mtp")
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 47)), [3]]
+    spec = SpecArgs("NEXTN", None, 3, 1, 4)
+    pair = Pair(path, device="cuda", dtype="float32", spec=spec, attention_backend="triton", cuda_graph=True)
+    try:
+        for i, p in enumerate(prompts):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        pair.wait([str(i) for i in range(len(prompts))])
+        for i, p in enumerate(prompts):
+            assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
+        draft = pair.worker.runner.draft
+        assert draft.decode_graphs.graphs and sum(draft.decode_graphs.runs.values()) > 0
+        assert draft.extend_graphs is None and pair.worker.runner.verify_graphs is None
+    finally:
+        pair.close()
