@@ -120,12 +120,14 @@ def load_runners(
     dtype: str,
     backend: str = "batched",
     graphs=False,
-    fused: bool = True,
+    fused: str = "on",
 ) -> tuple:
     """(decode, prefill) ModelRunners sized for the largest batch, loaded once per shape; the decode
-    runner captures its CUDA graphs when `graphs` (needs the triton backend); `fused`: the fused
-    CUDA ops (common/models/cuda_fused.py) on."""
+    runner captures its CUDA graphs when `graphs` (needs the triton backend). `fused`: the fused CUDA
+    ops (common/models/cuda_fused.py) "on", "off", or "cublas" (on, but the warm-up's tuning offered
+    no GEMV config, so every linear stays on cuBLAS)."""
     from common.engine.model_runner import ModelRunner, RunnerArgs
+    from common.models import cuda_gemv
 
     args = dict(
         device=device,
@@ -133,10 +135,16 @@ def load_runners(
         max_running_requests=max_batch,
         max_total_tokens=max_batch * tokens_per_request + 64,
         attention_backend=backend,
-        cuda_fused=fused,
+        cuda_fused=fused != "off",
     )
     decode = ModelRunner(RunnerArgs(path, cuda_graph=graphs, **args))
-    decode.warmup()
+    configs = dict(cuda_gemv.CONFIGS)
+    if fused == "cublas":
+        cuda_gemv.CONFIGS.clear()
+    try:
+        decode.warmup()
+    finally:
+        cuda_gemv.CONFIGS.update(configs)
     return decode, ModelRunner(RunnerArgs(path, **args))
 
 
@@ -178,7 +186,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out-json", default=None)
     p.add_argument("--attention-backend", default="batched", help="batched | triton | torch")
     p.add_argument("--cuda-graph", action="store_true", help="decode steps replay CUDA graphs (with triton)")
-    p.add_argument("--fused", default="on", help="the fused CUDA ops: on | off | on,off (each, same checkpoint)")
+    p.add_argument(
+        "--fused",
+        default="on",
+        help="the fused CUDA ops, each of a comma list on the same checkpoint: on | cublas (the fused ops, every "
+        "linear through cuBLAS: no GEMV) | off",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip HF generate (its figures do not change with ours)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -213,7 +226,7 @@ def main(argv=None) -> list[dict]:
                     args.dtype,
                     args.attention_backend,
                     args.cuda_graph,
-                    fused == "on",
+                    fused,
                 )
                 rows += _rows(runners, model, prompt, batches, hf, shape, fused, args, bw, name)
                 del runners

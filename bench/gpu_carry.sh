@@ -6,7 +6,7 @@
 #   bash bench/gpu_carry.sh run BUDGET_S [steps]   # there, with carry [".gpu", ".whl"]
 # Steps (default all, in this order): check (bench.gpu_check: GPU tests + 1B bench), tests (every GPU test alone, 4
 # workers), profile (bench.gpu_profile: kernels and host ops per decode step, 8B and 1B), fused (8B and 1B, Triton +
-# graphs, the fused CUDA ops on and off), triton (1B with Triton and
+# graphs, the fused CUDA ops on, on without the GEMV, off), triton (1B with Triton and
 # CUDA graphs), spec (EAGLE3 on the tiny target), handoff (gRPC vs Mooncake into a CUDA pool), big (8B, Triton
 # + graphs), big-eager (8B eager). Each step is bounded by the time left; logs go to $OUT.
 set -u
@@ -62,7 +62,7 @@ run() {
       python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider -n 4 --timeout=150;;
     profile) step profile 300 python3 -m bench.gpu_profile --cuda-graph --out-dir "$OUT/profile" --trace-batch 1;;
     fused) step fused 300 python3 -m bench.gpu_bench --shapes llama-3.1-8b,llama-3.2-1b --attention-backend triton \
-      --cuda-graph --fused on,off --no-hf;;
+      --cuda-graph --fused on,cublas,off --no-hf;;
     triton) step triton 120 python3 -m bench.gpu_bench --shapes llama-3.2-1b --attention-backend triton --cuda-graph;;
     spec) step spec 90 python3 -m bench.spec_bench --model-path .gpu/tiny --head .gpu/tiny-head --algorithm EAGLE3 \
       --num-prompts 16 --batch-sizes 1,16 --repeats 2 --new-tokens 48 --device cuda --dtype float32 \

@@ -88,7 +88,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--cuda-graph", action="store_true")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--trace-batch", type=int, default=None)
-    p.add_argument("--fused", default="on", help="the fused CUDA ops (common/models/cuda_fused.py): on | off")
+    p.add_argument("--fused", default="on", help="the fused CUDA ops (bench.gpu_bench --fused): on | cublas | off")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no kernels to list)")
     args = p.parse_args(argv)
@@ -109,7 +109,7 @@ def main(argv=None) -> list[dict]:
             prompt = [(1000003 * i + 7) % (vocab - 3) + 3 for i in range(args.prompt_len)]
             runners = load_runners(
                 folder, max(batches), args.prompt_len + LONG, args.device, dtype, args.attention_backend,
-                args.cuda_graph, args.fused == "on",
+                args.cuda_graph, args.fused,
             )  # fmt: skip
             print(f"# {shape}: built and loaded in {time.perf_counter() - start:.0f} s", flush=True)
             for b in batches:

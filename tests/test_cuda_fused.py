@@ -11,6 +11,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.models.decoder import Attention, RMSNorm
+from common.models.packed_linear import PackedLinear
 from common.models.rope import RotaryEmbedding, apply_rotary
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.skipif(
     reason="CPU runs need TRITON_INTERPRET=1 before triton loads (tests/conftest.py sets it)",
 )
 cuda_fused = pytest.importorskip("common.models.cuda_fused")
+cuda_gemv = pytest.importorskip("common.models.cuda_gemv")
 
 
 def _close(a, b):
@@ -92,10 +94,23 @@ def _logits(runner, prompts, steps=3):
     return out
 
 
+def _unpack(module: torch.nn.Module) -> None:
+    """Each PackedLinear under `module` back to an nn.Linear of the same weight and bias."""
+    for name, child in module.named_children():
+        if isinstance(child, PackedLinear):
+            w = child.weight
+            linear = torch.nn.Linear(w.in_features, w.out_features, bias=w.bias is not None)
+            linear.weight.data, linear.bias = w.weight, None if w.bias is None else torch.nn.Parameter(w.bias)
+            setattr(module, name, linear)
+        else:
+            _unpack(child)
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen3-moe", "deepseek-v3"])
-def test_a_model_through_the_fused_ops_matches_it_without_them(checkpoint, variant):
+def test_a_model_through_the_fused_ops_matches_it_without_them(checkpoint, variant, monkeypatch):
     """Every layer through FusedStack (residual adds in the norms; MoE and latent-attention layers too),
-    rotary + KV write as one kernel where the attention is grouped-query."""
+    rotary + KV write as one kernel where the attention is grouped-query, the linears of the decode
+    steps through the GEMV."""
     path = checkpoint(variant)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (1, 9, 30)]
@@ -104,14 +119,19 @@ def test_a_model_through_the_fused_ops_matches_it_without_them(checkpoint, varia
     ops = cuda_fused.FusedOps()
     assert cuda_fused.attach(fused.model, fused.backend, ops) > 0
     assert isinstance(fused.model.fused_layers, cuda_fused.FusedStack)
-    calls, stacked = [], []
+    _unpack(fused.model.model)  # CPU fp32 runners pack their linears; a CUDA runner's are nn.Linear
+    assert cuda_gemv.wrap(fused.model.model) > 0  # every linear of up to 16 rows through the GEMV
+    cuda_gemv.tune(fused.model, timer=lambda fn, choice, rows: 0.0 if choice == "gemv16" else 1.0)
+    calls, stacked, gemvs = [], [], []
+    kernel = cuda_gemv.gemv
+    monkeypatch.setattr(cuda_gemv, "gemv", lambda *a: gemvs.append(1) or kernel(*a))
     rotary, norm = ops.rotary_kv, ops.add_rms_norm
     ops.rotary_kv = lambda *a: calls.append(1) or rotary(*a)
     ops.add_rms_norm = lambda *a: stacked.append(1) or norm(*a)
     for step, (a, b) in enumerate(zip(_logits(fused, prompts), _logits(plain, prompts))):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"forward {step}: {m}")
     grouped = any(isinstance(layer.self_attn, Attention) for layer in fused.model.model.layers)
-    assert bool(calls) == grouped
+    assert bool(calls) == grouped and gemvs
     layers = len(fused.model.model.layers)
     assert len(stacked) == 4 * (2 * layers - 1)  # two adds + norms per layer, but the last one's, per forward
 

@@ -189,10 +189,14 @@ class ModelRunner:
 
         if cuda_fused.usable(self.device, self.dtype, args.tp.size) is not None:
             return None
+        from common.models import cuda_gemv
+
         ops = cuda_fused.FusedOps()
         cuda_fused.attach(self.model, self.backend, ops)
-        if self.draft is not None:  # the EAGLE head's norms and MLP, and its one-layer pool's backend
+        cuda_gemv.wrap(self.model.model)  # the layers' linears: GEMV or cuBLAS per shape (tuned at warm-up)
+        if self.draft is not None:  # the EAGLE head's norms, MLP and linears, and its one-layer pool's backend
             cuda_fused.attach(self.draft.head, self.draft.backend, ops)
+            cuda_gemv.wrap(self.draft.head)
         return ops
 
     def _graph_sets(self) -> list:
@@ -259,6 +263,10 @@ class ModelRunner:
         --enable-torch-compile compiles and times each compiled bucket. Run before a service reports
         SERVING."""
         with intra_op.single_threaded():
+            if self.cuda_fused is not None:  # each few-row linear's kernel, picked before graphs capture it
+                from common.models import cuda_gemv
+
+                cuda_gemv.tune(self.model, *(() if self.draft is None else (self.draft.head,)))
             self._warmup(prompt_len)
             for graphs, name in self._graph_sets():
                 graphs.capture_all(name)

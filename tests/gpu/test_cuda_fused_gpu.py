@@ -1,5 +1,6 @@
 """On CUDA: the fused Triton ops (common/models/cuda_fused.py) compiled, rounding bf16 where the torch
-ops round, with no host sync; MoE and latent-attention decode steps, and the MTP draft's steps,
+ops round, with no host sync; the GEMV (common/models/cuda_gemv.py) against cuBLAS, captured and
+tuned; MoE and latent-attention decode steps, and the MTP draft's steps,
 replayed from captured CUDA graphs against HF greedy. The fp32 logic runs on CPU under the
 interpreter in tests/test_cuda_fused.py; the services' default CUDA path (every other GPU test) runs
 these ops too."""
@@ -14,7 +15,7 @@ from torch.nn import functional as F
 
 from common.engine.draft_runner import SpecArgs
 from common.engine.sampling import SamplingParams
-from common.models import cuda_fused
+from common.models import cuda_fused, cuda_gemv
 from common.models.decoder import RMSNorm
 from common.models.rope import RotaryEmbedding, apply_rotary
 from tests.decode_harness import Pair
@@ -87,6 +88,42 @@ def test_fused_ops_round_as_the_torch_ops_without_a_sync(dtype):
     k_ref = apply_rotary(qk.k_norm(view[:, heads : heads + kv_heads]), cos, sin)
     _same_rounding(k_buf[loc], k_ref, "rotary k after k_norm, written at its slots")
     assert torch.equal(v_buf[loc], view[:, heads + kv_heads :]), "v written at its slots"
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 0.5, 1e-2), (torch.float32, 1e-3, 1e-4)])
+def test_gemv_matches_cublas_without_a_sync_and_replays_in_a_graph(dtype, atol, rtol):
+    g = torch.Generator().manual_seed(1)
+    for n, k, bias in [(6144, 4096, False), (4096, 14336, False), (384, 72, True)]:
+        w = torch.randn(n, k, generator=g).to("cuda", dtype)
+        b = torch.randn(n, generator=g).to("cuda", dtype) if bias else None
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, k, generator=g).to("cuda", dtype)
+            want = F.linear(x, w, b)
+            for config in cuda_gemv.CONFIGS:
+                cuda_gemv.gemv(x, w, b, config)  # compiles
+                with no_sync():
+                    got = cuda_gemv.gemv(x, w, b, config)
+                where = f"{n}x{k}, {rows} rows, {config}"
+                torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, where=where: f"{where}: {m}")
+    x = torch.zeros(2, k, dtype=dtype, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_gemv.gemv(x, w, b, "gemv32")
+    x.copy_(torch.randn(2, k, generator=g).to("cuda", dtype))
+    graph.replay()
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=atol, rtol=rtol)
+
+
+def test_tune_times_each_shape_on_the_gpu():
+    block = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False), torch.nn.Linear(4096, 4096, bias=False))
+    block = block.to("cuda", torch.bfloat16)
+    assert cuda_gemv.wrap(block) == 2
+    found = cuda_gemv.tune(block)
+    (plan,) = found.values()
+    assert set(plan) == set(cuda_gemv.BUCKETS) and block[0].plan is block[1].plan
+    for choice, us, cublas_us in plan.values():
+        assert 0 < us <= cublas_us and choice in (*cuda_gemv.CONFIGS, "cublas")
+    print("tuned 4096x4096 bf16:", plan)
 
 
 @pytest.mark.parametrize("variant", ["qwen3-moe", "deepseek-v3", "deepseek-v3-nolora"])
