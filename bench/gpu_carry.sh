@@ -5,7 +5,7 @@
 #                                        # and a fitted EAGLE3 head); both ignored by git, carried by the device tool
 #   bash bench/gpu_carry.sh run BUDGET_S [steps]   # there, with carry [".gpu", ".whl"]
 # Steps (default all, in this order): check (bench.gpu_check: GPU tests + 1B bench), tests (every GPU test alone, 4
-# workers), profile (bench.gpu_profile: kernels and host ops per decode step, 8B and 1B), fused (8B and 1B, Triton +
+# workers), profile (bench.gpu_profile: kernels and host ops per decode step, 8B), fused (8B and 1B, Triton +
 # graphs, the fused CUDA ops on, on without the GEMV, off), triton (1B with Triton and
 # CUDA graphs), spec (EAGLE3 on the tiny target), handoff (gRPC vs Mooncake into a CUDA pool), big (8B, Triton
 # + graphs), big-eager (8B eager). Each step is bounded by the time left; logs go to $OUT.
@@ -60,7 +60,8 @@ run() {
       python3 -m bench.gpu_check --out-dir "$OUT/check" --shapes llama-3.2-1b;;  # the engine too: the Mooncake GPU tests
     tests) PYTHONPATH=$PYTHONPATH:/tmp/mc/site LD_LIBRARY_PATH=/tmp/mclib step tests 300 \
       python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider -n 4 --timeout=150;;
-    profile) step profile 300 python3 -m bench.gpu_profile --cuda-graph --out-dir "$OUT/profile" --trace-batch 1;;
+    profile) step profile 300 python3 -m bench.gpu_profile --cuda-graph --out-dir "$OUT/profile" --shapes llama-3.1-8b \
+      --batch-sizes 1,64 --trace-batch 1;;
     fused) step fused 300 python3 -m bench.gpu_bench --shapes llama-3.1-8b,llama-3.2-1b --attention-backend triton \
       --cuda-graph --fused on,cublas,off --no-hf;;
     triton) step triton 120 python3 -m bench.gpu_bench --shapes llama-3.2-1b --attention-backend triton --cuda-graph;;

@@ -87,7 +87,7 @@ def _rotary_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    half: tl.constexpr = D // 2
+    half = D // 2
     partner = tl.where(d < half, d + half, d - half)
     live = (h < HEADS + 2 * KV_HEADS) & (d < D)
     row = qkv_ptr + t * stride_qkv + h * D
