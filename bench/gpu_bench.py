@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import tempfile
 import time
@@ -271,4 +272,6 @@ def _rows(runners, model, prompt, batches, hf, shape, fused, args, bw, name) -> 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("common.models.cuda_gemv").setLevel(logging.INFO)  # each linear shape's kernel choice
     main()
