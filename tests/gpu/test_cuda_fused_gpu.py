@@ -34,12 +34,16 @@ def no_sync():
         torch.cuda.set_sync_debug_mode(0)
 
 
-def _same_rounding(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+def _same_rounding(got: torch.Tensor, want: torch.Tensor, name: str, scale: torch.Tensor | None = None) -> None:
     """Equal but for rare last-bit flips (a reduction's order or exp's last bit moves a value across a
-    rounding boundary): at most 1 in 200 values differ, none by more than 1 bf16 ulp."""
+    rounding boundary): at most 1 in 200 values differ, none by more than 1 bf16 ulp of the value, or
+    of `scale` where given: rotary's sum of two products can cancel, and a flip in a normed input
+    is then many ulps of a small output (seen on an H100 with q_norm) but one ulp of the inputs."""
     assert got.dtype == want.dtype and got.shape == want.shape, name
     differ = got != want
     ulp = want.float().abs().clamp(min=1e-30) * 2.0**-7
+    if scale is not None:
+        ulp = torch.maximum(ulp, scale.float() * 2.0**-7)
     assert differ.float().mean().item() <= 5e-3, f"{name}: {int(differ.sum())} of {want.numel()} differ"
     assert ((got.float() - want.float()).abs() <= ulp * 1.01).all(), f"{name}: a value off by more than 1 ulp"
 
@@ -83,10 +87,10 @@ def test_fused_ops_round_as_the_torch_ops_without_a_sync(dtype):
     _same_rounding(silu, F.silu(gate_up[:, :14336]) * gate_up[:, 14336:], "silu_and_mul")
     view = qkv.view(t, heads + 2 * kv_heads, d)
     _same_rounding(q, apply_rotary(view[:, :heads], cos, sin), "rotary q")
-    q_ref = apply_rotary(qk.q_norm(view[:, :heads]), cos, sin)
-    _same_rounding(q_normed, q_ref, "rotary q after q_norm")
-    k_ref = apply_rotary(qk.k_norm(view[:, heads : heads + kv_heads]), cos, sin)
-    _same_rounding(k_buf[loc], k_ref, "rotary k after k_norm, written at its slots")
+    pair = lambda x: x.float().abs() + x.float().abs().roll(d // 2, -1)  # noqa: E731 (a rotary output's inputs)
+    q_in, k_in = qk.q_norm(view[:, :heads]), qk.k_norm(view[:, heads : heads + kv_heads])
+    _same_rounding(q_normed, apply_rotary(q_in, cos, sin), "rotary q after q_norm", pair(q_in))
+    _same_rounding(k_buf[loc], apply_rotary(k_in, cos, sin), "rotary k after k_norm, at its slots", pair(k_in))
     assert torch.equal(v_buf[loc], view[:, heads + kv_heads :]), "v written at its slots"
 
 
