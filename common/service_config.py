@@ -102,8 +102,9 @@ class ModelFlags(FlagGroup, title="model"):
     )
     disable_cuda_fused: bool = flag(
         False,
-        "CUDA: run RMSNorm (and the residual add before it), SiLU-and-mul and rotary + the KV write through "
-        "torch ops instead of the fused Triton kernels",
+        "CUDA: run RMSNorm (and the residual add before it), SiLU-and-mul, rotary + the KV write and the "
+        "few-row linears through torch ops and cuBLAS instead of the fused Triton kernels and the GEMV (each "
+        "linear shape's GEMV-or-cuBLAS choice is timed at warm-up)",
     )
     constrained_json_disable_any_whitespace: bool = flag(
         False,
