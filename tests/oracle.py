@@ -30,3 +30,22 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
 def hf_logits(path: str, prompt: list[int]) -> torch.Tensor:
     """Logits [len(prompt), V] of one unpadded prompt."""
     return hf_model(path)(torch.tensor([prompt])).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_sampled(path: str, prompt: list[int], max_new_tokens: int, seed: int, temperature: float, processors=()):
+    """What a temperature-only request with `seed` must draw, from HF's distribution: each step HF's
+    logits of the sequence so far, HF-style `processors` (called as (input_ids, scores)), / temperature,
+    softmax; the token by inverse CDF in id order at the request's own uniform for that output index
+    (common/engine/sampling.py's counter-based draw, the one piece of ours used here)."""
+    from common.engine.sampling import uniform
+
+    ids = list(prompt)
+    for index in range(max_new_tokens):
+        scores = hf_model(path)(torch.tensor([ids])).logits[:, -1].float()
+        for proc in processors:
+            scores = proc(torch.tensor([ids]), scores)
+        cdf = torch.cumsum(torch.softmax(scores[0] / temperature, dim=-1), dim=-1)
+        u = torch.tensor([uniform(seed, index) * cdf[-1].item()], dtype=cdf.dtype)
+        ids.append(min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1))
+    return ids[len(prompt) :]

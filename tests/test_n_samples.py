@@ -15,7 +15,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from common.engine.sampling import SamplingParams, sample_seed
 from tests.decode_harness import ManualPair, Pair
 from tests.grpc_harness import GrpcPair
-from tests.oracle import hf_greedy
+from tests.oracle import hf_greedy, hf_sampled
 from tests.test_logprobs import LogprobOutputs
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -57,6 +57,28 @@ def test_each_sample_decodes_as_a_request_with_its_seed(checkpoint, overlap, ext
             assert len(mine) == len(ref) == 10
             for a, b in zip(mine, ref):
                 assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_sample_draws_from_hfs_distribution_with_its_own_uniforms(checkpoint, overlap):
+    """Anchored to HF, not to our own n = 1 runs: sample i's tokens are the ones HF's distribution for
+    its own history gives at sample i's uniforms (seed sample_seed(s, i)), its first token (drawn by
+    prefill) included, with a frequency penalty and a logit bias over its own outputs."""
+    from tests.test_penalties import Bias, FreqPres
+
+    path, n, new = checkpoint("llama"), 3, 12
+    extra = {"frequency_penalty": 0.9, "logit_bias": {3: 2.0, 40: -1.5}}
+    pair = Pair(path, overlap=overlap)
+    try:
+        pair.submit("many", PROMPT, _sampled(n=n, max_new_tokens=new, **extra))
+        pair.wait(_rids("many", n))
+    finally:
+        pair.close()
+    got = [pair.out.tokens[r] for r in _rids("many", n)]
+    assert len({tuple(t) for t in got}) == n, "samples alike: the per-sample draws went untested"
+    for i, tokens in enumerate(got):
+        procs = (FreqPres(len(PROMPT), 0.9, 0.0), Bias(extra["logit_bias"]))
+        assert tokens == hf_sampled(path, PROMPT, new, sample_seed(SEED, i), 1.0, procs), f"sample {i}"
 
 
 def test_greedy_samples_are_hf_greedy_and_the_prompt_is_reserved_once(checkpoint):

@@ -16,6 +16,7 @@ from tests.oracle import hf_greedy, hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3, 4, 3, 4, 3]]
 N = 12
+N_EAGLE = 32  # EAGLE's penalty counts: a bonus token left out of them first changed a token at 14 (of 24)
 
 
 class FreqPres(LogitsProcessor):
@@ -153,18 +154,20 @@ def test_penalties_match_hf_in_process(cases, overlap):
 
 @pytest.mark.parametrize("algorithm,topk", [("EAGLE", 1), ("EAGLE3", 2)])
 def test_penalties_with_eagle_match_hf(checkpoint, fitted_head, algorithm, topk):
+    """A chain and a tree over 32 tokens: every committed token (the bonus too) joins the counts the
+    next verify's processors read; each prompt's processor changes HF's output."""
     from common.engine.draft_runner import SpecArgs
     from tests.test_eagle import chat_prompts
 
-    path = checkpoint("llama")
+    path, n = checkpoint("llama"), N_EAGLE
     prompts = chat_prompts(path, 3)
     params = [
-        SamplingParams(max_new_tokens=N, ignore_eos=True, repetition_penalty=1.6),
-        SamplingParams(max_new_tokens=N, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.4),
-        SamplingParams(max_new_tokens=N, ignore_eos=True, logit_bias={hf_greedy(path, prompts[2], N)[2]: -50.0}),
+        SamplingParams(max_new_tokens=n, ignore_eos=True, repetition_penalty=1.6),
+        SamplingParams(max_new_tokens=n, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.4),
+        SamplingParams(max_new_tokens=n, ignore_eos=True, logit_bias={hf_greedy(path, prompts[2], n)[2]: -50.0}),
     ]
-    want = [hf_processed(path, p, sp) for p, sp in zip(prompts, params)]
-    assert any(w != hf_greedy(path, p, N) for p, w in zip(prompts, want))
+    want = [hf_processed(path, p, sp, n) for p, sp in zip(prompts, params)]
+    assert all(w != hf_greedy(path, p, n) for p, w in zip(prompts, want)), "a processor changed nothing"
     steps, nodes = (3, 4) if topk == 1 else (2, 4)
     pair = Pair(path, spec=SpecArgs(algorithm, fitted_head("llama", algorithm), steps, topk, nodes))
     try:
