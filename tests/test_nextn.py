@@ -36,6 +36,10 @@ SHAPES = [(1, 3, 4), (2, 3, 6), (4, 2, 8)]
 # prompts, 20 new tokens: measured 1.22 as a chain in one process and over gRPC (14 of 192 drafts),
 # 1.32 as the tree; the random layer gets 1.00 (0 accepted) on the same prompts. 2026-11-26.
 FLOOR = {1: 1.1, 2: 1.15}  # by topk: a chain (3 steps) and a tree (topk 2, 3 steps, 6 nodes)
+# SAMPLED_ACCEPT: n = 3 samples at temperature 1 must accept some draft. On a chat prompt the fitted layer
+# accepted 22 of 204 drafts (AMD EPYC, 2026-11-27), on the old prompt `range(5, 14)` (not chat) 4 of 258
+# here and 0 of 270 on an Intel Xeon: at 1.5% per draft no acceptance in ~260 is a 2% draw, not a bug. At
+# 11% per draft it is < 1e-9; a host whose fit accepted a quarter as often would fail < 1 run in 200.
 
 
 @pytest.fixture(scope="module")
@@ -187,12 +191,12 @@ def test_tp_pairs_with_the_mtp_draft_match_hf_greedy(mtp, refs, prefill_tp, deco
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_n_samples_through_the_mtp_draft_equal_their_twins(fitted, overlap):
-    """n = 3 at temperature 1 through the fitted MTP layer: each sample has its own draft seed and
-    latent at the last prompt position, and equals an n = 1 request with seed + i."""
+    """n = 3 at temperature 1 through the fitted MTP layer on a chat prompt: each sample has its own
+    draft seed and latent at the last prompt position, and equals an n = 1 request with seed + i."""
     from common.engine.sampling import sample_seed
 
     pair = Pair(fitted, overlap=overlap, spec=SpecArgs("NEXTN", None, 3, 1, 4))
-    prompt = list(range(5, 14))
+    prompt = chat_prompts(fitted, 1)[0]
 
     def params(**kw):
         return SamplingParams(**{"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "seed": 99, **kw})
@@ -208,7 +212,7 @@ def test_n_samples_through_the_mtp_draft_equal_their_twins(fitted, overlap):
     got = [pair.out.tokens[r] for r in ("m", "m/1", "m/2")]
     assert got == [pair.out.tokens[f"o{i}"] for i in range(3)]
     assert len({t[0] for t in got}) > 1, "every sample began alike: the per-sample draft rows went untested"
-    assert pair.scheduler.spec_stats.accepted > 0
+    assert pair.scheduler.spec_stats.accepted > 0  # see SAMPLED_ACCEPT
 
 
 def test_start_up_errors_name_the_problem(checkpoint, mtp):
