@@ -34,9 +34,14 @@ CHECKPOINTS = {
 def pytest_configure(config):
     torch.set_num_threads(1)
     # the host's linear-layout tables (common/models/host_table.py): this session's own, shared by the
-    # services it starts, not the user's
+    # services it starts, not the user's, and pinned to tests/linear_layouts.json: a test's code path
+    # never depends on the host's load (the tests of timing itself point the folder elsewhere)
     config.linear_table_dir = tempfile.mkdtemp(prefix="disagg-linear-tables-")
     os.environ["DISAGG_LINEAR_TABLE_DIR"] = config.linear_table_dir
+    shutil.copy(
+        os.path.join(os.path.dirname(__file__), "linear_layouts.json"),
+        os.path.join(config.linear_table_dir, "fixed.json"),
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -154,3 +154,26 @@ class _QuietProbe:
 
     def between(self, a, b):
         return Conditions(cpus=2, seconds=1.0)
+
+
+def test_a_pinned_table_is_applied_as_it_is_and_a_bad_one_stops_start_up(tmp_path, monkeypatch):
+    """fixed.json in the table folder: every weight gets its plan and the greedy head its use, nothing is
+    timed and no table is written; `retime` still times; a malformed pin raises, naming the file."""
+    monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
+    plan = ["mkl", "rowblock", "onednn", "mkl", "rowblock", "onednn", "mkl"]
+    pin = tmp_path / host_table.FIXED
+    pin.write_text(json.dumps({"plan": plan, "greedy": [True] + [False] * 6}))
+    monkeypatch.setattr(linear_tuning, "tune", lambda *a, **k: pytest.fail("a pinned table is not timed"))
+    weights = linear_weights(packed_linear.pack_linears(_model()))
+    table = linear_tuning.tune_and_log(weights, "auto")
+    assert all(w.plan == tuple(plan) for w in weights) and table.greedy_plan == (True,) + (False,) * 6
+    assert "pinned by" in table.lines()[0] and str(pin) in table.lines()[0]
+    assert list(tmp_path.iterdir()) == [pin]
+    for bad in ({"plan": plan[:3], "greedy": [False] * 7}, {"plan": ["fast"] * 7, "greedy": [False] * 7},
+                {"plan": plan, "greedy": [1] * 7}):  # fmt: skip
+        pin.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="fixed.json"):
+            linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto")
+    pin.write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto")

@@ -12,6 +12,11 @@
 4. A record also says how it was timed (`linear_tuning.py`, item 7): the host's conditions then
    (`common/host_load.py`), the repeat spread, whether it is provisional (timed on a busy host)
    and why it replaced an earlier table. Tables written before these fields load as not provisional.
+5. A folder may pin its plans instead: `fixed.json` (`read_fixed`) names one layout per row bucket
+   for every weight, and the greedy head's use per bucket; `--linear-layout auto` then applies it as
+   it is (no timing, no start-up check). A fleet can pin what it measured once; the tests pin one
+   plan (tests/linear_layouts.json) so that no test's code path depends on the host's load. A fixed
+   file that cannot be read stops start-up: a pinned plan never silently turns into a timing.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from common.models.packed_linear import LAYOUTS, ROW_BUCKETS
 log = logging.getLogger(__name__)
 
 ENV_DIR = "DISAGG_LINEAR_TABLE_DIR"
+
+
+FIXED = "fixed.json"
 
 
 def table_dir() -> str:
@@ -125,6 +133,27 @@ def read(shapes, threads: int) -> dict | None:
         return None
     record["path"] = path
     return record
+
+
+def read_fixed() -> dict | None:
+    """The folder's pinned plans, {"plan": [a layout per row bucket], "greedy": [a bool per row bucket],
+    "path": the file}, or None when it has none; ValueError (naming the file) when it is malformed."""
+    path = os.path.join(table_dir(), FIXED)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"pinned linear layouts {path} unreadable: {e}") from e
+    plan, greedy = record.get("plan") if isinstance(record, dict) else None, (record or {}).get("greedy")
+    if not isinstance(plan, list) or len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
+        raise ValueError(
+            f"pinned linear layouts {path}: 'plan' must name one of {LAYOUTS} per row bucket {ROW_BUCKETS}"
+        )
+    if not isinstance(greedy, list) or len(greedy) != len(ROW_BUCKETS) or not all(isinstance(g, bool) for g in greedy):
+        raise ValueError(f"pinned linear layouts {path}: 'greedy' must be true or false per row bucket {ROW_BUCKETS}")
+    return {"plan": tuple(plan), "greedy": tuple(greedy), "path": path}
 
 
 def _how_timed(record: dict) -> None:

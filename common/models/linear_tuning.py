@@ -72,16 +72,24 @@ class LayoutTable:
     provisional: bool = False  # timed on a busy host: the next quiet start times it again
     retimed_because: str = ""  # why a stored table was timed again ("" for a first timing)
     check: table_check.Verdict | None = None  # the start-up check of a loaded table
+    pinned_greedy: tuple[bool, ...] | None = None  # a pinned table's greedy head use (host_table.read_fixed)
 
     @property
     def greedy_plan(self) -> tuple[bool, ...]:
-        """Per row bucket: the greedy head beat the fp32 lm_head (all False when it was not timed)."""
+        """Per row bucket: the greedy head beat the fp32 lm_head (all False when it was not timed), or
+        as a pinned table says."""
+        if self.pinned_greedy is not None:
+            return self.pinned_greedy
         if not self.greedy_ms:
             return (False,) * len(ROW_BUCKETS)
         return tuple(b < f for b, f in zip(self.greedy_ms["bf16"], self.greedy_ms["fp32"]))
 
     def lines(self) -> list[str]:
         out = [f"linear layout {self.mode} (forced) on {host.describe()}"]
+        if self.pinned_greedy is not None:
+            plan = next(iter(self.plans.values()), ())
+            rows = ", ".join(f"{r}: {layout}" for r, layout in zip(ROW_BUCKETS, plan))
+            return [f"linear layouts pinned by {self.source} (not timed): {rows}"]
         if self.ms:
             how = f"loaded from {self.source}" if self.source else "timed now"
             out = [f"linear layouts on {host.describe()}, {self.threads} threads ({how}), ms per step for all linears:"]
@@ -222,7 +230,13 @@ def tune_and_log(
         raise ValueError(f"--greedy-head must be one of {GREEDY_CHOICES}, got {greedy_mode!r}")
     hooks = hooks or Hooks()
     start = time.perf_counter()
-    if mode in ("auto", "retime"):
+    pinned = host_table.read_fixed() if mode == "auto" else None
+    if pinned is not None:
+        table = LayoutTable("auto", torch.get_num_threads(), source=pinned["path"], pinned_greedy=pinned["greedy"])
+        table.plans = {w.shape_key: pinned["plan"] for w in weights}
+        for w in weights:
+            w.set_plan(pinned["plan"])
+    elif mode in ("auto", "retime"):
         with host_table.host_wide_lock():
             table, why = _load_host_table(weights, greedy, hooks) if mode == "auto" else (None, "")
             if table is None:
