@@ -25,6 +25,51 @@ def _idx(*rows):
     return torch.tensor(rows, dtype=torch.int64)
 
 
+# Waits below are on explicit signals. GUARD_S only bounds a wait that a correct mechanism ends at once
+# (a thread handing over to another): it is reached only when something hangs, which is a failure
+# anyway, so it is generous enough for a loaded 2-core CI host and never decides a pass.
+GUARD_S = 30.0
+
+
+class Events:
+    """A `make_event` for FutureMap: the CPU path's real events (HostEvent), named step0, step1, ... in
+    the order armed, that report to `log` when stream work blocks on one (`wait_here`), when stream work
+    sets one (`set_here`, reported before the flag is set, so a thread it wakes reports after it) and
+    when a host waiter finds one unset (`synchronize`); every report wakes `progress`."""
+
+    def __init__(self):
+        self.log: list[tuple[str, str]] = []
+        self.progress = threading.Event()
+        self.made = 0
+
+    def __call__(self) -> HostEvent:
+        self.made += 1
+        return _ReportingEvent(f"step{self.made - 1}", self)
+
+    def report(self, what: str, name: str) -> None:
+        self.log.append((what, name))
+        self.progress.set()
+
+
+class _ReportingEvent(HostEvent):
+    def __init__(self, name: str, events: Events):
+        super().__init__()
+        self.name, self.events = name, events
+
+    def wait_here(self) -> None:
+        self.events.report("stream waits on", self.name)
+        super().wait_here()
+
+    def set_here(self) -> None:
+        self.events.report("set", self.name)
+        super().set_here()
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if not self.query():
+            self.events.report("host waits on unset", self.name)
+        super().synchronize(timeout)
+
+
 def test_1_rows_are_request_slots(checkpoint):
     fm = _fm(8)
     assert fm.token_ids.shape[0] == fm.kv_committed_lens.shape[0] == 9
@@ -50,34 +95,88 @@ def test_2_stash_has_no_fence_and_publish_sets_the_armed_event():
     stream.close()
 
 
+def test_2_the_publish_fence_is_set_after_the_write():
+    """A reader woken by publish_ready sees the published value. The fence's event holds the stream
+    once it is set until the reader has read (as the draft extend keeps the stream busy after a real
+    publish), so a fence set before the write lets the reader in before it, deterministically."""
+    read = threading.Event()
+
+    class HoldsUntilRead(HostEvent):  # the CPU worker's real event, with the stream held after its set
+        def set_here(self) -> None:
+            super().set_here()
+            read.wait(GUARD_S)  # released by the reader below; the bound only ends a hang
+
+    fm, stream = FutureMap(8, "cpu", HoldsUntilRead, debug=True), WorkerStream()
+    fm.seed_kv_committed_lens(_idx(3), torch.tensor([10]))  # the row's previous length: the stale value
+    fence = fm.arm_publish(stream)
+    stream.submit(lambda: fm.publish_kv_committed_lens(_idx(3), torch.tensor([17]), fence))
+    try:
+        seen = fm.resolve_kv_committed_lens_cpu(_idx(3), timeout=GUARD_S)
+    finally:
+        read.set()
+    assert seen.tolist() == [17], (
+        f"resolve woken by publish_ready read {seen.tolist()}: the fence came before the write"
+    )
+    stream.close()
+
+
 def test_2_publish_from_another_stream_chains_the_previous_fence():
-    fm, a, b = _fm(), WorkerStream("a"), WorkerStream("b")
+    events = Events()
+    fm, a, b = FutureMap(8, "cpu", events, debug=True), WorkerStream("a"), WorkerStream("b")
     latch = threading.Event()
-    fence_a = fm.arm_publish(a)
-    a.submit(lambda: latch.wait(10))  # step N's publish on stream a is slow
+    fence_a = fm.arm_publish(a)  # step0
+    a.submit(lambda: latch.wait(GUARD_S))  # step N's publish on stream a is held until b has decided
     a.submit(lambda: fm.publish_kv_committed_lens(_idx(1), torch.tensor([7]), fence_a))
-    fence = fm.arm_publish(b)
+    fence = fm.arm_publish(b)  # step1
     b.submit(lambda: fm.publish_kv_committed_lens(_idx(2), torch.tensor([9]), fence))
-    with pytest.raises(TimeoutError):  # b's fence waits for a's (chained)
-        fence.synchronize(timeout=0.3)
-    latch.set()
-    assert fm.resolve_kv_committed_lens_cpu(_idx(1, 2), timeout=5).tolist() == [7, 9]
+    try:
+        # b's publish reports when it reaches its fence: chained, it first blocks on a's (unset) step0;
+        # unchained, it sets step1 at once. Stream a reports nothing while the latch holds it.
+        assert events.progress.wait(GUARD_S), "stream b never reached its fence"
+        assert events.log[0] == ("stream waits on", "step0"), f"b's fence did not wait for a's: {events.log}"
+        assert not fence.query()
+    finally:
+        latch.set()
+    assert fm.resolve_kv_committed_lens_cpu(_idx(1, 2), timeout=GUARD_S).tolist() == [7, 9]
+    stream_side = [e for e in events.log if e[0] != "host waits on unset"]  # the resolve's own waits aside
+    assert stream_side == [("stream waits on", "step0"), ("set", "step0"), ("set", "step1")], events.log
     a.close(), b.close()
 
 
 def test_3_resolve_waits_for_the_armed_step_not_an_older_event():
-    fm, stream = _fm(), WorkerStream()
+    events = Events()
+    fm, stream = FutureMap(8, "cpu", events, debug=True), WorkerStream()
     first = fm.arm_publish(stream)
     stream.submit(lambda: fm.publish_kv_committed_lens(_idx(4), torch.tensor([10]), first))
-    assert fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=5).tolist() == [10]
+    assert fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=GUARD_S).tolist() == [10]
     latch = threading.Event()
     second = fm.arm_publish(stream)  # step N+1 armed at submit, before its forward runs
-    stream.submit(lambda: latch.wait(10))
+    stream.submit(lambda: latch.wait(GUARD_S))
     stream.submit(lambda: fm.publish_kv_committed_lens(_idx(4), torch.tensor([11]), second))
-    with pytest.raises(TimeoutError):  # must not return step N's (stale) 10
-        fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=0.3)
-    latch.set()
-    assert fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=5).tolist() == [11]
+    # step N+1's publish is held behind the latch, so it cannot have run: a zero timeout asks without
+    # waiting, and must not return step N's (stale) 10
+    with pytest.raises(TimeoutError):
+        fm.resolve_kv_committed_lens_cpu(_idx(4), timeout=0)
+    # a blocking resolve (as the scheduler calls it) must wait on step N+1's unset event: the latch is
+    # released only once the reader reports that wait, or has returned (with a stale value)
+    events.progress.clear()
+    start, got = len(events.log), []
+
+    def reader():
+        try:
+            got.append(fm.resolve_kv_committed_lens_cpu(_idx(4)).tolist())
+        finally:
+            events.report("resolve returned", "")
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        assert events.progress.wait(GUARD_S), "resolve neither waited nor returned"
+        assert events.log[start] == ("host waits on unset", "step1"), f"resolve did not wait for step N+1: {got}"
+    finally:
+        latch.set()
+    thread.join(GUARD_S)
+    assert got == [[11]]
     stream.close()
 
 
@@ -205,7 +304,7 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     from tests.decode_harness import Hooks
 
     path = checkpoint("llama")
-    order, latch = [], threading.Event()
+    order, latch, threads = [], threading.Event(), {}
     hooks = Hooks()
     pair = ManualPair(path, hooks=hooks, decode_reqs=1, decode_tokens=3 + 6)
     sched = pair.scheduler
@@ -213,6 +312,7 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
 
     def logged_write(idx, start, slots):
         order.append(("row write", idx))
+        threads.setdefault("row writes", []).append(threading.current_thread())
         write(idx, start, slots)
 
     sched.worker.runner.req_to_token_pool.write = logged_write
@@ -222,7 +322,8 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
 
     def before_forward(step):  # step 6 is A's wasted lane, launched as A finishes
         if step == 6:
-            latch.wait(10)
+            latch.wait(GUARD_S)  # released by the test below; the bound only ends a hang
+        threads["forward"] = threading.current_thread()
         order.append(("forward", step))
 
     hooks.before_forward = before_forward
@@ -236,11 +337,16 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     pair.prefill()
     sched.process_input_requests()
     sched.running_batch = sched.running_batch.filter_unfinished().merge(sched.get_new_prebuilt_batch())
-    time.sleep(0.2)
+    # no wait here: the schedule side has returned, so a write it made on its own thread is in `order`
+    # by now; one handed to any thread but the forward stream's is caught below by the thread it ran on
     assert ("row write", 1) not in order[1:], "B's row was written while the previous forward was in flight"
     assert torch.equal(sched.worker.runner.req_to_token_pool.req_to_token[1, :9], a_slots)
     latch.set()
     pair.close()
+    # on CPU the forward stream is one thread running work in submission order (streams.py): B's row
+    # write is ordered after forward 6 only when it ran there, after it; from any other thread it is
+    # unordered with forward 6's reads, whatever the timing
+    assert all(t is threads["forward"] for t in threads["row writes"]), [t.name for t in threads["row writes"]]
     assert order.index(("row write", 1), 1) > order.index(("forward", 6))
     assert pair.out.tokens["A"] == hf_greedy(path, [5, 6, 7], 6)
     assert pair.out.tokens["B"] == hf_greedy(path, [8, 9, 10], 6)

@@ -57,6 +57,8 @@ def _attacks(base, key: bytes, victim) -> list[tuple]:
         (_dest(base, "attacker", VICTIM, None), attacker, "no valid capability"),
         (_dest(base, "attacker", VICTIM, [os.urandom(32)]), attacker, "does not verify"),  # a guessed key
         (moved, attacker, "does not verify"),  # a real capability, moved to other slots
+        # a fresh capability decode issued for the victim's request, never used: only the request binding refuses it
+        (_dest(base, "victim", VICTIM, [key]), attacker, "does not verify"),
         (victim, attacker, "does not verify"),  # the victim's capability, for another request
         (victim, _handoff("victim", 9.0), "used before"),  # the victim's call, replayed
         (_dest(base, "victim", VICTIM, [key], ttl_s=-1), _handoff("victim", 9.0), "expired"),

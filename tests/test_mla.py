@@ -16,6 +16,7 @@ from common.models.config import load_model_config
 from common.models.mla import deinterleave
 from common.models.rope import RotaryEmbedding, apply_rotary, attention_factor, inv_frequencies
 from common.wire import kv_chunks
+from tests.grpc_harness import GrpcPair
 from tests.oracle import hf_model
 
 
@@ -130,6 +131,35 @@ def test_latent_handoff_chunks_carry_the_latent_alone(checkpoint):
         kv_chunks.KvAssembler(tokens, layers, 1, cfg.head_dim, v_dim=0).add(
             next(kv_chunks.split(k, [torch.zeros(tokens, 1, cfg.head_dim)] * layers, 1 << 20)).kv
         )
+
+
+def test_the_latent_lands_in_decodes_pool_as_prefill_made_it(checkpoint):
+    """Over real gRPC (small chunks) each prompt token's latent in decode's pool, every layer, equals
+    prefill's own pool row bit for bit: the normed c_kv and the rotated k_pe columns alike."""
+    path = checkpoint("deepseek-v3")
+    prompt = list(range(5, 30))
+    pair = GrpcPair(path, prefill_kw=dict(max_chunk_bytes=4096))
+    landed = []
+    worker = pair.decode.scheduler.worker
+    write = worker.write_kv_chunk
+
+    def recorded(kv_slots, *args, **kwargs):
+        landed.append(kv_slots[: len(prompt)].clone())
+        return write(kv_slots, *args, **kwargs)
+
+    worker.write_kv_chunk = recorded
+    try:
+        pair.collect(pair.generate(prompt, 3, rid="m", ignore_eos=True))
+        pair.wait_idle()
+        ours = pair.decode.runner.kv_pool.k_all[:, landed[0]]
+        theirs = pair.prefill.runner.kv_pool.k_all[:, pair.prefill.worker.cache.match_prefix(prompt)[0]]
+    finally:
+        pair.close()
+    assert len(landed) > 1 and all(torch.equal(s, landed[0]) for s in landed)  # many chunks, one reservation
+    rank = load_model_config(path).mla.kv_lora_rank
+    assert theirs[..., rank:].abs().min() > 0 and theirs[..., :rank].abs().amax(-1).min() > 0  # both parts hold data
+    assert torch.equal(ours[..., :rank], theirs[..., :rank])
+    assert torch.equal(ours[..., rank:], theirs[..., rank:])  # the rope part too
 
 
 def test_a_latent_region_names_k_alone_and_only_k_is_written():

@@ -11,6 +11,7 @@ import dataclasses
 
 import grpc
 import pytest
+import torch
 
 from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.logprobs import TokenLogprobs
@@ -22,6 +23,7 @@ from decode_service.prefill_stream import HandoffStream
 from prefill_service.config import PrefillConfig
 from prefill_service.server import PrefillService
 from prefill_service.worker import PrefillWorker
+from tests.oracle import hf_logits
 
 PROMPT, OTHER = [5, 6, 7, 8, 9, 5, 6], list(range(10, 30))
 SEED, N = 1234, 3
@@ -29,6 +31,15 @@ CASES = {
     "plain": SamplingParams(temperature=1.0, top_k=50, n=N),
     "processed": SamplingParams(temperature=1.0, repetition_penalty=1.6, logit_bias={11: 100.0, 13: 100.0}, n=N),
     "logprobs": SamplingParams(temperature=1.0, return_logprob=True, top_logprobs_num=5, token_ids_logprob=(3,), n=N),
+    "processed_logprobs": SamplingParams(
+        temperature=1.0,
+        repetition_penalty=1.6,
+        logit_bias={11: 100.0, 13: 100.0},
+        return_logprob=True,
+        top_logprobs_num=5,
+        token_ids_logprob=(11,),
+        n=N,
+    ),
 }
 
 
@@ -72,6 +83,23 @@ def test_n_draws_are_the_n_single_requests_with_derived_seeds(worker, case):
     if sp.logit_bias:  # the more draws were biased too: only the boosted ids come up
         assert set(tokens) <= set(sp.logit_bias), tokens
     worker.check_idle_integrity()
+
+
+def test_n_draws_logprobs_are_of_the_raw_logits(worker, checkpoint):
+    """With a penalty and a bias, every draw's logprobs (its token's, the top 5, token_ids_logprob's) are
+    HF's log-softmax of the raw last-position logits, not of the penalised and biased ones it drew from."""
+    sp = CASES["processed_logprobs"]
+    (h,) = worker.prefill([HandoffRequest("n", PROMPT, sp, SEED)])
+    ref = torch.log_softmax(hf_logits(checkpoint("llama"), PROMPT)[-1], dim=-1)
+    vals, ids = ref.topk(5)
+    assert not set(ids.tolist()) & set(sp.logit_bias)  # the raw top 5 hold no boosted id: the processed top 2 are
+    tokens, logprobs = _draws(h)
+    assert len(logprobs) == N and set(tokens) <= set(sp.logit_bias)
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        assert abs(lp.logprob - float(ref[t])) < 1e-4, (i, t, lp.logprob, float(ref[t]))
+        assert [x for x, _ in lp.top] == ids.tolist(), (i, lp.top)
+        assert max(abs(a - b) for (_, a), b in zip(lp.top, vals.tolist())) < 1e-4, (i, lp.top)
+        assert abs(lp.ids[0] - float(ref[11])) < 1e-4, (i, lp.ids)
 
 
 def test_n_beside_an_n1_request_leaves_it_unchanged(worker):
@@ -209,8 +237,6 @@ def test_check_record_refuses_a_wrong_count_or_an_out_of_vocab_token():
 def test_the_more_draws_travel_between_tp_ranks():
     """TP prefill: the request (its n) goes to the followers in Admit; a Handoff with the more draws
     round-trips through the TP codec (decode's followers get handoffs in their messages)."""
-    import torch
-
     from common.parallel import tp_codec
     from prefill_service.tp_messages import Admit
 

@@ -77,15 +77,31 @@ def test_batch_1_and_the_kernel_called(monkeypatch):
     assert calls == [1]
 
 
-def test_extend_batches_keep_the_torch_loop():
-    """A prefill (or a verify) under the triton backend: the torch loop, same output."""
+def test_extend_batches_keep_the_torch_loop(monkeypatch):
+    """A prefill (or a verify) under the triton backend: the torch loop, not the decode kernel, and its
+    output is causal attention over the cached prefix's latents and this forward's own (an einsum each)."""
     pools = LatentPools(40, [9, 3], seed=2)
-    fb = ForwardBatch.extend(pools.table.req_to_token, pools.rows, [4, 0], [[1] * 5, [1] * 3])
+    calls = []
+    monkeypatch.setattr(triton_latent, "latent_decode", lambda *a: calls.append(1))
+    prefixes, lens, rank, scale = [4, 0], [5, 3], 32, 0.3
+    fb = ForwardBatch.extend(pools.table.req_to_token, pools.rows, prefixes, [[1] * n for n in lens])
     q, latent = torch.randn(8, 4, 40, generator=pools.gen), torch.randn(8, 1, 40, generator=pools.gen)
+    cached = pools.kv.k[0].clone()  # the pool before this forward
     backend = TritonBackend(pools.kv, pools.table)
     backend.init_forward_metadata(fb)
-    got = backend.latent_attention(q, latent, 32, 0, fb, 0.3)
-    torch.testing.assert_close(got, latent_attention(backend, q, latent, 32, 0, fb, 0.3), atol=0, rtol=0)
+    got = backend.latent_attention(q, latent, rank, 0, fb, scale)
+    assert calls == []
+    start = 0
+    for row, prefix, n in zip(pools.rows, prefixes, lens):
+        slots = pools.table.req_to_token[row, : prefix + n].to(torch.int64)
+        keys = torch.cat((cached[slots[:prefix], 0], latent[start : start + n, 0]))  # [prefix + n, 40]
+        scores = torch.einsum("qhd,kd->hqk", q[start : start + n], keys) * scale
+        future = torch.arange(prefix + n)[None, :] > torch.arange(prefix, prefix + n)[:, None]
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        want = torch.einsum("hqk,kr->qhr", probs, keys[:, :rank])
+        torch.testing.assert_close(got[start : start + n], want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pools.kv.k[0][slots[prefix:]], latent[start : start + n])  # this forward's, written
+        start += n
 
 
 @pytest.mark.parametrize("variant", ["deepseek-v3", "deepseek-v3-nolora"])
