@@ -3,7 +3,8 @@
 The prompt and its budget (common/request_rules.py): in the vocabulary, prompt + max_new_tokens within
 the context, and prompt + n x max_new_tokens (+ EAGLE's draft window per sample, and with n > 1 one
 slot per sample past the first for its own last prompt position: sample_group.py) within the KV pool;
-then what this scheduler cannot serve: stop strings without a tokenizer, temperature > 0 with an
+then what this scheduler cannot serve: n above its request slots (never admitted, it would hold back
+everyone behind it), stop strings without a tokenizer, temperature > 0 with an
 EAGLE tree; and a grammar, compiled here (grammar_state.check_request). n > 1 is served with EAGLE
 (chain; a tree for greedy requests, as for n = 1).
 """
@@ -19,6 +20,12 @@ def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams):
     """Returns the request's compiled grammar (None without a constraint): the request keeps it."""
     info, spec = scheduler.info, scheduler.spec
     validate_prompt(prompt_ids, params, info.vocab_size, info.context_length)
+    slots = scheduler.worker.req_to_token_pool.size
+    if params.n > slots:  # admission would wait for n free request slots forever, blocking everyone behind
+        raise InvalidRequest(
+            f"n ({params.n}) exceeds the {slots} request slots of this decode service (--max-running-requests "
+            f"{slots}): its samples could never run at once"
+        )
     room = scheduler.worker.kv_allocator.size
     check_fits_pool(len(prompt_ids), params.max_new_tokens, room, scheduler._extra)
     extra, last = scheduler._extra, (params.n - 1 if spec else 0)  # EAGLE: samples 1..n-1's own last position
