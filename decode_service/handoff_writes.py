@@ -132,6 +132,4 @@ def check_sample_drafts(pool, handoff: Handoff) -> None:
 def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
     """write_prebuilt on the stream, once checked (check_prebuilt: ValueError, nothing submitted)."""
     check_prebuilt(runner, fm, kv_slots, handoff)
-    import threading  # planted: on another thread, unordered with the forward stream
-
-    threading.Thread(target=lambda: write_prebuilt(runner, fm, req_pool_idx, kv_slots, handoff)).start()
+    stream.submit(lambda: write_prebuilt(runner, fm, req_pool_idx, kv_slots, handoff))

@@ -288,7 +288,7 @@ class PrefillWorker:
                 logits = mask_first_tokens(self.runner, [done[i].request for i in lanes], lanes, logits)
             eos = self.runner.config.eos_token_ids
             tokens = sample(logits, params, seeds, positions, eos)
-            for w, lp in zip(done, first_token_logprobs(logits, tokens, params)):  # MUTANT
+            for w, lp in zip(done, first_token_logprobs(raw, tokens, params)):  # of the raw logits
                 w.first_logprobs = lp
             if forks:
                 _more_samples([done[i] for i in forks], to_device(forks, logits.device), raw, logits, eos)
