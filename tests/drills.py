@@ -34,6 +34,7 @@ DRILLS = {
     "tests/test_faults.py::test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period": "SIGTERM drill",
     "tests/test_prefill_replicas.py::test_killing_prefill_processes_mid_handoff": "kill mid-handoff",
     "tests/test_real_model.py": "SmolLM2-135M converted and served",
+    "tests/test_cpu_fused_build.py::test_sigterm_mid_build_then_a_restart_builds": "a build killed, two builds",
     "tests/test_smg_structured.py": "SmolLM2-135M behind smg: structured output (~70 s)",
     "tests/test_readme_and_ci.py::test_demo_answers_the_france_question_with_the_real_model": "README line 1",
     "tests/test_compiled_layers.py::test_decode_through_torch_compile_matches_hf": "torch.compile",

@@ -15,6 +15,14 @@ flags, torch's version and the sources, since -march=native code is for this CPU
 when it compiles (~20 s on a 2-core AMD EPYC) and how long it took. Where the build or the load fails
 (no compiler, no ninja, an error), one log line says why and everything runs the torch path as before.
 `--disable-cpu-fused` turns it off. A test hands `load` a stand-in `build` to prove the fallback.
+
+Restarts never hang on it, and never load what this code did not build: the build holds an flock on
+the folder's `build.lock` (the kernel drops it when its holder dies; another live builder is waited
+for at most BUILD_WAIT_S). torch's own lock file (`lock`), which a build killed by SIGTERM leaves and
+every later start would wait on forever, found while we hold the flock means an interrupted build:
+its outputs are cleared and it builds again, with a log line. The folders are 0700, and the library's
+sha256 is recorded once built (`<name>.so.sha256`): a library that does not match it, or has none, is
+cleared and built again before anything loads it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 
@@ -59,6 +68,81 @@ def build_dir() -> str:
     return os.path.join(cache, "disagg-serve", "cpu-fused", key)
 
 
+BUILD_LOCK = "build.lock"
+BUILD_WAIT_S = 900.0  # another live process's build (~20 s; minutes on a loaded host) before giving up
+
+
+@contextmanager
+def build_lock(folder: str, wait_s: float = BUILD_WAIT_S):
+    """An exclusive flock on `folder`/build.lock while building or loading: released by the kernel when
+    its holder dies (unlike torch's lock file); TimeoutError after `wait_s` held by another process."""
+    import fcntl
+
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(os.path.join(folder, BUILD_LOCK), flags, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has held {folder}'s build lock for {wait_s:.0f} s") from None
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _library(folder: str) -> str:
+    return os.path.join(folder, f"{NAME}.so")
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _clear(folder: str, why: str) -> None:
+    """Everything in `folder` but the build lock goes: the next load builds from scratch."""
+    log.warning("CPU fused ops: %s: building again in %s", why, folder)
+    for name in os.listdir(folder):
+        if name == BUILD_LOCK:
+            continue
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def _check_folder(folder: str) -> None:
+    """Under the build lock, before torch looks at `folder`: an interrupted build, or a library that is not
+    the one recorded at build time (or has no record), is cleared."""
+    if os.path.exists(os.path.join(folder, "lock")):  # torch's lock file with no live builder: we hold the flock
+        _clear(folder, "a build was interrupted (torch's lock file left behind, e.g. by SIGTERM)")
+        return
+    library, record = _library(folder), _library(folder) + ".sha256"
+    if not os.path.exists(library):
+        return
+    try:
+        with open(record) as f:
+            recorded = f.read().strip()
+    except FileNotFoundError:
+        recorded = None
+    if recorded != _sha256(library):
+        _clear(folder, f"{library} is not the library recorded at build time")
+
+
+def _record(folder: str) -> None:
+    library = _library(folder)
+    tmp = f"{library}.sha256.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(_sha256(library))
+    os.replace(tmp, f"{library}.sha256")
+
+
 def build_extension() -> None:
     """Compile (or find compiled) and load the library into torch.ops.disagg_cpu_fused."""
     from torch.utils import cpp_extension
@@ -66,22 +150,30 @@ def build_extension() -> None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
     folder = build_dir()
-    os.makedirs(folder, exist_ok=True)
-    fresh = not any(name.endswith(".so") for name in os.listdir(folder))
-    if fresh:
-        log.info("CPU fused ops: compiling %s for this host into %s (once per host and torch; ~20 s)", KERNELS, folder)
-    start = time.perf_counter()
-    cpp_extension.load(
-        NAME,
-        SOURCES,
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],  # libgomp: torch's own, already loaded
-        extra_ldflags=["-fopenmp"],
-        build_directory=folder,
-        is_python_module=False,
-        verbose=False,
-    )
-    if fresh:
-        log.info("CPU fused ops: built in %.1f s", time.perf_counter() - start)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for path in (os.path.dirname(folder), folder):  # only this user may plant or replace a library here
+        if os.stat(path).st_uid == os.getuid():
+            os.chmod(path, 0o700)
+    with build_lock(folder):
+        _check_folder(folder)
+        fresh = not os.path.exists(_library(folder))
+        if fresh:
+            log.info(
+                "CPU fused ops: compiling %s for this host into %s (once per host and torch; ~20 s)", KERNELS, folder
+            )
+        start = time.perf_counter()
+        cpp_extension.load(
+            NAME,
+            SOURCES,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # libgomp: torch's own, already loaded
+            extra_ldflags=["-fopenmp"],
+            build_directory=folder,
+            is_python_module=False,
+            verbose=False,
+        )
+        if fresh:
+            _record(folder)
+            log.info("CPU fused ops: built in %.1f s", time.perf_counter() - start)
 
 
 class FusedOps:
