@@ -4,12 +4,16 @@ triggers, all driven by stand-in probes and timers so the detection is determini
 
 import json
 import logging
+import math
+import os
+import statistics
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from common.host_load import Conditions, HostProbe, Sample
+from common.host_load import MIN_WINDOW_S, USER_HZ, Conditions, HostProbe, Sample
 from common.models import host_table, linear_tuning, packed_linear, table_check
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight, linear_weights
 
@@ -209,12 +213,43 @@ def test_a_provisional_table_whose_check_was_too_short_to_tell_looks_a_moment_lo
     assert not table.source and not table.provisional
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the real probe reads /proc (Linux)")
 def test_the_real_probe_reads_this_host():
-    probe = HostProbe()
+    """The real probe's figures against what the test knows without it: the window's wall clock (read
+    around the samples), CPU time this process burns in it, the CPUs it may run on, and the load average
+    read on either side. None depends on the host's speed or load: the burn is counted in this
+    process's CPU seconds, however long it takes on the wall clock."""
+    burn_s = 0.3  # own CPU seconds in the window: 30 clock ticks, so a figure the probe drops shows
+    probe, cpus = HostProbe(), len(os.sched_getaffinity(0))
+    t0 = time.monotonic()
     a = probe.sample()
-    sum(range(200_000))
-    c = probe.between(a, probe.sample())
-    assert c.cpus >= 1 and c.foreign_cpus >= 0 and 0 <= c.steal <= 1 and c.seconds > 0
+    own0 = time.process_time()
+    while time.process_time() - own0 < burn_s or time.monotonic() - t0 < 1.5 * MIN_WINDOW_S:
+        pass  # past MIN_WINDOW_S too, or the probe reads the window as too short and reports it quiet
+    b = probe.sample()
+    load_before = os.getloadavg()[0]
+    c = probe.between(a, b)
+    load_after = os.getloadavg()[0]
+    t1 = time.monotonic()
+    seconds = b.wall - a.wall
+    assert t0 <= a.wall < b.wall <= t1, "sample.wall is not this window's monotonic clock"
+    assert b.own_cpu - a.own_cpu >= burn_s, "sample.own_cpu misses this process's CPU time"
+    # /proc/stat counts every process on our CPUs, this one included; per-CPU tick counts can lag a tick
+    # or two, so half of what we burned is far outside their error and far from a probe reading nothing
+    assert b.busy - a.busy >= 0.5 * (b.own_cpu - a.own_cpu), (a, b)
+    # every CPU second of the affinity set passes as user, system, idle, ... or steal: wall x CPUs, to
+    # a few ticks per CPU (the margin: a tick is 1/USER_HZ s, a few percent of this window)
+    assert 0.5 * seconds * cpus <= b.total - a.total <= 1.5 * seconds * cpus + 4 * cpus / USER_HZ, (a, b, cpus)
+    assert 0 <= b.steal - a.steal <= b.total - a.total
+    # the conditions are those samples' differences, per second of the window
+    assert c.cpus == cpus and c.seconds == round(seconds, 3) >= MIN_WINDOW_S
+    foreign = max(0.0, (b.busy - a.busy) - (b.own_cpu - a.own_cpu)) / seconds
+    assert c.foreign_cpus == round(foreign, 3) and 0 <= c.foreign_cpus <= (b.total - a.total) / seconds
+    assert c.steal == round((b.steal - a.steal) / (b.total - a.total), 4) and 0 <= c.steal <= 1
+    # /proc/loadavg, read while this process runs (so at least it is runnable); the 1-minute average
+    # moves every 5 s, so it is one of the two values read around the probe's (printed to 0.01)
+    assert c.runnable >= 1
+    assert min(load_before, load_after) - 0.01 <= c.loadavg <= max(load_before, load_after) + 0.01
     # other processes' CPU time: the CPUs' busy time less this process's own, per second
     a, b = Sample(0.0, 1.0, 10.0, 0.0, 40.0), Sample(2.0, 2.5, 13.5, 0.4, 44.0)
     c = probe.between(a, b)
@@ -234,3 +269,81 @@ def test_the_check_runs_only_layouts_the_weights_still_hold():
     assert not verdict.disagrees
     mkl = {w.shape_key: ("mkl",) * len(ROW_BUCKETS) for w in weights}
     assert set(table_check.candidates(weights, mkl)) == {table_check.STORED, "rowblock"}
+
+
+class TimedPasses:
+    """A stand-in timer for table_check.check: the real timer (table_check.time_pass) for every pass,
+    recording which layouts each call ran, which weight runs the real timer's clock enclosed and what
+    it returned; the calls that time the layouts `slow` also get `penalty_s` more seconds (a stand-in
+    slower layout, without sleeping)."""
+
+    def __init__(self, weights, slow: list[str] | None = None, penalty_s: float = 0.0):
+        self.slow, self.penalty_s = slow, penalty_s
+        self.calls: list[tuple[tuple[str, ...], float]] = []  # (layouts, seconds returned)
+        self.runs: list[tuple[int, str, tuple, float]] = []  # (weight index, layout, x shape, seconds)
+        for i, w in enumerate(weights):  # each weight's run timed on its own, inside the real timer's pass
+            w.run = self._spy(i, w.run)
+
+    def _spy(self, i, run):
+        def timed(layout, x2, residual=None):
+            start = time.perf_counter()
+            out = run(layout, x2, residual)
+            self.runs.append((i, layout, tuple(x2.shape), time.perf_counter() - start))
+            return out
+
+        return timed
+
+    def __call__(self, weights, layouts, xs):
+        first = len(self.runs)
+        seconds = table_check.time_pass(weights, layouts, xs)
+        runs = self.runs[first:]
+        assert [(i, layout, shape) for i, layout, shape, _ in runs] == [
+            (i, layout, (1, w.in_features)) for i, (w, layout) in enumerate(zip(weights, layouts))
+        ], "the real timer's pass is not one row through every weight in its layout"
+        # the runs lie inside the pass the real timer clocked: it cannot have taken less than they did
+        assert seconds >= sum(r[-1] for r in runs) > 0, (seconds, runs)
+        if list(layouts) == self.slow:
+            seconds += self.penalty_s
+        self.calls.append((tuple(layouts), seconds))
+        return seconds
+
+
+def _mixed_plan():
+    """_weights() under a stored plan that is no single layout: the check has four candidates."""
+    weights = _weights()  # shape keys: (32, 8), (8, 32) with bias, (32, 8) again
+    by_key = {(32, 8, False): "onednn", (8, 32, True): "mkl"}
+    plans = {key: (layout,) * len(ROW_BUCKETS) for key, layout in by_key.items()}
+    runs = {table_check.STORED: ("onednn", "mkl", "onednn"), **{name: (name,) * 3 for name in LAYOUTS}}
+    return weights, plans, runs
+
+
+def test_the_check_times_every_candidate_with_the_real_timer():
+    """Structure, not speed: every candidate (the stored choice and each layout alone) warmed once and
+    then timed once per round in rotating order by the real timer, each median the verdict's figure,
+    the best the smallest; the times positive and finite on any host."""
+    weights, plans, runs = _mixed_plan()
+    timer, rounds = TimedPasses(weights), 5
+    verdict = table_check.check(weights, plans, Host(), timer=timer, rounds=rounds)
+    names = list(runs)  # the candidates' order: stored first, then LAYOUTS
+    assert [layouts for layouts, _ in timer.calls[: len(names)]] == [runs[n] for n in names], "a warm-up per candidate"
+    timed = timer.calls[len(names) :]
+    expected = [runs[n] for r in range(rounds) for n in names[r % len(names) :] + names[: r % len(names)]]
+    assert [layouts for layouts, _ in timed] == expected, "each candidate once per round, each first in turn"
+    assert all(0 < s < math.inf for _, s in timer.calls)
+    assert set(verdict.ms) == set(names) and verdict.conditions == QUIET
+    for name in names:
+        ms = [1e3 * s for layouts, s in timed if layouts == runs[name]]
+        assert verdict.ms[name] == pytest.approx(statistics.median(ms)), name
+    assert verdict.ms[verdict.best] == min(verdict.ms.values())
+
+
+@pytest.mark.parametrize("slow", [table_check.STORED, "rowblock"])
+def test_the_check_finds_a_stand_in_slower_layout(slow):
+    """Real passes with one candidate made slower by a virtual second (never slept): a real pass of
+    these three tiny linears takes microseconds, so the second decides on any host, loaded or not."""
+    weights, plans, runs = _mixed_plan()
+    timer = TimedPasses(weights, slow=list(runs[slow]), penalty_s=1.0)
+    verdict = table_check.check(weights, plans, Host(), timer=timer)
+    assert verdict.ms[slow] >= 1e3 and verdict.best != slow, verdict.describe()
+    if slow == table_check.STORED:  # a stored choice slower than a layout alone: the check disagrees
+        assert verdict.disagrees, verdict.describe()
