@@ -147,6 +147,12 @@ def test_the_host_table_is_timed_once_and_shared(tmp_path, monkeypatch):
     assert timed == ["auto", "retime", "auto", "auto"], "a corrupt table is timed again"
     assert json.loads(stored.read_text())["key"]["host"]  # and rewritten
 
+    for hostile in ("[" * 100_000 + "]" * 100_000, " " * (host_table.MAX_TABLE_BYTES + 1)):  # nested, huge
+        stored.write_text(hostile)
+        linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto", hooks=quiet)
+        assert json.loads(stored.read_text())["key"]["host"], "a hostile table is timed again, not fatal"
+    assert timed == ["auto", "retime", "auto", "auto", "auto", "auto"]
+
 
 class _QuietProbe:
     def sample(self):

@@ -109,8 +109,7 @@ def read(shapes, threads: int) -> dict | None:
     k = key(shapes, threads)
     path = path_for(k)
     try:
-        with open(path) as f:
-            record = json.load(f)
+        record = _load_json(path)
         if not isinstance(record, dict) or not isinstance(record.get("plans"), list):
             raise ValueError("not a table (a JSON object with plans)")
         if record.get("key") != k or set(map(tuple, k["shapes"])) != {tuple(p[0]) for p in record["plans"]}:
@@ -128,11 +127,24 @@ def read(shapes, threads: int) -> dict | None:
         _how_timed(record)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
         log.warning("linear layout table %s unusable (%s): timing again", path, e)
         return None
     record["path"] = path
     return record
+
+
+MAX_TABLE_BYTES = 1 << 20  # a real table is a few KiB; past this a file is not one
+
+
+def _load_json(path: str):
+    """A table file's JSON; ValueError past MAX_TABLE_BYTES (read before parsing: no file's size or
+    nesting can take start-up down; a nesting too deep for the parser is a RecursionError the callers catch)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_TABLE_BYTES + 1)
+    if len(data) > MAX_TABLE_BYTES:
+        raise ValueError(f"larger than {MAX_TABLE_BYTES} bytes")
+    return json.loads(data)
 
 
 def read_fixed() -> dict | None:
@@ -140,11 +152,10 @@ def read_fixed() -> dict | None:
     "path": the file}, or None when it has none; ValueError (naming the file) when it is malformed."""
     path = os.path.join(table_dir(), FIXED)
     try:
-        with open(path) as f:
-            record = json.load(f)
+        record = _load_json(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"pinned linear layouts {path} unreadable: {e}") from e
     plan, greedy = record.get("plan") if isinstance(record, dict) else None, (record or {}).get("greedy")
     if not isinstance(plan, list) or len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
