@@ -162,6 +162,7 @@ def main(argv=None) -> None:
         refs = references(path, prompts)
         ports = {"a": free_port(), "b": free_port(), "decode": free_port(), "metrics": free_port()}
         transfer = ("--disaggregation-transfer-backend", args.transfer_backend)
+        transfer += ("--disaggregation-network-private",) if args.transfer_backend == "mooncake" else ()  # loopback
         faults = ("--inject-faults", "fail=0.05,stall=0.02")
         procs = {"a": start("prefill_service", path, ports["a"], *transfer),
                  "b": start("bench.drill_prefill", path, ports["b"], *transfer, *faults)}  # fmt: skip

@@ -208,6 +208,7 @@ def main(argv=None) -> None:
                 "4096",
                 "--disaggregation-transfer-backend",  # calls without a destination still get bytes
                 "mooncake" if "mooncake" in backends else "grpc",
+                "--disaggregation-network-private",  # loopback only
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -302,6 +302,7 @@ def main(argv=None) -> None:
     if "pair" not in skip:
         transfer = ("--disaggregation-transfer-backend", args.transfer_backend, "--linear-layout", args.linear_layout)
         transfer += ("--greedy-head", args.greedy_head)
+        transfer += ("--disaggregation-network-private",) if args.transfer_backend == "mooncake" else ()  # loopback
         compile_flags = ()
         if args.torch_compile_max_bs:
             compile_flags = ("--enable-torch-compile", "--torch-compile-max-bs", str(args.torch_compile_max_bs))

@@ -195,6 +195,12 @@ class TransferFlags(FlagGroup, title="transfer"):
     disaggregation_shm_dir: str = flag("/dev/shm", "shm backend: the shared-memory folder of decode's KV pool files")
     disaggregation_protocol: str = flag("tcp", "mooncake transport: tcp (any host) or rdma (GPU nodes)")
     disaggregation_ib_device: str = flag("", "mooncake rdma: the InfiniBand device, e.g. mlx5_0 (empty: auto)")
+    disaggregation_network_private: bool = flag(
+        False,
+        "mooncake: the operator's word that only the two services can reach each other's transfer engine "
+        "(the engine binds every interface whatever --host says and serves its registered KV memory to any "
+        "peer that reaches it): mooncake is refused without it",
+    )
 
 
 @dataclass(kw_only=True)

@@ -83,6 +83,7 @@ class GrpcPair:
         prefill_hooks: PrefillHooks | None = None,
     ):
         common = {"disaggregation_transfer_backend": transfer, "disaggregation_shm_dir": SHM_DIR}
+        common["disaggregation_network_private"] = transfer == "mooncake"  # loopback: nothing else reaches it
         prefill_kw = {**common, **(prefill_kw or {})}  # explicit flags win
         decode_kw = {**common, **(decode_kw or {})}
         config = PrefillConfig(path, port=0, debug_checks=True, **prefill_kw)

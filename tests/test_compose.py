@@ -146,6 +146,19 @@ def test_service_commands_parse_with_the_real_clis():
     assert services["prefill"]["healthcheck"]["test"][4] == f"127.0.0.1:{p.port}"
 
 
+@pytest.mark.parametrize("form", ["compose.yaml", "compose.cpu.yaml"])
+def test_the_gateway_never_shares_a_network_with_prefill(form):
+    """The Mooncake engines listen on every interface of their containers: prefill sits on `kv` alone and
+    smg on `front` alone, so the gateway reaches neither prefill nor its engine, and both services say
+    so with --disaggregation-network-private (decode's engine: prefill and smg reach it)."""
+    with open(os.path.join(ROOT, form)) as f:
+        services = yaml.safe_load(f)["services"]
+    nets = {name: set(services[name]["networks"]) for name in ("prefill", "decode", "smg")}
+    assert nets == {"prefill": {"kv"}, "decode": {"kv", "front"}, "smg": {"front"}}
+    for name in ("prefill", "decode"):
+        assert "--disaggregation-network-private" in services[name]["command"], name
+
+
 def test_smg_command_flags_exist():
     smg = _compose()["services"]["smg"]["command"]
     assert smg[:2] == ["smg", "launch"]

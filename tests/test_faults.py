@@ -154,14 +154,20 @@ def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint, transfer):
     path = checkpoint("llama")
     ports = [free_port(), free_port()]
     flags = ("--max-chunk-bytes", "512", "--kv-message-delay-s", "0.05", "--disaggregation-transfer-backend")
-    procs = {p: _prefill_proc(path, p, *flags, transfer) for p in ports}
+    private = ("--disaggregation-network-private",) if transfer == "mooncake" else ()  # loopback only
+    procs = {p: _prefill_proc(path, p, *flags, transfer, *private) for p in ports}
     decode = None
     try:
         for port, proc in procs.items():
             wait_serving(f"127.0.0.1:{port}", proc)
         addrs = ",".join(f"127.0.0.1:{p}" for p in ports)
         config = DecodeConfig(
-            path, prefill_addr=addrs, port=0, prefill_progress_timeout_s=3.0, disaggregation_transfer_backend=transfer
+            path,
+            prefill_addr=addrs,
+            port=0,
+            prefill_progress_timeout_s=3.0,
+            disaggregation_transfer_backend=transfer,
+            disaggregation_network_private=bool(private),
         )
         decode = DecodeService(config).start()
         stub = pb_grpc.SglangSchedulerStub(grpc.insecure_channel(decode.address))

@@ -231,6 +231,7 @@ class HostilePair(GrpcPair):
     def __init__(self, path: str, transfer: str, flags: dict | None = None):
         self.path, flags = path, flags or {}
         common = dict(flags, disaggregation_transfer_backend=transfer, disaggregation_shm_dir=SHM_DIR)
+        common["disaggregation_network_private"] = transfer == "mooncake"  # loopback only
         self.prefill = PrefillService(PrefillConfig(path, port=0, debug_checks=True, max_chunk_bytes=2048, **common))
         self.prefill.start()
         self.fake = HostilePrefill(self.prefill.address)

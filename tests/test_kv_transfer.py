@@ -32,6 +32,7 @@ def _config(backend: str, tmp_path, device: str = "cpu") -> SimpleNamespace:
         host="127.0.0.1",
         disaggregation_protocol="tcp",
         disaggregation_ib_device="",
+        disaggregation_network_private=True,  # the tests' loopback
         device=device,
     )
 

@@ -140,7 +140,7 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
 )
 def test_a_replica_without_the_engine_falls_back_to_sending_bytes(checkpoint, tmp_path, transfer, prefill_backend):
     path = checkpoint("qwen2")
-    prefill_kw = dict(disaggregation_transfer_backend=prefill_backend)
+    prefill_kw = dict(disaggregation_transfer_backend=prefill_backend, disaggregation_network_private=True)
     if prefill_backend == "shm-elsewhere":
         prefill_kw = dict(disaggregation_transfer_backend="shm", disaggregation_shm_dir=str(tmp_path))
     pair = GrpcPair(path, prefill_kw=prefill_kw, transfer=transfer)
@@ -161,7 +161,9 @@ def test_both_services_refuse_mooncake_where_the_engine_cannot_load(checkpoint, 
     path = checkpoint("qwen2")
     for service, config in ((PrefillService, PrefillConfig), (DecodeService, DecodeConfig)):
         with pytest.raises(mooncake.MooncakeUnavailable, match="pip install mooncake-transfer-engine"):
-            service(config(path, port=0, disaggregation_transfer_backend="mooncake"))
+            service(
+                config(path, port=0, disaggregation_transfer_backend="mooncake", disaggregation_network_private=True)
+            )
 
 
 @pytest.mark.parametrize(
@@ -174,3 +176,18 @@ def test_the_layer_first_plan_covers_every_cell_once_within_the_bound(tokens, la
         assert nl == 1 or nt == tokens  # several layers only with every token: one piece per layer and run
         cells += [(t, layer) for t in range(t0, t0 + nt) for layer in range(l0, l0 + nl)]
     assert sorted(cells) == [(t, layer) for t in range(tokens) for layer in range(layers)]
+
+
+def test_mooncake_is_refused_unless_the_network_is_declared_private(checkpoint):
+    """The engine binds every interface whatever --host says and serves its registered memory to any peer
+    (a review's keyless engine read and overwrote another request's KV): both services refuse it at start,
+    before the model loads, unless the operator passes --disaggregation-network-private."""
+    from decode_service.config import DecodeConfig
+    from decode_service.server import DecodeService
+    from prefill_service.config import PrefillConfig
+    from prefill_service.server import PrefillService
+
+    path = checkpoint("qwen2")
+    for service, config in ((PrefillService, PrefillConfig), (DecodeService, DecodeConfig)):
+        with pytest.raises(ValueError, match="--disaggregation-network-private"):
+            service(config(path, port=0, disaggregation_transfer_backend="mooncake"))

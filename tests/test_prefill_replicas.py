@@ -87,6 +87,7 @@ def _start_prefill(path: str, port: int, transfer: str = "grpc") -> subprocess.P
             "bench.drill_prefill",  # the prefill service with test hooks from its flags
             "--disaggregation-transfer-backend",
             transfer,
+            *(["--disaggregation-network-private"] if transfer == "mooncake" else []),  # loopback only
             "--model-path",
             path,
             "--port",
@@ -119,6 +120,7 @@ def test_killing_prefill_processes_mid_handoff(checkpoint, transfer):
             port=0,
             prefill_wait_s=1.0,
             disaggregation_transfer_backend=transfer,
+            disaggregation_network_private=transfer == "mooncake",
         )
     ).start()
     try:

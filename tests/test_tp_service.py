@@ -118,7 +118,13 @@ def test_a_bad_tp_size_is_refused_before_loading():
     with pytest.raises(ValueError, match="--tp-size must be >= 1"):
         check_settings(DecodeConfig("unused", prefill_addr="127.0.0.1:1", tp_size=0))
     check_settings(
-        DecodeConfig("unused", prefill_addr="127.0.0.1:1", tp_size=2, disaggregation_transfer_backend="mooncake")
+        DecodeConfig(
+            "unused",
+            prefill_addr="127.0.0.1:1",
+            tp_size=2,
+            disaggregation_transfer_backend="mooncake",
+            disaggregation_network_private=True,
+        )
     )
 
 

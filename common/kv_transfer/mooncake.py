@@ -66,6 +66,21 @@ def require() -> None:
         raise MooncakeUnavailable(reason)
 
 
+def require_private_network(config) -> None:
+    """ValueError unless the operator has said the network between the services is private. The engine
+    (mooncake-transfer-engine 0.3.13, and its source today) binds its handshake and data listeners to
+    every interface whatever --host says, and serves registered memory to any peer that reaches them: a
+    review's engine holding no key read 64 KiB of another request's KV out of decode's pool and
+    overwrote it. It cannot be confined from here, so it runs only where the operator confined it."""
+    if not config.disaggregation_network_private:
+        raise ValueError(
+            "--disaggregation-transfer-backend mooncake: the Mooncake engine listens on every interface "
+            "whatever --host says and serves registered KV memory to any peer that reaches it; pass "
+            "--disaggregation-network-private once only the two services can reach each other's engine "
+            "(compose: a network without the gateway; k8s: deploy/k8s/network.yaml), or use grpc or shm"
+        )
+
+
 class TransferEngine:
     def __init__(
         self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "", capability_key: bytes | None = None
@@ -154,6 +169,7 @@ class MooncakeSender(AddressSender):
 
     @classmethod
     def from_config(cls, config) -> MooncakeSender:
+        require_private_network(config)
         key = kv_capability.key_from_internal(config.internal_api_key)  # signed destinations only
         transfer_engine = TransferEngine(
             advertised_host(config.host), config.disaggregation_protocol, config.disaggregation_ib_device, key
@@ -178,6 +194,7 @@ class MooncakeSender(AddressSender):
 class MooncakeReceiver(PoolReceiver):
     @staticmethod
     def check(config) -> None:
+        require_private_network(config)
         require()
 
     @classmethod
