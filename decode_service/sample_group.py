@@ -21,7 +21,7 @@ Life of an n > 1 request, beside the scheduler's steps (scheduler.py):
   4. release frees a sample's own slots (its kv_slots past `shared_len`) and request slot once; the
      last sample of the group to go frees the shared ones. An abort names the request: every sample
      still live ends with it. A request freed before it forked (abort, failed handoff) frees the
-     reservations of samples 1..n-1.
+     reservations of samples 1..n-1, and they hear its end (`_emit_unforked`): all n answers come.
 So sample i of an n > 1 request decodes exactly as an n = 1 request with seed sample_seed(seed, i),
 with or without EAGLE.
 """
@@ -29,12 +29,16 @@ with or without EAGLE.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.sampling import sample_seed
+from decode_service.output import Finish, RequestOutput
 from decode_service.req import DecodeReq, ReqState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,6 +117,20 @@ class SampleGroups:
             if not sample.finished:
                 self._abort(sample)
         return True
+
+    def _emit_unforked(self, req: DecodeReq, reason: str) -> None:
+        """n > 1 ended before its samples forked (queued, in prefill, a failed handoff): samples 1..n-1
+        never ran, and each hears the same end, so the caller's n answers are all there."""
+        forked = req.group is not None and not req.group.reserved  # a group forms at admission, forks at handoff
+        if req.params.n == 1 or forked or req.index != 0 or req.on_output is None:
+            return
+        finish = Finish.of(req, reason)
+        for i in range(1, req.params.n):
+            try:
+                req.on_output(RequestOutput(f"{req.rid}/{i}", [], finish, None, i))
+            except Exception:  # a broken consumer: as in _emit, nothing more for it
+                logger.exception("output callback of %s failed", req.rid)
+                return
 
     def _free_slots(self, req: DecodeReq) -> None:
         """Free `req`'s request slot and KV slots once (with a group: its own, and the prompt's with the

@@ -8,10 +8,8 @@ device. One step, as in SGLang: `process_input_requests` (drain the inbox) -> `p
 Life of a request (queues named as in the code):
   1. submit(): validated (prompt + max_new_tokens within the context, else ValueError before
      anything is queued), then posted to the `inbox`; the loop moves it to `waiting` (admission).
-  2. admission: in order, reserve a request slot and KV slots for prompt + max_new_tokens; a request
-     that does not fit waits, and so does everyone behind it; nothing is half-admitted. The head can
-     only wait for running requests to end: what the pools could never hold (KV past the pool, n
-     above the request slots) is refused at submit, so no request holds the queue forever. Reserved
+  2. admission: in order, reserve a request slot and KV slots for prompt + max_new_tokens, all or none;
+     one that does not fit waits, everyone behind it too (one that never could is refused at submit). Reserved
      requests await their handoff (state AWAITING_HANDOFF) and `prefill_fn(HandoffRequest)` is called.
   3. the prefill side delivers to the inbox (first token, KV chunks written into the reserved slots
      as they arrive, then the handoff); the loop checks the handoff and queues it on `prebuilt`.
@@ -33,9 +31,7 @@ Life of a request (queues named as in the code):
      the last of its samples: sample_group.py). Every device write the scheduler
      asks for (KV, req_to_token, FutureMap) is worker stream work, so slot reuse is ordered after
      in-flight reads (invariant 7).
-  7. abort(): waiting, awaiting its handoff, prebuilt or running; finish_reason "abort". An n > 1
-     request that ends before its samples fork (queued, in prefill, a failed handoff) ends samples
-     1..n-1 with it: the caller gets all n answers.
+  7. abort(): waiting, awaiting its handoff, prebuilt or running; finish_reason "abort".
 A request is `finished` once it has a finish_reason (the client has heard its end) and RELEASED once
 its slots are freed; with a transfer engine an aborted request may be finished yet still hold them.
 Results leave through each request's `on_output` as RequestOutput records (output.py): the new ids
@@ -345,7 +341,6 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         elif req.state == ReqState.AWAITING_HANDOFF and self.abort_waits_for_prefill:
             req.finish_reason = "abort"  # the client hears it now; the slots wait for the prefill's end
             self._emit(req, [], "abort")
-            self._emit_unforked(req, "abort")
             return
         elif req.state == ReqState.PREBUILT:
             self.prebuilt.remove(req)
@@ -364,7 +359,6 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         req.error = detail  # travels in the Finish
         if emit:
             self._emit(req, [], reason)
-            self._emit_unforked(req, reason)
         self._release(req)
 
     def _release(self, req: DecodeReq) -> None:
@@ -385,25 +379,13 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         try:
             finish = Finish.of(req, reason) if reason else None
             req.on_output(RequestOutput(req.rid, tokens, finish, logprobs, req.index, prompt_lp))
+            if finish is not None:  # n > 1 ended before its samples forked: theirs end with it
+                self._emit_unforked(req, reason)
         except Exception:  # a broken consumer must not take the scheduler down: drop the request
             logger.exception("output callback of %s failed; aborting it", req.rid)
             req.on_output = None
             if reason is None:
                 self.abort(req.rid)
-
-    def _emit_unforked(self, req: DecodeReq, reason: str) -> None:
-        """n > 1 ended before its samples forked (queued, in prefill, a failed handoff): samples 1..n-1
-        never ran, and each hears the same end, so the caller's n answers are all there."""
-        forked = req.group is not None and not req.group.reserved  # a group forms at admission, forks at handoff
-        if req.params.n == 1 or forked or req.index != 0 or req.on_output is None:
-            return
-        finish = Finish.of(req, reason)
-        for i in range(1, req.params.n):
-            try:
-                req.on_output(RequestOutput(f"{req.rid}/{i}", [], finish, None, i))
-            except Exception:  # a broken consumer: as in _emit, nothing more for it
-                logger.exception("output callback of %s failed", req.rid)
-                return
 
     # ---- checks -------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -265,7 +265,8 @@ def test_a_first_token_the_grammar_refuses_fails_its_request_alone(cases, where)
             pair.scheduler.inbox.deliver_handoff(h)
     finally:
         pair.close()  # runs to idle (a scheduler-fatal error raises here), checks integrity and the pools
-    assert pair.scheduler.alive and pair.out.reasons == {"bad": "error", "good": pair.out.reasons["good"]}
+    samples = {f"bad/{i}": "error" for i in range(1, n)}  # n > 1 never forked: each sample's answer ends with it
+    assert pair.scheduler.alive and pair.out.reasons == {"bad": "error", **samples, "good": pair.out.reasons["good"]}
     assert f"token {refused} is not allowed" in pair.out.finishes["bad"].error
     assert refused not in pair.out.tokens.get("bad", [])  # never streamed
     assert pair.out.tokens["good"] == want[2] and pair.out.reasons["good"] in ("stop", "length")

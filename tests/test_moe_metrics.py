@@ -108,9 +108,17 @@ class _HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-        if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.ptr for t in flat):
+        if any(isinstance(t, torch.Tensor) and _storage(t) == self.ptr for t in flat):
             self.ops.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The data pointer of t's storage, or None for a tensor without one (a oneDNN-packed weight)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except NotImplementedError:
+        return None
 
 
 def test_the_forward_only_adds_to_the_counters_in_place(checkpoint):

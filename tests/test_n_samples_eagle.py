@@ -211,7 +211,7 @@ def test_a_default_max_new_tokens_leaves_room_for_every_samples_drafts():
     assert params.max_new_tokens == 29  # 7 + 3 x (29 + 8) + 2 = 120 slots: the whole pool
     info, pool = (
         SimpleNamespace(vocab_size=100, context_length=512),
-        SimpleNamespace(kv_allocator=SimpleNamespace(size=size)),
+        SimpleNamespace(kv_allocator=SimpleNamespace(size=size), req_to_token_pool=SimpleNamespace(size=8)),
     )
     eagle = SimpleNamespace(info=info, spec=SimpleNamespace(eagle_topk=1), worker=pool, _extra=extra, stop_strings=None)
     check_submit(eagle, prompt, params)  # admitted as it is
@@ -246,7 +246,8 @@ def test_a_bad_sample_seed_fails_only_its_request(checkpoint, fitted_head, case)
     for h in (bad, handoffs["good"]):
         pair.scheduler.inbox.deliver_handoff(h)
     pair.close()  # to idle, integrity
-    assert pair.scheduler.alive and pair.out.reasons == {"bad": "error", "good": "length"}
+    samples = {f"bad/{i}": "error" for i in range(1, N)}  # never forked: each sample's answer ends with it
+    assert pair.scheduler.alive and pair.out.reasons == {"bad": "error", **samples, "good": "length"}
     assert expected in pair.out.finishes["bad"].error
     assert pair.out.tokens["good"] == hf_greedy(path, good, 8)
 
