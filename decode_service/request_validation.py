@@ -86,6 +86,11 @@ def parse_generate(
     A request without max_new_tokens gets the default, clamped to the context and to `kv_room` (the
     most prompt + output tokens one request can reserve in the decode pool; `spec_extra`: EAGLE's
     draft slots each sample reserves past that, and with n > 1 samples 1..n-1 one more each)."""
+    if len(req.tokenized.input_ids) >= context_length:  # before the ids are copied or scanned
+        raise InvalidRequest(
+            f"prompt ({len(req.tokenized.input_ids)} tokens) exceeds the context length {context_length}: "
+            "no room for an output token"
+        )
     ids = list(req.tokenized.input_ids)
     sp = req.sampling_params
     field = _unsupported(req, sp)

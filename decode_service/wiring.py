@@ -27,6 +27,7 @@ from common.engine.model_runner import ModelRunner
 from common.kv_transfer import receiver as kv_receivers
 from common.metrics import DecodeMetrics
 from common.parallel.launch import TPRanks, check_settings
+from common.request_rules import max_request_bytes
 from common.wire import security
 from common.wire import servicer as servicer_module
 from common.wire.aio_server import AioServer
@@ -112,5 +113,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
 
 
 def serve(config: DecodeConfig, servicer, service) -> AioServer:
-    """The grpc.aio server for `servicer` (not started): API keys, TLS, malformed requests INVALID_ARGUMENT."""
-    return servicer_module.serve(config, servicer, service, config.api_key)
+    """The grpc.aio server for `servicer` (not started): API keys, TLS, malformed requests INVALID_ARGUMENT,
+    messages past what a request within the model's context can take refused before they are parsed."""
+    bound = max_request_bytes(servicer.runner.context_length)
+    return servicer_module.serve(config, servicer, service, config.api_key, bound)

@@ -22,11 +22,20 @@ from common.wire.grpc_server import SERVER_OPTIONS, channel_options
 
 
 class AioServer:
-    def __init__(self, host: str, port: int, service_names: list[str], interceptors: tuple = (), credentials=None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: list[str],
+        interceptors: tuple = (),
+        credentials=None,
+        max_receive_bytes: int | None = None,
+    ):
         """`interceptors` (e.g. the API-key check) and `credentials` (TLS; None: plaintext): security.py.
         An interceptor sees a call's method and metadata before its body is read: a handler it swaps in
         decides whether the body is read at all (security.py's refusal never reads it)."""
         self._interceptors = tuple(interceptors)
+        self._max_receive_bytes = max_receive_bytes
         self._credentials = credentials
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
@@ -40,7 +49,11 @@ class AioServer:
         self.set_serving(False)
 
     async def _build(self, host: str, port: int):
-        server = grpc.aio.server(options=channel_options() + SERVER_OPTIONS, interceptors=self._interceptors)
+        options = channel_options() + SERVER_OPTIONS
+        if self._max_receive_bytes is not None:  # a bound of the service's own (the front door's: by its context)
+            key = "grpc.max_receive_message_length"
+            options = [o for o in options if o[0] != key] + [(key, self._max_receive_bytes)]
+        server = grpc.aio.server(options=options, interceptors=self._interceptors)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
