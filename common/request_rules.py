@@ -16,6 +16,10 @@ class InvalidRequest(ValueError):
     """The request is malformed or does not fit this model (INVALID_ARGUMENT)."""
 
 
+class Overloaded(Exception):
+    """The request is refused for now, not for what it is (RESOURCE_EXHAUSTED: retry later)."""
+
+
 MAX_STOP_TOKEN_IDS = 64  # every output token is looked up in them on the scheduler thread
 # A GenerateRequest's bytes beside its prompt ids, at most: a constraint (64 Ki chars), stop strings (16 x
 # 256 chars), logit_bias (1024 entries), token_ids_logprob, the rest small; 1 MiB is several times that.

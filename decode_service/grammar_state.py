@@ -30,7 +30,7 @@ import torch
 from common.engine import grammar
 from common.engine.host_copy import to_device, to_host
 from common.engine.streams import make_event
-from common.request_rules import InvalidRequest, finish_reason
+from common.request_rules import InvalidRequest, Overloaded, finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,8 @@ def check_request(worker, params):
         if not hasattr(worker, "grammar_compiler"):
             raise grammar.GrammarError(f"{constraint[0]}: this worker serves no grammars")
         return worker.grammar_compiler().compile(constraint)
+    except grammar.GrammarBusy as e:
+        raise Overloaded(str(e)) from None
     except grammar.GrammarError as e:
         raise InvalidRequest(str(e)) from None
 
@@ -199,6 +201,8 @@ async def compile_off_loop(worker, params) -> None:
         compiler = worker.grammar_compiler()
         fut = compiler.compile_async(constraint)
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), compiler.timeout_s)
+    except grammar.GrammarBusy as e:
+        raise Overloaded(str(e)) from None
     except grammar.GrammarError as e:
         raise InvalidRequest(str(e)) from None
     except (asyncio.TimeoutError, TimeoutError):

@@ -11,7 +11,7 @@ Lifecycle of one Generate call:
   1. admit (before anything is reserved): UNAVAILABLE when draining, the scheduler is down or no
      prefill replica is serving (cached health, re-checked live before refusing); INVALID_ARGUMENT
      for bad input (request_validation) or a request_id already in flight; RESOURCE_EXHAUSTED past
-     `max_running_requests + max_queued_requests` open calls;
+     `max_running_requests + max_queued_requests` open calls, or with too many grammars compiling;
   2. submit to the DecodeScheduler under a unique internal id: it queues for admission, reserves
      the request slot + KV, and calls Prefill through the PrefillClient;
   3. stream: the first token as soon as prefill sends it, KV chunks written into the reserved slots
@@ -39,6 +39,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from common.request_rules import Overloaded
 from common.wire.aio_server import answer_unimplemented
 from decode_service import wiring
 from decode_service.admission import Admission, Rejected
@@ -155,6 +156,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             finished = True  # every sample's Complete is out
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:  # e.g. too many grammars compiling: retry later
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the server stopped)
             # GeneratorExit: the cancel reached gRPC while it was sending a response this generator had
             # yielded, so it is closed at that yield instead of cancelled at an await

@@ -29,6 +29,12 @@ DRILLS = {
     "tests/test_nextn.py::test_tp_pairs_with_the_mtp_draft": "the MTP draft over TP service pairs",
     "tests/test_triton_moe.py::test_qwen3_moe_through_triton": "Triton interpreter, a whole model",
     "tests/test_triton_latent.py::test_the_mtp_draft_chain_through_triton": "Triton interpreter, a whole model",
+    "tests/test_cuda_fused.py::test_a_model_through_the_fused_ops_matches_it_without_them[qwen3-moe]": "Triton "
+    "interpreter, MoE (the llama case stays)",
+    "tests/test_cuda_fused.py::test_a_model_through_the_fused_ops_matches_it_without_them[deepseek-v3]": "Triton "
+    "interpreter, MLA",
+    "tests/test_cuda_fused.py::test_moe_and_mla_decode_through_static_buffers_match_hf_greedy[qwen3-moe]": "Triton "
+    "interpreter (MoE's padded rows also in test_moe_metrics)",
     "tests/test_faults.py::test_killing_a_prefill_process_under_load_then_restarting_it": "kill and restart",
     "tests/test_faults.py::test_calls_on_a_stopped_replica_are_retried_elsewhere[mooncake]": "replica stopped",
     "tests/test_faults.py::test_sigterm_with_open_streams_and_smg_exits_within_the_grace_period": "SIGTERM drill",

@@ -2,10 +2,14 @@
 
 A request may carry one constraint (SamplingParams: `json_schema`, `regex`, `ebnf_grammar` or
 `structural_tag`, as smg's GenerateRequest oneof). `GrammarCompiler` compiles it with xgrammar for
-one model's tokenizer, off the calling thread (a small pool), once per distinct constraint (a
-bounded LRU of futures, so concurrent requests with one schema compile it once), within a time
-bound; a constraint that does not compile, or not in time, is a `GrammarError` (a ValueError naming
-the field: the front doors answer INVALID_ARGUMENT before anything is reserved).
+one model's tokenizer, off the calling thread (a small pool), once per distinct constraint (an LRU
+of futures, so concurrent requests with one schema compile it once, bounded by count and by the
+compiled grammars' bytes; xgrammar's own cache is off), within a time bound; a constraint that does
+not compile, or not in time, is a `GrammarError` (a ValueError naming the field: the front doors
+answer INVALID_ARGUMENT before anything is reserved). What it would expand to is bounded before it
+compiles (grammar_limits.py), and at most MAX_PENDING distinct constraints compile or wait at once:
+past that a new one is `GrammarBusy` (RESOURCE_EXHAUSTED: retry later), so a few slow constraints
+cannot queue everyone else's behind them (a compile past its deadline still runs to its end).
 `compiler_for(path, vocab_size, stop_ids, any_whitespace)` is one compiler per model folder in a
 process (prefill and decode in one process share it). `--constrained-json-disable-any-whitespace`
 (SGLang's flag, RunnerArgs) compiles JSON schemas with xgrammar's any_whitespace=False: no free
@@ -30,6 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from common.engine import grammar_limits
 from common.engine.host_copy import to_device
 
 logger = logging.getLogger(__name__)
@@ -37,11 +42,17 @@ logger = logging.getLogger(__name__)
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf_grammar", "structural_tag")
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema or grammar longer than this is refused before compiling
 COMPILE_TIMEOUT_S = 10.0
-MAX_CACHED = 256  # distinct compiled constraints kept per model
+MAX_CACHED = 256  # distinct compiled constraints kept per model ...
+MAX_CACHED_BYTES = 512 << 20  # ... and their bytes (a ~39 KB regex compiled to ~26 MiB for SmolLM2)
+MAX_PENDING = 8  # distinct constraints compiling or queued at once
 
 
 class GrammarError(ValueError):
     """A constraint that cannot be served: malformed, too long, too slow to compile, or not here."""
+
+
+class GrammarBusy(GrammarError):
+    """MAX_PENDING constraints are compiling already: this one is refused for now, not for what it is."""
 
 
 def constraint_of(params) -> tuple[str, str] | None:
@@ -59,6 +70,11 @@ def check_constraint(params) -> None:
         raise GrammarError(f"{c[0]} is {len(c[1])} characters long; at most {MAX_CONSTRAINT_CHARS} are allowed")
     if c is not None and not c[1].strip():
         raise GrammarError(f"{c[0]} is empty")
+    if c is not None:  # what it would expand to (common/engine/grammar_limits.py), before any compile
+        try:
+            grammar_limits.check(*c)
+        except grammar_limits.LimitError as e:
+            raise GrammarError(f"{c[0]}: {e}") from None
 
 
 def structural_tag_args(text: str) -> tuple:
@@ -93,12 +109,17 @@ class GrammarCompiler:
         timeout_s: float = COMPILE_TIMEOUT_S,
         max_cached: int = MAX_CACHED,
         any_whitespace: bool = True,
+        max_cached_bytes: int = MAX_CACHED_BYTES,
+        max_pending: int = MAX_PENDING,
     ):
         self.tokenizer_path, self.vocab_size, self.stop_token_ids = tokenizer_path, vocab_size, tuple(stop_token_ids)
         self.timeout_s, self.max_cached, self.any_whitespace = timeout_s, max_cached, any_whitespace
+        self.max_cached_bytes, self.max_pending = max_cached_bytes, max_pending
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # compiled bytes of the cached, compiled ones
+        self.cached_bytes, self.pending = 0, 0
         self._compiler = None
         self._compiler_ready = threading.Lock()
 
@@ -113,7 +134,7 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # ours bounds bytes
             return self._compiler
 
     def _compile(self, field: str, text: str):
@@ -126,24 +147,51 @@ class GrammarCompiler:
             return c.compile_grammar(text)
         return c.compile_structural_tag(*structural_tag_args(text))
 
-    def compile_async(self, constraint: tuple[str, str]) -> Future:
-        """A future of the compiled grammar (one per distinct constraint while it stays cached)."""
+    def compile_async(self, constraint: tuple[str, str], bounded: bool = True) -> Future:
+        """A future of the compiled grammar (one per distinct constraint while it stays cached); a new
+        one past MAX_PENDING compiling is GrammarBusy unless `bounded` is False (a TP follower's compile
+        of what rank 0 compiled already: it must not fail where rank 0's did not)."""
         with self._lock:
             fut = self._cache.get(constraint)
             if fut is not None:
                 self._cache.move_to_end(constraint)
                 return fut
+            if bounded and self.pending >= self.max_pending:
+                raise GrammarBusy(f"{self.pending} constraints are compiling already: try again shortly")
+            self.pending += 1
             fut = self._pool.submit(self._compile, *constraint)
             self._cache[constraint] = fut
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
-        fut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self._forget(constraint, f))
+            self._evict()
+        fut.add_done_callback(lambda f: self._done(constraint, f))
         return fut
+
+    def _done(self, constraint, fut) -> None:
+        failed = fut.cancelled() or fut.exception() is not None
+        size = 0 if failed else int(getattr(fut.result(), "memory_size_bytes", 0))
+        with self._lock:
+            self.pending -= 1
+            if self._cache.get(constraint) is not fut:
+                return  # evicted (or forgotten) while it compiled
+            if failed:
+                del self._cache[constraint]
+                return
+            self._sizes[constraint] = size
+            self.cached_bytes += size
+            self._evict()
+
+    def _evict(self) -> None:
+        """Oldest first, until the cache is within its count and bytes (the newest always stays)."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > self.max_cached or self.cached_bytes > self.max_cached_bytes
+        ):
+            old, _ = self._cache.popitem(last=False)
+            self.cached_bytes -= self._sizes.pop(old, 0)
 
     def _forget(self, constraint, fut) -> None:
         with self._lock:
             if self._cache.get(constraint) is fut:
                 del self._cache[constraint]
+                self.cached_bytes -= self._sizes.pop(constraint, 0)
 
     def compile(self, constraint: tuple[str, str]):
         """The compiled grammar; GrammarError naming the field when it does not compile in time."""
@@ -187,7 +235,7 @@ def compiled_on_rank(compiler: GrammarCompiler, constraint: tuple[str, str]):
     """The compiled grammar for stream work, with no time bound: the front door compiled it within
     one already (here it comes from the cache), and on a tensor-parallel follower rank this is its
     first compile, which must not fail where rank 0's succeeded (every rank masks alike)."""
-    return compiler.compile_async(constraint).result()
+    return compiler.compile_async(constraint, bounded=False).result()
 
 
 def new_matcher(compiled, tokens: list[int] = ()):
