@@ -89,6 +89,18 @@ def test_greedy_is_argmax_and_params_validate():
         SamplingParams(stop_token_ids=(V,)).validate(V)
 
 
+def test_a_temperature_below_the_floor_is_greedy_not_nan():
+    """logits / 1e-45 overflow float32 (inf - inf in the softmax): such a temperature is the argmax, as
+    SGLang takes any temperature below 1e-5; at the floor itself it samples."""
+    from common.engine.sampling import MIN_TEMPERATURE
+
+    logits = _logits(6, 5)
+    tiny = [SamplingParams(temperature=t, seed=3) for t in (1e-45, 1e-30, 5e-6, 0.0, 9.9e-6, 1e-7)]
+    assert all(p.greedy for p in tiny)
+    assert torch.equal(sample(logits, tiny, [3] * 6, [0] * 6), logits.argmax(-1))
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
 def test_seeded_request_same_tokens_alone_and_in_a_batch(checkpoint):
     """End to end through the colocated loop: a seeded request's tokens do not depend on its batch."""
     path = checkpoint("qwen2")

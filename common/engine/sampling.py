@@ -20,6 +20,7 @@ from common.engine.penalties import MAX_LOGIT_BIAS, LogitProcessors, has_process
 
 _MASK64 = (1 << 64) - 1
 MAX_N = 128  # OpenAI's bound on n
+MIN_TEMPERATURE = 1e-5  # below it a request is greedy (as SGLang): the softmax of logits / T would overflow
 
 
 @dataclass
@@ -102,7 +103,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below MIN_TEMPERATURE: the argmax (logits / 1e-45 overflow float32)."""
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def processed(self) -> bool:
