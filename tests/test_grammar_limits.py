@@ -65,15 +65,16 @@ def test_ordinary_constraints_pass_the_bounds(field, text):
 
 
 class _Slow(GrammarCompiler):
-    """A compiler whose compiles wait for `release` and return a stand-in of `size` bytes."""
+    """A compiler whose compiles wait for `release` (those named "slow": for `gate`) and return a
+    stand-in of `size` bytes (the text's number before its colon)."""
 
     def __init__(self, **kw):
         super().__init__("unused", 10, (), **kw)
-        self.release, self.started = threading.Event(), []
+        self.release, self.gate, self.started = threading.Event(), threading.Event(), []
 
     def _compile(self, field, text):
         self.started.append(text)
-        assert self.release.wait(30)
+        assert (self.gate if "slow" in text else self.release).wait(30)
         return SimpleNamespace(memory_size_bytes=int(text.split(":")[0]))
 
 
@@ -92,6 +93,23 @@ def test_at_most_max_pending_compile_at_once_and_cached_ones_are_still_served():
     for f in slow:
         f.result(5)
     c.compile_async(("regex", "1:d")).result(5)  # room again
+    assert c.pending == 0
+    c.close()
+
+
+def test_a_compile_past_its_deadline_holds_no_queue():
+    """Two compiles stuck far past the deadline (a pool of two threads would have queued every later
+    one behind them): the next constraint compiles at once, and the stuck ones still count as pending."""
+    c = _Slow(timeout_s=0.2)
+    stuck = [c.compile_async(("regex", f"1:slow{i}")) for i in range(2)]
+    with pytest.raises(GrammarError, match="did not compile within 0.2 s"):
+        c.compile(("regex", "1:slow0"))
+    c.release.set()  # the stuck ones stay stuck: they wait on their own gate below
+    assert c.compile(("regex", "1:quick")).memory_size_bytes == 1
+    assert c.pending == 2
+    c.gate.set()
+    for f in stuck:
+        f.result(5)
     assert c.pending == 0
     c.close()
 

@@ -2,14 +2,16 @@
 
 A request may carry one constraint (SamplingParams: `json_schema`, `regex`, `ebnf_grammar` or
 `structural_tag`, as smg's GenerateRequest oneof). `GrammarCompiler` compiles it with xgrammar for
-one model's tokenizer, off the calling thread (a small pool), once per distinct constraint (an LRU
-of futures, so concurrent requests with one schema compile it once, bounded by count and by the
-compiled grammars' bytes; xgrammar's own cache is off), within a time bound; a constraint that does
-not compile, or not in time, is a `GrammarError` (a ValueError naming the field: the front doors
-answer INVALID_ARGUMENT before anything is reserved). What it would expand to is bounded before it
-compiles (grammar_limits.py), and at most MAX_PENDING distinct constraints compile or wait at once:
-past that a new one is `GrammarBusy` (RESOURCE_EXHAUSTED: retry later), so a few slow constraints
-cannot queue everyone else's behind them (a compile past its deadline still runs to its end).
+one model's tokenizer, off the calling thread (each compile on a thread of its own), once per
+distinct constraint (an LRU of futures, so concurrent requests with one schema compile it once,
+bounded by count and by the compiled grammars' bytes; xgrammar's own cache is off), within a time
+bound; a constraint that does not compile, or not in time, is a `GrammarError` (a ValueError naming
+the field: the front doors answer INVALID_ARGUMENT before anything is reserved). What it would
+expand to is bounded before it compiles (grammar_limits.py), and at most MAX_PENDING distinct
+constraints compile at once: past that a new one is `GrammarBusy` (RESOURCE_EXHAUSTED: retry
+later). No constraint waits behind
+another's compile: a compile past its deadline holds only its own thread (xgrammar cannot cancel
+it; it runs to its end and counts against MAX_PENDING until then).
 `compiler_for(path, vocab_size, stop_ids, any_whitespace)` is one compiler per model folder in a
 process (prefill and decode in one process share it). `--constrained-json-disable-any-whitespace`
 (SGLang's flag, RunnerArgs) compiles JSON schemas with xgrammar's any_whitespace=False: no free
@@ -29,7 +31,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -115,7 +117,6 @@ class GrammarCompiler:
         self.tokenizer_path, self.vocab_size, self.stop_token_ids = tokenizer_path, vocab_size, tuple(stop_token_ids)
         self.timeout_s, self.max_cached, self.any_whitespace = timeout_s, max_cached, any_whitespace
         self.max_cached_bytes, self.max_pending = max_cached_bytes, max_pending
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}  # compiled bytes of the cached, compiled ones
@@ -159,10 +160,26 @@ class GrammarCompiler:
             if bounded and self.pending >= self.max_pending:
                 raise GrammarBusy(f"{self.pending} constraints are compiling already: try again shortly")
             self.pending += 1
-            fut = self._pool.submit(self._compile, *constraint)
+            fut = self._start(constraint)
             self._cache[constraint] = fut
             self._evict()
         fut.add_done_callback(lambda f: self._done(constraint, f))
+        return fut
+
+    def _start(self, constraint) -> Future:
+        """The compile on a thread of its own: one past its deadline holds only that thread, never a
+        queue that later constraints wait in (xgrammar cannot cancel it: it runs to its end, and counts
+        against MAX_PENDING until then)."""
+        fut: Future = Future()
+
+        def run():
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(self._compile(*constraint))
+                except BaseException as e:  # noqa: BLE001 (the caller's error, through the future)
+                    fut.set_exception(e)
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
         return fut
 
     def _done(self, constraint, fut) -> None:
@@ -206,7 +223,7 @@ class GrammarCompiler:
             raise GrammarError(f"{field} does not compile: {str(e).strip().splitlines()[0][:300]}") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: each compile's thread ends with it (daemon threads)."""
 
 
 _compilers: dict[tuple, GrammarCompiler] = {}
