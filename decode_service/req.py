@@ -40,7 +40,7 @@ class DecodeReq:
     handoff: object = None  # the Handoff while PREBUILT
     spec_accepted: int = 0  # EAGLE: drafts accepted / proposed for this request
     spec_drafted: int = 0
-    stop_searched: int = 0  # characters of the output text searched for stop strings (stop_strings.py)
+    stop_scan: tuple = (0, 0, "")  # stop strings' incremental detokenization: (prefix, read, tail) (stop_strings.py)
     matched_stop_str: str | None = None
     held_first: bool = False  # the early first token is held back until the record brings its logprobs
     cached_tokens: int = 0  # prompt tokens the prefill side took from its prefix cache (from the handoff)
