@@ -36,6 +36,7 @@ import logging
 
 import grpc
 
+from common.engine.grammar import GrammarBusy
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service import request_bounds, wiring
 from prefill_service.config import PrefillConfig
@@ -120,12 +121,22 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         if self.open_calls >= self.config.max_open_calls:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._busy(f"{self.open_calls} calls are open"))
+        self.open_calls += 1  # from here: a call whose grammar compiles counts too
+        try:
+            async for message in self._prefill(request, context):
+                yield message
+        finally:
+            self.open_calls -= 1
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         try:
             args = (request, self.config.max_chunk_bytes, self.runner)
             if request.sampling_params.WhichOneof("constraint") is not None:  # a grammar compiles: off the loop
                 handoff_request = await asyncio.to_thread(request_bounds.parse, *args)
             else:
                 handoff_request = request_bounds.parse(*args)
+        except GrammarBusy as e:  # too many grammars compiling here: another replica, or later
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._busy(str(e)))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not self.scheduler.alive:
@@ -145,7 +156,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
         call = PrefillCall(handoff_request, on_answer, _resolver(loop, first))
         context.add_done_callback(lambda _context: call.cancel())
-        self.open_calls += 1
         try:
             try:
                 self.scheduler.submit(call)
@@ -154,7 +164,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             async for message in self.streams.stream(request, call, answer, first, context):
                 yield message
         finally:
-            self.open_calls -= 1
             call.cancel()  # a no-op once answered; otherwise the scheduler drops it
 
     def _busy(self, why: str) -> str:

@@ -131,6 +131,31 @@ def test_more_open_calls_than_the_cap_are_refused(pair, stub, serves_exactly):
     wait_for("the scheduler drained", lambda: not service.scheduler.pending and service.open_calls == 0)
 
 
+def test_a_call_whose_grammar_compiles_counts_as_open(pair, stub, serves_exactly):
+    """Constrained calls compile before they are queued: they count against --max-open-calls while
+    they compile (they did not, so any number could hold compiles at once)."""
+    from common.engine.grammar import runner_compiler
+
+    service = pair.prefill
+    compiler = runner_compiler(service.runner)
+    gate, started, real = threading.Event(), threading.Event(), compiler._compile
+    compiler._compile = lambda field, text: (started.set(), gate.wait(30), real(field, text))[2]
+    calls = []
+    try:
+        sp = prefill_pb2.SamplingParams(max_new_tokens=2, regex="(held|open)+")
+        calls = [stub.Prefill(_request(sampling_params=sp), metadata=KEYED, timeout=60) for _ in range(2)]
+        assert started.wait(20), "no compile started"
+        wait_for("two compiling calls open", lambda: service.open_calls == 2)
+        err = _refused(lambda: stub.Prefill(_request(), metadata=KEYED, timeout=30))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "calls are open" in err.details(), err.details()
+    finally:
+        gate.set()
+        compiler._compile = real
+    for call in calls:
+        assert _complete(call).prompt_len == len(PROMPT)
+    wait_for("no call open", lambda: service.open_calls == 0)
+
+
 def test_an_unauthenticated_large_body_is_refused(stub, serves_exactly):
     big = prefill_pb2.PrefillRequest(request_id="x" * (32 << 20), input_ids=PROMPT)
     err = _refused(lambda: stub.Prefill(big, timeout=60))
