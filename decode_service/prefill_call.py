@@ -22,7 +22,7 @@ import grpc
 from common.engine.handoff import HandoffRequest
 from common.request_rules import REFUSED
 from decode_service import prefill_request
-from decode_service.prefill_replicas import Replica
+from decode_service.prefill_replicas import PREFILL_METHOD, Replica
 from decode_service.prefill_stream import HandoffStream
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def attempt(client: PrefillClient, peer: Replica, request: HandoffRequest, sent:
     msg = prefill_request.build(
         request, client.max_chunk_bytes, client.kv_destination, client.kv_keys, client.call_timeout_s
     )
-    call = peer.stub.Prefill(msg, timeout=client.call_timeout_s, metadata=peer.metadata + trace_metadata)
+    call = peer.stub.Prefill(msg, timeout=client.call_timeout_s, metadata=peer.auth(PREFILL_METHOD) + trace_metadata)
     client.calls.attach(request.rid, call, peer)
     stream = HandoffStream(
         request, sent, client.sink, client.config, client.draft_config, client.progress_timeout_s, client.metrics

@@ -31,11 +31,15 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 UNREACHABLE_LOAD = 1 << 30  # the load of a replica whose GetLoad failed: chosen last
 
 
+PREFILL_METHOD = f"/{SERVICE_NAME}/Prefill"
+GET_LOAD_METHOD = f"/{SERVICE_NAME}/GetLoad"
+
+
 class Replica:
-    def __init__(self, address: str, credentials=None, metadata: tuple = ()):
+    def __init__(self, address: str, credentials=None, key: str | None = None):
         self.address = address
         self.credentials = credentials  # TLS to this replica, or None
-        self.metadata = metadata  # the internal API key, if any
+        self._key = key  # the internal API key, if any: proven per call, never sent (security.py)
         self.channel = security.channel(address, channel_options(keepalive=True), credentials)
         self.stub = prefill_pb2_grpc.PrefillStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -61,10 +65,14 @@ class Replica:
                 channel.close()
         return self.serving_at is not None and time.monotonic() - self.serving_at < BUSY_GRACE_S
 
+    def auth(self, method: str) -> tuple:
+        """The metadata of one call of `method`: a fresh token made with the key (none without one)."""
+        return security.signed_metadata(self._key, method)
+
     def load(self) -> tuple[int, int]:
         """(running + waiting calls, KV pool size) from the replica's GetLoad."""
         try:
-            r = self.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=1.0, metadata=self.metadata)
+            r = self.stub.GetLoad(prefill_pb2.LoadRequest(), timeout=1.0, metadata=self.auth(GET_LOAD_METHOD))
             return r.num_running_reqs + r.num_waiting_reqs, r.max_total_tokens
         except grpc.RpcError:
             return UNREACHABLE_LOAD, 0
@@ -76,14 +84,14 @@ class ReplicaPool:
         if not entries:
             raise ValueError("at least one prefill address is needed")
         self.entries = list(entries)
-        self._credentials, self._metadata = credentials, security.key_metadata(api_key)
+        self._credentials, self._key = credentials, api_key
         self.peers = [self._replica(a) for a in prefill_discovery.expand(self.entries)]
         self._retired: list[Replica] = []  # gone from the name: no new calls, closed at close()
         self.router = PrefixRouter(policy)
         self._lock = threading.Lock()  # in_flight, the router, the peers list's replacement
 
     def _replica(self, address: str) -> Replica:
-        return Replica(address, self._credentials, self._metadata)
+        return Replica(address, self._credentials, self._key)
 
     def any_serving(self, fresh: bool = False, map_=map) -> bool:
         """Whether a replica serves; `fresh` asks every replica over new channels (at once, given a

@@ -98,5 +98,5 @@ def build(
 
 
 def serve(config: PrefillConfig, servicer) -> AioServer:
-    """The grpc.aio server for `servicer` (not started), with the internal API keys and TLS."""
-    return servicer_module.serve(config, servicer, SERVICE, config.internal_api_key)
+    """The grpc.aio server for `servicer` (not started), with the internal key's tokens and TLS."""
+    return servicer_module.serve(config, servicer, SERVICE, config.internal_api_key, signed=True)

@@ -16,11 +16,18 @@ from common.engine import shared_memory
 from common.wire import security
 from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
+from decode_service.prefill_replicas import PREFILL_METHOD
 from decode_service.request_validation import InvalidRequest, parse_generate
 from tests.grpc_harness import GrpcPair, held_worker, wait_for
 
 KEY = "inside"
-KEYED = security.key_metadata(KEY)
+
+
+def keyed() -> tuple:
+    """A fresh internal token for one Prefill call (each is admitted once: security.py)."""
+    return security.signed_metadata(KEY, PREFILL_METHOD)
+
+
 PROMPT = [5, 6, 7, 8]
 
 
@@ -68,12 +75,12 @@ def serves_exactly(pair, checkpoint):
 
 @pytest.mark.parametrize("size", [1, 4096, (256 << 10) - 1, (32 << 20) + 1, (1 << 32) - 1])
 def test_absurd_chunk_sizes_are_refused(stub, serves_exactly, size):
-    err = _refused(lambda: stub.Prefill(_request(max_chunk_bytes=size), metadata=KEYED, timeout=30))
+    err = _refused(lambda: stub.Prefill(_request(max_chunk_bytes=size), metadata=keyed(), timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_chunk_bytes" in err.details(), err.details()
 
 
 def test_a_chunk_size_within_the_range_is_served(stub):
-    assert _complete(stub.Prefill(_request(max_chunk_bytes=256 << 10), metadata=KEYED, timeout=30)).prompt_len == 4
+    assert _complete(stub.Prefill(_request(max_chunk_bytes=256 << 10), metadata=keyed(), timeout=30)).prompt_len == 4
 
 
 def test_tp_ranks_outside_the_models_layouts_are_refused_before_any_copy(pair, stub, serves_exactly):
@@ -83,14 +90,14 @@ def test_tp_ranks_outside_the_models_layouts_are_refused_before_any_copy(pair, s
     one_head = prefill_pb2.KvRankDestination(session="127.0.0.1:1", kv_head_start=0, kv_head_count=1)
     wrong = prefill_pb2.KvDestination(tp_ranks=[one_head, one_head])  # rank 1 of 2 holds head 1, not 0
     for dest, says in ((huge, "5000 ranks"), (wrong, "tp_ranks[1]")):
-        err = _refused(lambda d=dest: stub.Prefill(_request(kv_destination=d), metadata=KEYED, timeout=30))
+        err = _refused(lambda d=dest: stub.Prefill(_request(kv_destination=d), metadata=keyed(), timeout=30))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.details(), err.details()
 
 
 def test_too_many_stop_ids_are_refused_on_both_services(pair, stub, serves_exactly):
     many = list(range(65))  # each in the vocabulary: only their number is wrong
     params = prefill_pb2.SamplingParams(stop_token_ids=many)
-    err = _refused(lambda: stub.Prefill(_request(sampling_params=params), metadata=KEYED, timeout=30))
+    err = _refused(lambda: stub.Prefill(_request(sampling_params=params), metadata=keyed(), timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in err.details(), err.details()
     err = _refused(lambda: pair.generate(PROMPT, 4, stop_token_ids=many))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in err.details(), err.details()
@@ -112,17 +119,17 @@ def test_more_open_calls_than_the_cap_are_refused(pair, stub, serves_exactly):
     service = pair.prefill
     in_step, latch = held_worker(service)
     try:
-        first = stub.Prefill(_request(), metadata=KEYED, timeout=60)  # prefilling: its step is held
+        first = stub.Prefill(_request(), metadata=keyed(), timeout=60)  # prefilling: its step is held
         assert in_step.wait(20), "the first call never reached the worker"
-        second = stub.Prefill(_request(), metadata=KEYED, timeout=60)  # queued behind it
+        second = stub.Prefill(_request(), metadata=keyed(), timeout=60)  # queued behind it
         wait_for("two calls open", lambda: service.open_calls == 2)
-        err = _refused(lambda: stub.Prefill(_request(), metadata=KEYED, timeout=30))
+        err = _refused(lambda: stub.Prefill(_request(), metadata=keyed(), timeout=30))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "calls are open" in err.details(), err.details()
         # the caller hangs up; the scheduler, still in the step, holds the call until it drops it:
         # the queue is full although only one call is open
         second.cancel()
         wait_for("the second call closed", lambda: service.open_calls == 1)
-        err = _refused(lambda: stub.Prefill(_request(), metadata=KEYED, timeout=30))
+        err = _refused(lambda: stub.Prefill(_request(), metadata=keyed(), timeout=30))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in err.details(), err.details()
         latch.set()
         assert _complete(first).prompt_len == len(PROMPT)
@@ -143,10 +150,10 @@ def test_a_call_whose_grammar_compiles_counts_as_open(pair, stub, serves_exactly
     calls = []
     try:
         sp = prefill_pb2.SamplingParams(max_new_tokens=2, regex="(held|open)+")
-        calls = [stub.Prefill(_request(sampling_params=sp), metadata=KEYED, timeout=60) for _ in range(2)]
+        calls = [stub.Prefill(_request(sampling_params=sp), metadata=keyed(), timeout=60) for _ in range(2)]
         assert started.wait(20), "no compile started"
         wait_for("two compiling calls open", lambda: service.open_calls == 2)
-        err = _refused(lambda: stub.Prefill(_request(), metadata=KEYED, timeout=30))
+        err = _refused(lambda: stub.Prefill(_request(), metadata=keyed(), timeout=30))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "calls are open" in err.details(), err.details()
     finally:
         gate.set()
@@ -174,7 +181,7 @@ def test_an_unauthenticated_body_is_never_parsed():
     async def prefill(request, context):
         yield prefill_pb2.PrefillChunk(first_token=prefill_pb2.FirstToken(token_id=len(request.input_ids)))
 
-    server = AioServer("127.0.0.1", 0, [], interceptors=security.interceptors(KEY))
+    server = AioServer("127.0.0.1", 0, [], interceptors=security.interceptors(KEY, signed=True))
     handler = grpc.unary_stream_rpc_method_handler(
         prefill, request_deserializer=parse, response_serializer=prefill_pb2.PrefillChunk.SerializeToString
     )
@@ -190,7 +197,7 @@ def test_an_unauthenticated_body_is_never_parsed():
             err = _refused(lambda: stub.Prefill(big, timeout=60))
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err.details()
         assert parsed == []
-        replies = list(stub.Prefill(_request(), metadata=KEYED, timeout=30))
+        replies = list(stub.Prefill(_request(), metadata=keyed(), timeout=30))
         assert [r.first_token.token_id for r in replies] == [len(PROMPT)] and len(parsed) == 1
     finally:
         channel.close()

@@ -20,9 +20,11 @@ from common.models.packed_linear import ROW_BUCKETS
 from common.tools import demo
 from common.tools.client import Client
 from common.tools.procs import stop, wait_serving
+from common.wire import security
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from decode_service.config import build_parser as decode_parser
 from decode_service.config import parse_args as parse_decode
+from decode_service.prefill_replicas import GET_LOAD_METHOD
 from decode_service.server import DecodeService
 from prefill_service.config import parse_args as parse_prefill
 from prefill_service.server import PrefillService
@@ -138,7 +140,11 @@ def test_the_launcher_shares_a_generated_key_off_the_command_line(checkpoint, mo
         assert keys[0] == keys[1]  # one key for the pair, fresh per launch
         inner = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(f"127.0.0.1:{prefill_port}"))
         _refused(lambda: inner.GetLoad(prefill_pb2.LoadRequest(), timeout=10))
-        inner.GetLoad(prefill_pb2.LoadRequest(), metadata=(("authorization", f"Bearer {keys[0]}"),), timeout=10)
+        bearer = (("authorization", f"Bearer {keys[0]}"),)  # the key itself admits nothing: it is never sent
+        _refused(lambda: inner.GetLoad(prefill_pb2.LoadRequest(), metadata=bearer, timeout=10))
+        inner.GetLoad(
+            prefill_pb2.LoadRequest(), metadata=security.signed_metadata(keys[0], GET_LOAD_METHOD), timeout=10
+        )
         client = Client(f"127.0.0.1:{decode_port}")
         assert sum(len(c) for c in client.generate_ids(PROMPT, 3, ignore_eos=True)) == 3  # decode sends the key
         client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -85,6 +86,56 @@ def test_api_keys_on_the_front_door_and_the_prefill_api(checkpoint):
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_the_internal_key_is_proven_per_call_never_sent(checkpoint):
+    """Decode proves the internal key with a token per call (security.signed_metadata): whoever answers
+    at --prefill-addr sees no key, and the prefill API admits a token for its own method, fresh, once.
+    The Bearer form of the key itself is refused."""
+    from common.wire import security
+    from common.wire.aio_server import AioServer
+    from decode_service.prefill_replicas import GET_LOAD_METHOD, PREFILL_METHOD
+
+    path, key = checkpoint("llama"), "inside-" + "k" * 40
+    prefill = PrefillService(PrefillConfig(path, port=0, internal_api_key=key)).start()
+    seen: list[tuple] = []
+
+    class Listening(grpc.aio.ServerInterceptor):  # a stranger at the prefill address: records what it hears
+        async def intercept_service(self, continuation, details):
+            seen.append(tuple(details.invocation_metadata or ()))
+            return await continuation(details)
+
+    service = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+    impostor = AioServer("127.0.0.1", 0, [service], interceptors=(Listening(),)).start()
+    impostor.set_serving(True)  # healthy, so decode calls it (GetLoad: each carries decode's token)
+    decode = DecodeService(
+        DecodeConfig(path, prefill_addr=f"{prefill.address},{impostor.address}", port=0, internal_api_key=key)
+    ).start()
+    try:
+        client = Client(decode.address)
+        for _ in range(3):
+            assert [t for c in client.generate_ids(PROMPT, 2, ignore_eos=True) for t in c] == hf_greedy(path, PROMPT, 2)
+        heard = [v for md in seen for k, v in md if k == "authorization"]
+        assert heard and all(key not in str(v) for v in heard), "the stranger heard the key"
+        inner = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
+        load = lambda md: inner.GetLoad(prefill_pb2.LoadRequest(), metadata=md, timeout=10)  # noqa: E731
+        token = security.signed_metadata(key, GET_LOAD_METHOD)
+        load(token)
+        refused = [
+            token,  # the same token again: a replay
+            (("authorization", f"Bearer {key}"),),  # the key itself
+            security.signed_metadata(key, PREFILL_METHOD),  # a token for another method
+            security.signed_metadata(key, GET_LOAD_METHOD, now=time.time() - 2 * security.TOKEN_WINDOW_S),
+            security.signed_metadata("another key", GET_LOAD_METHOD),
+        ]
+        for md in refused:
+            with pytest.raises(grpc.RpcError) as err:
+                load(md)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
+    finally:
+        decode.stop()
+        prefill.stop()
+        impostor.stop(0.1)
 
 
 def test_mutual_tls_on_both_hops(checkpoint, certs):

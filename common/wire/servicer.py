@@ -84,9 +84,10 @@ def add_servicer(server: grpc.aio.Server, servicer, service) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
-def serve(config, servicer, service, api_key: str | None, max_receive_bytes: int | None = None):
+def serve(config, servicer, service, api_key: str | None, max_receive_bytes: int | None = None, signed: bool = False):
     """The grpc.aio server (not started) of one service: `servicer` under `service`'s descriptor,
-    callers checked against `api_key` (None: none needed), TLS from the config's --tls-* files,
+    callers checked against `api_key` (None: none needed; `signed`: tokens made with it, the internal
+    API's, security.py), TLS from the config's --tls-* files,
     messages over `max_receive_bytes` (None: the shared bound) refused unparsed, and malformed requests
     answered INVALID_ARGUMENT (add_servicer)."""
     from common.wire import security
@@ -96,7 +97,7 @@ def serve(config, servicer, service, api_key: str | None, max_receive_bytes: int
         config.host,
         config.port,
         [service.full_name],
-        interceptors=security.interceptors(api_key),
+        interceptors=security.interceptors(api_key, signed),
         credentials=security.server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_ca_file),
         max_receive_bytes=max_receive_bytes,
     )
