@@ -21,7 +21,8 @@ the folder's `build.lock` (the kernel drops it when its holder dies; another liv
 for at most BUILD_WAIT_S). torch's own lock file (`lock`), which a build killed by SIGTERM leaves and
 every later start would wait on forever, found while we hold the flock means an interrupted build:
 its outputs are cleared and it builds again, with a log line. The folders are 0700, and the library's
-sha256 is recorded once built (`<name>.so.sha256`): a library that does not match it, or has none, is
+sha256 is recorded after each load under the lock (`<name>.so.sha256`: what torch built, or found up
+to date, for these sources): a library that does not match it at the next start, or has none, is
 cleared and built again before anything loads it.
 """
 
@@ -171,8 +172,8 @@ def build_extension() -> None:
             is_python_module=False,
             verbose=False,
         )
+        _record(folder)  # what torch built or found for these sources (ninja rebuilds on a changed build file)
         if fresh:
-            _record(folder)
             log.info("CPU fused ops: built in %.1f s", time.perf_counter() - start)
 
 
