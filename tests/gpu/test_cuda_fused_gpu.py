@@ -7,8 +7,6 @@ these ops too."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch.nn import functional as F
@@ -19,19 +17,10 @@ from common.models import cuda_fused, cuda_gemv
 from common.models.decoder import RMSNorm
 from common.models.rope import RotaryEmbedding, apply_rotary
 from tests.decode_harness import Pair
+from tests.gpu.sync_check import no_sync
 from tests.oracle import hf_greedy
 
 pytestmark = pytest.mark.gpu
-
-
-@contextlib.contextmanager
-def no_sync():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def _same_rounding(got: torch.Tensor, want: torch.Tensor, name: str, scale: torch.Tensor | None = None) -> None:
@@ -130,6 +119,15 @@ def test_tune_times_each_shape_on_the_gpu():
     print("tuned 4096x4096 bf16:", plan)
 
 
+def _serve_hf_greedy(pair: Pair, path: str, prompts: list[list[int]], new: int = 16) -> None:
+    """Every prompt through the pair at once: HF's greedy tokens, token for token."""
+    for i, p in enumerate(prompts):
+        pair.submit(str(i), p, SamplingParams(max_new_tokens=new, ignore_eos=True))
+    pair.wait([str(i) for i in range(len(prompts))])
+    for i, p in enumerate(prompts):
+        assert pair.out.tokens[str(i)] == hf_greedy(path, p, new), f"prompt {i}"
+
+
 @pytest.mark.parametrize("variant", ["qwen3-moe", "deepseek-v3", "deepseek-v3-nolora"])
 def test_moe_and_mla_decode_replays_cuda_graphs_and_matches_hf_greedy(checkpoint, variant):
     """Captured (a host sync inside would fail the capture), replayed, token-exact."""
@@ -137,11 +135,7 @@ def test_moe_and_mla_decode_replays_cuda_graphs_and_matches_hf_greedy(checkpoint
     prompts = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80)), list(range(100, 160))]
     pair = Pair(path, device="cuda", dtype="float32", attention_backend="triton", cuda_graph=True)
     try:
-        for i, p in enumerate(prompts):
-            pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
-        pair.wait([str(i) for i in range(len(prompts))])
-        for i, p in enumerate(prompts):
-            assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
+        _serve_hf_greedy(pair, path, prompts)
         graphs = pair.worker.runner.decode_graphs
         assert graphs.graphs and sum(graphs.runs.values()) > 0
     finally:
@@ -156,11 +150,7 @@ def test_the_mtp_draft_steps_replay_cuda_graphs_and_match_hf_greedy(checkpoint):
     spec = SpecArgs("NEXTN", None, 3, 1, 4)
     pair = Pair(path, device="cuda", dtype="float32", spec=spec, attention_backend="triton", cuda_graph=True)
     try:
-        for i, p in enumerate(prompts):
-            pair.submit(str(i), p, SamplingParams(max_new_tokens=16, ignore_eos=True))
-        pair.wait([str(i) for i in range(len(prompts))])
-        for i, p in enumerate(prompts):
-            assert pair.out.tokens[str(i)] == hf_greedy(path, p, 16), f"prompt {i}"
+        _serve_hf_greedy(pair, path, prompts)
         draft = pair.worker.runner.draft
         assert draft.decode_graphs.graphs and sum(draft.decode_graphs.runs.values()) > 0
         assert draft.extend_graphs is None and pair.worker.runner.verify_graphs is None

@@ -6,8 +6,6 @@ Qwen3-MoE / DeepSeek-V3 models on the triton backend token-exact with HF."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -17,18 +15,9 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.models import moe, triton_moe
+from tests.gpu.sync_check import no_sync
 
 pytestmark = pytest.mark.gpu
-
-
-@contextlib.contextmanager
-def no_sync():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def _experts(tokens, k, experts, hidden, inter, seed, dtype):
