@@ -295,18 +295,12 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     all dense FusedLayers (the whole stack's decode step as one call), and its linear weights the gemv
     of their rowblock layout, or with None take them away; returns how many modules (norms, MLPs, the
     stack, the backend) got them."""
-    from common.models.decoder import MLP, RMSNorm
+    from common.models.decoder import give_fused_ops
     from common.models.packed_linear import linear_weights
 
     for weight in linear_weights(model):  # the rowblock layout's few-row steps (lm_head too)
         weight.gemv = None if ops is None else ops.gemv
-    n = 0
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, MLP)):
-            module.fused = ops
-            n += 1
-
-    layers = list(getattr(getattr(model, "model", None), "layers", ()))
+    n, layers = give_fused_ops(model, ops)
     if hasattr(model, "fused_layers"):  # a decoder whose every layer is dense: its decode step as one call
         whole = bool(layers) and all(fusable(layer) for layer in layers)
         if whole:  # decode_layers takes one epsilon and one attention shape for every layer

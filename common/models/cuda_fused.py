@@ -240,14 +240,9 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     """Give the model's RMSNorms and dense MLPs the ops, the triton backend (whose forwards then run
     rotary + KV write as one kernel from Attention.forward) and, where every layer is stackable, the
     decoder its FusedStack; with None take them away. Returns how many modules got them."""
-    from common.models.decoder import MLP, RMSNorm
+    from common.models.decoder import give_fused_ops
 
-    n = 0
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, MLP)):
-            module.fused = ops
-            n += 1
-    layers = list(getattr(getattr(model, "model", None), "layers", ()))
+    n, layers = give_fused_ops(model, ops)
     if hasattr(model, "fused_layers"):
         whole = bool(layers) and all(stackable(layer) for layer in layers)
         model.fused_layers = FusedStack(layers, ops) if whole and ops is not None else None

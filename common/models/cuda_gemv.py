@@ -124,9 +124,9 @@ def tune(*modules: nn.Module, timer: Callable[[Callable[[], object], str | None,
     that shape the plan; returns {shape: {bucket: (choice, us, cuBLAS us)}}. `timer(fn, choice, rows)`
     (tests pass their own) returns the time of `fn`, choice `choice` (None: cuBLAS) at `rows` rows."""
     groups: dict[tuple, list[GemvLinear]] = {}
-    for m in (m for root in modules for m in root.modules()):
-        if isinstance(m, GemvLinear) and m not in groups.get(m.shape(), ()):
-            groups.setdefault(m.shape(), []).append(m)
+    linears = {id(m): m for root in modules for m in root.modules() if isinstance(m, GemvLinear)}  # each once
+    for m in linears.values():
+        groups.setdefault(m.shape(), []).append(m)
     found = {}
     for shape, members in groups.items():
         w, b = members[0].weight, members[0].bias

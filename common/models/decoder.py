@@ -232,6 +232,17 @@ class DecoderLM(nn.Module):
         return logits.float()
 
 
+def give_fused_ops(model: nn.Module, ops) -> tuple[int, list[nn.Module]]:
+    """Every RMSNorm and MLP under `model` gets `ops` (a device's fused ops, or None to take them away):
+    (how many did, the decoder's layers, empty for a model without `model.layers`)."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, MLP)):
+            module.fused = ops
+            n += 1
+    return n, list(getattr(getattr(model, "model", None), "layers", ()))
+
+
 def split_fused(module: nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Parameter names of `module` in HF's layout: each fused qkv_proj / gate_up_proj parameter is
     named as its q/k/v (gate/up) parts, each a view of its rows of the fused tensor."""
