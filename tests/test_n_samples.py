@@ -256,7 +256,7 @@ def test_over_grpc_n_above_the_slots_is_refused_and_an_unforked_abort_ends_every
             target=lambda: responses.extend(pair.stub.Generate(_generate("queued", 3, True), timeout=20))
         )
         call.start()
-        deadline = time.time() + 10
+        deadline = time.time() + 10  # the call reaches the queue in milliseconds; 10 s for a busy 2-core host
         while not pair.decode.scheduler.waiting and time.time() < deadline:
             time.sleep(0.01)
         assert [r.rid for r in pair.decode.scheduler.waiting][:1] == [pair.decode._live["queued"]]
