@@ -46,6 +46,7 @@ from decode_service.admission import Admission, Rejected
 from decode_service.config import DecodeConfig
 from decode_service.grammar_state import compile_off_loop
 from decode_service.health import LIVENESS, Health
+from decode_service.hooks import DecodeHooks
 from decode_service.info_rpcs import InfoRpcs
 from decode_service.request_validation import InvalidRequest
 from decode_service.responses import Responder
@@ -56,10 +57,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["SglangScheduler"]
 
 
 class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
-    def __init__(self, config: DecodeConfig):
+    def __init__(self, config: DecodeConfig, hooks: DecodeHooks | None = None):
         self.config = config
         self._open_rids: set[str] = set()  # internal ids of every open Generate call (event loop only)
-        p = wiring.build(config, open_streams=lambda: self._open)
+        p = wiring.build(config, open_streams=lambda: self._open, hooks=hooks)
         self.tp_ranks, self.runner, self.metrics, self.kv_receiver = p.tp_ranks, p.runner, p.metrics, p.kv_receiver
         self.tracing, self.prefill, self.scheduler = p.tracing, p.prefill, p.scheduler
         self.model_config, self.served_model_name = p.runner.config, p.served_model_name

@@ -34,6 +34,7 @@ from common.engine.streams import StreamFailed
 from common.parallel.tp_group import TPGroup
 from common.parallel.tp_shard import kv_heads_of
 from decode_service.handoff_writes import write_kv_chunk, write_prebuilt
+from decode_service.hooks import DecodeHooks
 from decode_service.tp_messages import DecodeTPMessage, Forward, ReleaseRow, Stop, WriteKvChunk, WritePrebuilt
 from decode_service.worker import DecodeWorker
 from decode_service.worker_batch import BatchResult, WorkerBatch
@@ -83,8 +84,8 @@ def apply(worker: DecodeWorker, message: DecodeTPMessage) -> None:
 class TPDecodeWorker(DecodeWorker):
     """Rank 0's worker: the same seam, every stream item shared with the followers first."""
 
-    def __init__(self, runner, tp: TPGroup, debug: bool = False):
-        super().__init__(runner, debug)
+    def __init__(self, runner, tp: TPGroup, debug: bool = False, hooks: DecodeHooks | None = None):
+        super().__init__(runner, debug, hooks)
         self.tp = tp
 
     def _send(self, message: DecodeTPMessage) -> DecodeTPMessage:
@@ -133,8 +134,8 @@ class TPDecodeWorker(DecodeWorker):
         super().close()
 
 
-def follower_main(config, tp: TPGroup) -> None:
-    """A follower rank of the decode service (common/parallel/launch.py starts it)."""
+def follower_main(config, tp: TPGroup, hooks: DecodeHooks | None = None) -> None:
+    """A follower rank of the decode service (common/parallel/launch.py starts it; `hooks` as rank 0's)."""
     from common.engine.model_runner import ModelRunner
 
     runner = ModelRunner.for_service(config, tp)
@@ -142,7 +143,7 @@ def follower_main(config, tp: TPGroup) -> None:
 
     # mooncake or shm: this rank's pools registered (or shared), named in rank 0's destination
     receiver = make_receiver(runner, config, tp)
-    follow(DecodeWorker(runner, debug=config.debug_checks), tp)
+    follow(DecodeWorker(runner, debug=config.debug_checks, hooks=hooks), tp)
     del receiver  # kept registered until the follower stops
 
 

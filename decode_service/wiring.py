@@ -18,6 +18,7 @@ here serves yet: decode_service/server.py starts the scheduler, the health watch
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from common.wire import security
 from common.wire import servicer as servicer_module
 from common.wire.aio_server import AioServer
 from decode_service.config import DecodeConfig
+from decode_service.hooks import DecodeHooks
 from decode_service.inbox import Inbox
 from decode_service.info_rpcs import load_counts
 from decode_service.prefill_client import PrefillClient
@@ -52,11 +54,13 @@ class DecodeParts:
     scheduler: DecodeScheduler
 
 
-def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
-    """The parts of one decode replica; `open_streams` counts the front door's open Generate calls."""
+def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHooks | None = None) -> DecodeParts:
+    """The parts of one decode replica; `open_streams` counts the front door's open Generate calls;
+    `hooks`: a test's (decode_service/hooks.py), on every rank's worker."""
     kv_receivers.check(config)  # before the model loads: say at once what to install, or what cannot work
     check_settings(config)  # --tp-size > 1: the follower ranks (common/parallel/launch.py)
-    tp_ranks = TPRanks.start(config, follower_main, "decode") if config.tp_size > 1 else None
+    follower = functools.partial(follower_main, hooks=hooks) if hooks is not None else follower_main
+    tp_ranks = TPRanks.start(config, follower, "decode") if config.tp_size > 1 else None
     tp = tp_ranks.tp if tp_ranks else None
     runner = ModelRunner.for_service(config, tp)
     name = config.served_model_name or os.path.basename(os.path.abspath(config.model_path))
@@ -93,9 +97,9 @@ def build(config: DecodeConfig, open_streams: Callable[[], int]) -> DecodeParts:
         api_key=config.internal_api_key,
     )
     worker = (
-        TPDecodeWorker(runner, tp_ranks.tp, debug=config.debug_checks)
+        TPDecodeWorker(runner, tp_ranks.tp, debug=config.debug_checks, hooks=hooks)
         if tp_ranks
-        else DecodeWorker(runner, debug=config.debug_checks)
+        else DecodeWorker(runner, debug=config.debug_checks, hooks=hooks)
     )
     if tp_ranks:  # a rank gone: fail the stream, so calls end UNAVAILABLE and health says so
         tp_ranks.watch(worker.fail)

@@ -11,7 +11,8 @@ real scheduler with no model:
   - `write_kv_chunk`, `write_prebuilt`, `release_row`: stream work that lands a handoff or clears a
     released row, ordered after every forward that could still read those slots (invariant 7).
 On the stream, `forward(batch)` runs a plain decode step or an EAGLE step (draft, `propose`, verify);
-`propose` and `propose_tree` return the drafts unchanged here: tests subclass them to plant drafts.
+`propose` and `propose_tree` return the drafts unchanged unless a test passed hooks that plant drafts
+(decode_service/hooks.py).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from decode_service.eagle_tree_step import TreeDraft, draft_tree, verify_tree_st
 from decode_service.future_map import FutureMap
 from decode_service.grammar_state import GrammarMatchers
 from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
+from decode_service.hooks import DecodeHooks
 from decode_service.worker_batch import BatchResult, WorkerBatch, WorkerInfo
 
 
 class DecodeWorker:
-    def __init__(self, runner: ModelRunner, debug: bool = False):
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, debug: bool = False, hooks: DecodeHooks | None = None):
+        self.runner, self.hooks = runner, hooks
         cfg = runner.config
         spec = runner.draft.spec if runner.draft is not None else None
         self.info = WorkerInfo(
@@ -169,9 +171,17 @@ class DecodeWorker:
         return verify_chain_step(runner, fm, batch, chain, self.grammar)
 
     def propose(self, batch: WorkerBatch, chain: ChainDraft) -> ChainDraft:
-        """The chain drafts to verify (tests override this to plant drafts)."""
-        return chain
+        """The chain drafts to verify: the draft head's, or what the hooks plant."""
+        if self.hooks is None:
+            return chain
+        planted = self.hooks.propose(batch.lanes, batch.kv_committed_lens_cpu, chain.proposed)
+        return dataclasses.replace(chain, proposed=planted)
 
     def propose_tree(self, batch: WorkerBatch, tree: TreeDraft) -> TreeDraft:
-        """The tree to verify (tests override this to plant a path)."""
-        return tree
+        """The tree to verify: the draft head's, or the node tokens the hooks plant."""
+        if self.hooks is None:
+            return tree
+        planted = self.hooks.propose_tree(
+            batch.lanes, batch.kv_committed_lens_cpu, tree.node_tokens, tree.parent, tree.depth
+        )
+        return dataclasses.replace(tree, node_tokens=planted)

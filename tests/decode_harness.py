@@ -7,13 +7,12 @@ so a test can act at an exact stage of a request's life.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from common.engine.draft_runner import SpecArgs
 from common.engine.model_runner import ModelRunner, RunnerArgs
+from decode_service.hooks import DecodeHooks
 from decode_service.inbox import Inbox
 from decode_service.output import Finish, RequestOutput
 from decode_service.scheduler import DecodeScheduler
@@ -22,22 +21,28 @@ from prefill_service.inprocess import InProcessPrefill
 from prefill_service.worker import PrefillWorker
 
 
-@dataclass
-class Hooks:
-    """Test hooks of a HookedWorker (None: not called)."""
+class Hooks(DecodeHooks):
+    """Test hooks of a HookedWorker from plain callables (None: not called): the worker's planting hooks
+    (decode_service/hooks.py) and two seams of the step loop."""
 
-    before_forward: Callable[[int], object] | None = None  # on the stream, before step N's forward
-    after_launch: Callable[[int], object] | None = None  # on the scheduler thread, once step N is submitted
-    propose: Callable | None = None  # EAGLE chain: (lanes, committed lengths, drafts [B, S]) -> drafts to verify
-    propose_tree: Callable | None = None  # EAGLE tree: (lanes, committed lengths, tokens, parent, depth) -> tokens
+    def __init__(self, before_forward=None, after_launch=None, propose=None, propose_tree=None):
+        self.before_forward: Callable[[int], object] | None = before_forward  # on the stream, before step N's forward
+        self.after_launch: Callable[[int], object] | None = after_launch  # scheduler thread, once step N is submitted
+        self._chain: Callable | None = propose  # (lanes, committed lengths, drafts [B, S]) -> drafts to verify
+        self._tree: Callable | None = propose_tree  # (lanes, committed lengths, tokens, parent, depth) -> tokens
+
+    def propose(self, lanes, committed_lens, drafts):
+        return drafts if self._chain is None else self._chain(lanes, committed_lens, drafts)
+
+    def propose_tree(self, lanes, committed_lens, tokens, parent, depth):
+        return tokens if self._tree is None else self._tree(lanes, committed_lens, tokens, parent, depth)
 
 
 class HookedWorker(DecodeWorker):
-    """The real worker with test hooks at its seams (the mechanism itself knows no hooks)."""
+    """The real worker with the step loop's test seams; drafts are planted through its hooks."""
 
     def __init__(self, runner: ModelRunner, hooks: Hooks | None = None):
-        super().__init__(runner, debug=True)
-        self.hooks = hooks or Hooks()
+        super().__init__(runner, debug=True, hooks=hooks or Hooks())
 
     def run_batch(self, batch):
         result = super().run_batch(batch)
@@ -49,21 +54,6 @@ class HookedWorker(DecodeWorker):
         if self.hooks.before_forward:
             self.hooks.before_forward(batch.step)
         return super().forward(batch)
-
-    def propose(self, batch, chain):
-        if self.hooks.propose is None:
-            return chain
-        return dataclasses.replace(
-            chain, proposed=self.hooks.propose(batch.lanes, batch.kv_committed_lens_cpu, chain.proposed)
-        )
-
-    def propose_tree(self, batch, tree):
-        if self.hooks.propose_tree is None:
-            return tree
-        planted = self.hooks.propose_tree(
-            batch.lanes, batch.kv_committed_lens_cpu, tree.node_tokens, tree.parent, tree.depth
-        )
-        return dataclasses.replace(tree, node_tokens=planted)
 
 
 class Outputs:

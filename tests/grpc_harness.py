@@ -14,6 +14,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from common.kv_transfer import mooncake
 from decode_service.config import DecodeConfig
+from decode_service.hooks import DecodeHooks
 from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.hooks import PrefillHooks
@@ -71,7 +72,8 @@ SHM_DIR = _shm_dir()
 
 class GrpcPair:
     """`transfer`: the KV data plane of both services (--disaggregation-transfer-backend);
-    `prefill_hooks`: the prefill service's test hooks (prefill_service/hooks.py), e.g. Delays."""
+    `prefill_hooks`: the prefill service's test hooks (prefill_service/hooks.py), e.g. Delays;
+    `decode_hooks`: the decode service's (decode_service/hooks.py), e.g. drafts planted on every rank."""
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class GrpcPair:
         decode_kw: dict | None = None,
         transfer: str = "grpc",
         prefill_hooks: PrefillHooks | None = None,
+        decode_hooks: DecodeHooks | None = None,
     ):
         common = {"disaggregation_transfer_backend": transfer, "disaggregation_shm_dir": SHM_DIR}
         common["disaggregation_network_private"] = transfer == "mooncake"  # loopback: nothing else reaches it
@@ -96,7 +99,8 @@ class GrpcPair:
                 debug_checks=True,
                 disable_overlap_schedule=not overlap,
                 **decode_kw,
-            )
+            ),
+            hooks=decode_hooks,
         ).start()
         self.channel = grpc.insecure_channel(self.decode.address)
         self.stub = pb_grpc.SglangSchedulerStub(self.channel)

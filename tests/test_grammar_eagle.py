@@ -16,6 +16,7 @@ from common.engine.draft_runner import SpecArgs
 from common.tools.eagle_checkpoint import build as build_head
 from tests.decode_harness import Hooks, Pair
 from tests.oracle import hf_model
+from tests.planted_drafts import PlantChain, PlantTree
 from tests.test_grammar import CONSTRAINTS, PROMPTS, N, compiler, hf_constrained, params_of
 
 STEPS = 3
@@ -40,35 +41,9 @@ def _run(pair: Pair, **kw) -> dict:
     return pair.out.tokens
 
 
-def _planted_chain(refs: dict):
-    """Drafts from `refs[rid]` (rid -> the output to draft), as far as it reaches (then token 0)."""
-
-    def propose(lanes, seq_lens, drafts):
-        out = drafts.clone()
-        for lane, ((rid, prompt_len), n) in enumerate(zip(lanes, seq_lens)):
-            ref, pos = refs[rid], n - prompt_len  # output index of the pending bonus token
-            for k in range(drafts.shape[1]):
-                out[lane, k] = ref[pos + 1 + k] if pos + 1 + k < len(ref) else 0
-        return out
-
-    return propose
-
-
-def _planted_tree(refs: dict):
-    """The oracle's continuation on the path root -> last child -> ..., other nodes token 0."""
-
-    def propose(lanes, seq_lens, tokens, parent, depth):
-        out = torch.zeros_like(tokens)
-        out[:, 0] = tokens[:, 0]
-        for lane, ((rid, prompt_len), n) in enumerate(zip(lanes, seq_lens)):
-            ref, pos, node = refs[rid], n - prompt_len, 0
-            while kids := [i for i in range(1, tokens.shape[1]) if int(parent[lane, i]) == node]:
-                node = kids[-1]
-                d = pos + int(depth[lane, node])
-                out[lane, node] = ref[d] if d < len(ref) else 0
-        return out
-
-    return propose
+def _planted(refs: dict, topk: int) -> Hooks:
+    """In-process hooks planting `refs` (tests/planted_drafts.py) as a chain (topk 1) or a tree."""
+    return Hooks(propose=PlantChain(refs).propose) if topk == 1 else Hooks(propose_tree=PlantTree(refs).propose_tree)
 
 
 def _check(pair: Pair, want: dict) -> None:
@@ -84,8 +59,7 @@ def test_oracle_drafts_are_accepted_deep_into_each_run(setup, topk, overlap):
     """Every node on the planted path is the grammar's own greedy choice: all of them commit, so the
     masks at depth 1..S come from the state after the path's tokens (not node 0's)."""
     path, head, want = setup
-    hook = Hooks(propose=_planted_chain(want)) if topk == 1 else Hooks(propose_tree=_planted_tree(want))
-    pair = Pair(path, overlap=overlap, spec=_spec(head, topk), hooks=hook)
+    pair = Pair(path, overlap=overlap, spec=_spec(head, topk), hooks=_planted(want, topk))
     _run(pair)
     _check(pair, want)
     accepted, drafted = pair.scheduler.spec_stats
@@ -119,7 +93,7 @@ def test_drafts_the_grammar_refuses_are_never_accepted(setup, topk):
     plant = _unmasked_choices(path, want)
     refused = sum(p != w for rid, w in want.items() for p, w in zip(plant[rid], w))
     assert refused >= 5, "the oracle never departs from the unconstrained argmax: nothing to refuse"
-    hook = Hooks(propose=_planted_chain(plant)) if topk == 1 else Hooks(propose_tree=_planted_tree(plant))
+    hook = _planted(plant, topk)
     pair = Pair(path, overlap=True, spec=_spec(head, topk), hooks=hook)
     _run(pair)
     _check(pair, want)
@@ -140,7 +114,7 @@ def test_sampled_chains_stay_inside_the_grammar_and_repeat(setup):
     path, head, want = setup
     outs = []
     for overlap in (True, False):
-        pair = Pair(path, overlap=overlap, spec=_spec(head), hooks=Hooks(propose=_planted_chain(want)))
+        pair = Pair(path, overlap=overlap, spec=_spec(head), hooks=_planted(want, 1))
         outs.append(dict(_run(pair, temperature=1.0, seed=11)))
         pair.close()
     assert outs[0] == outs[1]
@@ -150,21 +124,34 @@ def test_sampled_chains_stay_inside_the_grammar_and_repeat(setup):
     assert any(outs[0][rid] != want[rid] for rid in want), "sampling gave the greedy output everywhere"
 
 
-def test_grammars_under_eagle_over_grpc_match_hf(setup):
-    """Prefill masks the first token and ships the draft seed; decode verifies masked drafts."""
+def spec_flags(head: str, topk: int) -> dict:
+    """The services' EAGLE flags for `_spec(head, topk)`."""
+    spec = _spec(head, topk)
+    return dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=head,
+        speculative_num_steps=spec.num_steps,
+        speculative_eagle_topk=spec.eagle_topk,
+        speculative_num_draft_tokens=spec.num_draft_tokens,
+    )
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_grammars_under_eagle_over_grpc_match_hf(setup, topk):
+    """Prefill masks the first token and ships the draft seed; decode verifies masked drafts planted from
+    the oracle (decode_service/hooks.py), so they are accepted deep into each run: a verify mask taken
+    from the wrong node's state would change the target there."""
     from tests.grpc_harness import GrpcPair
 
     path, head, want = setup
-    flags = dict(
-        speculative_algorithm="EAGLE",
-        speculative_draft_model_path=head,
-        speculative_num_steps=STEPS,
-        speculative_num_draft_tokens=STEPS + 1,
-    )
-    pair = GrpcPair(path, prefill_kw=flags, decode_kw=flags)
+    flags = spec_flags(head, topk)
+    plant = PlantChain(want) if topk == 1 else PlantTree(want)
+    pair = GrpcPair(path, prefill_kw=flags, decode_kw=flags, decode_hooks=plant)
     try:
         for i, (p, c) in enumerate(zip(PROMPTS, CONSTRAINTS)):
-            ids, complete = pair.collect(pair.generate(p, N, rid=f"g{i}", **{c[0]: c[1]}))
+            ids, complete = pair.collect(pair.generate(p, N, rid=str(i), **{c[0]: c[1]}))
             assert ids == want[str(i)], c[0]
+        accepted, drafted = pair.decode.scheduler.spec_stats
+        assert accepted >= 0.5 * drafted, (accepted, drafted)
     finally:
         pair.close()

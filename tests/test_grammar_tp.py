@@ -10,7 +10,9 @@ import pytest
 
 from common.tools.eagle_checkpoint import build as build_head
 from tests.grpc_harness import GrpcPair
+from tests.planted_drafts import PlantChain
 from tests.test_grammar import CONSTRAINTS, PROMPTS, N, hf_constrained
+from tests.test_grammar_eagle import spec_flags
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def want(checkpoint):
 
 def _check(pair: GrpcPair, want: list) -> None:
     for i, (p, (field, text)) in enumerate(zip(PROMPTS, CONSTRAINTS)):
-        ids, complete = pair.collect(pair.generate(p, N, rid=f"g{i}", **{field: text}))
+        ids, complete = pair.collect(pair.generate(p, N, rid=str(i), **{field: text}))
         assert ids == want[i], field
         assert complete.finish_reason == ("stop" if want[i][-1] in (2, 4) or len(want[i]) < N else "length"), field
 
@@ -42,15 +44,21 @@ def test_grammars_over_tp_2_pairs_match_hf(want):
 
 
 def test_grammars_under_eagle_over_a_tp_2_decode_match_hf(want, tmp_path):
+    """Every rank drafts, masks and verifies alike: drafts planted from the oracle on every rank
+    (decode_service/hooks.py, through the spawn pipe) are accepted deep into each run, so a follower
+    that masked from the wrong state (or not at all) would feed its shard another token."""
     path, expected = want
-    spec = dict(
-        speculative_algorithm="EAGLE",
-        speculative_draft_model_path=build_head(path, "EAGLE", str(tmp_path)),
-        speculative_num_steps=3,
-        speculative_num_draft_tokens=4,
+    spec = spec_flags(build_head(path, "EAGLE", str(tmp_path)), 1)
+    plant = PlantChain({str(i): w for i, w in enumerate(expected)})
+    pair = GrpcPair(
+        path,
+        prefill_kw=dict(linear_layout="mkl", **spec),
+        decode_kw=dict(tp_size=2, **spec),
+        decode_hooks=plant,
     )
-    pair = GrpcPair(path, prefill_kw=dict(linear_layout="mkl", **spec), decode_kw=dict(tp_size=2, **spec))
     try:
         _check(pair, expected)
+        accepted, drafted = pair.decode.scheduler.spec_stats
+        assert accepted >= 0.5 * drafted, (accepted, drafted)
     finally:
         pair.close()
