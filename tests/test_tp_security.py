@@ -226,3 +226,26 @@ def test_the_key_reaches_the_followers_off_the_command_line_and_environment():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def _store_after_forming(tp: TPGroup):
+    """(whether a new connection to the store is refused, a collective, the store over the ranks' own
+    connections) on a formed group."""
+    try:
+        socket.create_connection(("127.0.0.1", tp.store.inner.port), timeout=10).close()
+        refused = False
+    except ConnectionRefusedError:
+        refused = True
+    x = torch.full((2,), float(tp.rank + 1))
+    tp.all_reduce(x)
+    tp.store.set(f"late/{tp.rank}", b"ok")
+    tp.store.wait([f"late/{1 - tp.rank}"])
+    return refused, x.tolist(), tp.store.get(f"late/{1 - tp.rank}")
+
+
+def test_the_store_takes_no_new_connection_once_the_group_formed():
+    """A stranger reaching the TP port after the group formed is refused at connect (it can neither read
+    the store nor fill rank 0's memory); the ranks' collectives and their own store connections work."""
+    for rank, (refused, summed, late) in enumerate(run_ranks(_store_after_forming, 2)):
+        assert refused, f"rank {rank}: the store still takes connections"
+        assert summed == [3.0, 3.0] and late == b"ok", rank

@@ -18,14 +18,18 @@ connections, or send a message that runs code in the service. So:
    follower writes it back under its rank's name (tagged: proof of the key, not replayable from an
    earlier launch), rank 0 checks every proof and publishes its verdict (tagged: the followers check
    rank 0 too). A wrong key fails every rank with PermissionError instead of a hang.
-5. `seal` / `unseal`: every object message is tagged over a label (message number, sender,
+5. `stop_listening(held)`, once the groups formed (or failed to): the store's listening socket stops
+   taking connections. Every rank connected before the store's constructor returned (it waits for all
+   of them), and the store keeps serving those connections; nobody new can reach it, so a stranger
+   can neither read it nor fill rank 0's memory for the rest of the service's life.
+6. `seal` / `unseal`: every object message is tagged over a label (message number, sender,
    receiver) and its bytes; a forged, altered, replayed or misdelivered message is refused.
-6. The messages hold tensors and plain data only, never pickles (common/parallel/tp_codec.py).
+7. The messages hold tensors and plain data only, never pickles (common/parallel/tp_codec.py).
 
 Not covered: the gloo (and NCCL) data connections have no authentication of their own (they are
 made from the authenticated rendezvous and bound to the group's host); whoever reaches the store
-can read its values (never the key) and spoil them, which stops the group forming (a denial of
-service, not a takeover). Keep the TP port on loopback, or on a private network.
+while the group forms can read its values (never the key) and spoil them, which stops the group
+forming (a denial of service, not a takeover). Keep the TP port on loopback, or on a private network.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen for the TP group on {host}:{port}: {e} (choose another --tp-port, or 0)") from e
     return sock
+
+
+def stop_listening(held: socket.socket) -> None:
+    """No new connection to the store once the group formed (module docstring, 5): `held` is a
+    duplicate of the listening socket the store took over; shutting it down stops the socket itself
+    (connections made before stay, and the store keeps serving them), then the duplicate is closed."""
+    try:
+        held.shutdown(socket.SHUT_RDWR)
+    except OSError:  # the store already closed it (it failed to start)
+        pass
+    held.close()
 
 
 def tag(key: bytes, label: str, data) -> bytes:

@@ -4,7 +4,8 @@ rank-0-leads protocol need.
 1. `TPGroup.init(rank, size, "tcp://HOST:PORT", device, key=...)`: rank 0 hosts a TCPStore there
    (listening on HOST only); every rank proves the launch's key, then joins a gloo group bound to HOST
    (a rank on another node: its own address) for control messages and the tensors on CPU, and on
-   CUDA an NCCL group (tensors). What the key guards, and how: common/parallel/tp_auth.py.
+   CUDA an NCCL group (tensors, met over the store at once); then the store takes no new connection.
+   What the key guards, and how: common/parallel/tp_auth.py.
    The groups are the service's own objects, not torch.distributed's process-wide default: two
    services in one process (tests) each keep their own. `TPGroup.single()` is TP 1: every collective
    is the identity.
@@ -76,6 +77,7 @@ class TPGroup:
         itself); the group owns it from this call on, and closes it on failure. `bind_host`: where this
         rank's gloo listens (default HOST: a rank of another node passes its own address);
         `local_rank`: its device index on this host (default `rank`: every rank on one host)."""
+        held = None
         try:
             if not 0 <= rank < size:
                 raise ValueError(f"--tp-rank must be in [0, {size}), got {rank}")
@@ -88,15 +90,23 @@ class TPGroup:
             if rank == 0:
                 listener = listener or tp_auth.listen(host, port)
                 port = listener.getsockname()[1]
+                held = socket.socket(fileno=os.dup(listener.fileno()))  # to stop listening once formed
                 # from here the store owns the socket: it closes it, also when it fails to start
-                raw = dist.TCPStore(
-                    host, port, size, True, timeout, master_listen_fd=listener.detach(), use_libuv=False
-                )
+                raw = dist.TCPStore(host, port, size, True, timeout, master_listen_fd=listener.detach())
             else:
                 raw = dist.TCPStore(host, port, size, False, timeout)
         finally:
             if listener is not None:
                 listener.close()  # a no-op once detached
+        try:
+            return cls._form(rank, size, host, timeout, key, raw, device, bind_host, local_rank)
+        finally:
+            if held is not None:  # formed or failed: nobody else may connect (tp_auth.stop_listening)
+                tp_auth.stop_listening(held)
+
+    @classmethod
+    def _form(cls, rank, size, host, timeout, key, raw, device, bind_host, local_rank) -> TPGroup:
+        """Prove the key, then form the groups over the store's connections (every rank's made by now)."""
         secret = key.encode()
         store = tp_auth.AuthStore(raw, secret)
         tp_auth.join(store, rank, size)
@@ -113,6 +123,7 @@ class TPGroup:
             torch.cuda.set_device(index)  # one GPU per rank of this host
             dev = torch.device("cuda", index)
             group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
+            group.allreduce([torch.zeros(1, device=dev)]).wait()  # NCCL meets over the store now, not lazily later
         return cls(rank, size, cpu, group, dev, store, secret)
 
     @property
