@@ -11,7 +11,7 @@ omp_spin.set_default("decode")  # before anything below imports torch (and so lo
 
 from common.engine import shared_memory
 from common.parallel import launch
-from common.wire.grpc_server import wait_for_shutdown_signal
+from common.wire.grpc_server import LoadInterrupted, ShutdownSignal
 from decode_service.config import parse_args
 from decode_service.server import DecodeService
 from decode_service.tp_worker import follower_main
@@ -19,11 +19,19 @@ from decode_service.tp_worker import follower_main
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode %(levelname)s %(message)s")
+    stop = ShutdownSignal()  # before anything loads: a signal while loading ends the start cleanly
     config = parse_args(argv)
     launch.exit_if_refused(config, "decode")  # bad TP or node flags: said before anything loads
-    if config.node_rank > 0:  # another node of a group across hosts: follower ranks only, no server
-        raise SystemExit(launch.run_node(config, follower_main, "decode"))
-    service = DecodeService(config).start()
+    try:
+        if config.node_rank > 0:  # another node of a group across hosts: follower ranks only, no server
+            raise SystemExit(launch.run_node(config, follower_main, "decode"))
+        logging.info("decode service loading %s", config.model_path)
+        service = DecodeService(config).start()
+    except LoadInterrupted as e:
+        logging.info("%s while loading: stopped", e)
+        shared_memory.release_all()
+        logging.shutdown()
+        os._exit(0)  # threads the start made (prefill channels, TP followers' pipes) end with the process
     logging.info(
         "decode service serving %s as %r on %s (prefill: %s)",
         config.model_path,
@@ -31,7 +39,7 @@ def main(argv=None) -> None:
         service.address,
         ",".join(config.prefill_addrs),
     )
-    wait_for_shutdown_signal()
+    stop.wait()
     logging.info("decode service stopping")
     service.shutdown(config.shutdown_grace_s)
     shared_memory.release_all()  # the shm handoff's pool files: os._exit below runs no exit handlers

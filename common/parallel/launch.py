@@ -151,6 +151,9 @@ def run_node(config, follower, name: str) -> int:
         _rank_main(follower, config, ranks[0], init, name, key, bind, 0)
     except SystemExit as e:
         code = e.code or 1
+    except BaseException:  # a signal (common/wire/grpc_server.py LoadInterrupted): the ranks here go too
+        code = 1
+        raise
     finally:
         for p in procs:
             p.join(timeout=30 if code == 0 else 5)

@@ -51,9 +51,28 @@ SERVER_OPTIONS = [
 ]
 
 
-def wait_for_shutdown_signal() -> None:
-    """Block until SIGINT or SIGTERM (the CLIs' main thread)."""
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+class LoadInterrupted(BaseException):
+    """SIGINT or SIGTERM while the service loads (a BaseException: no `except Exception` swallows it)."""
+
+
+class ShutdownSignal:
+    """SIGINT and SIGTERM from the CLI's first line on (a restart or `docker stop` can come at any time).
+    While the service loads, a signal raises LoadInterrupted in the main thread, so the start unwinds and
+    the CLI releases what it made (shm pool files, TP followers) and exits 0, instead of dying by the
+    signal; once `wait()` is called (serving), a signal only ends the wait, for a graceful shutdown."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._serving = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._done.set()
+        if not self._serving:
+            raise LoadInterrupted(signal.Signals(signum).name)
+
+    def wait(self) -> None:
+        """Block until SIGINT or SIGTERM (at once if one came since loading ended)."""
+        self._serving = True
+        self._done.wait()
