@@ -5,8 +5,10 @@ A streaming call gets a chunk of the new ids whenever a record brings some, then
 non-streaming call gets only the Complete, with every id. With n > 1 every sample has its chunks and
 its Complete, tagged with its `index` (smg's contract), and the answer ends after the n-th Complete.
 A call with return_logprob gets each chunk's logprobs in the chunk and every id's in the Complete
-(`output_logprobs`); with prompt logprobs (logprob_start_len >= 0) each sample's first chunk and its
-Complete carry them too (`input_logprobs`, the same for every sample). A sample's finish ends its answer:
+(`output_logprobs`); with prompt logprobs (logprob_start_len >= 0) the first chunk and the Complete of
+sample 0 carry them too (`input_logprobs`): once per call, as they are the same for every sample (with
+n = 32 and a long prompt, a copy per sample would multiply the call's bytes by 32). A sample's finish
+ends its answer:
   - "stop" / "length" / "abort": the Complete (reason, matched stop, cached prompt tokens, EAGLE's
     accepted and proposed drafts);
   - "abort" while the service drains: UNAVAILABLE (the call was cut short by the shutdown);
@@ -70,8 +72,9 @@ class Responder:
             s.ids.extend(tokens)
             if s.logprobs is not None:
                 s.logprobs.extend(out.logprobs or ())
-            if out.prompt_logprobs is not None:
-                s.prompt = out.prompt_logprobs
+            prompt_logprobs = out.prompt_logprobs if out.index == 0 else None  # once per call
+            if prompt_logprobs is not None:
+                s.prompt = prompt_logprobs
             if reason is not None:
                 m.count_finish(reason, len(ids) if out.index == 0 else 0, started, s.first_at, len(s.ids))
                 if s.ids and self.tracing.enabled:
@@ -89,8 +92,8 @@ class Responder:
                 )
                 if out.logprobs is not None:
                     chunk.output_logprobs.CopyFrom(output_logprobs(tokens, out.logprobs, request))
-                if out.prompt_logprobs is not None:
-                    chunk.input_logprobs.CopyFrom(input_logprobs(ids, out.prompt_logprobs, request))
+                if prompt_logprobs is not None:
+                    chunk.input_logprobs.CopyFrom(input_logprobs(ids, prompt_logprobs, request))
                 yield pb.GenerateResponse(request_id=request.request_id, chunk=chunk)
             if finish is not None:
                 complete = self._complete(finish, ids, s.ids)

@@ -197,3 +197,30 @@ def test_prompt_logprobs_too_large_for_one_record_are_refused():
     validate_prompt(prompt, SamplingParams(max_new_tokens=1, logprob_start_len=2, **wide), 100, 1 << 20)
     with pytest.raises(InvalidRequest, match="raise logprob_start_len"):
         validate_prompt(prompt, SamplingParams(max_new_tokens=1, logprob_start_len=0, **wide), 100, 1 << 20)
+
+
+def test_n_samples_carry_the_prompt_logprobs_once(checkpoint):
+    """With n > 1 the prompt logprobs (the same for every sample) travel once per call: in sample 0's
+    first chunk and Complete, equal to an n = 1 call's; the other samples' messages carry none."""
+    path = checkpoint("llama")
+    pair = GrpcPair(path)
+    ref = hf_prompt(path, SHORT)
+    try:
+        for stream in (True, False):
+            request = _request(f"n{stream}", SHORT, 2, stream, 2)
+            request.sampling_params.n = 3
+            request.sampling_params.temperature = 1.0
+            chunks, completes = {}, {}
+            for r in pair.stub.Generate(request):
+                if r.HasField("chunk"):
+                    chunks.setdefault(r.chunk.index, []).append(r.chunk)
+                else:
+                    completes[r.complete.index] = r.complete
+            assert sorted(completes) == [0, 1, 2]
+            _check_input(completes[0].input_logprobs, SHORT, 2, 2, ref)
+            assert not any(completes[i].HasField("input_logprobs") for i in (1, 2))
+            if stream:
+                assert chunks[0][0].input_logprobs == completes[0].input_logprobs
+                assert not any(c.HasField("input_logprobs") for i in (0, 1, 2) for c in chunks[i][int(i == 0) :])
+    finally:
+        pair.close()
