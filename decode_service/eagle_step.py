@@ -1,4 +1,4 @@
-"""One EAGLE chain step, run as work on the forward stream (DESIGN section 7).
+"""One EAGLE chain step, run as work on the forward stream (docs/speculative.md).
 
 For a batch with committed lengths n (host copy known to the schedule side: resolved from the last
 step's publish, or the handoff for a prebuilt request) and, per request, a pending bonus token b

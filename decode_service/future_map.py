@@ -1,6 +1,7 @@
 """FutureMap: device buffers that relay values from forward N to step N+1 without a host sync.
 
-Invariants (../shared/DESIGN.md section 6), each with a test in tests/test_future_map.py:
+Invariants (docs/architecture.md, "The FutureMap and its invariants"), each with a test in
+tests/test_future_map.py:
 1. Every buffer has req_pool_size + 1 rows and is indexed by req_pool_idx; the future indices of
    a batch *are* its req_pool_indices (no ring counter).
 2. `stash` writes forward-only values (next tokens; EAGLE's draft seed), read only by the next

@@ -1,4 +1,4 @@
-"""One test per FutureMap / ScheduleBatch invariant (../shared/DESIGN.md section 6)."""
+"""One test per FutureMap / ScheduleBatch invariant (docs/architecture.md, "The FutureMap and its invariants")."""
 
 from __future__ import annotations
 

@@ -147,3 +147,19 @@ def test_the_decode_scheduler_imports_nothing_that_runs_a_model():
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", f"the scheduler pulls in model code: {proc.stdout}"
+
+
+def test_no_file_cites_a_document_outside_the_repository():
+    """What the code relies on is written in docs/ (a newcomer can read it there): no tracked file
+    points at a design document kept beside the repository."""
+    outside = re.compile("|".join([r"\.\./" + "shared", "DESIGN" + r"(\.md| section| ?§| \d)"]))
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    cited = []
+    for name in files:
+        try:
+            with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        cited += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in outside.finditer(text)]
+    assert not cited, cited

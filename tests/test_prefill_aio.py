@@ -129,7 +129,7 @@ def test_a_dead_scheduler_answers_every_call_and_reports_not_serving(checkpoint)
 
 
 def test_the_first_token_is_sent_before_the_kv_is_copied_out(checkpoint):
-    """DESIGN section 2 step 4: the first token goes out as soon as it is sampled; the KV copy-out
+    """docs/architecture.md section 2, step 6: the first token goes out as soon as it is sampled; the KV copy-out
     (and with EAGLE the draft extend) follows. It used to wait for the whole copy-out."""
     service = PrefillService(PrefillConfig(checkpoint("qwen2"), port=0)).start()
     copying, latch, copy_out = threading.Event(), threading.Event(), service.worker._copy_out

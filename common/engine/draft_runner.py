@@ -2,7 +2,7 @@
 target ModelRunner, with its own one-layer KV pool.
 
 The draft pool shares slot indices (and the ReqToTokenPool) with the target: the slots reserved for a
-request hold its target KV and its draft KV at the same indices (DESIGN section 5). The head embeds
+request hold its target KV and its draft KV at the same indices (docs/architecture.md, section 3). The head embeds
 with the target's embedding table; EAGLE's logits come from the target's lm_head (or the rows of a
 token map), EAGLE3's from its own lm_head over its draft vocabulary. An MTP layer drafts as EAGLE does
 (the target's embedding and lm_head); with MLA its pool holds the latent, as the target's.

@@ -18,8 +18,8 @@ process (prefill and decode in one process share it). `--constrained-json-disabl
 whitespace between JSON tokens; both services must take the same value (prefill masks the first
 token with its compiler, decode the rest with its own).
 
-The mask (DESIGN 7b): after penalties and logit_bias, before temperature and filters, for the
-constrained rows only: a bitmask per row filled from its `xgr.GrammarMatcher`
+The mask (docs/architecture.md, "The order of logits processing"): after penalties and logit_bias,
+before temperature and filters, for the constrained rows only: a bitmask per row filled from its `xgr.GrammarMatcher`
 (`fill_next_token_bitmask`), applied with `xgr.apply_token_bitmask_inplace` (`apply_bitmask`). The
 matcher's stop tokens are the model's EOS ids: a grammar ends only by accepting one of them, and it
 allows one only where the grammar may end.

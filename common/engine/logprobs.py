@@ -1,6 +1,7 @@
 """Output logprobs: the log-softmax of the target's raw logits (before penalties, bias, masks and
-temperature: vLLM's default, DESIGN 7b) for each output token, with the top `top_logprobs_num`
-(<= MAX_TOP_LOGPROBS) candidates and the logprobs of the request's `token_ids_logprob`.
+temperature: vLLM's default; docs/architecture.md, "The order of logits processing") for each output
+token, with the top `top_logprobs_num` (<= MAX_TOP_LOGPROBS) candidates and the logprobs of the
+request's `token_ids_logprob`.
 
 Computed on the device only for the rows that ask (`LogprobRows`, built once per batch membership),
 in the step that samples the tokens; the values go to the host with the step's tokens, behind the

@@ -1,4 +1,5 @@
-"""Penalties and logit bias, on the device, in DESIGN 7b's order (before temperature and filters):
+"""Penalties and logit bias, on the device, in the order of docs/architecture.md ("The order of logits
+processing": before temperature and filters):
 
   1. repetition (HF's RepetitionPenaltyLogitsProcessor): every id seen in the prompt or the output
      so far has its logit divided by the penalty when positive, multiplied when negative;

@@ -9,7 +9,7 @@ One interface, two implementations:
   `HostEvent` is a thread-safe flag. So overlap is real on CPU, and the scheduler code is the
   same on both.
 
-The event contract, the same on both (DESIGN section 6, invariant 3):
+The event contract, the same on both (docs/architecture.md, FutureMap invariant 3):
 - `set_here()` is called *inside* stream work: the event is reached when the stream gets there.
   On CUDA that records the event on the stream while the host launches the work, so the record
   always happens before `submit` returns; on CPU the flag was created unset (armed) by

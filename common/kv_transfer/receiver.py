@@ -15,8 +15,8 @@ receiver has:
     receiver.rank_destination(heads)
         this rank's part of a tensor-parallel destination (it holds KV `heads`).
 
-The decode side reads a request's slots only after its record, i.e. after every notice (DESIGN
-section 3). With tensor parallelism every rank makes its receiver at the same point and
+The decode side reads a request's slots only after its record, i.e. after every notice
+(docs/architecture.md, section 5). With tensor parallelism every rank makes its receiver at the same point and
 `join_ranks` gathers the ranks' parts and keys into rank 0's. Chunks that arrive as bytes are
 checked and written by decode_service whatever the backend (grpc_bytes.py says why).
 """
