@@ -101,9 +101,11 @@ def default_max_new_tokens(prompt_len: int, default: int, context_length: int) -
 
 
 def finish_reason(params: SamplingParams, output: list[int], eos_ids: tuple[int, ...]) -> str | None:
-    """Why a request stops after its newest output token ("stop" or "length"), or None to go on."""
+    """Why a request stops after its newest output token ("stop" or "length"), or None to go on. Under a
+    grammar an EOS is a stop even with ignore_eos: the mask allows one only where the grammar may end.
+    (Stop strings, matched in text, are the decode scheduler's: decode_service/stop_strings.py.)"""
     token = output[-1]
-    if not params.ignore_eos and token in eos_ids:
+    if token in eos_ids and (not params.ignore_eos or params.constraint is not None):
         return "stop"
     if token in params.stop_token_ids:
         return "stop"

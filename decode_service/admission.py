@@ -39,8 +39,8 @@ class Admission:
                 self.runner.config.vocab_size,
                 self.runner.context_length,
                 self.config.default_max_new_tokens,
-                kv_room=self.scheduler.kv_room,
-                spec_extra=self.scheduler.spec.extra_slots if self.scheduler.spec else 0,
+                kv_room=self.scheduler.books.room,
+                spec_extra=self.scheduler.books.extra,
             )
         except InvalidRequest as e:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e

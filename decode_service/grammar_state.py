@@ -30,7 +30,7 @@ import torch
 from common.engine import grammar
 from common.engine.host_copy import to_device, to_host
 from common.engine.streams import make_event
-from common.request_rules import InvalidRequest, Overloaded, finish_reason
+from common.request_rules import InvalidRequest, Overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -180,15 +180,6 @@ def check_outputs(req, outputs: list[int], firsts=()) -> None:
         if not matcher.accept_token(int(token)):
             raise grammar.GrammarError(f"first token {token} is not allowed by the request's {constraint[0]}")
         matcher.rollback(1)
-
-
-def finish_reason_of(req, eos_token_ids) -> str | None:
-    """common/request_rules.finish_reason, and "stop" where a constrained request's grammar accepted
-    its end: its last output is an EOS (which the mask allows only where the grammar may end),
-    ignore_eos or not."""
-    if req.params.constraint is not None and req.output_ids and req.output_ids[-1] in eos_token_ids:
-        return "stop"
-    return finish_reason(req.params, req.output_ids, eos_token_ids)
 
 
 async def compile_off_loop(worker, params) -> None:

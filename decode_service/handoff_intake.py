@@ -1,4 +1,5 @@
-"""HandoffIntake: how the decode scheduler takes in what a prefill peer sends (a mixin of DecodeScheduler).
+"""HandoffIntake: how the decode scheduler takes in what a prefill peer sends (an object it holds; the
+scheduler hands it every prefill reply from its inbox, `take(msg)`).
 
 A prefill peer is trusted with nothing but its own request. Each reply is checked where it enters:
 the first token is an id of the vocabulary; a KV chunk fits the pools and the reservation
@@ -33,18 +34,28 @@ def bad_reply(rid: str, e: Exception) -> str:
 
 
 class HandoffIntake:
-    """Reads and writes the scheduler's `reqs` (the request table), `prebuilt`, `worker`, `info`,
-    `spec`, `abort_waits_for_prefill` and its `_finish`, `_release`, `_emit`, `_finish_reason`."""
+    def __init__(self, reqs: dict, worker, abort_waits_for_prefill: bool, ends):
+        """`reqs`: the scheduler's request table; `worker`: lands KV chunks (its `info` bounds what is
+        checked); `abort_waits_for_prefill`: a transfer engine may write reserved slots until the prefill's
+        last word; `ends`: the scheduler, whose `finish`, `release`, `emit`, `finish_reason` end requests
+        and whose `queue_prebuilt` takes a request whose handoff is in."""
+        self.reqs, self.worker, self.ends = reqs, worker, ends
+        self.info, self.spec = worker.info, worker.info.spec
+        self.abort_waits_for_prefill = abort_waits_for_prefill
+        self._handlers = {
+            FirstTokenArrived: self._on_first_token,
+            KvChunkArrived: self._on_kv_chunk,
+            HandoffArrived: self._on_handoff,
+            HandoffFailed: self._on_handoff_failed,
+        }
 
-    def _awaiting(self, rid: str):
-        """The request `rid` if it awaits its handoff (None once it moved on, or was freed)."""
-        req = self.reqs.get(rid)
-        return req if req is not None and req.state == ReqState.AWAITING_HANDOFF else None
+    def takes(self, msg) -> bool:
+        return type(msg) in self._handlers
 
-    def _apply_reply(self, handler, msg) -> None:
-        """Run `handler(msg)` for a prefill reply; a failure is the request's, not the scheduler's."""
+    def take(self, msg) -> None:
+        """Apply one prefill reply; a failure is the request's, not the scheduler's."""
         try:
-            handler(msg)
+            self._handlers[type(msg)](msg)
         except (InvariantError, StreamFailed):
             raise  # our own books or the device broke: that is the scheduler's
         except Exception as e:
@@ -52,13 +63,18 @@ class HandoffIntake:
                 msg.done()  # open the sender's window (a no-op if the stream already did)
             self._fail_reply(msg.rid, bad_reply(msg.rid, e), isinstance(msg, (HandoffArrived, HandoffFailed)))
 
+    def _awaiting(self, rid: str):
+        """The request `rid` if it awaits its handoff (None once it moved on, or was freed)."""
+        req = self.reqs.get(rid)
+        return req if req is not None and req.state == ReqState.AWAITING_HANDOFF else None
+
     def _on_first_token(self, msg: FirstTokenArrived) -> None:
         req = self._awaiting(msg.rid)
         if req is None or req.finished or msg.position != len(req.output_ids):
             return  # gone (or aborted), or a retry's resend of a token already streamed
         if req.params.n > 1:
             return  # the record brings every sample's first token (sample_group.py)
-        if req.output_ids and self._finish_reason(req) is not None:
+        if req.output_ids and self.ends.finish_reason(req) is not None:
             return  # never stream a token past a finish
         check_token(msg.rid, "first token", msg.token, self.info.vocab_size)  # ValueError: _fail_reply
         check_outputs(req, req.output_ids, [msg.token])  # before it is streamed
@@ -66,7 +82,7 @@ class HandoffIntake:
         if req.params.return_logprob:  # its logprobs come with the record (first_token.py)
             req.held_first = True
             return
-        self._emit(req, [msg.token], None)
+        self.ends.emit(req, [msg.token], None)
 
     def _on_kv_chunk(self, msg: KvChunkArrived) -> None:
         req = self._awaiting(msg.rid)
@@ -83,7 +99,7 @@ class HandoffIntake:
         if req is None:
             return  # aborted or failed meanwhile: its reservation is already freed
         if req.finished:  # aborted while its KV was being written: now nothing writes there any more
-            self._release(req)
+            self.ends.release(req)
             return
         # a ValueError here (a malformed record) is this request's: _fail_reply frees it
         handoff.check_record(self.info.vocab_size)
@@ -95,15 +111,14 @@ class HandoffIntake:
         resent = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :]  # the grammar accepts them all
         check_outputs(req, resent, [handoff.first_token, *handoff.more_first_tokens])
         req.handoff = handoff
-        req.state = ReqState.PREBUILT
-        self.prebuilt.append(req)
+        self.ends.queue_prebuilt(req)
 
     def _on_handoff_failed(self, msg: HandoffFailed) -> None:
         req = self._awaiting(msg.rid)
         if req is not None and req.finished:  # aborted earlier; its prefill has ended now
-            self._release(req)
+            self.ends.release(req)
         elif req is not None:
-            self._finish(req, "error", msg.error)
+            self.ends.finish(req, "error", msg.error)
 
     def _fail_reply(self, rid: str, detail: str, last_word: bool) -> None:
         """A prefill reply for `rid` was bad: the request ends with an error, once. Its slots are freed
@@ -114,9 +129,9 @@ class HandoffIntake:
             return  # gone meanwhile: already freed
         if last_word or not self.abort_waits_for_prefill:
             if req.finished:
-                self._release(req)
+                self.ends.release(req)
             else:
-                self._finish(req, "error", detail)
+                self.ends.finish(req, "error", detail)
         elif not req.finished:  # the client hears it now; _on_handoff(_failed) releases it later
             req.finish_reason, req.error = "error", detail
-            self._emit(req, [], "error")
+            self.ends.emit(req, [], "error")

@@ -1,4 +1,5 @@
-"""SampleGroups: n > 1 (OpenAI's n), one prompt and n samples that share its KV (a mixin of DecodeScheduler).
+"""SampleGroups: n > 1 (OpenAI's n), one prompt and n samples that share its KV (an object the decode
+scheduler holds; the slots' side of a group, reserve and free, is slot_books.py's).
 
 Life of an n > 1 request, beside the scheduler's steps (scheduler.py):
   1. admission reserves, all or nothing: the prompt's KV slots once (the group's, read-only once
@@ -19,9 +20,9 @@ Life of an n > 1 request, beside the scheduler's steps (scheduler.py):
      sample's own head KV, and its FutureMap row its own draft seed (handoff_writes.write_fork_last).
      From then on each sample is a request of its own (rid `<rid>/<i>`, `index` i) in the running batch;
   4. release frees a sample's own slots (its kv_slots past `shared_len`) and request slot once; the
-     last sample of the group to go frees the shared ones. An abort names the request: every sample
-     still live ends with it. A request freed before it forked (abort, failed handoff) frees the
-     reservations of samples 1..n-1, and they hear its end (`_emit_unforked`): all n answers come.
+     last sample of the group to go frees the shared ones (SlotBooks.free). An abort names the request:
+     every sample still live ends with it. A request freed before it forked (abort, failed handoff)
+     frees the reservations of samples 1..n-1, and they hear its end (`end_unforked`): all n answers come.
 So sample i of an n > 1 request decodes exactly as an n = 1 request with seed sample_seed(seed, i),
 with or without EAGLE.
 """
@@ -30,58 +31,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 
 from common.engine.sampling import sample_seed
 from decode_service.output import Finish, RequestOutput
 from decode_service.req import DecodeReq, ReqState
+from decode_service.slot_books import SlotBooks
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SampleGroup:
-    rid: str  # the request's (sample 0's)
-    prompt_len: int
-    prompt_slots: torch.Tensor  # the prompt's KV slots (sample 0's first prompt_len kv_slots)
-    reserved: list[tuple[int, torch.Tensor]]  # (request slot, own KV slots) of samples 1..n-1 until they fork
-    samples: list[DecodeReq] = field(default_factory=list)  # every sample made so far, sample 0 first
-    holders: int = 0  # samples (reserved or live) that still hold the shared slots
-    shared_len: int = 0  # leading prompt slots every sample reads (EAGLE: all but the last, each sample's own)
-
-
 class SampleGroups:
-    """The slot books of every request (reserve, free, holders), and the samples of n > 1 ones. Reads
-    and writes the scheduler's `reqs`, `sample_groups` (rid -> SampleGroup, until the group's last
-    sample is freed), `worker`, `spec` and `_extra`; calls its `_abort`."""
+    def __init__(self, books: SlotBooks, worker, reqs: dict, eagle: bool, abort: Callable[[DecodeReq], None]):
+        """`books`: the scheduler's slot books (their `groups`); `worker`: writes the forks' rows; `reqs`: the
+        scheduler's request table, where forks are entered; `abort(req)`: the scheduler's abort of one request."""
+        self.books, self.worker, self.reqs, self.eagle, self._abort = books, worker, reqs, eagle, abort
 
-    def _reserve(self, req: DecodeReq) -> bool:
-        """Admission: reserve `req`'s request slot and KV (prompt + max_new_tokens + EAGLE's draft window
-        past it), with n > 1 everything its n samples need; or nothing (False)."""
-        pool, kv = self.worker.req_to_token_pool, self.worker.kv_allocator
-        n, max_new = req.params.n, req.params.max_new_tokens
-        if n == 1:
-            need = req.reserve_len + self._extra
-            if pool.allocator.num_free == 0 or not kv.can_alloc(need):
-                return False
-            req.req_pool_idx, req.kv_slots = pool.alloc(), kv.alloc(need)
-            return True
-        last = 1 if self.spec else 0  # EAGLE: samples 1..n-1's own slot at the last prompt position
-        own = max_new + self._extra
-        if pool.allocator.num_free < n or not kv.can_alloc(req.prompt_len + n * own + (n - 1) * last):
-            return False
-        prompt = kv.alloc(req.prompt_len)
-        reserved = [(pool.alloc(), kv.alloc(last + own)) for _ in range(n - 1)]
-        req.req_pool_idx = pool.alloc()
-        req.kv_slots = torch.cat([prompt, kv.alloc(own)])
-        shared = req.prompt_len - last
-        req.group = SampleGroup(req.rid, req.prompt_len, prompt, reserved, [req], holders=n, shared_len=shared)
-        self.sample_groups[req.rid] = req.group
-        return True
-
-    def _fork_samples(self, req: DecodeReq, handoff) -> list[tuple[DecodeReq, object]]:
+    def fork(self, req: DecodeReq, handoff) -> list[tuple[DecodeReq, object]]:
         """Samples 1..n-1 of `req` (sample 0, just written from `handoff`) with their own Handoffs, each
         row mapped and seeded by the worker; they hold the reservations made at admission."""
         group = req.group
@@ -99,7 +67,7 @@ class SampleGroups:
             mine = dataclasses.replace(
                 handoff, rid=fork.rid, seed=seed, first_token=token, first_logprobs=lp, k=None, v=None
             )
-            if self.spec:
+            if self.eagle:
                 mine = _own_draft(mine, handoff, i - 1, int(group.prompt_slots[-1]))
             self.worker.write_prebuilt(idx, fork.kv_slots, mine)  # the prompt's KV is written already
             self.reqs[fork.rid] = fork
@@ -108,9 +76,9 @@ class SampleGroups:
         group.reserved = []
         return forks
 
-    def _abort_samples(self, rid: str) -> bool:
+    def abort(self, rid: str) -> bool:
         """An abort of an n > 1 request that has forked: every live sample ends. False if `rid` is not one."""
-        group = self.sample_groups.get(rid)
+        group = self.books.groups.get(rid)
         if group is None or group.reserved:  # not forked: sample 0's abort frees the reservations
             return False
         for sample in group.samples:
@@ -118,57 +86,20 @@ class SampleGroups:
                 self._abort(sample)
         return True
 
-    def _emit_unforked(self, req: DecodeReq, reason: str) -> None:
-        """n > 1 ended before its samples forked (queued, in prefill, a failed handoff): samples 1..n-1
-        never ran, and each hears the same end, so the caller's n answers are all there."""
-        forked = req.group is not None and not req.group.reserved  # a group forms at admission, forks at handoff
-        if req.params.n == 1 or forked or req.index != 0 or req.on_output is None:
-            return
-        finish = Finish.of(req, reason)
-        for i in range(1, req.params.n):
-            try:
-                req.on_output(RequestOutput(f"{req.rid}/{i}", [], finish, None, i))
-            except Exception:  # a broken consumer: as in _emit, nothing more for it
-                logger.exception("output callback of %s failed", req.rid)
-                return
 
-    def _free_slots(self, req: DecodeReq) -> None:
-        """Free `req`'s request slot and KV slots once (with a group: its own, and the prompt's with the
-        group's last holder; before the fork also the reservations of samples 1..n-1)."""
-        kv, pool = self.worker.kv_allocator, self.worker.req_to_token_pool
-        group = req.group
-        own = req.kv_slots if group is None else req.kv_slots[group.shared_len :]
-        kv.free(own)
-        pool.free(req.req_pool_idx)
-        self.worker.release_row(req.req_pool_idx)
-        if group is None:
+def end_unforked(req: DecodeReq, reason: str) -> None:
+    """n > 1 ended before its samples forked (queued, in prefill, a failed handoff): samples 1..n-1
+    never ran, and each hears the same end, so the caller's n answers are all there."""
+    forked = req.group is not None and not req.group.reserved  # a group forms at admission, forks at handoff
+    if req.params.n == 1 or forked or req.index != 0 or req.on_output is None:
+        return
+    finish = Finish.of(req, reason)
+    for i in range(1, req.params.n):
+        try:
+            req.on_output(RequestOutput(f"{req.rid}/{i}", [], finish, None, i))
+        except Exception:  # a broken consumer: as in the scheduler's emit, nothing more for it
+            logger.exception("output callback of %s failed", req.rid)
             return
-        group.holders -= 1 + len(group.reserved)
-        for idx, slots in group.reserved:  # never forked: nothing of theirs reached the device
-            kv.free(slots)
-            pool.free(idx)
-        group.reserved = []
-        if group.holders == 0:
-            kv.free(group.prompt_slots[: group.shared_len])
-            del self.sample_groups[group.rid]
-
-    def _slot_holders(self) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """(KV slot holders, request slot holders) of the live requests: each slot named exactly once."""
-        kv_holders, pool_holders, groups = [], [], {}
-        for r in self.reqs.values():
-            if r.kv_slots is None:
-                continue
-            pool_holders.append([r.req_pool_idx])
-            if r.group is None:
-                kv_holders.append(r.kv_slots)
-                continue
-            kv_holders.append(r.kv_slots[r.group.shared_len :])
-            groups[id(r.group)] = r.group
-        for g in groups.values():
-            kv_holders.append(g.prompt_slots[: g.shared_len])
-            kv_holders.extend(slots for _, slots in g.reserved)
-            pool_holders.extend([idx] for idx, _ in g.reserved)
-        return kv_holders, pool_holders
 
 
 def _own_draft(mine, handoff, row: int, last_slot: int):

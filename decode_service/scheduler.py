@@ -28,7 +28,7 @@ Life of a request (queues named as in the code):
      tokens per request and kv_committed_lens are not bumped: the next build resolves them from the
      step's publish (`worker.resolve_kv_committed_lens_cpu`, FutureMap invariant 3).
   6. release: free KV slots and the request slot exactly once (with n > 1 the prompt's slots go with
-     the last of its samples: sample_group.py). Every device write the scheduler
+     the last of its samples: slot_books.py). Every device write the scheduler
      asks for (KV, req_to_token, FutureMap) is worker stream work, so slot reuse is ordered after
      in-flight reads (invariant 7).
   7. abort(): waiting, awaiting its handoff, prebuilt or running; finish_reason "abort".
@@ -50,22 +50,23 @@ from collections.abc import Callable
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
+from common.request_rules import finish_reason
 from decode_service.first_token import first_outputs
-from decode_service.grammar_state import finish_reason_of
 from decode_service.handoff_intake import HandoffIntake, bad_reply
-from decode_service.inbox import Abort, FirstTokenArrived, HandoffArrived, HandoffFailed, Inbox, KvChunkArrived, Submit
+from decode_service.inbox import Abort, Inbox, Submit
 from decode_service.output import Finish, OutputCallback, RequestOutput
 from decode_service.req import DecodeReq, ReqState
-from decode_service.sample_group import SampleGroups
+from decode_service.sample_group import SampleGroups, end_unforked
 from decode_service.schedule_batch import ScheduleBatch
 from decode_service.scheduler_types import InvariantError, LaunchedStep, SpecStats
+from decode_service.slot_books import SlotBooks
 from decode_service.stop_strings import StopStrings
 from decode_service.submit_checks import check_submit
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler(HandoffIntake, SampleGroups):
+class DecodeScheduler:
     def __init__(
         self,
         worker,
@@ -92,7 +93,6 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         self.stop_strings = StopStrings(tokenizer_path) if tokenizer_path else None  # `stop` needs the tokenizer
         self.info = worker.info
         self.spec = worker.info.spec
-        self._extra = self.spec.extra_slots if self.spec else 0  # KV a request may write past its reservation
         self.spec_stats = SpecStats()
         # The one table of requests, by rid, from Submit to release; where each stands is its `state`.
         # Beside it only what carries order: `waiting` (admission, first come first served), `prebuilt` (in
@@ -100,19 +100,15 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         self.reqs: dict[str, DecodeReq] = {}
         self.waiting: deque[DecodeReq] = deque()
         self.prebuilt: list[DecodeReq] = []
-        self.sample_groups = {}  # n > 1: rid -> SampleGroup (sample_group.py)
+        # Its parts (each file says its job): the slot books (reserve, free, holders; n > 1's shared prompt
+        # slots), the intake of prefill replies, the samples of n > 1 requests.
+        self.books = SlotBooks(worker, self.spec.extra_slots if self.spec else 0, eagle=self.spec is not None)
+        self.intake = HandoffIntake(self.reqs, worker, abort_waits_for_prefill, ends=self)
+        self.samples = SampleGroups(self.books, worker, self.reqs, self.spec is not None, self._abort)
         self.running_batch = ScheduleBatch.empty(self.info.device)
         self.last_launched: LaunchedStep | None = None
         self.step_count = 0
         self.fatal_error: Exception | None = None
-        self._handlers = {
-            Submit: self._on_submit,
-            Abort: self._on_abort,
-            FirstTokenArrived: self._on_first_token,
-            KvChunkArrived: self._on_kv_chunk,
-            HandoffArrived: self._on_handoff,
-            HandoffFailed: self._on_handoff_failed,
-        }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._step_lock = threading.RLock()  # other threads observe state only between steps
@@ -130,11 +126,6 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
         grammar = check_submit(self, prompt_ids, params)  # InvalidRequest: nothing queued (submit_checks.py)
         req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace, grammar=grammar)
         self.inbox.post(Submit(req))
-
-    @property
-    def kv_room(self) -> int:
-        """The most prompt + max_new_tokens one request can reserve: the pool less EAGLE's draft window."""
-        return self.worker.kv_allocator.size - self._extra
 
     def abort(self, rid: str) -> None:
         self.inbox.post(Abort(rid))
@@ -157,7 +148,7 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
                 for req in [r for r in self.reqs.values() if not r.finished]:
                     self._abort(req)
                 for req in self.reqs_in(ReqState.AWAITING_HANDOFF):  # aborted, its slots still held
-                    self._release(req)
+                    self.release(req)
         self.worker.close()
 
     def _loop(self) -> None:
@@ -175,7 +166,7 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
             for req in list(self.reqs.values()):
                 req.finish_reason = "error"
                 req.error = f"scheduler failed: {e!r}"
-                self._emit(req, [], "error")
+                self.emit(req, [], "error")
 
     @property
     def alive(self) -> bool:
@@ -220,20 +211,21 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
     def process_input_requests(self) -> None:
         """Apply every inbox message, in the order posted."""
         for msg in self.inbox.drain():
-            handler = self._handlers.get(type(msg))
-            if handler is None:
+            if isinstance(msg, Submit):
+                self._on_submit(msg)
+            elif isinstance(msg, Abort):
+                self._on_abort(msg)
+            elif self.intake.takes(msg):  # a prefill reply: whatever goes wrong with it fails its request alone
+                self.intake.take(msg)
+            else:
                 raise InvariantError(f"unknown inbox message {msg!r}")
-            if isinstance(msg, (Submit, Abort)):
-                handler(msg)
-            else:  # a prefill reply: whatever goes wrong with it fails its request alone
-                self._apply_reply(handler, msg)
 
     def pop_preallocated(self) -> None:
         """Admission, in order: reserve a request slot and KV for each waiting request that fits,
         then start its prefill; the first that does not fit waits, and everyone behind it."""
         while self.waiting:
             req = self.waiting[0]
-            if not self._reserve(req):  # n > 1: the prompt's slots once, each sample's own (sample_group.py)
+            if not self.books.reserve(req):  # n > 1: the prompt's slots once, each sample's own (slot_books.py)
                 return
             self.waiting.popleft()
             if self.metrics is not None:
@@ -257,22 +249,22 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
             except (InvariantError, StreamFailed):
                 raise
             except Exception as e:  # that request's error: nothing of it was submitted
-                self._finish(req, "error", bad_reply(req.rid, e))
+                self.finish(req, "error", bad_reply(req.rid, e))
                 continue
             req.cached_tokens = handoff.cached_tokens  # the front door reports it with the finish
             landed.append((req, handoff))
             if req.group is not None:  # n > 1: samples 1..n-1 fork from it (sample_group.py)
-                landed.extend(self._fork_samples(req, handoff))
+                landed.extend(self.samples.fork(req, handoff))
         for req, handoff in landed:
-            new, logprobs, prompt_logprobs = first_outputs(req, handoff, self._finish_reason)
-            reason = self._finish_reason(req)
-            self._emit(req, new, reason, logprobs, prompt_logprobs)
+            new, logprobs, prompt_logprobs = first_outputs(req, handoff, self.finish_reason)
+            reason = self.finish_reason(req)
+            self.emit(req, new, reason, logprobs, prompt_logprobs)
             if reason is None:
                 req.state = ReqState.RUNNING
                 live.append(req)
                 committed.append(handoff.prompt_len)
             else:
-                self._finish(req, reason, emit=False)
+                self.finish(req, reason, emit=False)
         return ScheduleBatch.prebuilt(live, committed, self.info.device)
 
     def run_batch(self, batch: ScheduleBatch) -> LaunchedStep:
@@ -306,12 +298,12 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
                 new.append(token)
                 if logprobs is not None:
                     logprobs.append(lp.at(lp_row[lane], j, req.params))
-                reason = self._finish_reason(req)
+                reason = self.finish_reason(req)
                 if reason is not None:
                     break  # tokens past a finish are dropped
-            self._emit(req, new, reason, logprobs)
+            self.emit(req, new, reason, logprobs)
             if reason is not None:
-                self._finish(req, reason, emit=False)
+                self.finish(req, reason, emit=False)
 
     def _count_drafts(self, req: DecodeReq, accepted: int) -> None:
         req.spec_accepted += accepted
@@ -322,17 +314,22 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
     # ---- inbox handlers -----------------------------------------------------------------------------
     def _on_submit(self, msg: Submit) -> None:
         if msg.req.rid in self.reqs:
-            self._emit(msg.req, [], "abort")  # duplicate id: refuse without touching the first
+            self.emit(msg.req, [], "abort")  # duplicate id: refuse without touching the first
             return
         self.reqs[msg.req.rid] = msg.req
         self.waiting.append(msg.req)
 
     def _on_abort(self, msg: Abort) -> None:
-        if self._abort_samples(msg.rid):  # n > 1, forked: every live sample
+        if self.samples.abort(msg.rid):  # n > 1, forked: every live sample
             return
         req = self.reqs.get(msg.rid)
         if req is not None and not req.finished:
             self._abort(req)
+
+    def queue_prebuilt(self, req: DecodeReq) -> None:
+        """`req`'s handoff is in and checked (handoff_intake.py): the next prebuilt batch lands it."""
+        req.state = ReqState.PREBUILT
+        self.prebuilt.append(req)
 
     # ---- finishing ----------------------------------------------------------------------------------
     def _abort(self, req: DecodeReq) -> None:
@@ -340,38 +337,38 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
             self.waiting.remove(req)
         elif req.state == ReqState.AWAITING_HANDOFF and self.abort_waits_for_prefill:
             req.finish_reason = "abort"  # the client hears it now; the slots wait for the prefill's end
-            self._emit(req, [], "abort")
+            self.emit(req, [], "abort")
             return
         elif req.state == ReqState.PREBUILT:
             self.prebuilt.remove(req)
             req.handoff = None
-        self._finish(req, "abort")
+        self.finish(req, "abort")
 
-    def _finish_reason(self, req: DecodeReq) -> str | None:
-        reason = finish_reason_of(req, self.info.eos_token_ids)  # a grammar's end too (grammar_state.py)
+    def finish_reason(self, req: DecodeReq) -> str | None:
+        reason = finish_reason(req.params, req.output_ids, self.info.eos_token_ids)  # a grammar's end too
         if req.params.stop_strings and reason in (None, "length"):  # a stop string outranks the length
             req.matched_stop_str = self.stop_strings.match(req)
             reason = "stop" if req.matched_stop_str is not None else reason
         return reason
 
-    def _finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
+    def finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
         req.finish_reason = reason
         req.error = detail  # travels in the Finish
         if emit:
-            self._emit(req, [], reason)
-        self._release(req)
+            self.emit(req, [], reason)
+        self.release(req)
 
-    def _release(self, req: DecodeReq) -> None:
+    def release(self, req: DecodeReq) -> None:
         if req.state == ReqState.RELEASED:
             raise InvariantError(f"request {req.rid} released twice")
         if req.kv_slots is not None:
-            self._free_slots(req)  # with n > 1 the prompt's slots go with the group's last sample
+            self.books.free(req)  # with n > 1 the prompt's slots go with the group's last sample
             req.kv_slots = None
             req.req_pool_idx = 0
         req.state = ReqState.RELEASED
         self.reqs.pop(req.rid, None)
 
-    def _emit(self, req: DecodeReq, tokens: list[int], reason: str | None, logprobs=None, prompt_lp=None) -> None:
+    def emit(self, req: DecodeReq, tokens: list[int], reason: str | None, logprobs=None, prompt_lp=None) -> None:
         """Hand `req`'s consumer a RequestOutput: `tokens` gained now (with their logprobs when it asked),
         and a Finish when `reason` is set."""
         if req.on_output is None:
@@ -380,7 +377,7 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
             finish = Finish.of(req, reason) if reason else None
             req.on_output(RequestOutput(req.rid, tokens, finish, logprobs, req.index, prompt_lp))
             if finish is not None:  # n > 1 ended before its samples forked: theirs end with it
-                self._emit_unforked(req, reason)
+                end_unforked(req, reason)
         except Exception:  # a broken consumer must not take the scheduler down: drop the request
             logger.exception("output callback of %s failed; aborting it", req.rid)
             req.on_output = None
@@ -395,6 +392,6 @@ class DecodeScheduler(HandoffIntake, SampleGroups):
             for queue, state in ((self.waiting, ReqState.WAITING), (self.prebuilt, ReqState.PREBUILT)):
                 if sorted(r.rid for r in queue) != sorted(r.rid for r in self.reqs_in(state)):
                     raise InvariantError(f"the {state.value} queue disagrees with the request table")
-            kv_holders, pool_holders = self._slot_holders()
+            kv_holders, pool_holders = self.books.holders(self.reqs.values())
             self.worker.kv_allocator.check_integrity(holders=kv_holders)
             self.worker.req_to_token_pool.allocator.check_integrity(holders=pool_holders)

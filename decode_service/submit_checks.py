@@ -2,7 +2,7 @@
 
 The prompt and its budget (common/request_rules.py): in the vocabulary, prompt + max_new_tokens within
 the context, and prompt + n x max_new_tokens (+ EAGLE's draft window per sample, and with n > 1 one
-slot per sample past the first for its own last prompt position: sample_group.py) within the KV pool;
+slot per sample past the first for its own last prompt position: slot_books.py) within the KV pool;
 then what this scheduler cannot serve: n above its request slots (never admitted, it would hold back
 everyone behind it), stop strings without a tokenizer, temperature > 0 with an
 EAGLE tree; and a grammar, compiled here (grammar_state.check_request). n > 1 is served with EAGLE
@@ -27,8 +27,9 @@ def check_submit(scheduler, prompt_ids: list[int], params: SamplingParams):
             f"{slots}): its samples could never run at once"
         )
     room = scheduler.worker.kv_allocator.size
-    check_fits_pool(len(prompt_ids), params.max_new_tokens, room, scheduler._extra)
-    extra, last = scheduler._extra, (params.n - 1 if spec else 0)  # EAGLE: samples 1..n-1's own last position
+    extra = scheduler.books.extra
+    check_fits_pool(len(prompt_ids), params.max_new_tokens, room, extra)
+    last = params.n - 1 if spec else 0  # EAGLE: samples 1..n-1's own last position
     if len(prompt_ids) + params.n * (params.max_new_tokens + extra) + last > room:  # the prompt's slots once
         drafts = f" (+ {extra} draft slots per sample, + {last} for the samples' own last prompt position)"
         raise InvalidRequest(

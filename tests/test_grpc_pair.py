@@ -89,8 +89,8 @@ def test_default_max_new_tokens_is_clamped_to_the_context(checkpoint):
 def test_cancelled_and_aborted_requests_free_their_slots(checkpoint):
     pair = GrpcPair(checkpoint("qwen3"), prefill_kw=dict(max_chunk_bytes=512), prefill_hooks=Delays(kv_message_s=0.01))
     sched, reasons = pair.decode.scheduler, {}
-    finish = sched._finish
-    sched._finish = lambda req, reason, *a, **k: (
+    finish = sched.finish
+    sched.finish = lambda req, reason, *a, **k: (
         reasons.__setitem__(req.rid.split("#")[0], reason),
         finish(req, reason, *a, **k),
     )

@@ -148,7 +148,7 @@ def test_an_abort_ends_every_sample_and_frees_each_slot_once(checkpoint, stage):
     pair.prefill()  # a held prefill's late handoff finds the request gone
     pair.run_until_idle()
     assert [pair.out.reasons.get(r) for r in _rids("a", 3)] == ["abort"] * 3  # forked or not: every answer ends
-    assert not pair.scheduler.sample_groups
+    assert not pair.scheduler.books.groups
     pair.close()  # integrity: every slot back exactly once
 
 
@@ -225,14 +225,16 @@ def test_submit_refuses_what_n_samples_cannot_serve():
 
     info = SimpleNamespace(vocab_size=100, context_length=512)
     pool = SimpleNamespace(kv_allocator=SimpleNamespace(size=64), req_to_token_pool=SimpleNamespace(size=4))
-    plain = SimpleNamespace(info=info, spec=None, worker=pool, _extra=0, stop_strings=None)
+    plain = SimpleNamespace(info=info, spec=None, worker=pool, books=SimpleNamespace(extra=0), stop_strings=None)
     check_submit(plain, PROMPT, SamplingParams(max_new_tokens=19, n=3))  # 7 + 3 x 19 = 64 slots: fits
     check_submit(plain, PROMPT, SamplingParams(max_new_tokens=2, n=4))  # 4 request slots: fits
     with pytest.raises(InvalidRequest, match=r"n \(5\) exceeds the 4 request slots .*--max-running-requests 4"):
         check_submit(plain, PROMPT, SamplingParams(max_new_tokens=2, n=5))  # could never be admitted
     with pytest.raises(InvalidRequest, match=r"n \(3\) x max_new_tokens \(20\)"):
         check_submit(plain, PROMPT, SamplingParams(max_new_tokens=20, n=3))
-    eagle = SimpleNamespace(info=info, spec=SimpleNamespace(eagle_topk=1), worker=pool, _extra=4, stop_strings=None)
+    eagle = SimpleNamespace(
+        info=info, spec=SimpleNamespace(eagle_topk=1), worker=pool, books=SimpleNamespace(extra=4), stop_strings=None
+    )
     check_submit(eagle, PROMPT, SamplingParams(max_new_tokens=14, n=3))  # 7 + 3 x (14 + 4) + 2 = 63: fits
     with pytest.raises(InvalidRequest, match="own last prompt position"):  # EAGLE: samples 1..2's own last slot
         check_submit(eagle, PROMPT, SamplingParams(max_new_tokens=15, n=3))  # 7 + 3 x (15 + 4) + 2 = 66

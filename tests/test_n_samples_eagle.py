@@ -145,7 +145,7 @@ def test_an_abort_frees_each_samples_own_last_slot_once(checkpoint, fitted_head,
     assert pair.out.reasons["a"] == "abort"
     if stage == "decode":
         assert [pair.out.reasons[r] for r in _rids("a")] == ["abort"] * N
-    assert not pair.scheduler.sample_groups
+    assert not pair.scheduler.books.groups
     pair.close()  # integrity: every slot back exactly once
 
 
@@ -213,7 +213,13 @@ def test_a_default_max_new_tokens_leaves_room_for_every_samples_drafts():
         SimpleNamespace(vocab_size=100, context_length=512),
         SimpleNamespace(kv_allocator=SimpleNamespace(size=size), req_to_token_pool=SimpleNamespace(size=8)),
     )
-    eagle = SimpleNamespace(info=info, spec=SimpleNamespace(eagle_topk=1), worker=pool, _extra=extra, stop_strings=None)
+    eagle = SimpleNamespace(
+        info=info,
+        spec=SimpleNamespace(eagle_topk=1),
+        worker=pool,
+        books=SimpleNamespace(extra=extra),
+        stop_strings=None,
+    )
     check_submit(eagle, prompt, params)  # admitted as it is
     _, plain = parse_generate(request, 100, 512, 1000, kv_room=size)
     assert plain.max_new_tokens == (size - 7) // N  # without EAGLE as before

@@ -331,4 +331,4 @@ def test_a_request_larger_than_the_pool_is_refused_at_submit_and_the_queue_moves
     d.submit("fits", prompt_len=10, max_new=54)  # exactly the room
     d.submit("small", prompt_len=5, max_new=4)
     d.run()
-    assert d.reasons == {"fits": "length", "small": "length"} and d.sched.kv_room == 64
+    assert d.reasons == {"fits": "length", "small": "length"} and d.sched.books.room == 64

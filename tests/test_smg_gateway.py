@@ -89,8 +89,8 @@ def gateway(checkpoint):
     path = checkpoint("llama")
     pair = GrpcPair(path, decode_kw=dict(served_model_name=MODEL, default_max_new_tokens=16))
     sched, reasons = pair.decode.scheduler, {}
-    finish = sched._finish
-    sched._finish = lambda req, reason, *a, **k: (reasons.__setitem__(req.rid, reason), finish(req, reason, *a, **k))
+    finish = sched.finish
+    sched.finish = lambda req, reason, *a, **k: (reasons.__setitem__(req.rid, reason), finish(req, reason, *a, **k))
     try:
         with smg_in_front_of(pair.decode.address, os.path.join(os.path.dirname(path), "smg.log")) as base:
             yield base, path, pair, reasons

@@ -1,0 +1,107 @@
+"""SlotBooks: which request slot and which KV slots each live decode request holds.
+
+One object owns the decode pools' bookkeeping for the scheduler (scheduler.py), which holds it:
+  1. `reserve(req)` at admission, all or nothing: a request slot and KV for prompt + max_new_tokens
+     (+ EAGLE's draft window, `extra`, which a step may write past the committed length);
+  2. `free(req)` at release, once: the KV slots and the request slot, and the row's guard cleared on
+     the worker's stream (ordered after every forward that can still read it: FutureMap invariant 7);
+  3. `holders(reqs)` for the integrity check: every used slot named by exactly one live holder.
+n > 1 is one policy of these books: the prompt's KV slots are reserved once for the n samples (a
+SampleGroup, `groups` by request id until its last sample is freed), each sample's own slots beside
+them; with EAGLE each sample past the first also holds its own slot for the last prompt position.
+The life of the samples themselves (fork, abort, unforked ends) is sample_group.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from decode_service.req import DecodeReq
+
+
+@dataclass
+class SampleGroup:
+    rid: str  # the request's (sample 0's)
+    prompt_len: int
+    prompt_slots: torch.Tensor  # the prompt's KV slots (sample 0's first prompt_len kv_slots)
+    reserved: list[tuple[int, torch.Tensor]]  # (request slot, own KV slots) of samples 1..n-1 until they fork
+    samples: list[DecodeReq] = field(default_factory=list)  # every sample made so far, sample 0 first
+    holders: int = 0  # samples (reserved or live) that still hold the shared slots
+    shared_len: int = 0  # leading prompt slots every sample reads (EAGLE: all but the last, each sample's own)
+
+
+class SlotBooks:
+    def __init__(self, worker, extra: int, eagle: bool):
+        """`worker`: its `req_to_token_pool`, `kv_allocator` and `release_row`; `extra`: the KV a step may
+        write past a request's reservation (EAGLE's draft window, else 0)."""
+        self.worker = worker
+        self.pool, self.kv = worker.req_to_token_pool, worker.kv_allocator
+        self.extra = extra
+        self.own_last = 1 if eagle else 0  # samples 1..n-1's own slot at the last prompt position
+        self.groups: dict[str, SampleGroup] = {}
+
+    @property
+    def room(self) -> int:
+        """The most prompt + max_new_tokens one request can reserve: the pool less the draft window."""
+        return self.kv.size - self.extra
+
+    def reserve(self, req: DecodeReq) -> bool:
+        """Reserve `req`'s request slot and KV, with n > 1 everything its n samples need; or nothing (False)."""
+        n, max_new = req.params.n, req.params.max_new_tokens
+        if n == 1:
+            need = req.reserve_len + self.extra
+            if self.pool.allocator.num_free == 0 or not self.kv.can_alloc(need):
+                return False
+            req.req_pool_idx, req.kv_slots = self.pool.alloc(), self.kv.alloc(need)
+            return True
+        last, own = self.own_last, max_new + self.extra
+        if self.pool.allocator.num_free < n or not self.kv.can_alloc(req.prompt_len + n * own + (n - 1) * last):
+            return False
+        prompt = self.kv.alloc(req.prompt_len)
+        reserved = [(self.pool.alloc(), self.kv.alloc(last + own)) for _ in range(n - 1)]
+        req.req_pool_idx = self.pool.alloc()
+        req.kv_slots = torch.cat([prompt, self.kv.alloc(own)])
+        shared = req.prompt_len - last
+        req.group = SampleGroup(req.rid, req.prompt_len, prompt, reserved, [req], holders=n, shared_len=shared)
+        self.groups[req.rid] = req.group
+        return True
+
+    def free(self, req: DecodeReq) -> None:
+        """Free `req`'s request slot and KV slots once (with a group: its own, and the prompt's with the
+        group's last holder; before the fork also the reservations of samples 1..n-1)."""
+        group = req.group
+        own = req.kv_slots if group is None else req.kv_slots[group.shared_len :]
+        self.kv.free(own)
+        self.pool.free(req.req_pool_idx)
+        self.worker.release_row(req.req_pool_idx)
+        if group is None:
+            return
+        group.holders -= 1 + len(group.reserved)
+        for idx, slots in group.reserved:  # never forked: nothing of theirs reached the device
+            self.kv.free(slots)
+            self.pool.free(idx)
+        group.reserved = []
+        if group.holders == 0:
+            self.kv.free(group.prompt_slots[: group.shared_len])
+            del self.groups[group.rid]
+
+    def holders(self, reqs: Iterable[DecodeReq]) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """(KV slot holders, request slot holders) of the live requests `reqs`: each slot named once."""
+        kv_holders, pool_holders, groups = [], [], {}
+        for r in reqs:
+            if r.kv_slots is None:
+                continue
+            pool_holders.append([r.req_pool_idx])
+            if r.group is None:
+                kv_holders.append(r.kv_slots)
+                continue
+            kv_holders.append(r.kv_slots[r.group.shared_len :])
+            groups[id(r.group)] = r.group
+        for g in groups.values():
+            kv_holders.append(g.prompt_slots[: g.shared_len])
+            kv_holders.extend(slots for _, slots in g.reserved)
+            pool_holders.extend([idx] for idx, _ in g.reserved)
+        return kv_holders, pool_holders
