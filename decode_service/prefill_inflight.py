@@ -1,8 +1,9 @@
 """The prefill client's requests in flight: one `InFlight` record per request, from the scheduler's call
 until its handoff is delivered or failed, and the progress watchdog over their attempts.
 
-A cancel that comes before the scheduler called the client (the front door aborted a request still
-waiting for its slots) is remembered (bounded) and applied when the call comes. Each attempt registers
+Only the scheduler cancels (it calls the client, then cancels what it called for: decode_service/
+scheduler.py), so a cancel never comes before its request began; one for a request whose run has
+ended does nothing. Each attempt registers
 its gRPC call (`attach`) so a cancel, the watchdog or close() can cancel it; once its first message
 is in, an attempt that sends nothing for `progress_timeout_s` is cancelled by the watchdog and marked
 stalled, so the retry can say why it broke.
@@ -13,8 +14,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-
-EARLY_CANCELS = 4096  # cancels remembered for requests the client has not been called for yet
 
 
 @dataclass
@@ -31,14 +30,11 @@ class InFlight:
 class InFlightCalls:
     def __init__(self):
         self._requests: dict[str, InFlight] = {}
-        self._early_cancel: dict[str, bool] = {}  # cancelled before begin (insertion-ordered)
         self._lock = threading.Lock()
 
     def begin(self, rid: str) -> None:
         with self._lock:
-            state = self._requests.setdefault(rid, InFlight())
-            if self._early_cancel.pop(rid, False):  # aborted before the scheduler called us
-                state.cancelled = True
+            self._requests.setdefault(rid, InFlight())
 
     def end(self, rid: str) -> None:
         with self._lock:
@@ -47,10 +43,7 @@ class InFlightCalls:
     def cancel(self, rid: str) -> None:
         with self._lock:
             state = self._requests.get(rid)
-            if state is None:  # the scheduler may still call us for it: remember (bounded)
-                self._early_cancel[rid] = True
-                while len(self._early_cancel) > EARLY_CANCELS:
-                    self._early_cancel.pop(next(iter(self._early_cancel)))
+            if state is None:  # its run has ended: nothing to cancel
                 return
             state.cancelled = True
             call = state.call

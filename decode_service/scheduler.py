@@ -31,7 +31,9 @@ Life of a request (queues named as in the code):
      the last of its samples: slot_books.py). Every device write the scheduler
      asks for (KV, req_to_token, FutureMap) is worker stream work, so slot reuse is ordered after
      in-flight reads (invariant 7).
-  7. abort(): waiting, awaiting its handoff, prebuilt or running; finish_reason "abort".
+  7. abort(): waiting, awaiting its handoff, prebuilt or running; finish_reason "abort". The scheduler
+     is the one door: the front door only calls abort(), and a request that ends while its prefill
+     call runs has that call cancelled here (`cancel_prefill`), never by anyone else.
 A request is `finished` once it has a finish_reason (the client has heard its end) and RELEASED once
 its slots are freed; with a transfer engine an aborted request may be finished yet still hold them.
 Results leave through each request's `on_output` as RequestOutput records (output.py): the new ids
@@ -77,14 +79,18 @@ class DecodeScheduler:
         metrics=None,
         abort_waits_for_prefill: bool = False,
         tokenizer_path: str | None = None,
+        cancel_prefill: Callable[[str], None] | None = None,
     ):
         """`worker`: a DecodeWorker (or a fake with its methods); `prefill_fn` starts a request's
         prefill once its slots are reserved; `inbox` is where the prefill side delivers (made here if
         not given); `metrics`: DecodeMetrics, or None in-process. With `abort_waits_for_prefill` (a
         transfer engine writes into reserved slots) an aborted request that awaits its handoff keeps
-        its reservation until the prefill side's last word on it (handoff or failure) arrives."""
+        its reservation until the prefill side's last word on it (handoff or failure) arrives.
+        `cancel_prefill(rid)`: ends the prefill call the scheduler started for `rid` (the PrefillClient's
+        cancel); the scheduler is the one door that ends a request, and it cancels only what it started."""
         self.worker = worker
         self.prefill_fn = prefill_fn
+        self.cancel_prefill = cancel_prefill
         self.inbox = inbox if inbox is not None else Inbox()
         self.overlap = overlap
         self.debug = debug
@@ -338,6 +344,7 @@ class DecodeScheduler:
         elif req.state == ReqState.AWAITING_HANDOFF and self.abort_waits_for_prefill:
             req.finish_reason = "abort"  # the client hears it now; the slots wait for the prefill's end
             self.emit(req, [], "abort")
+            self._end_prefill(req)
             return
         elif req.state == ReqState.PREBUILT:
             self.prebuilt.remove(req)
@@ -356,7 +363,14 @@ class DecodeScheduler:
         req.error = detail  # travels in the Finish
         if emit:
             self.emit(req, [], reason)
+        if req.state == ReqState.AWAITING_HANDOFF:
+            self._end_prefill(req)
         self.release(req)
+
+    def _end_prefill(self, req: DecodeReq) -> None:
+        """`req` ended while its prefill call may still run: cancel it (a no-op once the call has ended)."""
+        if self.cancel_prefill is not None:
+            self.cancel_prefill(req.rid)
 
     def release(self, req: DecodeReq) -> None:
         if req.state == ReqState.RELEASED:

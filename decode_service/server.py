@@ -96,7 +96,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         if open_rids:
             logger.info("aborting %d calls still open after the %.1fs grace period", len(open_rids), grace_s)
             for rid in open_rids:
-                self._abort_internal(rid)
+                self.scheduler.abort(rid)  # the one door: it cancels the prefill call it started
             deadline = time.monotonic() + 2.0  # their streams end with UNAVAILABLE before the server stops
             while self._open_rids and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -172,11 +172,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             if request.request_id and self._live.get(request.request_id) == rid:
                 del self._live[request.request_id]
             if not finished:  # cancelled, aborted or failed: free its slot and KV (a no-op if gone)
-                self._abort_internal(rid)
-
-    def _abort_internal(self, rid: str) -> None:
-        self.scheduler.abort(rid)
-        self.prefill.cancel(rid)
+                self.scheduler.abort(rid)  # the one door: it cancels the prefill call it started
 
     # ---- control RPCs ----------------------------------------------------------------------------
     async def Abort(self, request, context):
@@ -184,7 +180,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Abort needs a request_id")
         rid = self._live.get(request.request_id)
         if rid is not None:
-            self._abort_internal(rid)
+            self.scheduler.abort(rid)  # the one door: it cancels the prefill call it started
         return pb.AbortResponse(
             success=rid is not None, message="aborted" if rid is not None else "unknown or finished request"
         )

@@ -112,6 +112,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHo
         metrics=metrics,
         abort_waits_for_prefill=kv_receiver.destination is not None,
         tokenizer_path=config.model_path,  # stop strings are matched in the checkpoint's tokenizer's text
+        cancel_prefill=prefill.cancel,
     )
     return DecodeParts(tp_ranks, runner, name, metrics, kv_receiver, tracer, prefill, scheduler)
 

@@ -1,13 +1,14 @@
 """The prefill client's requests in flight (decode_service/prefill_inflight.py), without a replica:
-a cancel before the scheduler's call is applied when it comes, an attempt of a cancelled request is
-cancelled as it starts, and the watchdog cancels only an attempt that went silent after a message."""
+a cancel reaches only a request that began (the scheduler cancels what it started; nothing is
+remembered for later), an attempt of a cancelled request is cancelled as it starts, and the watchdog
+cancels only an attempt that went silent after a message."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from decode_service.prefill_inflight import EARLY_CANCELS, InFlightCalls
+from decode_service.prefill_inflight import InFlightCalls
 
 
 class _Call:
@@ -18,26 +19,17 @@ class _Call:
         self.cancelled += 1
 
 
-def test_a_cancel_before_the_call_is_applied_when_it_comes():
+def test_a_cancel_reaches_a_begun_request_and_nothing_is_remembered_for_others():
     calls, call = InFlightCalls(), _Call()
-    calls.cancel("a")
+    calls.cancel("a")  # not begun (or already ended): nothing to cancel, nothing kept
     calls.begin("a")
     calls.attach("a", call, "peer")
-    assert call.cancelled == 1
-    assert calls.broke("a") == (True, False)
+    assert call.cancelled == 0 and calls.broke("a") == (False, False)
+    calls.cancel("a")
+    assert call.cancelled == 1 and calls.broke("a") == (True, False)
     calls.end("a")
-    calls.begin("a")  # the early cancel was used up
+    calls.begin("a")
     assert calls.broke("a") == (False, False)
-
-
-def test_early_cancels_are_bounded():
-    calls = InFlightCalls()
-    for i in range(EARLY_CANCELS + 10):
-        calls.cancel(str(i))
-    calls.begin("0")  # the oldest were forgotten
-    calls.begin(str(EARLY_CANCELS + 9))
-    assert calls.broke("0") == (False, False)
-    assert calls.broke(str(EARLY_CANCELS + 9)) == (True, False)
 
 
 def test_cancel_reaches_the_current_attempt_and_peer_of_follows_it():

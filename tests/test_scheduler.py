@@ -30,7 +30,10 @@ class Driver:
         self.tokens: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}
         self.finishes: dict[str, Finish] = {}
-        self.sched = DecodeScheduler(self.worker, self._prefill, overlap=overlap, debug=True)
+        self.cancelled: list[str] = []  # the prefill calls the scheduler cancelled
+        self.sched = DecodeScheduler(
+            self.worker, self._prefill, overlap=overlap, debug=True, cancel_prefill=self.cancelled.append
+        )
 
     def _prefill(self, request):
         self.pending[request.rid] = request
@@ -158,6 +161,7 @@ def test_abort_in_every_stage_frees_exactly_once():
     d.deliver("awaiting")  # a handoff for an aborted request is dropped, not written
     d.step(2)
     assert d.reasons == dict.fromkeys(["waiting", "awaiting", "prebuilt", "running"], "abort")
+    assert d.cancelled == ["awaiting"]  # the one door cancels the one prefill call still running, once
     assert sum(1 for op in d.worker.log if op[0] == "prebuilt") == 1  # only "running" was ever seeded
     assert d.sched.idle
     d.check_free()
