@@ -5,7 +5,7 @@ worker thread. The parts:
 - prefill_replicas.py: the replicas (dns entries re-resolved), their health, and which one a call goes
   to (prefix_router.py: the one whose prefix cache likely holds the prompt's prefix unless the loads
   are far apart, else the least loaded; waits up to `wait_ready_s` if none is ready);
-- prefill_call.py: one request's call: attempts streamed (prefill_stream.py checks each message and
+- replica_call.py: one request's call: attempts streamed (prefill_stream.py checks each message and
   forwards the first token at once, each KV chunk to be written into the reserved slots, then the
   record as a Handoff) and retried on another replica if one breaks, ending in exactly one
   `deliver_handoff` or `fail_handoff`;
@@ -22,11 +22,11 @@ from concurrent import futures
 from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
 from common.wire.proto_gen import prefill_pb2
-from decode_service import prefill_call
-from decode_service.prefill_call import PrefillCall
+from decode_service import replica_call
 from decode_service.prefill_inflight import InFlightCalls
 from decode_service.prefill_replicas import BUSY_GRACE_S, SERVICE_NAME, Replica, ReplicaPool
 from decode_service.prefill_stream import MAX_PENDING_CHUNKS
+from decode_service.replica_call import ReplicaCall
 
 __all__ = ["BUSY_GRACE_S", "MAX_PENDING_CHUNKS", "SERVICE_NAME", "PrefillClient"]
 _Peer = Replica  # the name tests know a replica by
@@ -126,8 +126,8 @@ class PrefillClient:
         self.replicas.close()
 
     def _run(self, request: HandoffRequest) -> None:
-        PrefillCall(self, request).run()
+        ReplicaCall(self, request).run()
 
     def _stream(self, peer: Replica, request: HandoffRequest, sent: list[int], trace_metadata: tuple = ()) -> Handoff:
         """One attempt (tests wrap this to see each attempt's outcome)."""
-        return prefill_call.attempt(self, peer, request, sent, trace_metadata)
+        return replica_call.attempt(self, peer, request, sent, trace_metadata)

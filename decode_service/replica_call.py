@@ -1,6 +1,6 @@
 """One request's prefill call, attempted on replicas until one delivers its Handoff.
 
-`PrefillCall.run` (on a prefill-call worker thread) picks a replica not tried yet (prefill_replicas.py),
+`ReplicaCall.run` (on a prefill-call worker thread) picks a replica not tried yet (prefill_replicas.py),
 streams an attempt (`attempt`: the request built by prefill_request.py, read by prefill_stream.py), and
 delivers the Handoff. An attempt that breaks (a gRPC error, a broken stream, the progress watchdog) is
 retried on another replica by re-prefilling prompt + the tokens already sent (sampled at the next output
@@ -48,7 +48,7 @@ def attempt(client: PrefillClient, peer: Replica, request: HandoffRequest, sent:
 
 
 @dataclass
-class PrefillCall:
+class ReplicaCall:
     """The state of one request's call across its attempts."""
 
     client: PrefillClient
