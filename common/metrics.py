@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from common.request_rules import FinishReason
+
 try:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -245,9 +247,9 @@ class DecodeMetrics(_Metrics):
         end-to-end latency and time per output token (perf_counter times)."""
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(prompt_len)
-        if reason == "abort":
+        if reason == FinishReason.ABORT:
             self.aborts.inc()
-        elif reason == "error":
+        elif reason == FinishReason.ERROR:
             self.failures.inc()
         else:
             now = time.perf_counter()

@@ -7,6 +7,8 @@ the services map it to INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import enum
+
 from common.engine.sampling import SamplingParams
 
 MAX_PROMPT_LOGPROB_VALUES = 1 << 20  # ~8 MB on the wire: well inside gRPC's 64 MiB message bound
@@ -100,15 +102,24 @@ def default_max_new_tokens(prompt_len: int, default: int, context_length: int) -
     return min(default, context_length - prompt_len)
 
 
-def finish_reason(params: SamplingParams, output: list[int], eos_ids: tuple[int, ...]) -> str | None:
+class FinishReason(enum.StrEnum):
+    """Why a request ended: the one name for each end (a str: it goes on the wire as SGLang's string)."""
+
+    STOP = "stop"  # an EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # the client aborted or went away, or the service stopped
+    ERROR = "error"  # a broken handoff, a bad prefill reply, a refused request, a failed scheduler
+
+
+def finish_reason(params: SamplingParams, output: list[int], eos_ids: tuple[int, ...]) -> FinishReason | None:
     """Why a request stops after its newest output token ("stop" or "length"), or None to go on. Under a
     grammar an EOS is a stop even with ignore_eos: the mask allows one only where the grammar may end.
     (Stop strings, matched in text, are the decode scheduler's: decode_service/stop_strings.py.)"""
     token = output[-1]
     if token in eos_ids and (not params.ignore_eos or params.constraint is not None):
-        return "stop"
+        return FinishReason.STOP
     if token in params.stop_token_ids:
-        return "stop"
+        return FinishReason.STOP
     if len(output) >= params.max_new_tokens:
-        return "length"
+        return FinishReason.LENGTH
     return None

@@ -18,6 +18,7 @@ import logging
 
 from common.engine.handoff import check_token
 from common.engine.streams import StreamFailed
+from common.request_rules import FinishReason
 from decode_service.grammar_state import check_outputs
 from decode_service.inbox import FirstTokenArrived, HandoffArrived, HandoffFailed, KvChunkArrived
 from decode_service.req import ReqState
@@ -118,7 +119,7 @@ class HandoffIntake:
         if req is not None and req.finished:  # aborted earlier; its prefill has ended now
             self.ends.release(req)
         elif req is not None:
-            self.ends.finish(req, "error", msg.error)
+            self.ends.finish(req, FinishReason.ERROR, msg.error)
 
     def _fail_reply(self, rid: str, detail: str, last_word: bool) -> None:
         """A prefill reply for `rid` was bad: the request ends with an error, once. Its slots are freed
@@ -131,7 +132,7 @@ class HandoffIntake:
             if req.finished:
                 self.ends.release(req)
             else:
-                self.ends.finish(req, "error", detail)
+                self.ends.finish(req, FinishReason.ERROR, detail)
         elif not req.finished:  # the client hears it now; _on_handoff(_failed) releases it later
-            req.finish_reason, req.error = "error", detail
-            self.ends.emit(req, [], "error")
+            req.finish_reason, req.error = FinishReason.ERROR, detail
+            self.ends.emit(req, [], FinishReason.ERROR)

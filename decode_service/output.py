@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.engine.logprobs import TokenLogprobs
+from common.request_rules import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    reason: str  # "stop" | "length" | "abort" | "error" (common.request_rules and the scheduler)
+    reason: FinishReason  # common/request_rules.py
     matched_stop: int | None = None  # "stop": the EOS or stop_token_ids id that ended it
     cached_tokens: int = 0  # leading prompt tokens whose KV the prefill side found in its prefix cache
     spec_accepted: int = 0  # EAGLE: drafts accepted over the request's life
@@ -28,17 +29,17 @@ class Finish:
     matched_stop_str: str | None = None  # "stop" by a stop string: that string (matched_stop is None then)
 
     @classmethod
-    def of(cls, req, reason: str) -> Finish:
+    def of(cls, req, reason: FinishReason) -> Finish:
         """A DecodeReq's Finish for `reason`."""
-        by_id = reason == "stop" and bool(req.output_ids) and req.matched_stop_str is None
+        by_id = reason == FinishReason.STOP and bool(req.output_ids) and req.matched_stop_str is None
         return cls(
             reason,
             req.output_ids[-1] if by_id else None,
             req.cached_tokens,
             req.spec_accepted,
             req.spec_drafted,
-            req.error if reason == "error" else None,
-            req.matched_stop_str if reason == "stop" else None,
+            req.error if reason == FinishReason.ERROR else None,
+            req.matched_stop_str if reason == FinishReason.STOP else None,
         )
 
 

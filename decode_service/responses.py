@@ -27,7 +27,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common import tracing
-from common.request_rules import REFUSED
+from common.request_rules import REFUSED, FinishReason
 from decode_service.output import Finish, RequestOutput
 
 
@@ -82,9 +82,9 @@ class Responder:
                     self.tracing.record(
                         "decode", parent, tracing.wall_ns(s.first_at), time.time_ns(), tokens=len(s.ids)
                     )
-            if reason == "error":
+            if reason == FinishReason.ERROR:
                 await context.abort(*self._failure(finish))
-            if reason == "abort" and self.draining():
+            if reason == FinishReason.ABORT and self.draining():
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
             if tokens and request.stream:
                 chunk = pb.GenerateStreamChunk(
@@ -98,7 +98,7 @@ class Responder:
             if finish is not None:
                 complete = self._complete(finish, ids, s.ids)
                 complete.index = out.index
-                if s.logprobs is not None and finish.reason in ("stop", "length"):
+                if s.logprobs is not None and finish.reason in (FinishReason.STOP, FinishReason.LENGTH):
                     complete.output_logprobs.CopyFrom(output_logprobs(s.ids, s.logprobs, request))
                     if s.prompt is not None:
                         complete.input_logprobs.CopyFrom(input_logprobs(ids, s.prompt, request))

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
-from common.request_rules import finish_reason
+from common.request_rules import FinishReason, finish_reason
 from decode_service.first_token import first_outputs
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, Inbox, Submit
@@ -170,9 +170,9 @@ class DecodeScheduler:
         except Exception as e:  # a broken forward or invariant: fail every live request loudly
             self.fatal_error = e
             for req in list(self.reqs.values()):
-                req.finish_reason = "error"
+                req.finish_reason = FinishReason.ERROR
                 req.error = f"scheduler failed: {e!r}"
-                self.emit(req, [], "error")
+                self.emit(req, [], FinishReason.ERROR)
 
     @property
     def alive(self) -> bool:
@@ -255,7 +255,7 @@ class DecodeScheduler:
             except (InvariantError, StreamFailed):
                 raise
             except Exception as e:  # that request's error: nothing of it was submitted
-                self.finish(req, "error", bad_reply(req.rid, e))
+                self.finish(req, FinishReason.ERROR, bad_reply(req.rid, e))
                 continue
             req.cached_tokens = handoff.cached_tokens  # the front door reports it with the finish
             landed.append((req, handoff))
@@ -320,7 +320,7 @@ class DecodeScheduler:
     # ---- inbox handlers -----------------------------------------------------------------------------
     def _on_submit(self, msg: Submit) -> None:
         if msg.req.rid in self.reqs:
-            self.emit(msg.req, [], "abort")  # duplicate id: refuse without touching the first
+            self.emit(msg.req, [], FinishReason.ABORT)  # duplicate id: refuse without touching the first
             return
         self.reqs[msg.req.rid] = msg.req
         self.waiting.append(msg.req)
@@ -342,20 +342,20 @@ class DecodeScheduler:
         if req.state == ReqState.WAITING:
             self.waiting.remove(req)
         elif req.state == ReqState.AWAITING_HANDOFF and self.abort_waits_for_prefill:
-            req.finish_reason = "abort"  # the client hears it now; the slots wait for the prefill's end
-            self.emit(req, [], "abort")
+            req.finish_reason = FinishReason.ABORT  # the client hears it now; the slots wait for the prefill's end
+            self.emit(req, [], FinishReason.ABORT)
             self._end_prefill(req)
             return
         elif req.state == ReqState.PREBUILT:
             self.prebuilt.remove(req)
             req.handoff = None
-        self.finish(req, "abort")
+        self.finish(req, FinishReason.ABORT)
 
     def finish_reason(self, req: DecodeReq) -> str | None:
         reason = finish_reason(req.params, req.output_ids, self.info.eos_token_ids)  # a grammar's end too
-        if req.params.stop_strings and reason in (None, "length"):  # a stop string outranks the length
+        if req.params.stop_strings and reason in (None, FinishReason.LENGTH):  # a stop string outranks the length
             req.matched_stop_str = self.stop_strings.match(req)
-            reason = "stop" if req.matched_stop_str is not None else reason
+            reason = FinishReason.STOP if req.matched_stop_str is not None else reason
         return reason
 
     def finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
