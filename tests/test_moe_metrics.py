@@ -6,6 +6,7 @@ when scraped; the series exported by both services, bounded, and absent for a de
 from __future__ import annotations
 
 import itertools
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from common.engine.forward_batch import ForwardBatch
 from common.engine.sampling import SamplingParams
 from common.metrics import DecodeMetrics, PrefillMetrics
 from common.models.expert_load import ExpertLoad, imbalance
-from tests.decode_harness import Pair
+from tests.decode_harness import Hooks, Pair
 from tests.oracle import hf_model
 from tests.test_model_parity import _reserve, _runner
 
@@ -67,10 +68,20 @@ def test_counts_equal_hfs_routing_of_the_tokens_each_side_ran(checkpoint, varian
     tokens. With overlap a finished request may have run one step more (launched before its last
     token was seen), whose input is its last output: some set of those extra rows makes it exact.
     With static decode buffers (what a CUDA graph replays) batches of 3, 5, 6 or 7 run padded to a
-    bucket of 4 or 8: the padding rows are not counted."""
+    bucket of 4 or 8: the padding rows are not counted. There the first forward waits until every
+    handoff is in, so a later step runs all 5 requests at once whatever the host's load."""
     path = checkpoint(variant)
     prompts = _prompts(5 if static else 4)
-    pair = Pair(path, overlap=overlap, static_decode_buffers=static)
+    arrived = []
+
+    def all_in(step: int) -> None:
+        deadline = time.monotonic() + 60
+        while static and step == 1 and len(arrived) < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    pair = Pair(path, overlap=overlap, static_decode_buffers=static, hooks=Hooks(before_forward=all_in))
+    deliver = pair.link.deliver
+    pair.link.deliver = lambda handoff: (deliver(handoff), arrived.append(handoff.rid))
     runner, ran = pair.worker.runner, []
     forward = runner.forward
     runner.forward = lambda fb, *a, **kw: ran.append(fb.input_ids.numel()) or forward(fb, *a, **kw)
