@@ -8,6 +8,8 @@ stream (which would stop every request).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from common.engine.handoff import Handoff
@@ -54,9 +56,23 @@ def submit_kv_chunk(stream, pool, kv_slots: torch.Tensor, token_start: int, laye
     stream.submit(write)
 
 
-def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+@dataclass
+class ForkSeed:
+    """Decode's own record for a forked sample of an n > 1 request under EAGLE (sample_group.py), beside
+    its Handoff: its slot at the last prompt position takes the target KV of slot `last_from` (the
+    prompt's, written by sample 0's handoff) and the head's K / V `draft_k` / `draft_v` [kv_heads, head_dim]."""
+
+    last_from: int
+    draft_k: torch.Tensor
+    draft_v: torch.Tensor
+
+
+def write_prebuilt(
+    runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff, fork: ForkSeed | None = None
+) -> None:
     """Map the row, write KV carried in the record (target, and the head's with EAGLE), and seed the
-    FutureMap row: the first token, and with EAGLE the draft seed and the committed length (the prompt's)."""
+    FutureMap row: the first token, and with EAGLE the draft seed and the committed length (the prompt's);
+    a forked sample's own last prompt slot from `fork`."""
     runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
     loc = to_device(kv_slots[: handoff.prompt_len], runner.device)
     if handoff.k is not None:
@@ -76,20 +92,20 @@ def write_prebuilt(runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handof
             to_device(handoff.draft_hidden[None], fm.device, fm.draft_hidden.dtype),
         )
         fm.seed_kv_committed_lens(dev_row, torch.tensor([handoff.prompt_len]))  # a host value: the seed moves it
-        if handoff.fork_last_from is not None:  # n > 1: a forked sample's own slot at the last prompt position
-            write_fork_last(runner, handoff, loc[-1:])
+        if fork is not None:  # n > 1: a forked sample's own slot at the last prompt position
+            write_fork_last(runner, fork, loc[-1:])
 
 
-def write_fork_last(runner, handoff: Handoff, last: torch.Tensor) -> None:
+def write_fork_last(runner, fork: ForkSeed, last: torch.Tensor) -> None:
     """A forked sample's slot `last` at the last prompt position: the target KV there is the prompt's
-    (copied from `fork_last_from` in every layer), the head's KV its own (from the record)."""
-    src = to_device([handoff.fork_last_from], runner.device, torch.int64)
+    (copied from `fork.last_from` in every layer), the head's KV its own (from the record)."""
+    src = to_device([fork.last_from], runner.device, torch.int64)
     for whole in (runner.kv_pool.k_all, runner.kv_pool.v_all):
         whole.index_copy_(1, last, whole.index_select(1, src))
-    runner.draft.kv_pool.write_layers(0, last, handoff.fork_draft_k[None, None], handoff.fork_draft_v[None, None])
+    runner.draft.kv_pool.write_layers(0, last, fork.draft_k[None, None], fork.draft_v[None, None])
 
 
-def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff, fork: ForkSeed | None = None) -> None:
     """Raise ValueError unless what write_prebuilt writes fits: KV in the record (per layer [prompt_len,
     kv_heads, head_dim]) and, with EAGLE, the seed's width (Handoff.check_draft checks its values)."""
     n = handoff.prompt_len
@@ -100,7 +116,7 @@ def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None
         kvs.append((runner.draft.kv_pool, handoff.draft_k, handoff.draft_v))
         if handoff.draft_hidden is None or tuple(handoff.draft_hidden.shape) != tuple(fm.draft_hidden.shape[1:]):
             raise ValueError(f"handoff {handoff.rid}: draft hidden does not match the head's width")
-        check_sample_drafts(runner.draft.kv_pool, handoff)
+        check_sample_drafts(runner.draft.kv_pool, handoff, fork)
     for pool, k, v in kvs:
         if k is None:
             continue
@@ -112,13 +128,13 @@ def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff) -> None
                 raise ValueError(f"handoff {handoff.rid}: KV of {layer_k.shape[0]} tokens, prompt has {n}")
 
 
-def check_sample_drafts(pool, handoff: Handoff) -> None:
+def check_sample_drafts(pool, handoff: Handoff, fork: ForkSeed | None = None) -> None:
     """Raise ValueError unless the head KV rows for the samples' last prompt position (n > 1: samples
     1..n-1's in the record, or a forked sample's own) fit the head's pool, floating."""
     rows = handoff.params.n - 1 if handoff.more_draft_k is not None else 0
     kvs = [(handoff.more_draft_k, handoff.more_draft_v, (rows,))] if rows else []
-    if handoff.fork_last_from is not None:
-        kvs.append((handoff.fork_draft_k, handoff.fork_draft_v, ()))
+    if fork is not None:
+        kvs.append((fork.draft_k, fork.draft_v, ()))
     for k, v, lead in kvs:
         for name, t, whole in (("K", k, pool.k_all), ("V", v, pool.v_all)):
             want = (*lead, *whole.shape[2:])
@@ -129,7 +145,9 @@ def check_sample_drafts(pool, handoff: Handoff) -> None:
                 )
 
 
-def submit_prebuilt(stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+def submit_prebuilt(
+    stream, runner, fm, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff, fork: ForkSeed | None = None
+) -> None:
     """write_prebuilt on the stream, once checked (check_prebuilt: ValueError, nothing submitted)."""
-    check_prebuilt(runner, fm, kv_slots, handoff)
-    stream.submit(lambda: write_prebuilt(runner, fm, req_pool_idx, kv_slots, handoff))
+    check_prebuilt(runner, fm, kv_slots, handoff, fork)
+    stream.submit(lambda: write_prebuilt(runner, fm, req_pool_idx, kv_slots, handoff, fork))

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from common.engine.sampling import sample_seed
+from decode_service.handoff_writes import ForkSeed
 from decode_service.output import Finish, RequestOutput
 from decode_service.req import DecodeReq, ReqState
 from decode_service.slot_books import SlotBooks
@@ -67,9 +68,10 @@ class SampleGroups:
             mine = dataclasses.replace(
                 handoff, rid=fork.rid, seed=seed, first_token=token, first_logprobs=lp, k=None, v=None
             )
+            seed_of_fork = None
             if self.eagle:
-                mine = _own_draft(mine, handoff, i - 1, int(group.prompt_slots[-1]))
-            self.worker.write_prebuilt(idx, fork.kv_slots, mine)  # the prompt's KV is written already
+                mine, seed_of_fork = _own_draft(mine, handoff, i - 1, int(group.prompt_slots[-1]))
+            self.worker.write_prebuilt(idx, fork.kv_slots, mine, seed_of_fork)  # the prompt's KV is written already
             self.reqs[fork.rid] = fork
             group.samples.append(fork)
             forks.append((fork, mine))
@@ -102,11 +104,11 @@ def end_unforked(req: DecodeReq, reason: str) -> None:
             return
 
 
-def _own_draft(mine, handoff, row: int, last_slot: int):
-    """A forked sample's Handoff with EAGLE: its own draft seed and head KV at the last prompt position
-    (row `row` of the record's `more_draft_*`), its target KV there copied from `last_slot`; the
-    prompt's draft KV is written already."""
-    return dataclasses.replace(
+def _own_draft(mine, handoff, row: int, last_slot: int) -> tuple[object, ForkSeed]:
+    """A forked sample's Handoff with EAGLE (its own draft seed: row `row` of the record's
+    `more_draft_*`) and its ForkSeed (its head KV at the last prompt position, its target KV there
+    copied from `last_slot`); the prompt's draft KV is written already."""
+    own = dataclasses.replace(
         mine,
         draft_k=None,
         draft_v=None,
@@ -118,7 +120,5 @@ def _own_draft(mine, handoff, row: int, last_slot: int):
         more_draft_hidden=None,
         more_draft_k=None,
         more_draft_v=None,
-        fork_last_from=last_slot,
-        fork_draft_k=handoff.more_draft_k[row],
-        fork_draft_v=handoff.more_draft_v[row],
     )
+    return own, ForkSeed(last_slot, handoff.more_draft_k[row], handoff.more_draft_v[row])

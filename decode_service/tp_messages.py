@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.handoff import Handoff
+from decode_service.handoff_writes import ForkSeed
 from decode_service.worker_batch import WorkerBatch
 
 
@@ -44,6 +45,7 @@ class WritePrebuilt:
     req_pool_idx: int
     kv_slots: torch.Tensor
     handoff: Handoff
+    fork: ForkSeed | None = None  # a forked sample's own last prompt slot (the head is whole on every rank)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from common.engine.host_copy import to_device
 from common.engine.streams import StreamFailed
 from common.parallel.tp_group import TPGroup
 from common.parallel.tp_shard import kv_heads_of
-from decode_service.handoff_writes import write_kv_chunk, write_prebuilt
+from decode_service.handoff_writes import ForkSeed, write_kv_chunk, write_prebuilt
 from decode_service.hooks import DecodeHooks
 from decode_service.tp_messages import DecodeTPMessage, Forward, ReleaseRow, Stop, WriteKvChunk, WritePrebuilt
 from decode_service.worker import DecodeWorker
@@ -71,7 +71,9 @@ def apply(worker: DecodeWorker, message: DecodeTPMessage) -> None:
         pool = worker.runner.draft.kv_pool if draft else worker.runner.kv_pool
         write_kv_chunk(pool, message.kv_slots, message.token_start, message.layer_start, message.k, message.v)
     elif isinstance(message, WritePrebuilt):
-        write_prebuilt(worker.runner, worker.future_map, message.req_pool_idx, message.kv_slots, message.handoff)
+        write_prebuilt(
+            worker.runner, worker.future_map, message.req_pool_idx, message.kv_slots, message.handoff, message.fork
+        )
         if message.handoff.params.constraint is not None:  # every rank keeps its own matchers
             worker.seed_grammar(message.req_pool_idx, message.handoff)
     elif isinstance(message, ReleaseRow):
@@ -107,8 +109,10 @@ class TPDecodeWorker(DecodeWorker):
 
         self.stream.submit(work)
 
-    def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
-        self.stream.submit(lambda: apply(self, self._send(WritePrebuilt(req_pool_idx, kv_slots, handoff))))
+    def write_prebuilt(
+        self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff, fork: ForkSeed | None = None
+    ) -> None:
+        self.stream.submit(lambda: apply(self, self._send(WritePrebuilt(req_pool_idx, kv_slots, handoff, fork))))
 
     def release_row(self, req_pool_idx: int) -> None:
         self.stream.submit(lambda: apply(self, self._send(ReleaseRow(req_pool_idx))))

@@ -33,7 +33,7 @@ from decode_service.eagle_step import ChainDraft, draft_chain, verify_chain_step
 from decode_service.eagle_tree_step import TreeDraft, draft_tree, verify_tree_step
 from decode_service.future_map import FutureMap
 from decode_service.grammar_state import GrammarMatchers
-from decode_service.handoff_writes import submit_kv_chunk, submit_prebuilt
+from decode_service.handoff_writes import ForkSeed, submit_kv_chunk, submit_prebuilt
 from decode_service.hooks import DecodeHooks
 from decode_service.worker_batch import BatchResult, WorkerBatch, WorkerInfo
 
@@ -124,9 +124,12 @@ class DecodeWorker:
         pool = self.runner.draft.kv_pool if draft and self.runner.draft is not None else self.runner.kv_pool
         submit_kv_chunk(self.stream, pool, kv_slots, token_start, layer_start, k, v, done)
 
-    def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
-        """Map the row, write KV carried in the record, seed the FutureMap row (invariant 8)."""
-        submit_prebuilt(self.stream, self.runner, self.future_map, req_pool_idx, kv_slots, handoff)
+    def write_prebuilt(
+        self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff, fork: ForkSeed | None = None
+    ) -> None:
+        """Map the row, write KV carried in the record, seed the FutureMap row (invariant 8); `fork`: a
+        forked sample's own last prompt slot (handoff_writes.ForkSeed)."""
+        submit_prebuilt(self.stream, self.runner, self.future_map, req_pool_idx, kv_slots, handoff, fork)
         if handoff.params.constraint is not None:
             self.stream.submit(lambda: self.seed_grammar(req_pool_idx, handoff))
 

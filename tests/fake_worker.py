@@ -137,7 +137,7 @@ class FakeWorker:
         if done is not None:
             done()
 
-    def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff) -> None:
+    def write_prebuilt(self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff, fork=None) -> None:
         assert req_pool_idx not in self._seeded, f"row {req_pool_idx} seeded twice"
         self._seeded[req_pool_idx] = len(kv_slots)
         self._committed[req_pool_idx] = handoff.prompt_len

@@ -263,23 +263,19 @@ def test_a_forked_samples_prebuilt_writes_cross_to_tp_followers():
     is copied from) travels through the TP codec whole: every rank copies its own heads' KV."""
     from common.engine.handoff import Handoff
     from common.parallel import tp_codec
+    from decode_service.handoff_writes import ForkSeed
     from decode_service.tp_messages import WritePrebuilt
 
-    fork = Handoff("r/1", [1, 2, 3], _sampled(n=N), 7, 4, None, None, more_first_tokens=(4, 5))
-    fork = dataclasses.replace(
-        fork,
-        draft_topk_ids=torch.tensor([4]),
-        draft_topk_p=torch.tensor([1.0]),
-        draft_hidden=torch.ones(8),
-        fork_last_from=17,
-        fork_draft_k=torch.randn(2, 4),
-        fork_draft_v=torch.randn(2, 4),
+    mine = Handoff("r/1", [1, 2, 3], _sampled(n=N), 7, 4, None, None, more_first_tokens=(4, 5))
+    mine = dataclasses.replace(
+        mine, draft_topk_ids=torch.tensor([4]), draft_topk_p=torch.tensor([1.0]), draft_hidden=torch.ones(8)
     )
-    message = WritePrebuilt(3, torch.arange(5), fork)
+    fork = ForkSeed(17, torch.randn(2, 4), torch.randn(2, 4))
+    message = WritePrebuilt(3, torch.arange(5), mine, fork)
     back = tp_codec.loads(tp_codec.dumps(message), torch.device("cpu"))
-    assert back.handoff.fork_last_from == 17
-    assert torch.equal(back.handoff.fork_draft_k, fork.fork_draft_k)
-    assert torch.equal(back.handoff.fork_draft_v, fork.fork_draft_v)
+    assert back.fork.last_from == 17 and torch.equal(back.handoff.draft_hidden, mine.draft_hidden)
+    assert torch.equal(back.fork.draft_k, fork.draft_k)
+    assert torch.equal(back.fork.draft_v, fork.draft_v)
 
 
 def test_each_sample_keeps_its_grammar_through_a_sampled_chain(checkpoint, fitted_head):

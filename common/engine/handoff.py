@@ -72,12 +72,6 @@ class Handoff:
     more_draft_hidden: torch.Tensor | None = None
     more_draft_k: torch.Tensor | None = None
     more_draft_v: torch.Tensor | None = None
-    # decode side only, a forked sample of such a request (decode_service/sample_group.py): its own
-    # slot at the last prompt position takes the target KV of slot `fork_last_from` (the prompt's,
-    # written by sample 0's handoff) and the head's K / V `fork_draft_k` / `fork_draft_v` [kv_heads, head_dim]
-    fork_last_from: int | None = None
-    fork_draft_k: torch.Tensor | None = None
-    fork_draft_v: torch.Tensor | None = None
     # KV staged on a device (a transfer engine reads it there): a CUDA event recorded after its
     # copy-out, which whoever reads the KV on another thread waits for; None when it is ready now
     kv_ready: object | None = None

@@ -38,6 +38,7 @@ MESSAGE_TYPES = (
     ("decode_service.worker_batch", "Lane"),
     ("decode_service.tp_messages", "Forward"),
     ("decode_service.tp_messages", "WriteKvChunk"),
+    ("decode_service.handoff_writes", "ForkSeed"),
     ("decode_service.tp_messages", "WritePrebuilt"),
     ("decode_service.tp_messages", "ReleaseRow"),
     ("decode_service.tp_messages", "Stop"),
