@@ -95,6 +95,10 @@ class TPGroup:
                 raw = dist.TCPStore(host, port, size, True, timeout, master_listen_fd=listener.detach())
             else:
                 raw = dist.TCPStore(host, port, size, False, timeout)
+        except BaseException:
+            if held is not None:  # the store failed to start: the duplicate must not keep the port open
+                tp_auth.stop_listening(held)
+            raise
         finally:
             if listener is not None:
                 listener.close()  # a no-op once detached
