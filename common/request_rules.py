@@ -79,9 +79,11 @@ def validate_prompt(
         raise InvalidRequest(f"prompt of {len(prompt)} tokens exceeds the KV pool ({kv_capacity} slots)")
 
 
-# A failure detail that starts with this is the request's own fault (a prefill replica refused it as
-# invalid): the front door answers INVALID_ARGUMENT, and no other replica is tried.
-REFUSED = "refused as invalid: "
+class ErrorKind(enum.StrEnum):
+    """What an "error" finish was: whose fault, and so what the caller is told (decode_service/responses.py)."""
+
+    BROKEN = "broken"  # the handoff broke (replicas gone, a bad reply, a failed call): UNAVAILABLE, retry later
+    REFUSED = "refused"  # a prefill replica refused the request as invalid: INVALID_ARGUMENT, no other replica tried
 
 
 def check_fits_pool(prompt_len: int, max_new_tokens: int, pool_size: int, extra: int = 0) -> None:

@@ -119,7 +119,7 @@ class HandoffIntake:
         if req is not None and req.finished:  # aborted earlier; its prefill has ended now
             self.ends.release(req)
         elif req is not None:
-            self.ends.finish(req, FinishReason.ERROR, msg.error)
+            self.ends.finish(req, FinishReason.ERROR, msg.error, msg.kind)
 
     def _fail_reply(self, rid: str, detail: str, last_word: bool) -> None:
         """A prefill reply for `rid` was bad: the request ends with an error, once. Its slots are freed

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.handoff import Handoff
+from common.request_rules import ErrorKind
 from decode_service.req import DecodeReq
 
 
@@ -65,6 +66,7 @@ class HandoffArrived:
 class HandoffFailed:
     rid: str
     error: str
+    kind: ErrorKind = ErrorKind.BROKEN
 
 
 InboxMessage = Submit | Abort | FirstTokenArrived | KvChunkArrived | HandoffArrived | HandoffFailed
@@ -128,5 +130,5 @@ class Inbox:
     def deliver_handoff(self, handoff: Handoff) -> None:
         self.post(HandoffArrived(handoff))
 
-    def fail_handoff(self, rid: str, error: str) -> None:
-        self.post(HandoffFailed(rid, error))
+    def fail_handoff(self, rid: str, error: str, kind: ErrorKind = ErrorKind.BROKEN) -> None:
+        self.post(HandoffFailed(rid, error, kind))

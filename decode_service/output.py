@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.engine.logprobs import TokenLogprobs
-from common.request_rules import FinishReason
+from common.request_rules import ErrorKind, FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,7 @@ class Finish:
     spec_accepted: int = 0  # EAGLE: drafts accepted over the request's life
     spec_drafted: int = 0  # EAGLE: drafts proposed (0 without EAGLE)
     error: str | None = None  # "error": what went wrong
+    error_kind: ErrorKind | None = None  # "error": whose fault (BROKEN: retry later; REFUSED: the request's)
     matched_stop_str: str | None = None  # "stop" by a stop string: that string (matched_stop is None then)
 
     @classmethod
@@ -39,6 +40,7 @@ class Finish:
             req.spec_accepted,
             req.spec_drafted,
             req.error if reason == FinishReason.ERROR else None,
+            req.error_kind if reason == FinishReason.ERROR else None,
             req.matched_stop_str if reason == FinishReason.STOP else None,
         )
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from common.engine.handoff import HandoffRequest
-from common.request_rules import REFUSED
+from common.request_rules import ErrorKind
 from decode_service import prefill_request
 from decode_service.prefill_replicas import PREFILL_METHOD, Replica
 from decode_service.prefill_stream import HandoffStream
@@ -114,7 +114,9 @@ class ReplicaCall:
         """An attempt broke: whether the call is over (failed here); False: retry elsewhere."""
         client, rid = self.client, self.request.rid
         if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            self.sink.fail_handoff(rid, f"{REFUSED}prefill replica {peer.address}: {e.details()}")
+            self.sink.fail_handoff(
+                rid, f"refused as invalid by prefill replica {peer.address}: {e.details()}", ErrorKind.REFUSED
+            )
             return True  # every replica would refuse it too: no retry
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
         cancelled, stalled = client.calls.broke(rid)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.sampling import SamplingParams
+from common.request_rules import ErrorKind
 from decode_service.output import OutputCallback
 
 
@@ -37,6 +38,7 @@ class DecodeReq:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # detail when finish_reason == "error"
+    error_kind: ErrorKind = ErrorKind.BROKEN  # and what it was (common/request_rules.py)
     handoff: object = None  # the Handoff while PREBUILT
     spec_accepted: int = 0  # EAGLE: drafts accepted / proposed for this request
     spec_drafted: int = 0

@@ -13,7 +13,7 @@ ends its answer:
     accepted and proposed drafts);
   - "abort" while the service drains: UNAVAILABLE (the call was cut short by the shutdown);
   - "error": UNAVAILABLE (a broken handoff, retryable), INTERNAL when the scheduler itself died,
-    INVALID_ARGUMENT when the prefill side refused the request (REFUSED: not retryable).
+    INVALID_ARGUMENT when the prefill side refused the request (ErrorKind.REFUSED: not retryable).
 A scheduler that dies without a record for the call ends it with INTERNAL within a second.
 """
 
@@ -27,7 +27,7 @@ import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common import tracing
-from common.request_rules import REFUSED, FinishReason
+from common.request_rules import ErrorKind, FinishReason
 from decode_service.output import Finish, RequestOutput
 
 
@@ -119,7 +119,7 @@ class Responder:
     def _failure(self, finish: Finish) -> tuple[grpc.StatusCode, str]:
         detail = finish.error or repr(self.scheduler.fatal_error)
         code = grpc.StatusCode.INTERNAL if not self.scheduler.alive else grpc.StatusCode.UNAVAILABLE
-        if detail.startswith(REFUSED):  # not retryable: the client must change the request
+        if finish.error_kind == ErrorKind.REFUSED:  # not retryable: the client must change the request
             code = grpc.StatusCode.INVALID_ARGUMENT
         return code, f"request failed: {detail}"
 

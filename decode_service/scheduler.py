@@ -52,7 +52,7 @@ from collections.abc import Callable
 from common.engine.handoff import HandoffRequest
 from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
-from common.request_rules import FinishReason, finish_reason
+from common.request_rules import ErrorKind, FinishReason, finish_reason
 from decode_service.first_token import first_outputs
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, Inbox, Submit
@@ -358,9 +358,16 @@ class DecodeScheduler:
             reason = FinishReason.STOP if req.matched_stop_str is not None else reason
         return reason
 
-    def finish(self, req: DecodeReq, reason: str, detail: str | None = None, emit: bool = True) -> None:
+    def finish(
+        self,
+        req: DecodeReq,
+        reason: str,
+        detail: str | None = None,
+        kind: ErrorKind = ErrorKind.BROKEN,
+        emit: bool = True,
+    ) -> None:
         req.finish_reason = reason
-        req.error = detail  # travels in the Finish
+        req.error, req.error_kind = detail, kind  # travel in the Finish (an "error" finish's)
         if emit:
             self.emit(req, [], reason)
         if req.state == ReqState.AWAITING_HANDOFF:
