@@ -42,7 +42,7 @@ import time
 import torch
 
 from common import host
-from common.engine import intra_op
+from common.forward import intra_op
 from common.host_load import HostProbe
 from common.models.packed_linear import linear_weights
 from common.models.table_check import time_pass
@@ -126,7 +126,7 @@ def interleaved_ms(runners: list, steps: int, floor_pass=None) -> tuple[list[flo
     later runner to the first, and with `floor_pass` (the floor's seconds, measured by a pass over
     the bandwidth buffer) run after each step, each runner's median per-step ratio to that floor."""
     from bench.linear_layouts import PREFIX
-    from common.engine.forward_batch import ForwardBatch
+    from common.forward.forward_batch import ForwardBatch
 
     rows = []
     for runner in runners:
@@ -159,7 +159,7 @@ def op_counts(runner, forwards: int = 5) -> tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.linear_layouts import PREFIX
-    from common.engine.forward_batch import ForwardBatch
+    from common.forward.forward_batch import ForwardBatch
 
     pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
     row = pool.alloc()

@@ -30,8 +30,8 @@ import time
 import torch
 
 from common import host
-from common.engine import intra_op
-from common.engine.forward_batch import ForwardBatch
+from common.forward import intra_op
+from common.forward.forward_batch import ForwardBatch
 from common.models.linear_tuning import CHOICES
 
 PREFIX = 64

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from common.engine import intra_op
+from common.forward import intra_op
 
 PROMPT = "What is the capital of France? Answer in one sentence, then explain why it became the capital."
 

@@ -2,7 +2,7 @@
 
 The prefill and decode services run as two processes that may share cores. GNU libgomp lets a
 worker spin ~300k times (milliseconds) after each parallel region before it sleeps; that is what
-makes the ~150 regions of one forward cheap (common/engine/intra_op.py), but across processes a
+makes the ~150 regions of one forward cheap (common/forward/intra_op.py), but across processes a
 spinning worker holds a core the other service needs. So the two services spin differently:
 - prefill, bursty, spins 10k times, so that its idle workers leave the cores to decode at once.
   With both services at ~300k on the 2-core dev machine at batch 64 the pair decoded at 277 tok/s,

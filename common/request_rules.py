@@ -8,8 +8,10 @@ the services map it to INVALID_ARGUMENT.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-from common.engine.sampling import SamplingParams
+if TYPE_CHECKING:  # annotations only: the engine's colocated loop imports these rules
+    from common.engine.sampling import SamplingParams
 
 MAX_PROMPT_LOGPROB_VALUES = 1 << 20  # ~8 MB on the wire: well inside gRPC's 64 MiB message bound
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.grammar import apply_bitmask
-from common.engine.host_copy import to_device
 from common.engine.logprobs import StepLogprobs
+from common.forward.forward_batch import ForwardBatch
+from common.forward.host_copy import to_device
 from decode_service.worker_batch import WorkerBatch
 
 

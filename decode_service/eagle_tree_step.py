@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
-from common.engine.host_copy import to_device
+from common.forward.forward_batch import ForwardBatch
+from common.forward.host_copy import to_device
 from decode_service.grammar_state import VerifyMask
 from decode_service.worker_batch import WorkerBatch
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.host_copy import to_device
 from common.engine.penalties import PenaltyCounts
 from common.engine.streams import wait_event
+from common.forward.host_copy import to_device
 
 
 class ConsumeOnceError(AssertionError):

@@ -28,8 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from common.engine import grammar
-from common.engine.host_copy import to_device, to_host
 from common.engine.streams import make_event
+from common.forward.host_copy import to_device, to_host
 from common.request_rules import InvalidRequest, Overloaded
 
 logger = logging.getLogger(__name__)

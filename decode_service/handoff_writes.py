@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.handoff import Handoff
-from common.engine.host_copy import to_device
+from common.forward.host_copy import to_device
 
 
 def write_kv_chunk(pool, kv_slots: torch.Tensor, token_start: int, layer_start: int, k, v) -> None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import threading
 from concurrent import futures
 
-from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
+from common.forward import intra_op
 from common.wire.proto_gen import prefill_pb2
 from decode_service import replica_call
 from decode_service.prefill_inflight import InFlightCalls

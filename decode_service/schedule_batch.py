@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.host_copy import to_device
 from common.engine.sampling import SamplingBatch
 from common.engine.spec_sampling import SpecDraws
+from common.forward.host_copy import to_device
 from decode_service.req import DecodeReq
 from decode_service.worker_batch import Lane, WorkerBatch
 

@@ -29,8 +29,8 @@ import logging
 import torch
 
 from common.engine.handoff import Handoff
-from common.engine.host_copy import to_device
 from common.engine.streams import StreamFailed
+from common.forward.host_copy import to_device
 from common.parallel.tp_group import TPGroup
 from common.parallel.tp_shard import kv_heads_of
 from decode_service.handoff_writes import ForkSeed, write_kv_chunk, write_prebuilt

@@ -24,10 +24,10 @@ import torch
 
 from common.engine.grammar import runner_compiler
 from common.engine.handoff import Handoff
-from common.engine.host_copy import to_device, to_host
 from common.engine.logprobs import StepLogprobs
 from common.engine.model_runner import ModelRunner
 from common.engine.streams import make_event, make_stream, wait_event
+from common.forward.host_copy import to_device, to_host
 from decode_service.decode_step import decode_step
 from decode_service.eagle_step import ChainDraft, draft_chain, verify_chain_step
 from decode_service.eagle_tree_step import TreeDraft, draft_tree, verify_tree_step

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
-from common.engine.host_copy import to_device
+from common.forward.forward_batch import ForwardBatch
+from common.forward.host_copy import to_device
 
 
 def draft_extend(
@@ -59,7 +59,7 @@ def sample_drafts(
     Handoff's `more_draft_*` fields; empty for n = 1). `feature` [1, F] is the target's at L - 1,
     `seed` sample 0's (draft_extend's), `scratch` n - 1 KV slots the request reserved for this.
 
-    One tree forward (common/engine/forward_batch.py) over the distinct first tokens other than sample
+    One tree forward (common/forward/forward_batch.py) over the distinct first tokens other than sample
     0's: each sits at position L - 1, sees the prompt's first L - 1 positions and itself, and writes
     its head KV at a scratch slot mapped past the prompt in the request's row; the slot at L - 1 keeps
     sample 0's (the prefix cache keeps it). A sample whose first token is sample 0's gets sample 0's

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from common import tracing
-from common.engine import intra_op
+from common.forward import intra_op
 from common.kv_transfer.errors import KvTransferError
 from common.kv_transfer.sender import KvSender
 from common.metrics import PrefillMetrics

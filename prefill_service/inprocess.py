@@ -7,7 +7,7 @@ callbacks: a Handoff to `deliver`, an error to `fail(rid, reason)`. The first to
 ahead: the Handoff carries it. The gRPC client replaces this between processes; tests and benchmarks
 use it in one process. It stands in for another process beside a decode stream that computes here,
 so the scheduler's thread has one intra-op thread (a second OpenMP pool would slow every parallel
-region of the decode forward: common/engine/intra_op.py).
+region of the decode forward: common/forward/intra_op.py).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.engine import intra_op
 from common.engine.handoff import Handoff, HandoffRequest
+from common.forward import intra_op
 from prefill_service.hooks import PrefillHooks
 from prefill_service.worker import PrefillWorker
 
@@ -126,7 +126,7 @@ class PrefillScheduler:
 
     def start(self, threads: int | None = None) -> PrefillScheduler:
         """Start the loop's thread with `threads` intra-op threads (default: the configured count, as
-        the process's computing thread; 1 beside another computing thread: common/engine/intra_op.py)."""
+        the process's computing thread; 1 beside another computing thread: common/forward/intra_op.py)."""
         target = intra_op.thread_target(self._run, threads)
         self._thread = threading.Thread(target=target, name="prefill-scheduler", daemon=True)
         self._thread.start()

@@ -41,13 +41,13 @@ import torch
 from common.engine.chunked_prefill import plan_chunk, prefill_step
 from common.engine.grammar import mask_first_tokens
 from common.engine.handoff import Handoff, HandoffRequest
-from common.engine.host_copy import to_device
 from common.engine.logprobs import first_token_logprobs
 from common.engine.model_runner import ModelRunner
 from common.engine.penalties import LogitProcessors, state_from_ids
 from common.engine.prompt_logprobs import PromptParts, PromptRows, cacheable_prefix
 from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample, sample_seed
+from common.forward.host_copy import to_device
 from common.parallel.tp_shard import gather_kv_heads
 from common.request_rules import validate_prompt
 from prefill_service.draft_prefill import draft_extend, sample_drafts

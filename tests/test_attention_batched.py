@@ -12,10 +12,10 @@ import torch
 
 import common.attention.batched as batched
 from common.attention import BACKENDS, BatchedBackend, TorchReferenceBackend
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.req_to_token_pool import ReqToTokenPool
+from common.forward.forward_batch import ForwardBatch
 from common.service_config import ServiceConfig
 
 HEAD_DIM = 16

@@ -10,9 +10,9 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from common.models import compiled_layers
 from common.models.packed_linear import bucket_index
 from decode_service.config import DecodeConfig

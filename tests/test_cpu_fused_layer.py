@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.forward.forward_batch import ForwardBatch
 from common.models import cpu_fused, weight_arena
 from common.models.packed_linear import ROW_BUCKETS, linear_weights
 from tests.oracle import hf_greedy

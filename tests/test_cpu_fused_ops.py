@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from common.attention.batched import BatchedBackend
 from common.engine.colocated import ColocatedLoop
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from common.models import cpu_fused
 from common.models.decoder import RMSNorm
 from common.models.rope import RotaryEmbedding, apply_rotary

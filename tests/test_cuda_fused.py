@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from common.models.decoder import Attention, RMSNorm
 from common.models.packed_linear import PackedLinear
 from common.models.rope import RotaryEmbedding, apply_rotary

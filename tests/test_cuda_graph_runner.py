@@ -7,9 +7,9 @@ import torch
 
 from common.engine.cuda_graph_runner import batch_buckets
 from common.engine.draft_runner import SpecArgs
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from decode_service.eagle_tree_step import ancestors
 from tests.decode_harness import ManualPair, Pair
 from tests.oracle import hf_greedy

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from common.engine import streams
-from common.engine.forward_batch import ForwardBatch
-from common.engine.host_copy import to_device
 from common.engine.streams import poll_until
+from common.forward.forward_batch import ForwardBatch
+from common.forward.host_copy import to_device
 
 
 def test_to_device_on_cpu_is_the_host_tensor_with_the_dtype():
@@ -106,7 +106,7 @@ def test_gpu_check_fails_on_a_gpu_when_no_test_ran():
 
 
 def test_to_host_keeps_host_tensors_as_they_are():
-    from common.engine.host_copy import to_host
+    from common.forward.host_copy import to_host
 
     t = torch.tensor([4, 5])
     assert to_host(t) is t

@@ -61,8 +61,8 @@ def test_answers_keep_the_features_one_extend_over_the_whole_sequence_gives(chec
     final normed hidden (EAGLE), and captured layers (EAGLE3)."""
     import torch
 
-    from common.engine.forward_batch import ForwardBatch
     from common.engine.model_runner import ModelRunner, RunnerArgs
+    from common.forward.forward_batch import ForwardBatch
 
     runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=512, max_running_requests=4))
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]

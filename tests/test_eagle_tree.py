@@ -10,9 +10,9 @@ import torch
 
 from common.attention import create_backend
 from common.engine.draft_runner import SpecArgs
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from common.request_rules import InvalidRequest
 from tests.decode_harness import Hooks, Pair
 from tests.grpc_harness import needs_mooncake

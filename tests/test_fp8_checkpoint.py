@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.engine.colocated import ColocatedLoop
-from common.engine.forward_batch import ForwardBatch
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from common.models import fp8
 from common.models.config import CheckpointError, load_model_config
 from common.models.loader import load_model

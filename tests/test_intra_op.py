@@ -1,4 +1,4 @@
-"""One OpenMP pool per process (common/engine/intra_op.py): loading, warm-up and importing the project
+"""One OpenMP pool per process (common/forward/intra_op.py): loading, warm-up and importing the project
 start no pool on the main thread; the forward stream's worker computes with the creator's thread count
 and is the only thread that starts one. Run in a fresh interpreter (pytest's own threads and earlier
 tests' pools would blur the count); native threads = OS threads the threading module does not know."""
@@ -24,7 +24,7 @@ def native(expect=None):
             return n
         time.sleep(0.05)
 base = native()
-from common.engine.forward_batch import ForwardBatch
+from common.forward.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.streams import WorkerStream
 runner = ModelRunner(RunnerArgs(sys.argv[1], max_total_tokens=64, max_running_requests=2))

@@ -131,7 +131,7 @@ def test_the_decode_scheduler_imports_nothing_that_runs_a_model():
         "common.attention",
         "common.engine.model_runner",
         "common.engine.draft_runner",
-        "common.engine.forward_batch",
+        "common.forward.forward_batch",
         "decode_service.worker",
         "decode_service.decode_step",
         "decode_service.eagle_step",
@@ -164,3 +164,36 @@ def test_no_file_cites_a_document_outside_the_repository():
             continue
         cited += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in outside.finditer(text)]
     assert not cited, cited
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """common's packages (and top-level modules) -> the others each imports at module level (imports
+    under `if TYPE_CHECKING:` are annotations, not edges)."""
+    files = [f for f in _py_files("common") if "proto_gen" not in f]
+    unit = {f: ".".join(f.removesuffix("/__init__.py").removesuffix(".py").split("/")[:2]) for f in files}
+    known, edges = set(unit.values()), {}
+    for f in files:
+        for node in ast.parse(open(os.path.join(ROOT, f)).read()).body:
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            for there in {".".join(n.split(".")[:2]) for n in names} & known - {unit[f]}:
+                edges.setdefault(unit[f], set()).add(there)
+    return edges
+
+
+def test_the_packages_of_common_import_each_other_without_a_cycle():
+    """Shared types sit below the code that uses them (a forward's batch and copies in common/forward,
+    below attention, models and the engine), so no package of common/ reaches itself through another."""
+    edges = _package_imports()
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        for nxt in edges.get(start, ()):
+            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
+                return True
+        return False
+
+    cycles = sorted(f"{a} -> {b}" for a, deps in edges.items() for b in deps if reaches(b, a, set()))
+    assert edges and not cycles, cycles

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from common.attention.latent import latent_attention
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, bytes_per_slot
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.req_to_token_pool import ReqToTokenPool
+from common.forward.forward_batch import ForwardBatch
 from common.models.config import load_model_config
 from common.models.mla import deinterleave
 from common.models.rope import RotaryEmbedding, apply_rotary, attention_factor, inv_frequencies

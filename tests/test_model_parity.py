@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from common.engine.colocated import ColocatedLoop
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from tests.oracle import hf_greedy, hf_logits
 
 VARIANTS = ["llama", "qwen2", "qwen3", "qwen2-tied", "qwen3-sharded"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from common.metrics import DecodeMetrics, PrefillMetrics
 from common.models.expert_load import ExpertLoad, imbalance
 from tests.decode_harness import Hooks, Pair

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from common.engine.colocated import ColocatedLoop
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from tests.decode_harness import Pair
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy, hf_logits

@@ -34,8 +34,8 @@ def _runner(path: str, tp=None, ep_size: int = 1):
 def _logits_and_tokens(tp, path: str, ep_size: int, prompts, new_tokens: int) -> dict:
     """One rank: extend logits of every prompt position, then greedy generation (colocated loop)."""
     from common.engine.colocated import ColocatedLoop
-    from common.engine.forward_batch import ForwardBatch
     from common.engine.sampling import SamplingParams
+    from common.forward.forward_batch import ForwardBatch
 
     runner = _runner(path, tp, ep_size)
     rows = []

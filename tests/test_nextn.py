@@ -89,7 +89,7 @@ def test_draft_extend_matches_the_reference(mtp, tmp_path, source):
 def test_draft_step_on_its_own_hidden_matches_the_reference(mtp):
     """A chain's draft step: a decode forward at the committed length over the latents of the draft
     extend, reading the draft's own output for the position before (not the target's hidden)."""
-    from common.engine.forward_batch import ForwardBatch
+    from common.forward.forward_batch import ForwardBatch
 
     runner = ModelRunner(RunnerArgs(mtp, max_total_tokens=128, max_running_requests=2, spec=SpecArgs("NEXTN")))
     prompt, pool = list(range(7, 30)), runner.req_to_token_pool

@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.forward.forward_batch import ForwardBatch
 from common.tools.smollm2 import ensure_smollm2
 from tests.grpc_harness import GrpcPair, needs_mooncake
 

@@ -9,10 +9,10 @@ import torch
 from common.attention import TorchReferenceBackend
 from common.attention.triton_backend import TritonBackend, decode_splits
 from common.engine.draft_runner import SpecArgs
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
 from tests.test_attention_batched import _model_logits

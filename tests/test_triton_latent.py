@@ -12,9 +12,9 @@ import torch
 from common.attention import triton_latent
 from common.attention.latent import latent_attention
 from common.attention.triton_backend import TritonBackend
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.engine.req_to_token_pool import ReqToTokenPool
+from common.forward.forward_batch import ForwardBatch
 
 pytest.importorskip("triton", reason="the triton package is a dev dependency (.ci/setup installs it)")
 pytestmark = pytest.mark.skipif(

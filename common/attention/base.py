@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
+from common.forward.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from common.attention.base import AttentionBackend
-from common.engine import intra_op
-from common.engine.forward_batch import ForwardBatch
-from common.engine.host_copy import to_device
+from common.forward import intra_op
+from common.forward.forward_batch import ForwardBatch
+from common.forward.host_copy import to_device
 
 
 def _probe_enable_gqa() -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.engine.forward_batch import ForwardBatch
+from common.forward.forward_batch import ForwardBatch
 
 
 def latent_attention(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from common.attention.base import AttentionBackend
-from common.engine.forward_batch import ForwardBatch
+from common.forward.forward_batch import ForwardBatch
 
 
 class TorchReferenceBackend(AttentionBackend):

@@ -22,8 +22,8 @@ import torch
 
 from common.attention.base import AttentionBackend
 from common.attention.latent import latent_attention
-from common.engine.forward_batch import ForwardBatch, ForwardMode
-from common.engine.host_copy import to_device
+from common.forward.forward_batch import ForwardBatch, ForwardMode
+from common.forward.host_copy import to_device
 
 SPLIT_TOKENS = 256  # decode: one split per this many keys of the longest sequence ...
 MAX_SPLITS = 16  # ... up to this many (a power of two; each split writes a partial result)

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch
-from common.engine.host_copy import to_device
+from common.forward.forward_batch import ForwardBatch
+from common.forward.host_copy import to_device
 
 
 def plan_chunk(reqs: list, chunk_size: int) -> list[tuple[object, int]]:

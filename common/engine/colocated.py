@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.chunked_prefill import run_chunked_prefill
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner
 from common.engine.penalties import LogitProcessors, state_from_ids
 from common.engine.sampling import SamplingParams, sample
+from common.forward.forward_batch import ForwardBatch
 from common.request_rules import finish_reason, validate_prompt
 
 

@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.forward.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import torch
 
 from common.attention import create_backend
 from common.engine.cuda_graph_runner import CudaGraphRunner
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
+from common.forward.forward_batch import ForwardBatch
 from common.models import packed_linear
 from common.models.eagle import DraftHead, load_draft_config, load_draft_head
 from common.models.nextn import NextNHead

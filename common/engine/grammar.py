@@ -37,7 +37,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from common.engine import grammar_limits
-from common.engine.host_copy import to_device
+from common.forward.host_copy import to_device
 
 logger = logging.getLogger(__name__)
 

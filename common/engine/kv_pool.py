@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from common.engine import shared_memory
-from common.engine.host_copy import to_device
+from common.forward.host_copy import to_device
 
 
 def bytes_per_slot(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.host_copy import to_device, to_host
+from common.forward.host_copy import to_device, to_host
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_TOKEN_IDS_LOGPROB = 64

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 from common.attention import create_backend, resolve_backend
-from common.engine import intra_op
 from common.engine.cuda_graph_runner import CudaGraphRunner
 from common.engine.draft_runner import DraftRunner, SpecArgs
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool, slots_for_budget
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
+from common.forward import intra_op
+from common.forward.forward_batch import ForwardBatch
 from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear, weight_arena
 from common.models.config import ModelConfig, load_model_config
 from common.models.expert_load import ExpertLoad

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.host_copy import to_device
+from common.forward.host_copy import to_device
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is a scatter column on every step
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.host_copy import to_device
 from common.engine.logprobs import LogprobRows, StepLogprobs, TokenLogprobs
+from common.forward.host_copy import to_device
 
 
 def logit_positions(params, prompt_len: int, first_position: int = 0) -> range:

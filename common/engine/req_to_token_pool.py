@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.host_copy import to_device
 from common.engine.slot_allocator import SlotAllocator
+from common.forward.host_copy import to_device
 
 
 class ReqToTokenPool:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from common.engine.grammar import check_constraint, constraint_of
-from common.engine.host_copy import to_device
 from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, LogprobRows
 from common.engine.penalties import MAX_LOGIT_BIAS, LogitProcessors, has_processors
+from common.forward.host_copy import to_device
 
 _MASK64 = (1 << 64) - 1
 MAX_N = 128  # OpenAI's bound on n

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.host_copy import to_device
 from common.engine.sampling import SamplingParams, keep_sorted, sorted_candidates, topk_width, uniform
+from common.forward.host_copy import to_device
 
 # Purposes of a uniform draw, mixed into the request's seed (any distinct 64-bit values).
 DRAFT, ACCEPT, BONUS = 0x5D1A_F7C3_0000_0001, 0x5D1A_F7C3_0000_0002, 0x5D1A_F7C3_0000_0003

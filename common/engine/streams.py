@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.engine import intra_op
+from common.forward import intra_op
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from common.engine.forward_batch import ForwardBatch, ForwardMode
+from common.forward.forward_batch import ForwardBatch, ForwardMode
 from common.models.packed_linear import ROW_BUCKETS, bucket_index
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.engine.forward_batch import ForwardBatch
+from common.forward.forward_batch import ForwardBatch
 from common.models import moe
 from common.models.config import ModelConfig
 from common.models.direct_call import DirectCall

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from common.engine.draft_runner import SpecArgs
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
 from common.tools.eagle_checkpoint import build as build_head
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
@@ -190,7 +190,7 @@ def test_decode_step_launch_has_no_host_sync(checkpoint, tmp_path, mode, backend
 
 @pytest.mark.gpu
 def test_host_copies_go_through_pinned_memory():
-    from common.engine.host_copy import to_device, to_host
+    from common.forward.host_copy import to_device, to_host
 
     d = to_device([1, 2, 3], "cuda", torch.int64)
     assert d.is_cuda and d.tolist() == [1, 2, 3]

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from common.engine.forward_batch import ForwardBatch
 from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.forward.forward_batch import ForwardBatch
 from common.models.expert_load import count_routed
 
 pytestmark = pytest.mark.gpu

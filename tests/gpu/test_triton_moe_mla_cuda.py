@@ -11,9 +11,9 @@ import torch
 
 from common.attention.latent import latent_attention
 from common.attention.triton_backend import TritonBackend
-from common.engine.forward_batch import ForwardBatch
 from common.engine.kv_pool import KVPool
 from common.engine.req_to_token_pool import ReqToTokenPool
+from common.forward.forward_batch import ForwardBatch
 from common.models import moe, triton_moe
 from tests.gpu.sync_check import no_sync
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine.host_copy import to_device
+from common.forward.host_copy import to_device
 
 
 class ForwardMode(enum.Enum):
