@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -23,6 +24,10 @@ def test_a_sigterm_while_loading_stops_the_service_cleanly(checkpoint, tmp_path,
     if service == "decode":
         args += ["--prefill-addr", "127.0.0.1:1"]
     proc = subprocess.Popen(args, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    # a service that hangs before its "loading" line is killed: the reading loop then ends (EOF) and the
+    # test fails on its exit code; 120 s is far beyond the start of a tiny model on a busy 2-core host
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
     try:
         lines = []
         for line in proc.stderr:  # logging goes to stderr
@@ -32,6 +37,7 @@ def test_a_sigterm_while_loading_stops_the_service_cleanly(checkpoint, tmp_path,
                 break
         _, rest = proc.communicate(timeout=120)
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
     out = "".join(lines) + rest
