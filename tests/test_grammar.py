@@ -10,7 +10,6 @@ buggy prefill peer) fails its own request only."""
 import dataclasses
 import json
 import re
-import time
 
 import pytest
 import torch
@@ -112,14 +111,6 @@ def test_compiled_once_per_distinct_constraint_and_malformed_ones_name_their_fie
             c.compile((field, text))
     with pytest.raises(ValueError, match="at most one constraint"):
         SamplingParams(regex="a", json_schema="{}").validate()
-
-
-def test_a_compile_past_the_time_bound_is_refused(checkpoint):
-    slow = grammar.GrammarCompiler(checkpoint("llama"), 384, (2,), timeout_s=0.2)
-    slow._compile = lambda field, text: time.sleep(1.0)
-    with pytest.raises(grammar.GrammarError, match="regex did not compile within"):
-        slow.compile(("regex", "a+"))
-    slow.close()
 
 
 def test_a_worker_without_grammars_refuses_constrained_requests():

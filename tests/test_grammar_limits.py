@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import grpc
@@ -16,6 +17,7 @@ import pytest
 from common.engine import grammar, grammar_limits
 from common.engine.grammar import GrammarBusy, GrammarCompiler, GrammarError, check_constraint
 from common.engine.sampling import SamplingParams
+from tests.gated_pool import GatedPool
 from tests.grpc_harness import GrpcPair
 
 
@@ -64,17 +66,38 @@ def test_ordinary_constraints_pass_the_bounds(field, text):
     assert grammar_limits.repetition_product("(a{10}){10}b{5}") == 100
 
 
-class _Slow(GrammarCompiler):
-    """A compiler whose compiles wait for `release` (those named "slow": for `gate`) and return a
-    stand-in of `size` bytes (the text's number before its colon)."""
+class _HeldPool:
+    """A compile pool whose compiles answer when the test sets `release` (those named "slow": `gate`),
+    each with its text as the "compiled" payload."""
 
-    def __init__(self, **kw):
-        super().__init__("unused", 10, (), **kw)
+    def __init__(self):
         self.release, self.gate, self.started = threading.Event(), threading.Event(), []
 
-    def _compile(self, field, text):
-        self.started.append(text)
-        assert (self.gate if "slow" in text else self.release).wait(30)
+    def warm(self):
+        pass
+
+    def submit(self, key, tokenizer, any_ws, field, text, timeout_s):
+        fut = Future()
+
+        def run():
+            self.started.append(text)
+            assert (self.gate if "slow" in text else self.release).wait(30)
+            fut.set_result(text)
+
+        threading.Thread(target=run, daemon=True).start()
+        return fut
+
+
+class _Slow(GrammarCompiler):
+    """A compiler on a _HeldPool whose grammars are stand-ins of `size` bytes (the text's number
+    before its colon)."""
+
+    def __init__(self, **kw):
+        self.held = _HeldPool()
+        super().__init__("unused", 10, (), pool=self.held, **kw)
+        self.release, self.gate = self.held.release, self.held.gate
+
+    def _load(self, text):
         return SimpleNamespace(memory_size_bytes=int(text.split(":")[0]))
 
 
@@ -97,23 +120,6 @@ def test_at_most_max_pending_compile_at_once_and_cached_ones_are_still_served():
     c.close()
 
 
-def test_a_compile_past_its_deadline_holds_no_queue():
-    """Two compiles stuck far past the deadline (a pool of two threads would have queued every later
-    one behind them): the next constraint compiles at once, and the stuck ones still count as pending."""
-    c = _Slow(timeout_s=0.2)
-    stuck = [c.compile_async(("regex", f"1:slow{i}")) for i in range(2)]
-    with pytest.raises(GrammarError, match="did not compile within 0.2 s"):
-        c.compile(("regex", "1:slow0"))
-    c.release.set()  # the stuck ones stay stuck: they wait on their own gate below
-    assert c.compile(("regex", "1:quick")).memory_size_bytes == 1
-    assert c.pending == 2
-    c.gate.set()
-    for f in stuck:
-        f.result(5)
-    assert c.pending == 0
-    c.close()
-
-
 def test_the_cache_is_bounded_by_bytes():
     c = _Slow(max_cached_bytes=100)
     c.release.set()
@@ -129,8 +135,8 @@ def test_the_front_door_answers_resource_exhausted_while_max_pending_compile(che
     pair = GrpcPair(checkpoint("llama"))
     try:
         compiler = pair.decode.scheduler.worker.grammar_compiler()
-        gate, real = threading.Event(), compiler._compile
-        compiler._compile = lambda field, text: gate.wait(30) and real(field, text)
+        compiler.pool = GatedPool(compiler.pool)
+        gate = compiler.pool.gate
         held = [compiler.compile_async(("regex", f"[a-z]{{{i}}}")) for i in range(1, grammar.MAX_PENDING + 1)]
         with pytest.raises(grpc.RpcError) as err:
             pair.collect(pair.generate([5, 6, 7], 4, regex="(cat|dog)s?"))

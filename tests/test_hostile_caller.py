@@ -18,6 +18,7 @@ from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from decode_service.prefill_replicas import PREFILL_METHOD
 from decode_service.request_validation import InvalidRequest, parse_generate
+from tests.gated_pool import GatedPool
 from tests.grpc_harness import GrpcPair, held_worker, wait_for
 
 KEY = "inside"
@@ -145,8 +146,9 @@ def test_a_call_whose_grammar_compiles_counts_as_open(pair, stub, serves_exactly
 
     service = pair.prefill
     compiler = runner_compiler(service.runner)
-    gate, started, real = threading.Event(), threading.Event(), compiler._compile
-    compiler._compile = lambda field, text: (started.set(), gate.wait(30), real(field, text))[2]
+    real = compiler.pool
+    compiler.pool = GatedPool(real)
+    gate, started = compiler.pool.gate, compiler.pool.started
     calls = []
     try:
         sp = prefill_pb2.SamplingParams(max_new_tokens=2, regex="(held|open)+")
@@ -157,7 +159,7 @@ def test_a_call_whose_grammar_compiles_counts_as_open(pair, stub, serves_exactly
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "calls are open" in err.details(), err.details()
     finally:
         gate.set()
-        compiler._compile = real
+        compiler.pool = real
     for call in calls:
         assert _complete(call).prompt_len == len(PROMPT)
     wait_for("no call open", lambda: service.open_calls == 0)

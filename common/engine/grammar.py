@@ -2,16 +2,15 @@
 
 A request may carry one constraint (SamplingParams: `json_schema`, `regex`, `ebnf_grammar` or
 `structural_tag`, as smg's GenerateRequest oneof). `GrammarCompiler` compiles it with xgrammar for
-one model's tokenizer, off the calling thread (each compile on a thread of its own), once per
-distinct constraint (an LRU of futures, so concurrent requests with one schema compile it once,
-bounded by count and by the compiled grammars' bytes; xgrammar's own cache is off), within a time
-bound; a constraint that does not compile, or not in time, is a `GrammarError` (a ValueError naming
-the field: the front doors answer INVALID_ARGUMENT before anything is reserved). What it would
+one model's tokenizer, in the process's pool of compile workers (compile_pool.py: child processes),
+once per distinct constraint (an LRU of futures, so concurrent requests with one schema compile it
+once, bounded by count and by the compiled grammars' bytes; xgrammar's own cache is off), within a
+time bound; a constraint that does not compile, or not in time, is a `GrammarError` (a ValueError
+naming the field: the front doors answer INVALID_ARGUMENT before anything is reserved). What it would
 expand to is bounded before it compiles (grammar_limits.py), and at most MAX_PENDING distinct
-constraints compile at once: past that a new one is `GrammarBusy` (RESOURCE_EXHAUSTED: retry
-later). No constraint waits behind
-another's compile: a compile past its deadline holds only its own thread (xgrammar cannot cancel
-it; it runs to its end and counts against MAX_PENDING until then).
+constraints compile or wait for a worker at once: past that a new one is `GrammarBusy`
+(RESOURCE_EXHAUSTED: retry later), as is one that found no free worker before its deadline. A compile
+past its deadline is ended (its worker process killed): it holds no CPU, no worker and no queue after.
 `compiler_for(path, vocab_size, stop_ids, any_whitespace)` is one compiler per model folder in a
 process (prefill and decode in one process share it). `--constrained-json-disable-any-whitespace`
 (SGLang's flag, RunnerArgs) compiles JSON schemas with xgrammar's any_whitespace=False: no free
@@ -27,16 +26,16 @@ allows one only where the grammar may end.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from common.engine import grammar_limits
+from common.engine import compile_pool, grammar_limits
 from common.forward.host_copy import to_device
 
 logger = logging.getLogger(__name__)
@@ -47,6 +46,9 @@ COMPILE_TIMEOUT_S = 10.0
 MAX_CACHED = 256  # distinct compiled constraints kept per model ...
 MAX_CACHED_BYTES = 512 << 20  # ... and their bytes (a ~39 KB regex compiled to ~26 MiB for SmolLM2)
 MAX_PENDING = 8  # distinct constraints compiling or queued at once
+
+
+_keys = itertools.count(1)
 
 
 class GrammarError(ValueError):
@@ -113,6 +115,7 @@ class GrammarCompiler:
         any_whitespace: bool = True,
         max_cached_bytes: int = MAX_CACHED_BYTES,
         max_pending: int = MAX_PENDING,
+        pool: compile_pool.CompilePool | None = None,
     ):
         self.tokenizer_path, self.vocab_size, self.stop_token_ids = tokenizer_path, vocab_size, tuple(stop_token_ids)
         self.timeout_s, self.max_cached, self.any_whitespace = timeout_s, max_cached, any_whitespace
@@ -121,13 +124,17 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}  # compiled bytes of the cached, compiled ones
         self.cached_bytes, self.pending = 0, 0
-        self._compiler = None
-        self._compiler_ready = threading.Lock()
+        self.pool = pool if pool is not None else compile_pool.shared_pool()
+        self._key = next(_keys)  # this tokenizer's name in the pool's workers
+        self._info = self._info_json = None
+        self._tokenizer_ready = threading.Lock()
+        self.pool.warm()
 
-    def _xgr(self):
-        """The xgrammar compiler, made once (loading the tokenizer takes a moment: on first use)."""
-        with self._compiler_ready:
-            if self._compiler is None:
+    def _tokenizer(self):
+        """xgrammar's TokenizerInfo and its JSON, made once (loading the tokenizer takes a moment: on
+        first use); the workers compile with the JSON, this process deserializes what they return."""
+        with self._tokenizer_ready:
+            if self._info is None:
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
 
@@ -135,18 +142,8 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # ours bounds bytes
-            return self._compiler
-
-    def _compile(self, field: str, text: str):
-        c = self._xgr()
-        if field == "json_schema":
-            return c.compile_json_schema(text, any_whitespace=self.any_whitespace)
-        if field == "regex":
-            return c.compile_regex(text)
-        if field == "ebnf_grammar":
-            return c.compile_grammar(text)
-        return c.compile_structural_tag(*structural_tag_args(text))
+                self._info, self._info_json = info, info.serialize_json()
+            return self._info, self._info_json
 
     def compile_async(self, constraint: tuple[str, str], bounded: bool = True) -> Future:
         """A future of the compiled grammar (one per distinct constraint while it stays cached); a new
@@ -160,27 +157,38 @@ class GrammarCompiler:
             if bounded and self.pending >= self.max_pending:
                 raise GrammarBusy(f"{self.pending} constraints are compiling already: try again shortly")
             self.pending += 1
-            fut = self._start(constraint)
+            fut = self._start(constraint, bounded)
             self._cache[constraint] = fut
             self._evict()
         fut.add_done_callback(lambda f: self._done(constraint, f))
         return fut
 
-    def _start(self, constraint) -> Future:
-        """The compile on a thread of its own: one past its deadline holds only that thread, never a
-        queue that later constraints wait in (xgrammar cannot cancel it: it runs to its end, and counts
-        against MAX_PENDING until then)."""
+    def _start(self, constraint, bounded: bool) -> Future:
+        """The compile in the pool's worker processes (compile_pool.py): one past its deadline is
+        killed there, so it holds no CPU and no queue; the future ends in the grammar or a GrammarError."""
+        field = constraint[0]
         fut: Future = Future()
+        timeout_s = self.timeout_s if bounded else None
+        job = self.pool.submit(self._key, lambda: self._tokenizer()[1], self.any_whitespace, *constraint, timeout_s)
 
-        def run():
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(self._compile(*constraint))
-                except BaseException as e:  # noqa: BLE001 (the caller's error, through the future)
-                    fut.set_exception(e)
+        def finish(job: Future) -> None:
+            try:
+                fut.set_result(self._load(job.result()))
+            except compile_pool.CompileTimedOut:
+                fut.set_exception(GrammarError(f"{field} did not compile within {self.timeout_s:g} s"))
+            except compile_pool.NoWorkerFree as e:
+                fut.set_exception(GrammarBusy(f"{field}: no grammar compile started in time ({e}): try again shortly"))
+            except Exception as e:  # noqa: BLE001 (CompileFailed, or a reply that does not deserialize)
+                fut.set_exception(GrammarError(f"{field} does not compile: {e}"))
 
-        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        job.add_done_callback(finish)
         return fut
+
+    def _load(self, compiled_json: str):
+        """A worker's compiled grammar, deserialized for this process's matchers."""
+        import xgrammar as xgr
+
+        return xgr.CompiledGrammar.deserialize_json(compiled_json, self._tokenizer()[0])
 
     def _done(self, constraint, fut) -> None:
         failed = fut.cancelled() or fut.exception() is not None
@@ -204,26 +212,13 @@ class GrammarCompiler:
             old, _ = self._cache.popitem(last=False)
             self.cached_bytes -= self._sizes.pop(old, 0)
 
-    def _forget(self, constraint, fut) -> None:
-        with self._lock:
-            if self._cache.get(constraint) is fut:
-                del self._cache[constraint]
-                self.cached_bytes -= self._sizes.pop(constraint, 0)
-
     def compile(self, constraint: tuple[str, str]):
-        """The compiled grammar; GrammarError naming the field when it does not compile in time."""
-        field = constraint[0]
-        fut = self.compile_async(constraint)
-        try:
-            return fut.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            self._forget(constraint, fut)  # the next request tries again (the pool finishes this one)
-            raise GrammarError(f"{field} did not compile within {self.timeout_s:g} s") from None
-        except Exception as e:
-            raise GrammarError(f"{field} does not compile: {str(e).strip().splitlines()[0][:300]}") from None
+        """The compiled grammar; GrammarError naming the field when it does not compile in time
+        (GrammarBusy when no worker was free in time)."""
+        return self.compile_async(constraint).result()
 
     def close(self) -> None:
-        """Nothing to stop: each compile's thread ends with it (daemon threads)."""
+        """Nothing of its own to stop: the pool's workers are shared by the process's compilers."""
 
 
 _compilers: dict[tuple, GrammarCompiler] = {}
