@@ -4,7 +4,8 @@ In this order, the first that fails deciding the status: UNAVAILABLE while drain
 scheduler down; INVALID_ARGUMENT for bad input (decode_service/request_validation.py) or a
 request_id already in flight; UNAVAILABLE with no prefill replica serving (the caller has re-checked
 the replicas live first); RESOURCE_EXHAUSTED with `max_running_requests + max_queued_requests`
-calls already open. A call that passes gets its prompt ids and SamplingParams.
+calls already open. A call that passes gets its CheckedRequest (decode_service/submit_checks.py: the
+scheduler's one check of the prompt and params against the model and pool).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Container
 
 import grpc
 
-from common.engine.sampling import SamplingParams
 from decode_service.request_validation import InvalidRequest, parse_generate
+from decode_service.submit_checks import CheckedRequest
 
 
 class Rejected(Exception):
@@ -27,8 +28,9 @@ class Admission:
     def __init__(self, config, runner, scheduler, health):
         self.config, self.runner, self.scheduler, self.health = config, runner, scheduler, health
 
-    def check(self, request, in_flight: Container[str], open_calls: int) -> tuple[list[int], SamplingParams]:
-        """(prompt ids, SamplingParams), or Rejected; `in_flight`: the client request_ids of open calls."""
+    def check(self, request, in_flight: Container[str], open_calls: int) -> CheckedRequest:
+        """The request, checked (the scheduler's CheckedRequest), or Rejected; `in_flight`: the client
+        request_ids of open calls."""
         if self.health.draining:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if not self.scheduler.alive:
@@ -36,12 +38,12 @@ class Admission:
         try:
             ids, params = parse_generate(
                 request,
-                self.runner.config.vocab_size,
                 self.runner.context_length,
                 self.config.default_max_new_tokens,
                 kv_room=self.scheduler.books.room,
                 spec_extra=self.scheduler.books.extra,
             )
+            checked = self.scheduler.check(ids, params)  # the one check against the model and pool
         except InvalidRequest as e:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         if request.request_id in in_flight:
@@ -54,4 +56,4 @@ class Admission:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{open_calls} requests open: the admission queue is full (max_queued_requests)",
             )
-        return ids, params
+        return checked

@@ -23,7 +23,7 @@ import math
 from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB
 from common.engine.penalties import MAX_LOGIT_BIAS
 from common.engine.sampling import SamplingParams
-from common.request_rules import InvalidRequest, default_max_new_tokens, stop_token_ids, validate_prompt
+from common.request_rules import InvalidRequest, default_max_new_tokens, stop_token_ids
 from decode_service.stop_strings import check_stop_strings
 
 
@@ -76,7 +76,6 @@ def logit_bias(entries) -> dict[int, float]:
 
 def parse_generate(
     req,
-    vocab_size: int,
     context_length: int,
     default_max_new_tokens_: int,
     kv_room: int | None = None,
@@ -136,5 +135,4 @@ def parse_generate(
         raise InvalidRequest(f"token_ids_logprob has {len(req.token_ids_logprob)} ids; at most {MAX_TOKEN_IDS_LOGPROB}")
     if params.min_new_tokens > params.max_new_tokens:
         raise InvalidRequest(f"min_new_tokens ({sp.min_new_tokens}) exceeds max_new_tokens ({params.max_new_tokens})")
-    validate_prompt(ids, params, vocab_size, context_length)
-    return ids, params
+    return ids, params  # the prompt and params against the model and pool: the scheduler's check

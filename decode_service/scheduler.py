@@ -54,6 +54,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.streams import StreamFailed
 from common.request_rules import ErrorKind, FinishReason, finish_reason
 from decode_service.first_token import first_outputs
+from decode_service.grammar_state import check_request
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, Inbox, Submit
 from decode_service.output import Finish, OutputCallback, RequestOutput
@@ -63,7 +64,7 @@ from decode_service.schedule_batch import ScheduleBatch
 from decode_service.scheduler_types import InvariantError, LaunchedStep, SpecStats
 from decode_service.slot_books import SlotBooks
 from decode_service.stop_strings import StopStrings
-from decode_service.submit_checks import check_submit
+from decode_service.submit_checks import CheckedRequest, check_submit
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +130,20 @@ class DecodeScheduler:
         trace: tuple | None = None,
     ) -> None:
         """Queue a request; `on_output` gets its RequestOutputs, `trace` (span context, submission ns) rides along."""
-        grammar = check_submit(self, prompt_ids, params)  # InvalidRequest: nothing queued (submit_checks.py)
-        req = DecodeReq(rid, list(prompt_ids), params, params.resolved_seed(), on_output, trace=trace, grammar=grammar)
+        self.submit_checked(rid, self.check(prompt_ids, params), on_output, trace)
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """InvalidRequest unless this scheduler can serve the request (submit_checks.py)."""
+        return check_submit(self, prompt_ids, params)
+
+    def submit_checked(
+        self, rid: str, request: CheckedRequest, on_output: OutputCallback | None = None, trace: tuple | None = None
+    ) -> None:
+        """Queue a checked request; its grammar compiles here unless the caller compiled it already."""
+        params, grammar = request.params, check_request(self.worker, request.params)  # InvalidRequest: nothing queued
+        req = DecodeReq(
+            rid, request.prompt_ids, params, params.resolved_seed(), on_output, trace=trace, grammar=grammar
+        )
         self.inbox.post(Submit(req))
 
     def abort(self, rid: str) -> None:

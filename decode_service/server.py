@@ -135,7 +135,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         if not self.health.prefill_serving:  # no await between admission's checks and registering the call
             await self.health.recheck_prefill()
         try:
-            ids, params = self._admission.check(request, self._live, self._open)
+            checked = self._admission.check(request, self._live, self._open)
         except Rejected as e:
             await context.abort(e.code, e.detail)
         rid = f"{request.request_id or 'req'}#{next(self._ids)}"
@@ -148,11 +148,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         # rides on the request: the prefill client hangs its spans (and the replica's) under it
         trace = (self.tracing.context_of(span), time.time_ns()) if span is not None else None
         try:
-            await compile_off_loop(self.scheduler.worker, params)  # a grammar: compiled before submit's check
-            self.scheduler.submit(
-                rid, ids, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), trace=trace
+            await compile_off_loop(self.scheduler.worker, checked.params)  # off the loop: submit finds it cached
+            self.scheduler.submit_checked(
+                rid, checked, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), trace=trace
             )
-            async for response in self._responder.stream(request, ids, outputs, context, trace):
+            async for response in self._responder.stream(request, checked.prompt_ids, outputs, context, trace):
                 yield response
             finished = True  # every sample's Complete is out
         except InvalidRequest as e:

@@ -33,7 +33,10 @@ class InProcessPrefill:
         self.scheduler = PrefillScheduler(worker, max_running_requests=max_batch).start(threads=1)
 
     def __call__(self, request: HandoffRequest) -> None:
-        self.scheduler.submit(PrefillCall(request, lambda answer: self._answer(request.rid, answer)))
+        try:
+            self.scheduler.submit(PrefillCall(request, lambda answer: self._answer(request.rid, answer)))
+        except ValueError as e:  # the prompt does not suit this prefill's pool: the request's error
+            self._answer(request.rid, e)
 
     def close(self) -> None:
         """Stop the scheduler; a call not answered yet fails ("prefill service stopping")."""

@@ -1,8 +1,9 @@
 """What a Prefill request may ask of this replica's work, checked before any is done (issue 37).
 
-`parse(request, ...)` turns a PrefillRequest into the scheduler's HandoffRequest: first the bounds
-below (before any copy), then the prompt and sampling rules every request meets
-(common/request_rules.py, against one sampled token), then `first_output_position` < prompt length.
+`parse(request, ...)` turns a PrefillRequest into the scheduler's HandoffRequest after the bounds
+below (before any copy). The prompt and sampling rules every request meets (common/request_rules.py,
+against one sampled token; `first_output_position` < prompt length) are checked once, where every
+caller's request enters the scheduler (PrefillScheduler.submit -> PrefillWorker.validate).
 
 - `max_chunk_bytes`: 0 (the server's flag) or within [MIN_REQUEST_CHUNK_BYTES, MAX_CHUNK_BYTES]
   (common/wire/kv_chunks.py `chunk_bound`); outside it is refused, not clamped: decode never sends
@@ -22,7 +23,7 @@ from common.engine.penalties import MAX_LOGIT_BIAS
 from common.engine.sampling import SamplingParams
 from common.models.config import ModelConfig
 from common.parallel.tp_shard import check_divisible, kv_heads_of
-from common.request_rules import stop_token_ids, validate_prompt
+from common.request_rules import stop_token_ids
 from common.wire import kv_chunks
 from common.wire.proto_gen import prefill_pb2
 
@@ -51,14 +52,7 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
         logprob_start_len=sp.logprob_start_len if sp.HasField("logprob_start_len") else -1,
         **constraint(sp, runner),
     )
-    prompt = list(request.input_ids)
-    validate_prompt(
-        prompt, params, runner.config.vocab_size, runner.context_length, kv_capacity=runner.kv_allocator.size
-    )
-    if request.first_output_position >= len(prompt):
-        raise ValueError("first_output_position must be < len(input_ids)")
-    if params.prompt_logprobs and params.logprob_start_len >= len(prompt) - request.first_output_position:
-        raise ValueError("logprob_start_len must be below the prompt's length (input_ids less the resent outputs)")
+    prompt = list(request.input_ids)  # against the model and pool: the scheduler's check (worker.validate)
     params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
     return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
 

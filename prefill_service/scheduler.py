@@ -113,6 +113,9 @@ class PrefillScheduler:
 
     # ---- API (any thread) -----------------------------------------------------------------------
     def submit(self, call: PrefillCall) -> None:
+        """Queue a call; ValueError (InvalidRequest) before anything is queued when its prompt or params
+        do not suit this replica's model and pool (the one check: worker.validate), QueueFull when full."""
+        self.worker.validate(call.request)
         with self._cv:
             closed = self._closed
             if closed is None and self.max_pending is not None and len(self.pending) >= self.max_pending:
@@ -220,11 +223,7 @@ class PrefillScheduler:
             and self.worker.can_admit(self.waiting[0].request)
         ):
             call = self.waiting.popleft()
-            try:
-                self.worker.admit(call.request)
-            except ValueError as e:
-                self._answer(call, e)
-                continue
+            self.worker.admit(call.request)  # checked at submit (worker.validate)
             call.started_at = time.perf_counter()
             self.running[id(call.request)] = call
         if self.waiting and not self.running:  # nothing running, yet the head does not fit: it never will

@@ -161,6 +161,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 self.scheduler.submit(call)
             except QueueFull as e:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._busy(str(e)))
+            except ValueError as e:  # the prompt or params against this replica's model and pool
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             async for message in self.streams.stream(request, call, answer, first, context):
                 yield message
         finally:

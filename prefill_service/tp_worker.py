@@ -47,7 +47,7 @@ class TPPrefillWorker(PrefillWorker):
         self.tp.broadcast_object(message)
 
     def admit(self, request: HandoffRequest) -> None:
-        self.validate(request)  # a refusal stays on rank 0: nothing changed anywhere
+        """Rank 0's scheduler checked it at submit: every rank reserves the same slots."""
         self._send(Admit(request))
         super().admit(request)
 

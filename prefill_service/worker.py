@@ -49,7 +49,7 @@ from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample, sample_seed
 from common.forward.host_copy import to_device
 from common.parallel.tp_shard import gather_kv_heads
-from common.request_rules import validate_prompt
+from common.request_rules import InvalidRequest, validate_prompt
 from prefill_service.draft_prefill import draft_extend, sample_drafts
 
 
@@ -101,14 +101,23 @@ class PrefillWorker:
 
     # ---- admission ---------------------------------------------------------------------------------
     def validate(self, request: HandoffRequest) -> None:
-        kv = self.runner.kv_allocator
+        """InvalidRequest (a ValueError) unless this replica can prefill the request: the prompt and
+        params against the model and pool, the resent outputs within the prompt (the one check of a
+        request here: PrefillScheduler.submit, for the server and in-process callers alike)."""
+        prompt, params = request.prompt_ids, request.params
         validate_prompt(
-            request.prompt_ids,
-            request.params,
+            prompt,
+            params,
             self.runner.config.vocab_size,
             self.runner.context_length,
-            kv_capacity=kv.size,
+            kv_capacity=self.runner.kv_allocator.size,
         )
+        if request.first_position >= len(prompt):
+            raise InvalidRequest("first_output_position must be < len(input_ids)")
+        if params.prompt_logprobs and params.logprob_start_len >= len(prompt) - request.first_position:
+            raise InvalidRequest(
+                "logprob_start_len must be below the prompt's length (input_ids less the resent outputs)"
+            )
 
     def _reusable(self, request: HandoffRequest) -> tuple[torch.Tensor, object]:
         """(cached slots this prompt may reuse, the node to lock) - see step 1."""
@@ -138,7 +147,7 @@ class PrefillWorker:
             self.cache.unlock(node)
 
     def admit(self, request: HandoffRequest) -> None:
-        self.validate(request)
+        """Reserve a request slot and the KV slots of its prompt (the scheduler checked it at submit)."""
         pool, kv = self.runner.req_to_token_pool, self.runner.kv_allocator
         prompt = list(request.prompt_ids)
         cached, node = self._reusable(request)

@@ -111,9 +111,9 @@ def test_the_front_door_counts_stop_ids_itself():
     sp = pb.SamplingParams(max_new_tokens=4, stop_token_ids=list(range(65)))
     request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=PROMPT), sampling_params=sp)
     with pytest.raises(InvalidRequest, match="stop_token_ids has 65 ids; at most 64"):
-        parse_generate(request, vocab_size=384, context_length=256, default_max_new_tokens_=8)
+        parse_generate(request, context_length=256, default_max_new_tokens_=8)
     del request.sampling_params.stop_token_ids[64:]
-    assert len(parse_generate(request, 384, 256, 8)[1].stop_token_ids) == 64
+    assert len(parse_generate(request, 256, 8)[1].stop_token_ids) == 64
 
 
 def test_more_open_calls_than_the_cap_are_refused(pair, stub, serves_exactly):

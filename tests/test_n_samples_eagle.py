@@ -207,7 +207,7 @@ def test_a_default_max_new_tokens_leaves_room_for_every_samples_drafts():
     request = pb.GenerateRequest(
         request_id="d", tokenized=pb.TokenizedInput(input_ids=prompt), sampling_params=pb.SamplingParams(n=N)
     )
-    _, params = parse_generate(request, 100, 512, 1000, kv_room=size - extra, spec_extra=extra)
+    _, params = parse_generate(request, 512, 1000, kv_room=size - extra, spec_extra=extra)
     assert params.max_new_tokens == 29  # 7 + 3 x (29 + 8) + 2 = 120 slots: the whole pool
     info, pool = (
         SimpleNamespace(vocab_size=100, context_length=512),
@@ -221,7 +221,7 @@ def test_a_default_max_new_tokens_leaves_room_for_every_samples_drafts():
         stop_strings=None,
     )
     check_submit(eagle, prompt, params)  # admitted as it is
-    _, plain = parse_generate(request, 100, 512, 1000, kv_room=size)
+    _, plain = parse_generate(request, 512, 1000, kv_room=size)
     assert plain.max_new_tokens == (size - 7) // N  # without EAGLE as before
 
 

@@ -133,6 +133,9 @@ def test_a_failing_step_answers_every_admitted_call_once(checkpoint):
 class _AdmissionBreaks:
     """The worker surface the scheduler touches, with no model: admission bookkeeping that raises."""
 
+    def validate(self, request):
+        pass
+
     def can_admit(self, request):
         raise RuntimeError("admission bookkeeping broke")
 

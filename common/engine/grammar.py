@@ -102,6 +102,15 @@ def structural_tag_args(text: str) -> tuple:
     return (text,)
 
 
+def tokenizer_info(path: str, vocab_size: int, stop_token_ids):
+    """xgrammar's TokenizerInfo of the tokenizer in `path` (EOS: `stop_token_ids`)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
 class GrammarCompiler:
     """xgrammar's compiler for one tokenizer, with a bounded cache and a time bound (see the module)."""
 
@@ -135,13 +144,7 @@ class GrammarCompiler:
         first use); the workers compile with the JSON, this process deserializes what they return."""
         with self._tokenizer_ready:
             if self._info is None:
-                import xgrammar as xgr
-                from transformers import AutoTokenizer
-
-                tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
-                info = xgr.TokenizerInfo.from_huggingface(
-                    tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
-                )
+                info = tokenizer_info(self.tokenizer_path, self.vocab_size, self.stop_token_ids)
                 self._info, self._info_json = info, info.serialize_json()
             return self._info, self._info_json
 
