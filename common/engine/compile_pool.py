@@ -8,7 +8,7 @@ deadline is ended by killing that process (a fresh one takes its place on the ne
 `CompilePool.submit(...)` -> a Future of the compiled grammar's JSON (xgrammar's serialize_json; the
 caller deserializes it with its TokenizerInfo). Rules:
 - at most `max_workers` compiles run at once, one per process; a compile waits for a busy pool to
-  free a process for at most `timeout_s` (`NoWorkerFree` past it: retry later);
+  free a process, in arrival order, for at most `timeout_s` (`NoWorkerFree` past it: retry later);
 - a compile gets `timeout_s` of its worker's time, counted once the worker has it; one not answered
   by then kills its process (`CompileTimedOut`); a timeout of None waits as long as the compile
   takes (a TP follower's compile of what rank 0 compiled in time);
@@ -34,7 +34,9 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-MAX_WORKERS = 4  # compiles at once in a process's pool (each worker ~0.3 GB: xgrammar imports torch)
+# compiles at once in a process's pool: each worker holds ~0.25-0.3 GB (xgrammar imports torch) and a
+# compile is single-threaded, so more workers than cores only slows every compile (2 at least)
+MAX_WORKERS = min(4, max(2, os.cpu_count() or 2))
 KEEP_IDLE = 1
 START_TIMEOUT_S = 120.0  # a worker that has not said "ready" by then is killed (a broken install)
 WORKER = [sys.executable, "-m", "common.engine.grammar_worker"]
@@ -94,6 +96,7 @@ class CompilePool:
         self._cv = threading.Condition()
         self._idle: list[_Worker] = []
         self._starting = 0  # spares being started by warm()
+        self._line: list[object] = []  # compiles waiting for a worker, first come first served
         self.alive = 0  # workers started and not yet ended (idle, busy or starting)
         self.killed = 0  # workers killed at a deadline or after dying mid-compile
 
@@ -162,18 +165,24 @@ class CompilePool:
 
     def _take(self, deadline: float | None) -> _Worker | None:
         """An idle worker, a new one while fewer than max_workers live and none is starting, or None
-        when every worker stayed busy until the deadline."""
+        when every worker stayed busy until the deadline. Compiles get workers in the order they came."""
+        ticket = object()
         with self._cv:
-            while True:
-                if self._idle:
-                    return self._idle.pop()
-                if self.alive < self.max_workers and not self._starting:
-                    self.alive += 1
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0 and not self._starting:
-                    return None
-                self._cv.wait(None if left is None or self._starting else left)
+            self._line.append(ticket)
+            try:
+                while True:
+                    if self._line[0] is ticket and self._idle:
+                        return self._idle.pop()
+                    if self._line[0] is ticket and self.alive < self.max_workers and not self._starting:
+                        self.alive += 1
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0 and not self._starting:
+                        return None
+                    self._cv.wait(None if left is None or self._starting else left)
+            finally:
+                self._line.remove(ticket)
+                self._cv.notify_all()
         try:
             return _Worker(self.command)
         except BaseException:
