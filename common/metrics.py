@@ -232,6 +232,8 @@ class DecodeMetrics(_Metrics):
         self.aborts = c("aborted_requests_total", "requests aborted (client cancel, Abort RPC, shutdown)")
         self.failures = c("failed_requests_total", "requests failed (no prefill replica left, scheduler error)")
         self.retries = c("prefill_retries_total", "Prefill calls retried on another replica")
+        self.retractions = c("retractions_total", "running requests retracted to free KV (re-prefilled later)")
+        self.reprefilled_tokens = c("reprefilled_tokens_total", "output tokens retracted requests resent to prefill")
         self.handoff_bytes = c(
             "handoff_bytes_total", "KV bytes received from prefill (sent, or written into our slots)"
         )

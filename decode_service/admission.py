@@ -28,6 +28,13 @@ class Admission:
     def __init__(self, config, runner, scheduler, health):
         self.config, self.runner, self.scheduler, self.health = config, runner, scheduler, health
 
+    def _default_max_new_tokens(self) -> int:
+        """A request without max_new_tokens: on-demand KV runs it to the end of the context (OpenAI's
+        reading of a missing max_tokens: it costs no KV until used); the full reservation takes the flag."""
+        if self.scheduler.growth.on_demand:
+            return self.runner.context_length
+        return self.config.default_max_new_tokens
+
     def check(self, request, in_flight: Container[str], open_calls: int) -> CheckedRequest:
         """The request, checked (the scheduler's CheckedRequest), or Rejected; `in_flight`: the client
         request_ids of open calls."""
@@ -39,7 +46,7 @@ class Admission:
             ids, params = parse_generate(
                 request,
                 self.runner.context_length,
-                self.config.default_max_new_tokens,
+                self._default_max_new_tokens(),
                 kv_room=self.scheduler.books.room,
                 spec_extra=self.scheduler.books.extra,
             )

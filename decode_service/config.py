@@ -48,7 +48,23 @@ class PrefillClientFlags(FlagGroup, title="prefill client"):
 class SchedulerFlags(FlagGroup, title="scheduler"):
     """Admission and the decode loop."""
 
-    default_max_new_tokens: int = flag(128, "used when a request gives none (clamped to the context)")
+    default_max_new_tokens: int = flag(
+        128,
+        "with --decode-kv-reservation full: used when a request gives none (clamped to the context); "
+        "on-demand runs such a request to the end of the context, as OpenAI reads a missing max_tokens",
+    )
+    decode_kv_reservation: str = flag(
+        "on-demand",
+        "KV a request holds: on-demand (the prompt's and --decode-kv-grow-tokens more, grown before each step; "
+        "running requests are retracted and re-prefilled when the pool runs dry) or full (prompt + "
+        "max_new_tokens reserved at admission, whether used or not)",
+        choices=["on-demand", "full"],
+    )
+    decode_kv_grow_tokens: int = flag(
+        32,
+        "on-demand: KV slots a request gets past its prompt at admission and at each growth, and the room "
+        "admission leaves free per request holding KV",
+    )
     max_queued_requests: int = flag(
         256, "Generate calls that may wait beyond max_running_requests (more: RESOURCE_EXHAUSTED)"
     )

@@ -1,4 +1,5 @@
-"""Decode hooks: the one object through which tests plant the drafts a decode replica verifies.
+"""Decode hooks: the one object through which tests plant the drafts a decode replica verifies, and
+retract requests as if the KV pool had run dry.
 
 Production passes none: `DecodeService(config)` leaves `hooks` None, and the worker skips them with one
 `is None` test. A test hands in an object instead, `DecodeService(config, hooks=...)` (or a
@@ -6,6 +7,8 @@ Production passes none: `DecodeService(config)` leaves `hooks` None, and the wor
 
     propose(lanes, committed_lens, drafts)                      EAGLE chain: the [B, S] drafts to verify
     propose_tree(lanes, committed_lens, tokens, parent, depth)  EAGLE tree: the node tokens to verify
+    retract(step, reqs)                                         on-demand KV: requests to retract before
+                                                                step `step` launches (kv_growth.py)
 
 `lanes` are the batch rows' (request id, prompt length), `committed_lens` their committed KV lengths
 (host ints). Under tensor parallelism every rank runs its own drafts, so the hooks travel to the
@@ -29,3 +32,8 @@ class DecodeHooks:
     def propose_tree(self, lanes, committed_lens, tokens, parent, depth):
         """EAGLE tree: the node tokens to verify in place of `tokens` (same shape; parents fixed)."""
         return tokens
+
+    def retract(self, step, reqs):
+        """On-demand KV: which of `reqs` (the DecodeReqs of step `step`, on rank 0's scheduler) to retract
+        before the step launches, as if the pool had run dry."""
+        return []

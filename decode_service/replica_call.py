@@ -12,6 +12,7 @@ later, so a write still landing cannot reach slots the scheduler has handed to a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -60,6 +61,11 @@ class ReplicaCall:
 
     def __post_init__(self):
         self.sink = self.client.sink
+        sent = self.request.first_position
+        if sent:  # a retracted request (kv_growth.py): its outputs so far went out already, as a retry's
+            prompt = self.request.prompt_ids
+            self.sent = list(prompt[len(prompt) - sent :])
+            self.request = dataclasses.replace(self.request, prompt_ids=prompt[: len(prompt) - sent], first_position=0)
 
     def run(self) -> None:
         client, rid = self.client, self.request.rid

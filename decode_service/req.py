@@ -51,15 +51,11 @@ class DecodeReq:
     grammar: object = None  # its compiled grammar (from the submit check), when it has a constraint
     trace: tuple | None = None  # (parent span context, submission ns) from the front door; opaque here
     submitted_at: float = field(default_factory=time.monotonic)
+    retractions: int = 0  # times retracted to free KV (kv_growth.py); it then comes back without its group
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def reserve_len(self) -> int:
-        """KV slots reserved at admission: prompt + every token it may generate."""
-        return self.prompt_len + self.params.max_new_tokens
 
     @property
     def finished(self) -> bool:

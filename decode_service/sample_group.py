@@ -79,11 +79,16 @@ class SampleGroups:
         return forks
 
     def abort(self, rid: str) -> bool:
-        """An abort of an n > 1 request that has forked: every live sample ends. False if `rid` is not one."""
+        """An abort of an n > 1 request that has forked: every live sample ends (those retracted too,
+        which left the group but keep their `<rid>/<i>` in the table). False if `rid` is not one."""
         group = self.books.groups.get(rid)
-        if group is None or group.reserved:  # not forked: sample 0's abort frees the reservations
+        if group is not None and group.reserved:  # not forked: sample 0's abort frees the reservations
             return False
-        for sample in group.samples:
+        forks = [r for key, r in list(self.reqs.items()) if key.startswith(rid + "/")]
+        if group is None and not forks:
+            return False
+        first = self.reqs.get(rid)
+        for sample in ([first] if first is not None else []) + forks:
             if not sample.finished:
                 self._abort(sample)
         return True
@@ -93,7 +98,7 @@ def end_unforked(req: DecodeReq, reason: str) -> None:
     """n > 1 ended before its samples forked (queued, in prefill, a failed handoff): samples 1..n-1
     never ran, and each hears the same end, so the caller's n answers are all there."""
     forked = req.group is not None and not req.group.reserved  # a group forms at admission, forks at handoff
-    if req.params.n == 1 or forked or req.index != 0 or req.on_output is None:
+    if req.params.n == 1 or forked or req.retractions or req.index != 0 or req.on_output is None:
         return
     finish = Finish.of(req, reason)
     for i in range(1, req.params.n):

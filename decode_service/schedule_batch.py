@@ -16,7 +16,7 @@ import torch
 from common.engine.sampling import SamplingBatch
 from common.engine.spec_sampling import SpecDraws
 from common.forward.host_copy import to_device
-from decode_service.req import DecodeReq
+from decode_service.req import DecodeReq, ReqState
 from decode_service.worker_batch import Lane, WorkerBatch
 
 
@@ -88,7 +88,8 @@ class ScheduleBatch:
         self.kv_committed_lens = self.kv_committed_lens + 1
 
     def filter_unfinished(self) -> ScheduleBatch:
-        keep = [i for i, r in enumerate(self.reqs) if not r.finished]
+        """The batch less its finished requests and those retracted meanwhile (no longer RUNNING)."""
+        keep = [i for i, r in enumerate(self.reqs) if not r.finished and r.state == ReqState.RUNNING]
         if len(keep) == len(self.reqs):
             return self
         out = ScheduleBatch.__new__(ScheduleBatch)

@@ -8,9 +8,10 @@ device. One step, as in SGLang: `process_input_requests` (drain the inbox) -> `p
 Life of a request (queues named as in the code):
   1. submit(): validated (prompt + max_new_tokens within the context, else ValueError before
      anything is queued), then posted to the `inbox`; the loop moves it to `waiting` (admission).
-  2. admission: in order, reserve a request slot and KV slots for prompt + max_new_tokens, all or none;
-     one that does not fit waits, everyone behind it too (one that never could is refused at submit). Reserved
-     requests await their handoff (state AWAITING_HANDOFF) and `prefill_fn(HandoffRequest)` is called.
+  2. admission: in order, reserve a request slot and KV slots, all or none: on demand the prompt's and a
+     growth's worth (kv_growth.py), with the full reservation prompt + max_new_tokens; one that does not
+     fit waits, everyone behind it too (one that never could is refused at submit). Reserved requests
+     await their handoff (state AWAITING_HANDOFF) and `prefill_fn(HandoffRequest)` is called.
   3. the prefill side delivers to the inbox (first token, KV chunks written into the reserved slots
      as they arrive, then the handoff); the loop checks the handoff and queues it on `prebuilt`.
      A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
@@ -20,7 +21,8 @@ Life of a request (queues named as in the code):
      maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token (and
      with EAGLE the draft seed and committed length; `worker.write_prebuilt`); the first token is
      streamed; kv_committed_lens = prompt length; the batch merges into `running_batch`.
-  5. overlap loop: build step N+1 (drop finished requests, merge prebuilt), hand it to the worker
+  5. overlap loop: build step N+1 (drop finished requests, merge prebuilt; on demand grow each request
+     to what the step may write, retracting requests when the pool runs dry: kv_growth.py), hand it to the worker
      as a frozen WorkerBatch (a plain step, or with EAGLE a chain or tree step), bump
      kv_committed_lens, and only then process step N's results: append tokens, stream, finish (EOS
      unless ignore_eos, stop_token_ids, max_new_tokens) and release. A request finished at N still
@@ -57,6 +59,7 @@ from decode_service.first_token import first_outputs
 from decode_service.grammar_state import check_request
 from decode_service.handoff_intake import HandoffIntake, bad_reply
 from decode_service.inbox import Abort, Inbox, Submit
+from decode_service.kv_growth import ON_DEMAND, KvGrowth, prefill_request
 from decode_service.output import Finish, OutputCallback, RequestOutput
 from decode_service.req import DecodeReq, ReqState
 from decode_service.sample_group import SampleGroups, end_unforked
@@ -81,6 +84,8 @@ class DecodeScheduler:
         abort_waits_for_prefill: bool = False,
         tokenizer_path: str | None = None,
         cancel_prefill: Callable[[str], None] | None = None,
+        kv_reservation: str = ON_DEMAND,
+        kv_grow_tokens: int = 32,
     ):
         """`worker`: a DecodeWorker (or a fake with its methods); `prefill_fn` starts a request's
         prefill once its slots are reserved; `inbox` is where the prefill side delivers (made here if
@@ -88,7 +93,8 @@ class DecodeScheduler:
         transfer engine writes into reserved slots) an aborted request that awaits its handoff keeps
         its reservation until the prefill side's last word on it (handoff or failure) arrives.
         `cancel_prefill(rid)`: ends the prefill call the scheduler started for `rid` (the PrefillClient's
-        cancel); the scheduler is the one door that ends a request, and it cancels only what it started."""
+        cancel); the scheduler is the one door that ends a request, and it cancels only what it started.
+        `kv_reservation` / `kv_grow_tokens`: full or on-demand KV (kv_growth.py)."""
         self.worker = worker
         self.prefill_fn = prefill_fn
         self.cancel_prefill = cancel_prefill
@@ -112,6 +118,8 @@ class DecodeScheduler:
         self.books = SlotBooks(worker, self.spec.extra_slots if self.spec else 0, eagle=self.spec is not None)
         self.intake = HandoffIntake(self.reqs, worker, abort_waits_for_prefill, ends=self)
         self.samples = SampleGroups(self.books, worker, self.reqs, self.spec is not None, self._abort)
+        hooks = getattr(worker, "hooks", None)
+        self.growth = KvGrowth(self.books, worker, kv_reservation, kv_grow_tokens, hooks, metrics)
         self.running_batch = ScheduleBatch.empty(self.info.device)
         self.last_launched: LaunchedStep | None = None
         self.step_count = 0
@@ -214,6 +222,10 @@ class DecodeScheduler:
         if self.spec and len(running):  # EAGLE: lengths come from the last step's publish (invariant 3)
             running.set_kv_committed_lens(self.worker.resolve_kv_committed_lens_cpu(running.req_pool_indices))
         batch = running.merge(self.get_new_prebuilt_batch())
+        if len(batch) and self.growth.on_demand:  # KV for what the step may write; may retract (kv_growth.py)
+            lengths = batch.kv_committed_lens_cpu.tolist()
+            self.growth.before_launch(self.step_count + 1, batch.reqs, lengths, self.retract, self._fail_growth)
+            batch = batch.filter_unfinished()
         launched = self.run_batch(batch) if len(batch) else None
         if launched is not None and not self.spec:
             batch.bump()
@@ -242,17 +254,30 @@ class DecodeScheduler:
     def pop_preallocated(self) -> None:
         """Admission, in order: reserve a request slot and KV for each waiting request that fits,
         then start its prefill; the first that does not fit waits, and everyone behind it."""
+        holders = sum(r.kv_slots is not None for r in self.reqs.values())
         while self.waiting:
             req = self.waiting[0]
-            if not self.books.reserve(req):  # n > 1: the prompt's slots once, each sample's own (slot_books.py)
+            keep_free = self.growth.keep_free(holders)  # on demand: room for the holders' next growth
+            if not self.books.reserve(req, self.growth.admission_outputs(req), keep_free):  # slot_books.py
                 return
             self.waiting.popleft()
-            if self.metrics is not None:
+            holders += 1
+            if self.metrics is not None and not req.retractions:
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
             req.state = ReqState.AWAITING_HANDOFF
-            self.prefill_fn(
-                HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed, kv_slots=req.kv_slots, trace=req.trace)
-            )
+            self.prefill_fn(prefill_request(req))
+
+    def retract(self, req: DecodeReq) -> None:
+        """Free a running request's KV and request slot now (kv_growth.py) and queue it first for
+        admission again; a lane of it in a step still in flight is processed as usual."""
+        self.books.free(req)
+        req.kv_slots, req.req_pool_idx, req.group = None, 0, None
+        req.retractions += 1
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+
+    def _fail_growth(self, req: DecodeReq, detail: str) -> None:
+        self.finish(req, FinishReason.ERROR, detail)
 
     def get_new_prebuilt_batch(self) -> ScheduleBatch:
         """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
@@ -270,7 +295,8 @@ class DecodeScheduler:
             except Exception as e:  # that request's error: nothing of it was submitted
                 self.finish(req, FinishReason.ERROR, bad_reply(req.rid, e))
                 continue
-            req.cached_tokens = handoff.cached_tokens  # the front door reports it with the finish
+            if not req.retractions:  # the front door reports it with the finish
+                req.cached_tokens = handoff.cached_tokens
             landed.append((req, handoff))
             if req.group is not None:  # n > 1: samples 1..n-1 fork from it (sample_group.py)
                 landed.extend(self.samples.fork(req, handoff))
@@ -352,9 +378,7 @@ class DecodeScheduler:
 
     # ---- finishing ----------------------------------------------------------------------------------
     def _abort(self, req: DecodeReq) -> None:
-        if req.state == ReqState.WAITING:
-            self.waiting.remove(req)
-        elif req.state == ReqState.AWAITING_HANDOFF and self.abort_waits_for_prefill:
+        if req.state == ReqState.AWAITING_HANDOFF and self.abort_waits_for_prefill:
             req.finish_reason = FinishReason.ABORT  # the client hears it now; the slots wait for the prefill's end
             self.emit(req, [], FinishReason.ABORT)
             self._end_prefill(req)
@@ -395,6 +419,8 @@ class DecodeScheduler:
     def release(self, req: DecodeReq) -> None:
         if req.state == ReqState.RELEASED:
             raise InvariantError(f"request {req.rid} released twice")
+        if req.state == ReqState.WAITING:  # queued (a retracted one may finish on its in-flight lane)
+            self.waiting.remove(req)
         if req.kv_slots is not None:
             self.books.free(req)  # with n > 1 the prompt's slots go with the group's last sample
             req.kv_slots = None

@@ -1,8 +1,10 @@
 """SlotBooks: which request slot and which KV slots each live decode request holds.
 
 One object owns the decode pools' bookkeeping for the scheduler (scheduler.py), which holds it:
-  1. `reserve(req)` at admission, all or nothing: a request slot and KV for prompt + max_new_tokens
-     (+ EAGLE's draft window, `extra`, which a step may write past the committed length);
+  1. `reserve(req, outputs)` at admission, all or nothing: a request slot and KV for the prompt (and a
+     retracted request's resent outputs) + `outputs` (kv_growth.py: max_new_tokens with the full
+     reservation, a growth's worth on demand) + EAGLE's draft window, `extra`, which a step may write
+     past the committed length; `grow(req, upto)` before a step, on demand;
   2. `free(req)` at release, once: the KV slots and the request slot, and the row's guard cleared on
      the worker's stream (ordered after every forward that can still read it: FutureMap invariant 7);
   3. `holders(reqs)` for the integrity check: every used slot named by exactly one live holder.
@@ -48,17 +50,20 @@ class SlotBooks:
         """The most prompt + max_new_tokens one request can reserve: the pool less the draft window."""
         return self.kv.size - self.extra
 
-    def reserve(self, req: DecodeReq) -> bool:
-        """Reserve `req`'s request slot and KV, with n > 1 everything its n samples need; or nothing (False)."""
-        n, max_new = req.params.n, req.params.max_new_tokens
+    def reserve(self, req: DecodeReq, outputs: int, keep_free: int = 0) -> bool:
+        """Reserve `req`'s request slot and KV: what its handoff lands in (the prompt, and the outputs a
+        retracted request resends) and `outputs` more per sample (+ `extra`), with n > 1 everything its
+        n samples need; or nothing (False), also when fewer than `keep_free` slots would be left."""
+        n = req.params.n if not req.retractions else 1  # a retracted sample comes back on its own
         if n == 1:
-            need = req.reserve_len + self.extra
-            if self.pool.allocator.num_free == 0 or not self.kv.can_alloc(need):
+            need = req.prompt_len + len(req.output_ids) + outputs + self.extra
+            if self.pool.allocator.num_free == 0 or not self.kv.can_alloc(need + keep_free):
                 return False
             req.req_pool_idx, req.kv_slots = self.pool.alloc(), self.kv.alloc(need)
             return True
-        last, own = self.own_last, max_new + self.extra
-        if self.pool.allocator.num_free < n or not self.kv.can_alloc(req.prompt_len + n * own + (n - 1) * last):
+        last, own = self.own_last, outputs + self.extra
+        need = req.prompt_len + n * own + (n - 1) * last
+        if self.pool.allocator.num_free < n or not self.kv.can_alloc(need + keep_free):
             return False
         prompt = self.kv.alloc(req.prompt_len)
         reserved = [(self.pool.alloc(), self.kv.alloc(last + own)) for _ in range(n - 1)]
@@ -68,6 +73,18 @@ class SlotBooks:
         req.group = SampleGroup(req.rid, req.prompt_len, prompt, reserved, [req], holders=n, shared_len=shared)
         self.groups[req.rid] = req.group
         return True
+
+    def grow(self, req: DecodeReq, upto: int):
+        """New KV slots appended to `req`'s so that it holds `upto` positions (its own: free() frees
+        them with the rest), or None when the pool has not that many free."""
+        more = upto - len(req.kv_slots)
+        if more <= 0:
+            return req.kv_slots[:0]
+        if not self.kv.can_alloc(more):
+            return None
+        new = self.kv.alloc(more)
+        req.kv_slots = torch.cat([req.kv_slots, new])
+        return new
 
     def free(self, req: DecodeReq) -> None:
         """Free `req`'s request slot and KV slots once (with a group: its own, and the prompt's with the

@@ -49,6 +49,15 @@ class WritePrebuilt:
 
 
 @dataclass(frozen=True)
+class ExtendRow:
+    """A row grown on demand: positions `start`.. map to `slots` (kv_growth.py)."""
+
+    req_pool_idx: int
+    start: int
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ReleaseRow:
     """A released row's consume-once guard cleared."""
 
@@ -60,4 +69,4 @@ class Stop:
     """The service is stopping: the follower returns."""
 
 
-DecodeTPMessage = Forward | WriteKvChunk | WritePrebuilt | ReleaseRow | Stop
+DecodeTPMessage = Forward | WriteKvChunk | WritePrebuilt | ExtendRow | ReleaseRow | Stop

@@ -35,7 +35,15 @@ from common.parallel.tp_group import TPGroup
 from common.parallel.tp_shard import kv_heads_of
 from decode_service.handoff_writes import ForkSeed, write_kv_chunk, write_prebuilt
 from decode_service.hooks import DecodeHooks
-from decode_service.tp_messages import DecodeTPMessage, Forward, ReleaseRow, Stop, WriteKvChunk, WritePrebuilt
+from decode_service.tp_messages import (
+    DecodeTPMessage,
+    ExtendRow,
+    Forward,
+    ReleaseRow,
+    Stop,
+    WriteKvChunk,
+    WritePrebuilt,
+)
 from decode_service.worker import DecodeWorker
 from decode_service.worker_batch import BatchResult, WorkerBatch
 
@@ -76,6 +84,8 @@ def apply(worker: DecodeWorker, message: DecodeTPMessage) -> None:
         )
         if message.handoff.params.constraint is not None:  # every rank keeps its own matchers
             worker.seed_grammar(message.req_pool_idx, message.handoff)
+    elif isinstance(message, ExtendRow):
+        worker.runner.req_to_token_pool.write(message.req_pool_idx, message.start, message.slots)
     elif isinstance(message, ReleaseRow):
         worker.future_map.reset_rows(to_device([message.req_pool_idx], worker.future_map.device, torch.int64))
         worker.release_grammar(message.req_pool_idx)
@@ -113,6 +123,9 @@ class TPDecodeWorker(DecodeWorker):
         self, req_pool_idx: int, kv_slots: torch.Tensor, handoff: Handoff, fork: ForkSeed | None = None
     ) -> None:
         self.stream.submit(lambda: apply(self, self._send(WritePrebuilt(req_pool_idx, kv_slots, handoff, fork))))
+
+    def extend_row(self, req_pool_idx: int, start: int, slots: torch.Tensor) -> None:
+        self.stream.submit(lambda: apply(self, self._send(ExtendRow(req_pool_idx, start, slots))))
 
     def release_row(self, req_pool_idx: int) -> None:
         self.stream.submit(lambda: apply(self, self._send(ReleaseRow(req_pool_idx))))

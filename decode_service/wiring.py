@@ -113,6 +113,8 @@ def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHo
         abort_waits_for_prefill=kv_receiver.destination is not None,
         tokenizer_path=config.model_path,  # stop strings are matched in the checkpoint's tokenizer's text
         cancel_prefill=prefill.cancel,
+        kv_reservation=config.decode_kv_reservation,
+        kv_grow_tokens=config.decode_kv_grow_tokens,
     )
     return DecodeParts(tp_ranks, runner, name, metrics, kv_receiver, tracer, prefill, scheduler)
 

@@ -138,6 +138,11 @@ class DecodeWorker:
         outputs = handoff.prompt_ids[handoff.prompt_len - handoff.first_position :] + [handoff.first_token]
         self._grammar().seed(req_pool_idx, handoff.params.constraint, outputs)
 
+    def extend_row(self, req_pool_idx: int, start: int, slots: torch.Tensor) -> None:
+        """A row grown on demand (kv_growth.py): positions start.. map to `slots`, as stream work ahead of
+        the step that writes them."""
+        self.stream.submit(lambda: self.runner.req_to_token_pool.write(req_pool_idx, start, slots))
+
     def release_row(self, req_pool_idx: int) -> None:
         """A released row's consume-once guard is cleared after the forwards that may still use it."""
         row = to_device([req_pool_idx], self.future_map.device, torch.int64)

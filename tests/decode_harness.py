@@ -25,17 +25,21 @@ class Hooks(DecodeHooks):
     """Test hooks of a HookedWorker from plain callables (None: not called): the worker's planting hooks
     (decode_service/hooks.py) and two seams of the step loop."""
 
-    def __init__(self, before_forward=None, after_launch=None, propose=None, propose_tree=None):
+    def __init__(self, before_forward=None, after_launch=None, propose=None, propose_tree=None, retract=None):
         self.before_forward: Callable[[int], object] | None = before_forward  # on the stream, before step N's forward
         self.after_launch: Callable[[int], object] | None = after_launch  # scheduler thread, once step N is submitted
         self._chain: Callable | None = propose  # (lanes, committed lengths, drafts [B, S]) -> drafts to verify
         self._tree: Callable | None = propose_tree  # (lanes, committed lengths, tokens, parent, depth) -> tokens
+        self._retract: Callable | None = retract  # (step, DecodeReqs) -> those to retract before it launches
 
     def propose(self, lanes, committed_lens, drafts):
         return drafts if self._chain is None else self._chain(lanes, committed_lens, drafts)
 
     def propose_tree(self, lanes, committed_lens, tokens, parent, depth):
         return tokens if self._tree is None else self._tree(lanes, committed_lens, tokens, parent, depth)
+
+    def retract(self, step, reqs):
+        return [] if self._retract is None else self._retract(step, reqs)
 
 
 class HookedWorker(DecodeWorker):
@@ -108,7 +112,14 @@ def runners(
 
 class Pair:
     def __init__(
-        self, path: str, overlap: bool = True, chunk_size: int = 16, hooks: Hooks | None = None, **sizes
+        self,
+        path: str,
+        overlap: bool = True,
+        chunk_size: int = 16,
+        hooks: Hooks | None = None,
+        kv_reservation: str = "on-demand",
+        kv_grow_tokens: int = 32,
+        **sizes,
     ):  # sizes: runners()' keywords
         prefill, decode = runners(path, **sizes)
         self.out = Outputs()
@@ -117,7 +128,15 @@ class Pair:
             PrefillWorker(prefill, chunk_size), self.inbox.deliver_handoff, self.inbox.fail_handoff
         )
         self.worker = HookedWorker(decode, hooks)
-        self.scheduler = DecodeScheduler(self.worker, self.link, self.inbox, overlap=overlap, debug=True)
+        self.scheduler = DecodeScheduler(
+            self.worker,
+            self.link,
+            self.inbox,
+            overlap=overlap,
+            debug=True,
+            kv_reservation=kv_reservation,
+            kv_grow_tokens=kv_grow_tokens,
+        )
         self.scheduler.start()
 
     def submit(self, rid, prompt, params):
@@ -153,13 +172,28 @@ class Pair:
 class ManualPair:
     """Scheduler stepped by the test; prefill requests held in `pending` until `prefill()`."""
 
-    def __init__(self, path: str, overlap: bool = True, hooks: Hooks | None = None, **sizes):
+    def __init__(
+        self,
+        path: str,
+        overlap: bool = True,
+        hooks: Hooks | None = None,
+        kv_reservation: str = "on-demand",
+        kv_grow_tokens: int = 32,
+        **sizes,
+    ):
         prefill, decode = runners(path, **sizes)
         self.prefill_worker = PrefillWorker(prefill, chunk_size=16)
         self.pending = []
         self.out = Outputs()
         self.worker = HookedWorker(decode, hooks)
-        self.scheduler = DecodeScheduler(self.worker, self.pending.append, overlap=overlap, debug=True)
+        self.scheduler = DecodeScheduler(
+            self.worker,
+            self.pending.append,
+            overlap=overlap,
+            debug=True,
+            kv_reservation=kv_reservation,
+            kv_grow_tokens=kv_grow_tokens,
+        )
 
     def submit(self, rid, prompt, params):
         self.scheduler.submit(rid, prompt, params, self.out)

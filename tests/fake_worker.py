@@ -43,7 +43,9 @@ class FakeWorker:
         spec=None,
         accept: Callable[[str, int], int] | None = None,
         overrides: dict | None = None,
+        hooks=None,
     ):
+        self.hooks = hooks  # DecodeHooks (the scheduler reads `retract` from them)
         self.info = WorkerInfo(
             torch.device("cpu"),
             vocab_size=100,
@@ -76,6 +78,8 @@ class FakeWorker:
                 draft_topk_ids=torch.tensor([3]), draft_topk_p=torch.tensor([1.0]), draft_hidden=torch.zeros(HIDDEN)
             )
         first = self.token(request.rid, request.first_position)
+        n = request.params.n  # samples 1..n-1 under their own ids (decode names forks `<rid>/<i>`)
+        more = tuple(self.token(f"{request.rid}/{i}", request.first_position) for i in range(1, n))
         return Handoff(
             request.rid,
             request.prompt_ids,
@@ -85,6 +89,7 @@ class FakeWorker:
             k=None,
             v=None,
             first_position=request.first_position,
+            more_first_tokens=more,
             **draft,
         )
 
@@ -145,6 +150,12 @@ class FakeWorker:
         if self.info.spec:
             self._published[req_pool_idx] = handoff.prompt_len  # seed_kv_committed_lens
         self.log.append(("prebuilt", req_pool_idx))
+
+    def extend_row(self, req_pool_idx: int, start: int, slots: torch.Tensor) -> None:
+        mapped = self._seeded.get(req_pool_idx)
+        assert mapped == start, f"row {req_pool_idx}: grown at {start}, but {mapped} positions are mapped"
+        self._seeded[req_pool_idx] = start + len(slots)
+        self.log.append(("extend", req_pool_idx, start, len(slots)))
 
     def release_row(self, req_pool_idx: int) -> None:
         self._seeded.pop(req_pool_idx, None)

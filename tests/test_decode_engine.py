@@ -105,8 +105,8 @@ def test_aborts_in_every_stage(checkpoint, overlap):
     path = checkpoint("qwen3")
     prompts = _prompts(5)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    # KV for two requests only, so the third waits in the admission queue
-    pair = ManualPair(path, overlap=overlap, decode_tokens=(40 + 20) + (5 + 20) + 5)
+    # KV for two requests only (fully reserved), so the third waits in the admission queue
+    pair = ManualPair(path, overlap=overlap, decode_tokens=(40 + 20) + (5 + 20) + 5, kv_reservation="full")
     sched = pair.scheduler
     pair.submit("running", prompts[2], params)
     pair.submit("awaiting", prompts[1], params)

@@ -74,14 +74,18 @@ def test_bad_requests_get_invalid_argument_before_any_data(checkpoint):
         pair.close()
 
 
-def test_default_max_new_tokens_is_clamped_to_the_context(checkpoint):
+@pytest.mark.parametrize("reservation", ["full", "on-demand"])
+def test_default_max_new_tokens_is_clamped_to_the_context(checkpoint, reservation):
+    """Without max_new_tokens a request runs to the end of the context on demand (OpenAI's reading of a
+    missing max_tokens); with the full reservation it takes --default-max-new-tokens."""
     path = checkpoint("llama")
-    pair = GrpcPair(path, decode_kw=dict(default_max_new_tokens=50, context_length=64))
+    kw = dict(default_max_new_tokens=50, context_length=64, decode_kv_reservation=reservation)
+    pair = GrpcPair(path, decode_kw=kw)
     try:
         ids, complete = pair.collect(pair.generate([5] * 60, ignore_eos=True))
         assert len(ids) == 4 and complete.finish_reason == "length"
         ids, _ = pair.collect(pair.generate([5, 6, 7], ignore_eos=True))
-        assert len(ids) == 50
+        assert len(ids) == (50 if reservation == "full" else 61)
     finally:
         pair.close()
 

@@ -139,11 +139,14 @@ def test_temperature_sampling_follows_the_softmax(filtered):
 
 
 def test_sampling_inputs_live_on_the_batch_not_rebuilt_per_step():
-    from decode_service.req import DecodeReq
+    from decode_service.req import DecodeReq, ReqState
     from decode_service.schedule_batch import ScheduleBatch
 
     reqs = [
-        DecodeReq(str(i), [5, 6], SamplingParams(temperature=0.5 * i), seed=i, req_pool_idx=i + 1) for i in range(3)
+        DecodeReq(
+            str(i), [5, 6], SamplingParams(temperature=0.5 * i), seed=i, req_pool_idx=i + 1, state=ReqState.RUNNING
+        )
+        for i in range(3)
     ]
     batch = ScheduleBatch.prebuilt(reqs, [2, 2, 2], torch.device("cpu"))
     first = batch.sampling

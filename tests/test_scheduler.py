@@ -24,7 +24,7 @@ EAGLE = SpecArgs(algorithm="EAGLE", draft_model_path="unused", num_steps=3, num_
 class Driver:
     """A scheduler stepped by hand; prefill requests wait in `pending` until `deliver`."""
 
-    def __init__(self, overlap: bool = True, **worker_kw):
+    def __init__(self, overlap: bool = True, kv_reservation: str = "on-demand", grow: int = 32, **worker_kw):
         self.worker = FakeWorker(**worker_kw)
         self.pending = {}
         self.tokens: dict[str, list[int]] = {}
@@ -32,7 +32,13 @@ class Driver:
         self.finishes: dict[str, Finish] = {}
         self.cancelled: list[str] = []  # the prefill calls the scheduler cancelled
         self.sched = DecodeScheduler(
-            self.worker, self._prefill, overlap=overlap, debug=True, cancel_prefill=self.cancelled.append
+            self.worker,
+            self._prefill,
+            overlap=overlap,
+            debug=True,
+            cancel_prefill=self.cancelled.append,
+            kv_reservation=kv_reservation,
+            kv_grow_tokens=grow,
         )
 
     def _prefill(self, request):

@@ -40,6 +40,7 @@ MESSAGE_TYPES = (
     ("decode_service.tp_messages", "WriteKvChunk"),
     ("decode_service.handoff_writes", "ForkSeed"),
     ("decode_service.tp_messages", "WritePrebuilt"),
+    ("decode_service.tp_messages", "ExtendRow"),
     ("decode_service.tp_messages", "ReleaseRow"),
     ("decode_service.tp_messages", "Stop"),
 )
