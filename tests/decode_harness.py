@@ -67,10 +67,13 @@ class Outputs:
         self.tokens: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}
         self.finishes: dict[str, Finish] = {}
+        self.logprobs: dict[str, list] = {}  # the requests that asked: one TokenLogprobs per id
 
     def __call__(self, out: RequestOutput):
         assert out.rid not in self.reasons, f"{out.rid}: output after finish"
         self.tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        if out.logprobs is not None:
+            self.logprobs.setdefault(out.rid, []).extend(out.logprobs)
         if out.finish is not None:
             self.reasons[out.rid] = out.finish.reason
             self.finishes[out.rid] = out.finish
