@@ -37,8 +37,11 @@ class RetractAt(DecodeHooks):
 
 
 def _run(path: str, params: list[SamplingParams], retract: bool, overlap: bool = True, **kw) -> Pair:
+    """The requests with the full reservation, or (retract) on demand, grown 3 slots at a time (each row
+    extended every few steps), with the retractions of AT."""
     hooks = RetractAt() if retract else None
-    pair = Pair(path, overlap=overlap, hooks=Hooks(retract=hooks.retract) if hooks else None, **kw)
+    growth = dict(kv_reservation="on-demand", kv_grow_tokens=3) if retract else dict(kv_reservation="full")
+    pair = Pair(path, overlap=overlap, hooks=Hooks(retract=hooks.retract) if hooks else None, **growth, **kw)
     try:
         for i, p in enumerate(params):
             pair.submit(str(i), PROMPTS[i], p)
@@ -56,6 +59,14 @@ def _run(path: str, params: list[SamplingParams], retract: bool, overlap: bool =
 def test_retracted_greedy_requests_match_hf(checkpoint, overlap):
     path = checkpoint("llama")
     pair = _run(path, [SamplingParams(max_new_tokens=N, ignore_eos=True)] * 3, retract=True, overlap=overlap)
+    for i in range(3):
+        assert pair.out.tokens[str(i)] == hf_greedy(path, PROMPTS[i], N), i
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
+def test_retracted_requests_of_moe_and_mla_models_match_hf(checkpoint, name):
+    path = checkpoint(name)
+    pair = _run(path, [SamplingParams(max_new_tokens=N, ignore_eos=True)] * 3, retract=True)
     for i in range(3):
         assert pair.out.tokens[str(i)] == hf_greedy(path, PROMPTS[i], N), i
 
@@ -97,7 +108,28 @@ def test_retraction_over_the_wire_matches_hf(checkpoint, transfer):
     sent) and lands its KV through the transport into the request's new slots."""
     path = checkpoint("llama")
     hooks = RetractAt({(str(i), s) for i in range(3) for s in (3, 8)})
-    pair = GrpcPair(path, transfer=transfer, decode_hooks=hooks)
+    pair = GrpcPair(path, transfer=transfer, decode_kw=dict(decode_kv_grow_tokens=3), decode_hooks=hooks)
+    try:
+        calls = [pair.generate(PROMPTS[i], N, ignore_eos=True, rid=str(i)) for i in range(3)]
+        outs = [pair.collect(c)[0] for c in calls]
+    finally:
+        pair.close()
+    assert len(hooks.done) >= 3, hooks.done
+    for i in range(3):
+        assert outs[i] == hf_greedy(path, PROMPTS[i], N), i
+
+
+def test_retraction_over_tp_2_pairs_matches_hf(checkpoint):
+    """Every decode rank maps the grown slots (ExtendRow, in rank 0's stream order) and drops a retracted
+    row; the re-prefill lands on every rank's heads."""
+    path = checkpoint("llama")
+    hooks = RetractAt({(str(i), s) for i in range(3) for s in (4, 9)})
+    pair = GrpcPair(
+        path,
+        prefill_kw=dict(tp_size=2, linear_layout="mkl"),
+        decode_kw=dict(tp_size=2, linear_layout="mkl", decode_kv_grow_tokens=3),
+        decode_hooks=hooks,
+    )
     try:
         calls = [pair.generate(PROMPTS[i], N, ignore_eos=True, rid=str(i)) for i in range(3)]
         outs = [pair.collect(c)[0] for c in calls]
