@@ -7,6 +7,7 @@ Mooncake as well as in process; every slot freed once (the harnesses check the p
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ from common.engine.draft_runner import SpecArgs
 from common.engine.sampling import SamplingParams
 from common.tools.eagle_checkpoint import build as build_head
 from decode_service.hooks import DecodeHooks
+from decode_service.req import ReqState
 from tests.decode_harness import Hooks, Pair
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy
@@ -71,11 +73,12 @@ def test_retracted_requests_of_moe_and_mla_models_match_hf(checkpoint, name):
         assert pair.out.tokens[str(i)] == hf_greedy(path, PROMPTS[i], N), i
 
 
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_retracted_requests_under_eagle_match_hf(checkpoint, tmp_path, tree):
+def test_retracted_requests_under_eagle_match_hf(checkpoint, tmp_path, tree, algorithm):
     path = checkpoint("llama")
-    head = build_head(path, "EAGLE", str(tmp_path / "head"))
-    spec = SpecArgs("EAGLE", head, 3, 2, 6) if tree else SpecArgs("EAGLE", head, 3, 1, 4)
+    head = build_head(path, algorithm, str(tmp_path / "head"))
+    spec = SpecArgs(algorithm, head, 3, 2, 6) if tree else SpecArgs(algorithm, head, 3, 1, 4)
     pair = _run(path, [SamplingParams(max_new_tokens=N, ignore_eos=True)] * 3, retract=True, spec=spec)
     for i in range(3):
         assert pair.out.tokens[str(i)] == hf_greedy(path, PROMPTS[i], N), i
@@ -95,11 +98,39 @@ def test_sampling_penalties_logprobs_and_grammars_are_unchanged_by_retraction(ch
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_retracted_samples_of_n_match_the_unretracted_run(checkpoint):
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_retracted_samples_of_n_match_the_unretracted_run(checkpoint, temperature):
     path = checkpoint("llama")
-    params = [SamplingParams(max_new_tokens=N, temperature=0.8, seed=11, n=3, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=N, temperature=temperature, seed=11, n=3, ignore_eos=True)]
     want, got = _run(path, params, retract=False), _run(path, params, retract=True)
     assert got.out.tokens == want.out.tokens and set(got.out.tokens) == {"0", "0/1", "0/2"}
+    if not temperature:  # greedy twins: every sample is HF's greedy answer
+        assert all(t == hf_greedy(path, PROMPTS[0], N) for t in got.out.tokens.values())
+
+
+def test_a_small_pool_under_load_with_aborts_retracts_and_frees_every_slot_once(checkpoint):
+    """Eight requests in a pool that holds about three answers, grown 4 slots at a time: the pool runs
+    dry and requests are retracted by the rule (no hook); two are aborted mid-answer. The others match
+    HF, and closing checks every slot came back once."""
+    path = checkpoint("llama")
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + i % 3)] for i in range(8)]
+    pair = Pair(path, kv_reservation="on-demand", kv_grow_tokens=4, decode_tokens=3 * (8 + 24), decode_reqs=8)
+    try:
+        for i, p in enumerate(prompts):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        pair.wait_tokens("2", 3)
+        pair.scheduler.abort("2")
+        pair.wait_tokens("5", 1)
+        pair.scheduler.abort("5")
+        pair.wait([str(i) for i in range(8)])
+    finally:
+        pair.close()
+    assert pair.scheduler.growth.retractions > 0
+    for i in range(8):
+        if i in (2, 5):
+            assert pair.out.reasons[str(i)] == "abort"
+            continue
+        assert pair.out.tokens[str(i)] == hf_greedy(path, prompts[i], 24), i
 
 
 @pytest.mark.parametrize("transfer", ["grpc", "shm", pytest.param("mooncake", marks=needs_mooncake)])
@@ -138,3 +169,47 @@ def test_retraction_over_tp_2_pairs_matches_hf(checkpoint):
     assert len(hooks.done) >= 3, hooks.done
     for i in range(3):
         assert outs[i] == hf_greedy(path, PROMPTS[i], N), i
+
+
+def test_stop_strings_after_retraction_match_the_unretracted_run(checkpoint):
+    """Stop strings are matched on decode over the whole output, re-prefilled part included."""
+    path = checkpoint("llama")
+    runs = []
+    for hooks in (None, RetractAt({("0", 3), ("0", 6)})):
+        pair = GrpcPair(path, decode_kw=dict(decode_kv_grow_tokens=3), decode_hooks=hooks)
+        try:
+            runs.append(pair.collect(pair.generate(PROMPTS[0], 40, rid="0", stop=["e ", "ab"])))
+        finally:
+            pair.close()
+    (want, want_done), (got, got_done) = runs
+    assert got == want and got_done.finish_reason == want_done.finish_reason
+    assert got_done.matched_stop_str == want_done.matched_stop_str
+
+
+def test_a_retracted_request_aborted_while_its_kv_streams_in_frees_its_slots_once(checkpoint):
+    """The re-prefill writes into the request's new slots through shared memory while it is aborted:
+    the slots stay reserved until prefill's last word on them, then come back once."""
+    from prefill_service.hooks import Delays
+
+    path = checkpoint("llama")
+    hooks = RetractAt({("0", 3)})
+    pair = GrpcPair(
+        path,
+        transfer="shm",
+        prefill_kw=dict(max_chunk_bytes=512),
+        prefill_hooks=Delays(kv_message_s=0.05),
+        decode_kw=dict(decode_kv_grow_tokens=3),
+        decode_hooks=hooks,
+    )
+    sched = pair.decode.scheduler
+    try:
+        call = pair.generate(PROMPTS[0] * 4, 30, stream=True, rid="0", ignore_eos=True)
+        next(call)
+        deadline = time.time() + 30
+        while not any(r.retractions and r.state == ReqState.AWAITING_HANDOFF for r in list(sched.reqs.values())):
+            assert time.time() < deadline, "the request was never re-prefilling"
+            time.sleep(0.005)
+        call.cancel()
+    finally:
+        pair.close()  # waits for idle: every slot freed once
+    assert hooks.done
