@@ -172,18 +172,27 @@ def test_retraction_over_tp_2_pairs_matches_hf(checkpoint):
 
 
 def test_stop_strings_after_retraction_match_the_unretracted_run(checkpoint):
-    """Stop strings are matched on decode over the whole output, re-prefilled part included."""
+    """Stop strings are matched on decode over the whole output, re-prefilled part included: a stop
+    string first completed after both retractions ends the retracted run where it ends the other."""
+    from transformers import AutoTokenizer
+
     path = checkpoint("llama")
-    runs = []
-    for hooks in (None, RetractAt({("0", 3), ("0", 6)})):
+    greedy = hf_greedy(path, PROMPTS[0], 40)
+    tok = AutoTokenizer.from_pretrained(path)
+    text = [tok.decode(greedy[:k]) for k in range(41)]
+    k = next(k for k in range(12, 40) if len(text[k]) >= 3 and text[k][-3:] not in text[k - 1])
+    stop = text[k][-3:]  # completed first by token k (0-based k - 1), after the retractions at steps 3 and 6
+    runs, retracting = [], RetractAt({("0", 3), ("0", 6)})
+    for hooks in (None, retracting):
         pair = GrpcPair(path, decode_kw=dict(decode_kv_grow_tokens=3), decode_hooks=hooks)
         try:
-            runs.append(pair.collect(pair.generate(PROMPTS[0], 40, rid="0", stop=["e ", "ab"])))
+            runs.append(pair.collect(pair.generate(PROMPTS[0], 40, rid="0", stop=[stop], ignore_eos=True)))
         finally:
             pair.close()
     (want, want_done), (got, got_done) = runs
-    assert got == want and got_done.finish_reason == want_done.finish_reason
-    assert got_done.matched_stop_str == want_done.matched_stop_str
+    assert got == want and got_done.finish_reason == want_done.finish_reason == "stop"
+    assert got_done.matched_stop_str == want_done.matched_stop_str == stop
+    assert len(retracting.done) == 2 and len(got) > 6, retracting.done
 
 
 def test_a_retracted_request_aborted_while_its_kv_streams_in_frees_its_slots_once(checkpoint):
