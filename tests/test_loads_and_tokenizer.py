@@ -6,6 +6,7 @@ import hashlib
 import io
 import zipfile
 
+import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
@@ -33,15 +34,19 @@ def test_get_tokenizer_zip_loads_with_autotokenizer(checkpoint, tmp_path):
         pair.close()
 
 
-def test_get_loads_counts_running_requests_and_kv(checkpoint):
-    pair = GrpcPair(checkpoint("qwen2"))
+@pytest.mark.parametrize("reservation", ["full", "on-demand"])
+def test_get_loads_counts_running_requests_and_kv(checkpoint, reservation):
+    """KV used: prompt + max_new_tokens reserved in full, or on demand the prompt and what it grew to
+    (a growth's worth at a time, 32 by default) after its first tokens."""
+    pair = GrpcPair(checkpoint("qwen2"), decode_kw=dict(decode_kv_reservation=reservation))
     try:
         idle = pair.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
         assert idle.num_running_reqs == 0 and idle.num_used_tokens == 0 and idle.max_total_num_tokens > 0
         call = pair.generate([5, 6, 7], 300, stream=True, ignore_eos=True)
         next(call), next(call)
         busy = pair.stub.GetLoads(pb.GetLoadsRequest()).loads[0]
-        assert busy.num_total_reqs == 1 and busy.num_used_tokens == 303 and busy.token_usage > 0
+        used = 303 if reservation == "full" else 3 + 32
+        assert busy.num_total_reqs == 1 and busy.num_used_tokens == used and busy.token_usage > 0
         call.cancel()
     finally:
         pair.close()
