@@ -26,16 +26,19 @@ from common import api_keys
 from common.tools.procs import free_port, stop, wait_serving
 
 
-def start_pair(path: str, flags: list[str]) -> tuple[subprocess.Popen, subprocess.Popen, int, int]:
+def start_pair(
+    path: str, flags: list[str], decode_flags: list[str] = ()
+) -> tuple[subprocess.Popen, subprocess.Popen, int, int]:
     """Prefill and decode as subprocesses on free loopback ports, sharing a fresh internal key passed in
-    their environment (common/api_keys.py), never on their command lines. Returns (prefill, decode, ports)."""
+    their environment (common/api_keys.py), never on their command lines; `flags` go to both,
+    `decode_flags` to decode only. Returns (prefill, decode, ports)."""
     prefill_port, decode_port = free_port(), free_port()
     common = ["--model-path", path, "--host", "127.0.0.1", "--device", "cpu", *flags]
     env = api_keys.generated_env({**os.environ, "PYTHONUNBUFFERED": "1"})
     print(f"[demo] starting prefill on 127.0.0.1:{prefill_port} and decode on 127.0.0.1:{decode_port}", flush=True)
     prefill = subprocess.Popen([sys.executable, "-m", "prefill_service", *common, "--port", str(prefill_port)], env=env)
     decode = subprocess.Popen(
-        [sys.executable, "-m", "decode_service", *common, "--port", str(decode_port),
+        [sys.executable, "-m", "decode_service", *common, *decode_flags, "--port", str(decode_port),
          "--prefill-addr", f"127.0.0.1:{prefill_port}"],
         env=env,
     )  # fmt: skip
