@@ -115,6 +115,11 @@ class _Metrics:
             lambda: getattr(runner.model.greedy_head, "fallback_rows", 0),
         )
 
+    def watch_kv_committed(self, committed: Callable[[], float]) -> None:
+        """Decode: the KV slots the running requests have committed (what `token_usage` reserves, less
+        the slots held ahead: a growth's worth on demand, the whole max_new_tokens in full)."""
+        self._gauge("kv_committed_tokens", "KV slots holding the running requests' committed tokens", committed)
+
     def watch_expert_load(self, runner) -> None:
         """With an MoE model (`runner.expert_load`, rank 0's device counters): the experts' load
         series, computed from one read of the counters per scrape. Nothing for a dense model."""

@@ -73,6 +73,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHo
         model_name=name,
     )
     metrics.watch_greedy_head(runner)
+    metrics.watch_kv_committed(lambda: scheduler.running_batch.kv_committed_lens_sum)  # read at scrape time
     metrics.watch_expert_load(runner)
     inbox = Inbox()  # the prefill client delivers here; the scheduler drains it
     # the KV transport's decode side: with mooncake or shm our pools registered (or shared) and named

@@ -50,7 +50,10 @@ def test_metrics_move_with_traffic(checkpoint):
         assert d["sglang:generation_tokens_total"] >= 19 and d["sglang:prompt_tokens_total"] == 12
         assert d["disagg_handoff_bytes_total"] > 0 and d["disagg_open_streams"] == 0
         assert d["sglang:kv_transfer_speed_gb_s_count"] >= 3 and p["sglang:kv_transfer_speed_gb_s_count"] >= 3
-        assert d["sglang:token_usage"] == 0 and d["sglang:num_running_reqs"] == 0
+        assert (
+            d["sglang:token_usage"] == 0 and d["sglang:num_running_reqs"] == 0 and d["disagg_kv_committed_tokens"] == 0
+        )
+        assert d["disagg_retractions_total"] == d["disagg_reprefilled_tokens_total"] == 0
         assert d["disagg_greedy_head_fallback_rows"] == p["disagg_greedy_head_fallback_rows"] == 0
         assert p["disagg_prefill_compute_seconds_count"] == 4 and p["disagg_prefill_requests_total"] >= 3
         assert p["disagg_handoff_bytes_total{backend=grpc}"] > 0 and p["disagg_handoff_transfer_seconds_count"] >= 3

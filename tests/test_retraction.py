@@ -19,6 +19,7 @@ from decode_service.req import ReqState
 from tests.decode_harness import Hooks, Pair
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy
+from tests.test_metrics import _scrape
 
 N = 14
 PROMPTS = [[5, 9, 14, 3, 22, 8], [31, 7, 2, 40, 11], [17, 17, 4, 29, 6, 12, 3, 8]]
@@ -139,13 +140,16 @@ def test_retraction_over_the_wire_matches_hf(checkpoint, transfer):
     sent) and lands its KV through the transport into the request's new slots."""
     path = checkpoint("llama")
     hooks = RetractAt({(str(i), s) for i in range(3) for s in (3, 8)})
-    pair = GrpcPair(path, transfer=transfer, decode_kw=dict(decode_kv_grow_tokens=3), decode_hooks=hooks)
+    decode_kw = dict(decode_kv_grow_tokens=3, metrics_port=0)
+    pair = GrpcPair(path, transfer=transfer, decode_kw=decode_kw, decode_hooks=hooks)
     try:
         calls = [pair.generate(PROMPTS[i], N, ignore_eos=True, rid=str(i)) for i in range(3)]
         outs = [pair.collect(c)[0] for c in calls]
+        metrics = _scrape(pair.decode.metrics_port)
     finally:
         pair.close()
     assert len(hooks.done) >= 3, hooks.done
+    assert metrics["disagg_retractions_total"] == len(hooks.done) and metrics["disagg_reprefilled_tokens_total"] > 0
     for i in range(3):
         assert outs[i] == hf_greedy(path, PROMPTS[i], N), i
 
