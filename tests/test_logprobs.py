@@ -25,14 +25,11 @@ N, TOP, IDS = 8, 5, (3, 7, 11)
 
 
 class LogprobOutputs(Outputs):
-    def __init__(self):
-        super().__init__()
-        self.logprobs: dict[str, list[TokenLogprobs]] = {}
+    """Outputs (which collects `logprobs`) checking one TokenLogprobs per new id."""
 
     def __call__(self, out: RequestOutput):
         if out.logprobs is not None:
             assert len(out.logprobs) == len(out.new_token_ids), out
-            self.logprobs.setdefault(out.rid, []).extend(out.logprobs)
         super().__call__(out)
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from common.engine.handoff import HandoffRequest
-from common.engine.logprobs import TokenLogprobs
 from common.engine.sampling import SamplingParams
 from decode_service.output import RequestOutput
 from prefill_service.worker import PrefillWorker
@@ -87,15 +86,12 @@ class PromptOutputs(Outputs):
     def __init__(self):
         super().__init__()
         self.prompt: dict[str, list] = {}  # rid -> the prompt logprobs of each record that had them
-        self.logprobs: dict[str, list[TokenLogprobs]] = {}
 
     def __call__(self, out: RequestOutput):
         if out.prompt_logprobs is not None:
             assert out.rid not in self.tokens, f"{out.rid}: prompt logprobs after its first record"
             self.prompt.setdefault(out.rid, []).append(out.prompt_logprobs)
-        if out.logprobs is not None:
-            self.logprobs.setdefault(out.rid, []).extend(out.logprobs)
-        super().__call__(out)
+        super().__call__(out)  # collects the output logprobs too
 
 
 def test_in_process_first_output_of_each_sample_carries_them(checkpoint):
