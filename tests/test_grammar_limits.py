@@ -100,6 +100,9 @@ class _Slow(GrammarCompiler):
     def _load(self, text):
         return SimpleNamespace(memory_size_bytes=int(text.split(":")[0]))
 
+    def _compile_here(self, constraint, fut):  # an unbounded (TP follower's) compile: in process, at once
+        fut.set_result(self._load(constraint[1]))
+
 
 def test_at_most_max_pending_compile_at_once_and_cached_ones_are_still_served():
     c = _Slow(max_pending=2)

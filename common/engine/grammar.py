@@ -137,16 +137,20 @@ class GrammarCompiler:
         self._key = next(_keys)  # this tokenizer's name in the pool's workers
         self._info = self._info_json = None
         self._tokenizer_ready = threading.Lock()
+        self._local = None  # an in-process xgrammar compiler, for unbounded compiles only
         self.pool.warm()
 
     def _tokenizer(self):
         """xgrammar's TokenizerInfo and its JSON, made once (loading the tokenizer takes a moment: on
         first use); the workers compile with the JSON, this process deserializes what they return."""
         with self._tokenizer_ready:
-            if self._info is None:
-                info = tokenizer_info(self.tokenizer_path, self.vocab_size, self.stop_token_ids)
-                self._info, self._info_json = info, info.serialize_json()
-            return self._info, self._info_json
+            return self._tokenizer_unlocked()
+
+    def _tokenizer_unlocked(self):
+        if self._info is None:
+            info = tokenizer_info(self.tokenizer_path, self.vocab_size, self.stop_token_ids)
+            self._info, self._info_json = info, info.serialize_json()
+        return self._info, self._info_json
 
     def compile_async(self, constraint: tuple[str, str], bounded: bool = True) -> Future:
         """A future of the compiled grammar (one per distinct constraint while it stays cached); a new
@@ -168,11 +172,17 @@ class GrammarCompiler:
 
     def _start(self, constraint, bounded: bool) -> Future:
         """The compile in the pool's worker processes (compile_pool.py): one past its deadline is
-        killed there, so it holds no CPU and no queue; the future ends in the grammar or a GrammarError."""
+        killed there, so it holds no CPU and no queue; the future ends in the grammar or a GrammarError.
+        An unbounded compile (a TP follower's of what rank 0 compiled in time, inside a step) runs on a
+        thread of this process instead: no worker to start, no deadline to keep."""
         field = constraint[0]
         fut: Future = Future()
-        timeout_s = self.timeout_s if bounded else None
-        job = self.pool.submit(self._key, lambda: self._tokenizer()[1], self.any_whitespace, *constraint, timeout_s)
+        if not bounded:
+            threading.Thread(target=self._compile_here, args=(constraint, fut), daemon=True).start()
+            return fut
+        job = self.pool.submit(
+            self._key, lambda: self._tokenizer()[1], self.any_whitespace, *constraint, self.timeout_s
+        )
 
         def finish(job: Future) -> None:
             try:
@@ -186,6 +196,19 @@ class GrammarCompiler:
 
         job.add_done_callback(finish)
         return fut
+
+    def _compile_here(self, constraint, fut: Future) -> None:
+        import xgrammar as xgr
+
+        from common.engine.grammar_worker import compile_with
+
+        try:
+            with self._tokenizer_ready:
+                if self._local is None:
+                    self._local = xgr.GrammarCompiler(self._tokenizer_unlocked()[0], max_threads=1, cache_enabled=False)
+            fut.set_result(compile_with(self._local, *constraint, self.any_whitespace))
+        except Exception as e:  # noqa: BLE001 (the caller's, through the future)
+            fut.set_exception(GrammarError(f"{constraint[0]} does not compile: {e}"))
 
     def _load(self, compiled_json: str):
         """A worker's compiled grammar, deserialized for this process's matchers."""
