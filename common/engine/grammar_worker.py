@@ -36,7 +36,10 @@ def serve(conn: Connection, compile_fn=compile_with) -> None:
     import xgrammar as xgr
 
     compilers: dict[int, tuple] = {}  # key -> (xgrammar compiler, any_whitespace)
-    conn.send(("ready",))
+    try:
+        conn.send(("ready",))
+    except OSError:
+        return  # the parent is gone already (it ended while this worker started)
     while True:
         try:
             msg = conn.recv()
