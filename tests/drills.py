@@ -25,6 +25,7 @@ DRILLS = {
     "tests/test_tensor_parallel.py::test_more_ranks_than_kv_heads_replicate_them": "4 ranks in one group",
     "tests/test_logprobs.py::test_logprobs_and_penalties_with_tensor_parallel_services": "TP service pairs",
     "tests/test_grammar_tp.py": "grammars over TP service pairs",
+    "tests/test_retraction.py::test_retraction_over_tp_2_pairs_matches_hf": "retraction over TP service pairs",
     "tests/test_n_samples_eagle.py::test_samples_over_the_grpc_pair_equal_their_twins[grpc-2]": "TP service pairs",
     "tests/test_nextn.py::test_tp_pairs_with_the_mtp_draft": "the MTP draft over TP service pairs",
     "tests/test_triton_moe.py::test_qwen3_moe_through_triton": "Triton interpreter, a whole model",
