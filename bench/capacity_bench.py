@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.host import describe
 from common.tools.client import Client
-from common.tools.demo import start_pair
+from common.tools.demo import model_folder, start_pair
 from common.tools.procs import free_port, stop, wait_serving
 
 QUESTIONS = [  # SmolLM2 answers each in 4-77 tokens, greedy (none reaches 96)
@@ -114,15 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--grow", type=int, default=32, help="decode's --decode-kv-grow-tokens (small: more retraction)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
-        path = args.model_path
-        if path is None and args.tiny:
-            from common.tools.tiny_checkpoint import build
-
-            path = build(os.path.join(tmp, "tiny"))
-        elif path is None:
-            from common.tools.smollm2 import ensure_smollm2
-
-            path = ensure_smollm2()
+        path = model_folder(args.model_path, args.tiny, tmp)
         rows = [
             run_once(path, r, m, args.requests, args.pool, args.grow) for r in args.reservations for m in args.max_new
         ]

@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common.host import describe
 from common.tools.client import Client
-from common.tools.demo import start_pair
+from common.tools.demo import model_folder, start_pair
 from common.tools.procs import stop, wait_serving
 
 
@@ -139,15 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="review-") as tmp:
-        path = args.model_path
-        if path is None and args.tiny:
-            from common.tools.tiny_checkpoint import build
-
-            path = build(os.path.join(tmp, "tiny"))
-        elif path is None:
-            from common.tools.smollm2 import ensure_smollm2
-
-            path = ensure_smollm2()
+        path = model_folder(args.model_path, args.tiny, tmp)
         prefill, decode, prefill_port, decode_port = start_pair(path, [])
         try:
             address = f"127.0.0.1:{decode_port}"

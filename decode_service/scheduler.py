@@ -254,7 +254,9 @@ class DecodeScheduler:
     def pop_preallocated(self) -> None:
         """Admission, in order: reserve a request slot and KV for each waiting request that fits,
         then start its prefill; the first that does not fit waits, and everyone behind it."""
-        holders = sum(r.kv_slots is not None for r in self.reqs.values())
+        if not self.waiting:
+            return
+        holders = sum(r.kv_slots is not None for r in self.reqs.values())  # only while someone waits
         while self.waiting:
             req = self.waiting[0]
             keep_free = self.growth.keep_free(holders)  # on demand: room for the holders' next growth

@@ -26,6 +26,20 @@ from common import api_keys
 from common.tools.procs import free_port, stop, wait_serving
 
 
+def model_folder(model_path: str | None, tiny: bool, tmp: str) -> str:
+    """The checkpoint a launcher runs: `model_path` if given, else a tiny random-weight llama built in
+    `tmp` (`tiny`), else SmolLM2-135M-Instruct (converted once into the user cache)."""
+    if model_path is not None:
+        return model_path
+    if tiny:
+        from common.tools.tiny_checkpoint import build
+
+        return build(tmp, "llama")
+    from common.tools.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
 def start_pair(
     path: str, flags: list[str], decode_flags: list[str] = ()
 ) -> tuple[subprocess.Popen, subprocess.Popen, int, int]:
@@ -58,16 +72,9 @@ def main(argv=None) -> str:
     from common.tools.client import Client
 
     with tempfile.TemporaryDirectory(prefix="demo-") as tmp:
-        path = args.model_path
-        if path is None and args.tiny:
-            from common.tools.tiny_checkpoint import build
-
+        if args.tiny and args.model_path is None:
             print("[demo] building a tiny random-weight llama checkpoint ...", flush=True)
-            path = build(tmp, "llama")
-        elif path is None:
-            from common.tools.smollm2 import ensure_smollm2
-
-            path = ensure_smollm2()
+        path = model_folder(args.model_path, args.tiny, tmp)
         prefill, decode, prefill_port, decode_port = start_pair(path, ["--torch-threads", "1"] if args.tiny else [])
         try:
             for name, port, proc in (("prefill", prefill_port, prefill), ("decode", decode_port, decode)):
