@@ -10,6 +10,7 @@ scheduler's one check of the prompt and params against the model and pool).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container
 
 import grpc
@@ -19,6 +20,8 @@ from decode_service.submit_checks import CheckedRequest
 
 
 class Rejected(Exception):
+    """A call refused (here) or failed (decode_service/responses.py): the gRPC status it ends with, and why."""
+
     def __init__(self, code: grpc.StatusCode, detail: str):
         super().__init__(detail)
         self.code, self.detail = code, detail
@@ -35,9 +38,9 @@ class Admission:
             return self.runner.context_length
         return self.config.default_max_new_tokens
 
-    def check(self, request, in_flight: Container[str], open_calls: int) -> CheckedRequest:
+    def check(self, request, in_flight: Container[str], open_calls: int, seed: int | None = None) -> CheckedRequest:
         """The request, checked (the scheduler's CheckedRequest), or Rejected; `in_flight`: the client
-        request_ids of open calls."""
+        request_ids of open calls; `seed`: the sampling seed (the OpenAI API's; gRPC has no field)."""
         if self.health.draining:
             raise Rejected(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if not self.scheduler.alive:
@@ -50,6 +53,8 @@ class Admission:
                 kv_room=self.scheduler.books.room,
                 spec_extra=self.scheduler.books.extra,
             )
+            if seed is not None:
+                params = dataclasses.replace(params, seed=seed)
             checked = self.scheduler.check(ids, params)  # the one check against the model and pool
         except InvalidRequest as e:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e

@@ -28,6 +28,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
 from common import tracing
 from common.request_rules import ErrorKind, FinishReason
+from decode_service.admission import Rejected
 from decode_service.output import Finish, RequestOutput
 
 
@@ -47,14 +48,14 @@ class Responder:
         self.spec_steps = spec_steps  # --speculative-num-steps: drafts per verify step
         self.draining = draining
 
-    async def stream(self, request, ids, outputs: asyncio.Queue, context, trace) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, request, ids, outputs: asyncio.Queue, trace) -> AsyncIterator[pb.GenerateResponse]:
         """The call's responses from the RequestOutputs its scheduler callback puts on `outputs`; with
         n > 1 each sample's chunks and Complete carry its `index`, and the answer ends after n Completes."""
         m, started = self.metrics, time.perf_counter()
         samples = [_Sample(started, request.return_logprob) for _ in range(max(1, request.sampling_params.n))]
         still_open = len(samples)
         while still_open:
-            out = await self._next(outputs, context)
+            out = await self._next(outputs)
             if out is None:
                 continue
             s, tokens, finish = samples[out.index], out.new_token_ids, out.finish
@@ -83,9 +84,9 @@ class Responder:
                         "decode", parent, tracing.wall_ns(s.first_at), time.time_ns(), tokens=len(s.ids)
                     )
             if reason == FinishReason.ERROR:
-                await context.abort(*self._failure(finish))
+                raise Rejected(*self._failure(finish))
             if reason == FinishReason.ABORT and self.draining():
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
+                raise Rejected(grpc.StatusCode.UNAVAILABLE, "server shut down before the request finished")
             if tokens and request.stream:
                 chunk = pb.GenerateStreamChunk(
                     token_ids=tokens, prompt_tokens=len(ids), completion_tokens=len(s.ids), index=out.index
@@ -105,15 +106,14 @@ class Responder:
                 yield pb.GenerateResponse(request_id=request.request_id, complete=complete)
                 still_open -= 1
 
-    async def _next(self, outputs: asyncio.Queue, context) -> RequestOutput | None:
+    async def _next(self, outputs: asyncio.Queue) -> RequestOutput | None:
         """The next record, or None after a quiet second (never wait forever on a scheduler that died)."""
         try:
             return await asyncio.wait_for(outputs.get(), timeout=1.0)
         except asyncio.TimeoutError:
             if not self.scheduler.alive:
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"decode scheduler failed: {self.scheduler.fatal_error!r}"
-                )
+                detail = f"decode scheduler failed: {self.scheduler.fatal_error!r}"
+                raise Rejected(grpc.StatusCode.INTERNAL, detail) from None
             return None
 
     def _failure(self, finish: Finish) -> tuple[grpc.StatusCode, str]:

@@ -31,9 +31,11 @@ missing prefill replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
@@ -132,19 +134,28 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
 
     # ---- Generate --------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        async with contextlib.aclosing(self.generate(request, context.invocation_metadata())) as answer:
+            try:
+                async for response in answer:
+                    yield response
+            except Rejected as e:
+                await context.abort(e.code, e.detail)
+
+    async def generate(self, request, metadata=(), seed: int | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """One Generate request's answer, whichever door it came in by (gRPC's Generate, the OpenAI
+        HTTP API): the lifecycle above, steps 1-4, on this loop; a refusal or failure raises Rejected
+        (its gRPC status and detail). `metadata`: the caller's (a trace context); `seed`: the request's
+        sampling seed, which the gRPC message cannot carry (None: drawn per request)."""
         if not self.health.prefill_serving:  # no await between admission's checks and registering the call
             await self.health.recheck_prefill()
-        try:
-            checked = self._admission.check(request, self._live, self._open)
-        except Rejected as e:
-            await context.abort(e.code, e.detail)
+        checked = self._admission.check(request, self._live, self._open, seed)
         rid = f"{request.request_id or 'req'}#{next(self._ids)}"
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         self._open_rids.add(rid)
         if request.request_id:
             self._live[request.request_id] = rid
         finished = False
-        span = self.tracing.start("generate", self.tracing.extract(context.invocation_metadata()), rid=rid)
+        span = self.tracing.start("generate", self.tracing.extract(metadata), rid=rid)
         # rides on the request: the prefill client hangs its spans (and the replica's) under it
         trace = (self.tracing.context_of(span), time.time_ns()) if span is not None else None
         try:
@@ -152,16 +163,16 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
             self.scheduler.submit_checked(
                 rid, checked, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), trace=trace
             )
-            async for response in self._responder.stream(request, checked.prompt_ids, outputs, context, trace):
+            async for response in self._responder.stream(request, checked.prompt_ids, outputs, trace):
                 yield response
             finished = True  # every sample's Complete is out
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except Overloaded as e:  # e.g. too many grammars compiling: retry later
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the server stopped)
-            # GeneratorExit: the cancel reached gRPC while it was sending a response this generator had
-            # yielded, so it is closed at that yield instead of cancelled at an await
+            # GeneratorExit: the cancel reached the caller while it was sending a response this generator
+            # had yielded, so it is closed at that yield instead of cancelled at an await
             self.metrics.aborts.inc()
             raise
         finally:
