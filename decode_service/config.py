@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from common.service_config import FlagGroup, ServiceConfig, flag, parse_config
 from common.service_config import build_parser as _build
 
+TOOL_CALL_PARSERS = ["hermes", "llama3_json"]  # decode_service/openai_api/chat.py
 PROG = "python -m decode_service"
 DESCRIPTION = "The decode service: the client-facing front door (gRPC SglangScheduler)."
 
@@ -101,6 +102,13 @@ class FrontDoorFlags(FlagGroup, title="front door"):
     )
     api_key_file: str | None = flag(
         None, "file holding the front door's key (one line; refused if empty or other users may read it)", type=str
+    )
+    openai_port: int | None = flag(
+        None, "serve the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on this port", type=int
+    )
+    openai_host: str | None = flag(None, "address the OpenAI HTTP API binds (default: --host)", type=str)
+    tool_call_parser: str | None = flag(
+        None, "read the tool calls of tool_choice auto from the answer's text", type=str, choices=TOOL_CALL_PARSERS
     )
 
 

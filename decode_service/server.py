@@ -67,6 +67,7 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.tracing, self.prefill, self.scheduler = p.tracing, p.prefill, p.scheduler
         self.model_config, self.served_model_name = p.runner.config, p.served_model_name
         self.metrics_port: int | None = None
+        self.openai = None  # the OpenAI HTTP API (decode_service/openai_api/), with --openai-port
         self._ids = itertools.count()
         self._live: dict[str, str] = {}  # client request_id -> internal id (only requests that name one)
         self.started_at = time.time()
@@ -84,6 +85,11 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
         self.scheduler.start()
         self.health.start()
         self.server.start()
+        if self.config.openai_port is not None:  # on the gRPC server's loop: one front door, two protocols
+            from decode_service.openai_api.http_server import OpenAIServer
+
+            host = self.config.openai_host or self.config.host
+            self.openai = OpenAIServer(self, host, self.config.openai_port, self.config.tool_call_parser).start()
         self.health.publish()
         return self
 
@@ -113,6 +119,8 @@ class DecodeService(InfoRpcs, pb_grpc.SglangSchedulerServicer):
 
     def stop(self) -> None:
         self.health.draining = True
+        if self.openai is not None:
+            self.openai.stop()
         self.health.stop()
         self.server.stop(grace=1.0)
         self.scheduler.stop()
