@@ -43,6 +43,7 @@ class ChoiceText:
 
     def __init__(self, tokenizer, stops: list[str], stop_ids: bool, include_stop: bool):
         self.detok = Detokenizer(tokenizer)
+        self.stops = stops
         self.hold_chars = max((len(s) for s in stops), default=1) - 1  # a stop string may be starting
         self.hold_token = stop_ids and not include_stop  # the newest token may be a stop token
         self.include_stop = include_stop
@@ -54,7 +55,13 @@ class ChoiceText:
         ids = self.pending + list(ids)
         self.pending = ids[-1:] if self.hold_token and ids else []
         self.detok.add(ids[: len(ids) - len(self.pending)])
-        safe = len(self.detok.text) - self.hold_chars
+        text = self.detok.text
+        safe = len(text) - self.hold_chars
+        look = max(0, self.sent - self.hold_chars)  # a stop completed by these ids (its finish comes next)
+        for s in self.stops:
+            at = text.find(s, look)
+            if at >= 0:
+                safe = min(safe, at)
         if safe <= self.sent:
             return ""
         delta, self.sent = self.detok.text[self.sent : safe], safe
