@@ -39,6 +39,8 @@ def main(argv=None) -> None:
         service.address,
         ",".join(config.prefill_addrs),
     )
+    if service.openai is not None:
+        logging.info("OpenAI HTTP API on http://%s/v1 (chat/completions, completions, models)", service.openai.address)
     stop.wait()
     logging.info("decode service stopping")
     service.shutdown(config.shutdown_grace_s)

@@ -10,7 +10,9 @@
    lines; $DISAGG_INTERNAL_API_KEY if set), and wait until both report SERVING (grpc.health.v1);
 3. send the prompt through the client library (chat template, streaming, greedy), print the answer
    as it streams, then TTFT and decode tokens/s as the client saw them;
-4. stop both services with SIGTERM and wait for them to exit.
+4. ask the same over decode's OpenAI HTTP API (`--openai-port`; the curl line is printed), which
+   answers with the same tokens;
+5. stop both services with SIGTERM and wait for them to exit.
 """
 
 from __future__ import annotations
@@ -59,6 +61,26 @@ def start_pair(
     return prefill, decode, prefill_port, decode_port
 
 
+def ask_http(port: int, prompt: str, max_tokens: int) -> str:
+    """The greedy chat answer of decode's OpenAI HTTP API on `port` (stdlib only; the curl line printed)."""
+    import json
+    import urllib.request
+
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1"
+    headers = {"content-type": "application/json"}
+    key = os.environ.get(api_keys.ENV["api_key"])
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/models", headers=headers), timeout=30) as r:
+        body["model"] = json.loads(r.read())["data"][0]["id"]
+    print(f"[demo] curl {url}/chat/completions -H 'content-type: application/json' -d '{json.dumps(body)}'")
+    req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description="run prefill + decode locally and answer one request")
     parser.add_argument(
@@ -75,7 +97,9 @@ def main(argv=None) -> str:
         if args.tiny and args.model_path is None:
             print("[demo] building a tiny random-weight llama checkpoint ...", flush=True)
         path = model_folder(args.model_path, args.tiny, tmp)
-        prefill, decode, prefill_port, decode_port = start_pair(path, ["--torch-threads", "1"] if args.tiny else [])
+        http_port = free_port()
+        flags = ["--torch-threads", "1"] if args.tiny else []
+        prefill, decode, prefill_port, decode_port = start_pair(path, flags, ["--openai-port", str(http_port)])
         try:
             for name, port, proc in (("prefill", prefill_port, prefill), ("decode", decode_port, decode)):
 
@@ -102,6 +126,10 @@ def main(argv=None) -> str:
                 flush=True,
             )
             client.close()
+            via_http = ask_http(http_port, args.prompt, args.max_new_tokens)
+            print(f"[demo] the same over the OpenAI HTTP API: {via_http!r}", flush=True)
+            if via_http != text:
+                raise SystemExit("the OpenAI HTTP API answered otherwise than gRPC")
         finally:
             codes = (stop(decode), stop(prefill))
         print(f"[demo] services stopped (exit codes {codes[0]}, {codes[1]})", flush=True)
