@@ -141,7 +141,8 @@ def test_service_commands_parse_with_the_real_clis():
     assert p.tp_size == d.tp_size == 1 and "${DECODE_TP_SIZE:-1}" in services["decode"]["command"]  # TP settings
     assert "${PREFILL_TP_SIZE:-1}" in services["prefill"]["command"]
     smg = services["smg"]["command"]
-    assert f"grpc://decode:{d.port}" in smg
+    assert f"http://decode:{d.openai_port}" in smg  # the OpenAI API decode serves (docs/deployment.md)
+    assert f"127.0.0.1:{d.openai_port}:{d.openai_port}" in services["decode"]["ports"]
     assert services["decode"]["healthcheck"]["test"][4] == f"127.0.0.1:{d.port}"
     assert services["prefill"]["healthcheck"]["test"][4] == f"127.0.0.1:{p.port}"
 

@@ -60,14 +60,17 @@ def test_the_pieces_agree(tmp_path):
         spec = _by("Deployment", name)["spec"]["template"]["spec"]
         container = spec["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"grpc": config.port, "metrics": config.metrics_port}
+        want = {"grpc": config.port, "metrics": config.metrics_port}
+        if name == "decode":
+            want["http"] = config.openai_port
+        assert ports == want
         assert config.host == "0.0.0.0" and config.device == "cuda"
         assert container["readinessProbe"]["grpc"]["port"] == config.port
         assert spec["terminationGracePeriodSeconds"] > config.shutdown_grace_s
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert f"/etc/disagg/{name}.yaml" in container["args"]
     smg = _by("Deployment", "smg")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert f"grpc://decode:{decode.port}" in smg
+    assert f"http://decode:{decode.openai_port}" in smg
     hpa = _by("HorizontalPodAutoscaler", "prefill")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "prefill"
 
