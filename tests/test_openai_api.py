@@ -126,6 +126,36 @@ def test_completions_logprobs_echo_and_token_id_prompts_match_grpc(served):
         assert len(lp.text_offset) == len(lp.tokens)
 
 
+def test_sampling_fields_give_the_grpc_tokens(served):
+    """Penalties, filters and min_tokens through the API are the same request over gRPC (greedy after
+    the processors, so both are deterministic)."""
+    pair, client, model, tok, _ = served
+    ids = [31, 7, 2, 40, 11]
+    fields = dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, top_k=5, min_p=0.05)
+    want, _ = _grpc(pair, ids, 12, min_new_tokens=3, temperature=0, **fields)
+    extra = dict(repetition_penalty=1.3, top_k=5, min_p=0.05, min_tokens=3)
+    c = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0, logprobs=0,
+                                  frequency_penalty=0.5, presence_penalty=0.3, extra_body=extra)  # fmt: skip
+    assert c.choices[0].logprobs.tokens == [tok.decode([t]) for t in want]
+
+
+def test_chat_logprobs_are_the_grpc_logprobs(served):
+    pair, client, model, tok, _ = served
+    ids = _chat_ids(tok)
+    sp = pb.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = list(pair.stub.Generate(pb.GenerateRequest(
+        request_id="lp", tokenized=pb.TokenizedInput(input_ids=ids), return_logprob=True, top_logprobs_num=3,
+        logprob_start_len=-1, sampling_params=sp)))[-1].complete  # fmt: skip
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in want.output_ids]
+    assert [e.logprob for e in content] == pytest.approx(list(want.output_logprobs.token_logprobs), abs=1e-5)
+    for e, top in zip(content, want.output_logprobs.top_logprobs):
+        assert [t.token for t in e.top_logprobs] == [tok.decode([t]) for t in top.token_ids]
+        assert e.bytes == list(e.token.encode())
+
+
 def test_n_32(served):
     pair, client, model, tok, _ = served
     r = client.chat.completions.create(model=model, messages=USER, max_tokens=4, temperature=1.0, seed=1, n=32)
@@ -170,9 +200,22 @@ def test_grammars_and_tool_choice(served):
     r = client.completions.create(model=model, prompt="x", max_tokens=20, temperature=0.8, seed=2,
                                   extra_body={"regex": "(ab|cd)+[0-9]{2}"})  # fmt: skip
     assert re.fullmatch("(ab|cd)+[0-9]{2}", r.choices[0].text)
+    r = client.completions.create(model=model, prompt="x", max_tokens=8, temperature=0.8, seed=2,
+                                  extra_body={"ebnf": 'root ::= "yes" | "no"'})  # fmt: skip
+    assert r.choices[0].text in ("yes", "no")
+    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+           "triggers": ["<f>"]}  # fmt: skip
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=30, temperature=0.7, seed=3,
+                                       response_format=tag)  # fmt: skip
+    for body in re.findall("<f>(.*?)</f>", r.choices[0].message.content, re.DOTALL):  # tagged parts: the schema
+        assert set(json.loads(body)) == {"a"}
+    with pytest.raises(openai.BadRequestError, match="structural_tag"):  # it reached the engine's compiler
+        client.chat.completions.create(model=model, messages=USER, response_format={"type": "structural_tag",
+                                       "structures": [{"begin": "<f>"}]})  # fmt: skip
     tools = [{"type": "function", "function": {"name": "get", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
         "additionalProperties": False}}}]  # fmt: skip
+    answers = {}
     for choice in ("required", {"type": "function", "function": {"name": "get"}}):
         r = client.chat.completions.create(model=model, messages=USER, max_tokens=300, temperature=0.5, seed=4,
                                            tools=tools, tool_choice=choice)  # fmt: skip
@@ -180,6 +223,12 @@ def test_grammars_and_tool_choice(served):
         assert calls and calls[0].function.name == "get", r
         assert set(json.loads(calls[0].function.arguments)) == {"city"}
         assert r.choices[0].finish_reason == "tool_calls"
+        answers[str(choice)] = calls[0].function.arguments
+    stream = client.chat.completions.create(model=model, messages=USER, max_tokens=300, temperature=0.5, seed=4,
+                                            tools=tools, tool_choice="required", stream=True)  # fmt: skip
+    deltas = [ch.choices[0].delta for ch in stream if ch.choices and ch.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.name == "get"
+    assert deltas[0].tool_calls[0].function.arguments == answers["required"]  # the same seed's call
     with pytest.raises(openai.BadRequestError, match="at most one constraint"):
         client.chat.completions.create(model=model, messages=USER, tools=tools, tool_choice="required",
                                        response_format={"type": "json_object"})  # fmt: skip
@@ -246,3 +295,27 @@ def test_the_api_key_guards_the_http_api_too(checkpoint):
         assert [m.id for m in good.models.list().data] == [pair.decode.served_model_name]
     finally:
         pair.close()
+
+
+def test_smg_over_http_forwards_what_its_grpc_path_drops(served, tmp_path):
+    """smg 1.13 in front of decode's OpenAI API (--worker-urls http://...), the path compose and k8s
+    take: logit_bias forces its token, equal seeds give equal text, completions return logprobs and
+    stop strings end decoding in the engine (over gRPC smg drops the first three and matches stops
+    itself). smg's own limits stay: token-id prompts and n above 10 are refused by the gateway."""
+    from tests.test_smg_gateway import smg_in_front_of
+
+    pair, _, model, tok, _ = served
+    with smg_in_front_of(f"http://127.0.0.1:{pair.decode.openai.port}", str(tmp_path / "smg.log")) as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        r = c.completions.create(model=model, prompt="The prefill", max_tokens=4, temperature=0, logprobs=1,
+                                 logit_bias={"42": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.choices[0].logprobs.tokens == [tok.decode([42])] * 4
+        kw = dict(model=model, messages=USER, max_tokens=10, temperature=1.0, seed=7)
+        assert c.chat.completions.create(**kw).choices[0].message.content == (
+            c.chat.completions.create(**kw).choices[0].message.content
+        )
+        r = c.completions.create(model=model, prompt="The prefill", max_tokens=30, temperature=0,
+                                 stop=[tok.decode([42])], logit_bias={"42": 100})  # fmt: skip
+        assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=model, prompt=[5, 9, 14], max_tokens=2)

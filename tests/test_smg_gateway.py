@@ -56,7 +56,7 @@ def smg_in_front_of(decode_address: str, log_path: str, *extra: str):
             "--prometheus-port",
             str(_free_port()),
             "--worker-urls",
-            f"grpc://{decode_address}",
+            decode_address if "://" in decode_address else f"grpc://{decode_address}",  # http://: decode's OpenAI API
             "--worker-startup-check-interval",
             "1",
             "--health-check-interval-secs",
