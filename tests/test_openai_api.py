@@ -302,7 +302,7 @@ def test_smg_over_http_forwards_what_its_grpc_path_drops(served, tmp_path):
     take: logit_bias forces its token, equal seeds give equal text, completions return logprobs and
     stop strings end decoding in the engine (over gRPC smg drops the first three and matches stops
     itself). smg's own limits stay: token-id prompts and n above 10 are refused by the gateway."""
-    from tests.test_smg_gateway import smg_in_front_of
+    from common.tools.smg import smg_in_front_of
 
     pair, _, model, tok, _ = served
     with smg_in_front_of(f"http://127.0.0.1:{pair.decode.openai.port}", str(tmp_path / "smg.log")) as base:

@@ -5,19 +5,15 @@ Fails (does not skip) when smg is missing: it is part of the dev extra.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
 from common.models.config import load_model_config
+from common.tools.smg import smg_binary, smg_in_front_of
 from common.tools.tokenizer import load_tokenizer
 from tests.grpc_harness import GrpcPair
 from tests.oracle import hf_greedy
@@ -25,63 +21,11 @@ from tests.oracle import hf_greedy
 MODEL = "tiny-llama"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _smg_binary() -> str:
-    found = shutil.which("smg") or os.path.join(os.path.dirname(sys.executable), "smg")
-    assert os.path.exists(found), "smg is not installed (pip install -e '.[dev]')"
-    return found
-
-
-@contextlib.contextmanager
-def smg_in_front_of(decode_address: str, log_path: str, *extra: str):
-    """smg launched in front of one decode service (its log at `log_path`): yields its base URL once
-    ready; terminated after."""
-    port = _free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [
-            _smg_binary(),
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(_free_port()),
-            "--worker-urls",
-            decode_address if "://" in decode_address else f"grpc://{decode_address}",  # http://: decode's OpenAI API
-            "--worker-startup-check-interval",
-            "1",
-            "--health-check-interval-secs",
-            "5",
-            *extra,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            try:
-                if '"ready"' in urllib.request.urlopen(f"{base}/readiness", timeout=2).read().decode():
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, "smg did not become ready"
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
+        return smg_binary()
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,10 @@ import re
 import jsonschema
 import pytest
 
+from common.tools.smg import smg_in_front_of
 from common.tools.smollm2 import ensure_smollm2
 from tests.grpc_harness import GrpcPair
-from tests.test_smg_gateway import _post, _sse, smg_in_front_of
+from tests.test_smg_gateway import _post, _sse
 
 MODEL = "smollm2"
 CITY = {

@@ -11,7 +11,7 @@ from common.engine.draft_runner import SpecArgs
 from common.engine.sampling import SamplingParams
 from common.tools.eagle_checkpoint import build as build_head
 from tests.oracle import hf_greedy
-from tests.test_retraction import N, PROMPTS, _run
+from tests.test_retraction import PROMPTS, N, _run
 
 
 @pytest.mark.gpu

@@ -1,0 +1,83 @@
+"""The ways into the pair, measured as a user would drive them: decode's gRPC front door, decode's own
+OpenAI HTTP API, and smg in front of either (its gRPC and its HTTP worker modes), each with
+`bench.load_gen` at the given concurrencies (random prompts, fixed output lengths, greedy).
+
+    python -m bench.api_paths [--model-path DIR | --tiny] [--concurrency 1,16] [--num-prompts 32]
+
+One pair for every path (SmolLM2-135M-Instruct by default), so the paths share the model, the pools and
+the host; each path's first run warms it. Prints one row per (path, concurrency): output tok/s, median
+TTFT and ITL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+
+from bench import load_gen
+from common.tools.demo import model_folder, start_pair
+from common.tools.procs import free_port, stop, wait_serving
+from common.tools.smg import smg_in_front_of
+
+
+def _run(backend: list[str], tokenizer: str, n: int, concurrency: int, args, out: str) -> dict:
+    load_gen.main([*backend, "--tokenizer", tokenizer, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
+                   "--random-input-len", str(args.input_len), "--random-range-ratio", "1.0", "--random-output-len",
+                   str(args.output_len), "--no-progress", "--output-json", out])  # fmt: skip
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m bench.api_paths", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=50)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--paths", default="grpc,http,smg-grpc,smg-http")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="api-paths-") as tmp:
+        path = model_folder(args.model_path, args.tiny, tmp)
+        http = free_port()
+        prefill, decode, prefill_port, decode_port = start_pair(path, [], ["--openai-port", str(http)])
+        try:
+            for port, proc in ((prefill_port, prefill), (decode_port, decode)):
+                wait_serving(f"127.0.0.1:{port}", proc)
+            workers = {"grpc": None, "http": None, "smg-grpc": f"127.0.0.1:{decode_port}",
+                       "smg-http": f"http://127.0.0.1:{http}"}  # fmt: skip
+            for which in args.paths.split(","):
+                gateway = workers[which]
+                with (
+                    smg_in_front_of(gateway, os.path.join(tmp, f"{which}.log"))
+                    if gateway
+                    else (contextlib.nullcontext(None)) as base
+                ):
+                    if which == "grpc":
+                        backend = ["--backend", "grpc", "--addr", f"127.0.0.1:{decode_port}"]
+                    else:
+                        backend = ["--backend", "openai", "--base-url", base or f"http://127.0.0.1:{http}"]
+                    _run(backend, path, 4, 4, args, os.path.join(tmp, "warm.json"))  # warm the path
+                    for c in [int(x) for x in args.concurrency.split(",")]:
+                        r = _run(backend, path, max(args.num_prompts, c), c, args, os.path.join(tmp, "r.json"))
+                        rows.append(dict(path=which, concurrency=c, tok_s=r["output_throughput"],
+                                         ttft_ms=r["median_ttft_ms"], itl_ms=r["median_itl_ms"],
+                                         failed=r.get("failed", 0)))  # fmt: skip
+                        print(f"[api_paths] {rows[-1]}", flush=True)
+        finally:
+            stop(decode), stop(prefill)
+    print("| path | concurrency | output tok/s | median TTFT ms | median ITL ms | failed |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['path']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['itl_ms']:.1f} | "
+              f"{r['failed']} |")  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
