@@ -61,6 +61,12 @@ class SchedulerFlags(FlagGroup, title="scheduler"):
         "max_new_tokens reserved at admission, whether used or not)",
         choices=["on-demand", "full"],
     )
+    disaggregation_decode_enable_radix_cache: bool = flag(
+        False,
+        "keep finished requests' KV on decode (a radix tree, evicted LRU under pool pressure) so a prompt that "
+        "continues one (the next chat turn) takes only its new tokens' KV from prefill (not with EAGLE / MTP, "
+        "nor --tp-size > 1, yet)",
+    )
     decode_kv_grow_tokens: int = flag(
         32,
         "on-demand: KV slots a request gets past its prompt at admission and at each growth, and the room "

@@ -92,7 +92,8 @@ class HandoffIntake:
                 msg.done()
             return
         draft = msg.draft and self.spec is not None  # a ValueError (checked, nothing written): _fail_reply
-        self.worker.write_kv_chunk(req.kv_slots, msg.token_start, msg.layer_start, msg.k, msg.v, draft, msg.done)
+        slots = req.kv_slots[req.prefix_len :]  # chunks count from the first position decode's cache lacks
+        self.worker.write_kv_chunk(slots, msg.token_start, msg.layer_start, msg.k, msg.v, draft, msg.done)
 
     def _on_handoff(self, msg: HandoffArrived) -> None:
         handoff = msg.handoff

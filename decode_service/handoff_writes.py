@@ -74,7 +74,7 @@ def write_prebuilt(
     FutureMap row: the first token, and with EAGLE the draft seed and the committed length (the prompt's);
     a forked sample's own last prompt slot from `fork`."""
     runner.req_to_token_pool.write(req_pool_idx, 0, kv_slots)
-    loc = to_device(kv_slots[: handoff.prompt_len], runner.device)
+    loc = to_device(kv_slots[handoff.kv_start : handoff.prompt_len], runner.device)  # decode's cache holds the rest
     if handoff.k is not None:
         runner.kv_pool.write_layers(0, loc, handoff.k, handoff.v)
     dev_row = to_device(torch.tensor([req_pool_idx], dtype=torch.int64), fm.device)
@@ -124,8 +124,8 @@ def check_prebuilt(runner, fm, kv_slots: torch.Tensor, handoff: Handoff, fork: F
             raise ValueError(f"handoff {handoff.rid}: KV for {len(k)}/{len(v)} layers, expected {pool.num_layers}")
         for layer_k, layer_v in zip(k, v):
             check_kv(pool, n, 0, 0, layer_k[None], layer_v[None])
-            if layer_k.shape[0] != n:
-                raise ValueError(f"handoff {handoff.rid}: KV of {layer_k.shape[0]} tokens, prompt has {n}")
+            if layer_k.shape[0] != handoff.kv_len:
+                raise ValueError(f"handoff {handoff.rid}: KV of {layer_k.shape[0]} tokens, expected {handoff.kv_len}")
 
 
 def check_sample_drafts(pool, handoff: Handoff, fork: ForkSeed | None = None) -> None:

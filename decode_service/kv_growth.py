@@ -123,8 +123,11 @@ def prefill_request(req: DecodeReq) -> HandoffRequest:
     """What prefill computes for `req`: its prompt, or for a retracted request prompt + the outputs sent
     so far, sampled at its next output position (alone: a retracted sample of n > 1 keeps its own seed;
     its prompt logprobs went out with its first output already)."""
-    if not req.retractions:
-        return HandoffRequest(req.rid, req.prompt_ids, req.params, req.seed, kv_slots=req.kv_slots, trace=req.trace)
+    if not req.retractions:  # the KV of positions prefix_len.. (decode's prefix cache holds the rest)
+        slots = req.kv_slots[req.prefix_len :]
+        return HandoffRequest(
+            req.rid, req.prompt_ids, req.params, req.seed, kv_slots=slots, trace=req.trace, kv_start=req.prefix_len
+        )
     params = dataclasses.replace(req.params, n=1, logprob_start_len=-1)
     prompt, sent = req.prompt_ids + req.output_ids, len(req.output_ids)
     return HandoffRequest(req.rid, prompt, params, req.seed, sent, kv_slots=req.kv_slots, trace=req.trace)

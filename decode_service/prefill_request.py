@@ -4,7 +4,7 @@ signed with the pools' keys so prefill writes nowhere else: common/wire/kv_capab
 
 from __future__ import annotations
 
-from common.engine.handoff import HandoffRequest
+from common.engine.handoff import HandoffRequest, prefix_digest
 from common.kv_transfer.plan import slot_runs
 from common.wire import kv_capability
 from common.wire.proto_gen import prefill_pb2
@@ -19,6 +19,8 @@ def build(
         input_ids=request.prompt_ids,
         max_chunk_bytes=max_chunk_bytes,
         first_output_position=request.first_position,
+        kv_start=request.kv_start,
+        kv_start_digest=prefix_digest(request.prompt_ids[: request.kv_start]) if request.kv_start else b"",
         sampling_params=prefill_pb2.SamplingParams(
             temperature=p.temperature,
             top_k=p.top_k,
@@ -42,7 +44,8 @@ def build(
     )
     if kv_destination is not None and request.kv_slots is not None:
         msg.kv_destination.CopyFrom(kv_destination)
-        msg.kv_destination.runs.extend(slot_runs(request.kv_slots[: len(request.prompt_ids)].tolist()))
+        positions = len(request.prompt_ids) - request.kv_start  # kv_slots start at position kv_start
+        msg.kv_destination.runs.extend(slot_runs(request.kv_slots[:positions].tolist()))
         if kv_keys is not None:  # a capability per rank: valid for this call's lifetime, once
             kv_capability.sign(msg.kv_destination, request.rid, kv_keys, ttl_s)
     return msg

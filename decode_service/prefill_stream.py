@@ -32,7 +32,7 @@ class HandoffStream:
         self.request, self.sent, self.sink = request, sent, sink
         self.config, self.draft_config, self.metrics = config, draft_config, metrics
         self.chunk_wait_s = chunk_wait_s
-        n = len(request.prompt_ids)
+        n = len(request.prompt_ids) - request.kv_start  # the positions whose KV comes (kv_start..)
         cfg, draft = config, draft_config
         self.assembler = KvAssembler(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, store=False, v_dim=cfg.v_dim)
         self.draft_assembler = (
@@ -94,7 +94,7 @@ class HandoffStream:
         self.sink.deliver_kv(self.request.rid, kv.token_start, kv.layer_start, k, v, kv.draft, self.window.release)
 
     def _record(self, rec) -> None:
-        request, cfg, n = self.request, self.config, len(self.request.prompt_ids)
+        request, cfg, n = self.request, self.config, len(self.request.prompt_ids)  # the record counts them all
         self.assembler.finish()
         chunks = self.assembler.chunks
         if self.draft_assembler is not None:  # the head's KV must cover the prompt too
@@ -116,6 +116,7 @@ class HandoffStream:
             k=None,
             v=None,
             first_position=request.first_position,
+            kv_start=request.kv_start,
             cached_tokens=rec.cached_tokens,
             first_logprobs=logprobs_from_wire(rec, request.params, self.config.vocab_size),
             more_first_tokens=tuple(rec.more_first_tokens),  # n > 1 (count and ids: check_record)

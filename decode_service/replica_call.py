@@ -100,6 +100,7 @@ class ReplicaCall:
             request.seed,
             first_position=len(self.sent),
             kv_slots=request.kv_slots,
+            kv_start=request.kv_start,  # decode's prefix cache holds the KV before it (prefix_cache.py)
         )
         tracing = client.tracing
         span = tracing.start("prefill_call", parent, replica=peer.address) if parent is not None else None

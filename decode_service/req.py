@@ -52,6 +52,8 @@ class DecodeReq:
     trace: tuple | None = None  # (parent span context, submission ns) from the front door; opaque here
     submitted_at: float = field(default_factory=time.monotonic)
     retractions: int = 0  # times retracted to free KV (kv_growth.py); it then comes back without its group
+    prefix_len: int = 0  # leading prompt positions whose KV came from decode's prefix cache (prefix_cache.py)
+    prefix_node: object = None  # the cache node it locks while it lives
 
     @property
     def prompt_len(self) -> int:

@@ -86,6 +86,7 @@ class DecodeScheduler:
         cancel_prefill: Callable[[str], None] | None = None,
         kv_reservation: str = ON_DEMAND,
         kv_grow_tokens: int = 32,
+        prefix_cache: bool = False,
     ):
         """`worker`: a DecodeWorker (or a fake with its methods); `prefill_fn` starts a request's
         prefill once its slots are reserved; `inbox` is where the prefill side delivers (made here if
@@ -94,7 +95,8 @@ class DecodeScheduler:
         its reservation until the prefill side's last word on it (handoff or failure) arrives.
         `cancel_prefill(rid)`: ends the prefill call the scheduler started for `rid` (the PrefillClient's
         cancel); the scheduler is the one door that ends a request, and it cancels only what it started.
-        `kv_reservation` / `kv_grow_tokens`: full or on-demand KV (kv_growth.py)."""
+        `kv_reservation` / `kv_grow_tokens`: full or on-demand KV (kv_growth.py); `prefix_cache`: keep
+        finished requests' KV for prompts that continue them (prefix_cache.py)."""
         self.worker = worker
         self.prefill_fn = prefill_fn
         self.cancel_prefill = cancel_prefill
@@ -115,7 +117,12 @@ class DecodeScheduler:
         self.prebuilt: list[DecodeReq] = []
         # Its parts (each file says its job): the slot books (reserve, free, holders; n > 1's shared prompt
         # slots), the intake of prefill replies, the samples of n > 1 requests.
-        self.books = SlotBooks(worker, self.spec.extra_slots if self.spec else 0, eagle=self.spec is not None)
+        if prefix_cache and self.spec is not None:
+            raise ValueError(
+                "--disaggregation-decode-enable-radix-cache is not supported with speculative decoding yet"
+            )
+        extra = self.spec.extra_slots if self.spec else 0
+        self.books = SlotBooks(worker, extra, eagle=self.spec is not None, prefix_cache=prefix_cache)
         self.intake = HandoffIntake(self.reqs, worker, abort_waits_for_prefill, ends=self)
         self.samples = SampleGroups(self.books, worker, self.reqs, self.spec is not None, self._abort)
         hooks = getattr(worker, "hooks", None)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_service.prefix_cache import DecodePrefixCache
 from decode_service.req import DecodeReq
 
 
@@ -36,14 +37,24 @@ class SampleGroup:
 
 
 class SlotBooks:
-    def __init__(self, worker, extra: int, eagle: bool):
+    def __init__(self, worker, extra: int, eagle: bool, prefix_cache: bool = False):
         """`worker`: its `req_to_token_pool`, `kv_allocator` and `release_row`; `extra`: the KV a step may
-        write past a request's reservation (EAGLE's draft window, else 0)."""
+        write past a request's reservation (EAGLE's draft window, else 0); `prefix_cache`: keep finished
+        requests' KV for later prompts that start with it (prefix_cache.py)."""
         self.worker = worker
         self.pool, self.kv = worker.req_to_token_pool, worker.kv_allocator
         self.extra = extra
         self.own_last = 1 if eagle else 0  # samples 1..n-1's own slot at the last prompt position
         self.groups: dict[str, SampleGroup] = {}
+        self.cache = DecodePrefixCache(self.kv) if prefix_cache else None
+
+    def _can_alloc(self, n: int) -> bool:
+        """Whether `n` KV slots can be allocated, evicting cached prefixes nobody reads to make room."""
+        if self.kv.can_alloc(n):
+            return True
+        if self.cache is not None:
+            self.cache.evict(n - self.kv.num_free)
+        return self.kv.can_alloc(n)
 
     @property
     def room(self) -> int:
@@ -56,14 +67,20 @@ class SlotBooks:
         n samples need; or nothing (False), also when fewer than `keep_free` slots would be left."""
         n = req.params.n if not req.retractions else 1  # a retracted sample comes back on its own
         if n == 1:
-            need = req.prompt_len + len(req.output_ids) + outputs + self.extra
-            if self.pool.allocator.num_free == 0 or not self.kv.can_alloc(need + keep_free):
+            if self.pool.allocator.num_free == 0:
                 return False
-            req.req_pool_idx, req.kv_slots = self.pool.alloc(), self.kv.alloc(need)
+            cached = self.cache.take(req) if self.cache is not None and not req.retractions else None
+            need = req.prompt_len + len(req.output_ids) + outputs + self.extra - req.prefix_len
+            if not self._can_alloc(need + keep_free):
+                if cached is not None:
+                    self.cache.untake(req)
+                return False
+            req.req_pool_idx, own = self.pool.alloc(), self.kv.alloc(need)
+            req.kv_slots = torch.cat([cached, own]) if req.prefix_len else own
             return True
         last, own = self.own_last, outputs + self.extra
         need = req.prompt_len + n * own + (n - 1) * last
-        if self.pool.allocator.num_free < n or not self.kv.can_alloc(need + keep_free):
+        if self.pool.allocator.num_free < n or not self._can_alloc(need + keep_free):
             return False
         prompt = self.kv.alloc(req.prompt_len)
         reserved = [(self.pool.alloc(), self.kv.alloc(last + own)) for _ in range(n - 1)]
@@ -80,7 +97,7 @@ class SlotBooks:
         more = upto - len(req.kv_slots)
         if more <= 0:
             return req.kv_slots[:0]
-        if not self.kv.can_alloc(more):
+        if not self._can_alloc(more):
             return None
         new = self.kv.alloc(more)
         req.kv_slots = torch.cat([req.kv_slots, new])
@@ -91,6 +108,8 @@ class SlotBooks:
         group's last holder; before the fork also the reservations of samples 1..n-1)."""
         group = req.group
         own = req.kv_slots if group is None else req.kv_slots[group.shared_len :]
+        if self.cache is not None and group is None:  # its written KV joins the cache (prefix_cache.py)
+            own = self.cache.keep(req)
         self.kv.free(own)
         self.pool.free(req.req_pool_idx)
         self.worker.release_row(req.req_pool_idx)
@@ -113,7 +132,7 @@ class SlotBooks:
                 continue
             pool_holders.append([r.req_pool_idx])
             if r.group is None:
-                kv_holders.append(r.kv_slots)
+                kv_holders.append(r.kv_slots[r.prefix_len :])  # the cached prefix is the tree's
                 continue
             kv_holders.append(r.kv_slots[r.group.shared_len :])
             groups[id(r.group)] = r.group
@@ -121,4 +140,6 @@ class SlotBooks:
             kv_holders.append(g.prompt_slots[: g.shared_len])
             kv_holders.extend(slots for _, slots in g.reserved)
             pool_holders.extend([idx] for idx, _ in g.reserved)
+        if self.cache is not None:
+            kv_holders.append(torch.tensor(self.cache.all_slots(), dtype=torch.int64))
         return kv_holders, pool_holders

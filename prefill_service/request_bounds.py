@@ -17,7 +17,7 @@ Every violation is a ValueError naming the field (the server answers INVALID_ARG
 from __future__ import annotations
 
 from common.engine.grammar import check_constraint, runner_compiler
-from common.engine.handoff import HandoffRequest
+from common.engine.handoff import HandoffRequest, prefix_digest
 from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB
 from common.engine.penalties import MAX_LOGIT_BIAS
 from common.engine.sampling import SamplingParams
@@ -54,7 +54,11 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
     )
     prompt = list(request.input_ids)  # against the model and pool: the scheduler's check (worker.validate)
     params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
-    return HandoffRequest(request.request_id, prompt, params, sp.seed, request.first_output_position)
+    if request.kv_start and request.kv_start_digest != prefix_digest(prompt[: request.kv_start]):
+        raise ValueError("kv_start_digest does not match input_ids[:kv_start]")
+    return HandoffRequest(
+        request.request_id, prompt, params, sp.seed, request.first_output_position, kv_start=request.kv_start
+    )
 
 
 def constraint(sp, runner) -> dict[str, str]:

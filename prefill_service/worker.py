@@ -114,6 +114,10 @@ class PrefillWorker:
         )
         if request.first_position >= len(prompt):
             raise InvalidRequest("first_output_position must be < len(input_ids)")
+        if request.kv_start >= len(prompt):
+            raise InvalidRequest("kv_start must be < len(input_ids): the handoff carries one position at least")
+        if request.kv_start and self.runner.draft is not None:
+            raise InvalidRequest("kv_start (a decode-side prefix cache) is not supported with speculative decoding")
         if params.prompt_logprobs and params.logprob_start_len >= len(prompt) - request.first_position:
             raise InvalidRequest(
                 "logprob_start_len must be below the prompt's length (input_ids less the resent outputs)"
@@ -319,7 +323,7 @@ class PrefillWorker:
             start += len(ids)
 
     def _copy_out(self, done: list[_Running]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """The target KV of each completed prompt per layer [prompt_len, kv_heads, head_dim] on the
+        """The target KV of each completed prompt per layer [kv_len, kv_heads, head_dim] (positions kv_start..) on the
         staging device, gathered for the whole step in a few copies (`KVPool.gather_many`; one per
         request took 0.33 s for 63 prompts finishing together, on cores shared with decode). Staged
         on the pool's own device it stays the gather's copy: nothing waits for the device here."""
@@ -328,7 +332,7 @@ class PrefillWorker:
         def staged(x: torch.Tensor) -> list[torch.Tensor]:  # TP: every rank's heads, gathered on device
             return [t.to(to) for t in gather_kv_heads(tp, cfg, list(x.unbind(0)))] if tp.size > 1 else list(x.to(to))
 
-        gathered = self.runner.kv_pool.gather_many([w.kv_slots for w in done])
+        gathered = self.runner.kv_pool.gather_many([w.kv_slots[w.request.kv_start :] for w in done])
         return [(staged(k), staged(v)) for k, v in gathered]
 
     def _to_handoff(self, w: _Running, k: list[torch.Tensor], v: list[torch.Tensor]) -> Handoff:
@@ -357,6 +361,7 @@ class PrefillWorker:
             more_first_logprobs=w.more_logprobs,
             prompt_logprobs=w.prompt_parts.to_host() if w.prompt_parts is not None else None,
             kv_ready=_recorded(self.staging),
+            kv_start=r.kv_start,
             **extra,
         )
 

@@ -122,6 +122,7 @@ class Pair:
         hooks: Hooks | None = None,
         kv_reservation: str = "on-demand",
         kv_grow_tokens: int = 32,
+        prefix_cache: bool = False,
         **sizes,
     ):  # sizes: runners()' keywords
         prefill, decode = runners(path, **sizes)
@@ -139,6 +140,7 @@ class Pair:
             debug=True,
             kv_reservation=kv_reservation,
             kv_grow_tokens=kv_grow_tokens,
+            prefix_cache=prefix_cache,
         )
         self.scheduler.start()
 
@@ -165,8 +167,10 @@ class Pair:
             assert time.time() < deadline, "scheduler never went idle"
             time.sleep(0.005)
         time.sleep(0.05)
-        self.scheduler.check_integrity()
-        assert self.worker.kv_allocator.num_used == 0
+        self.scheduler.check_integrity()  # the prefix cache's slots are the tree's: held once, by it
+        cache = self.scheduler.books.cache
+        assert self.worker.kv_allocator.num_used == (cache.tree.tree_size if cache is not None else 0)
+        assert cache is None or cache.tree.locked_size == 0  # every lock dropped
         assert self.worker.req_to_token_pool.allocator.num_used == 0
         self.scheduler.stop()
         self.link.close()

@@ -26,6 +26,14 @@ def check_token(rid: str, what: str, token: int, vocab_size: int) -> None:
         raise ValueError(f"handoff {rid}: {what} {token} is outside the vocabulary [0, {vocab_size})")
 
 
+def prefix_digest(ids: list[int]) -> bytes:
+    """SHA-256 of token ids as little-endian uint32: how both sides name the prefix decode holds."""
+    import hashlib
+    import struct
+
+    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).digest()
+
+
 @dataclass
 class HandoffRequest:
     rid: str
@@ -33,8 +41,9 @@ class HandoffRequest:
     params: SamplingParams
     seed: int
     first_position: int = 0  # output index of the token this prefill samples (= tokens resent)
-    kv_slots: torch.Tensor | None = None  # the decode side's reserved slots (a transfer engine writes there)
+    kv_slots: torch.Tensor | None = None  # decode's slots of positions kv_start.. (a transfer engine writes there)
     trace: tuple | None = None  # (parent span context, submission ns) of the caller's trace; opaque here
+    kv_start: int = 0  # decode holds the KV of prompt_ids[:kv_start] (its prefix cache): the handoff's starts here
 
 
 @dataclass
@@ -75,18 +84,24 @@ class Handoff:
     # KV staged on a device (a transfer engine reads it there): a CUDA event recorded after its
     # copy-out, which whoever reads the KV on another thread waits for; None when it is ready now
     kv_ready: object | None = None
+    kv_start: int = 0  # k / v (and the chunks or writes of them) are positions kv_start..prompt_len
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Positions whose KV the handoff carries."""
+        return len(self.prompt_ids) - self.kv_start
 
     def check(self, num_layers: int) -> None:
         """Raise ValueError if the record is malformed (so the receiver frees and fails cleanly)."""
         if len(self.k) != num_layers or len(self.v) != num_layers:
             raise ValueError(f"handoff {self.rid}: KV for {len(self.k)}/{len(self.v)} layers, expected {num_layers}")
         for t in self.k + self.v:
-            if t.shape[0] != self.prompt_len:
-                raise ValueError(f"handoff {self.rid}: KV of {t.shape[0]} tokens, prompt has {self.prompt_len}")
+            if t.shape[0] != self.kv_len:
+                raise ValueError(f"handoff {self.rid}: KV of {t.shape[0]} tokens, expected {self.kv_len}")
 
     def check_record(self, vocab_size: int) -> None:
         """Raise ValueError unless the first token is in the vocabulary and the counts fit the prompt."""

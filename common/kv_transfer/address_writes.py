@@ -62,7 +62,7 @@ class AddressSender:
             close()
 
     def _write(self, request_id, dest, handoff, max_bytes, cancelled) -> Iterator[prefill_pb2.PrefillChunk]:
-        writer, n = self.writer, handoff.prompt_len
+        writer, n = self.writer, handoff.kv_len  # positions kv_start..: the destination's runs count from there
         plan.authorize(writer, dest, request_id)
         staging.wait_ready(handoff)
         if not self.reads_device:

@@ -82,20 +82,24 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_values: _Optional[_Iterable[float]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling_params", "max_chunk_bytes", "first_output_position", "kv_destination")
+    __slots__ = ("request_id", "input_ids", "sampling_params", "max_chunk_bytes", "first_output_position", "kv_destination", "kv_start", "kv_start_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_OUTPUT_POSITION_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    KV_START_FIELD_NUMBER: _ClassVar[int]
+    KV_START_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     max_chunk_bytes: int
     first_output_position: int
     kv_destination: KvDestination
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., first_output_position: _Optional[int] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
+    kv_start: int
+    kv_start_digest: bytes
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., first_output_position: _Optional[int] = ..., kv_destination: _Optional[_Union[KvDestination, _Mapping]] = ..., kv_start: _Optional[int] = ..., kv_start_digest: _Optional[bytes] = ...) -> None: ...
 
 class KvRegion(_message.Message):
     __slots__ = ("k_ptrs", "v_ptrs", "slot_bytes")

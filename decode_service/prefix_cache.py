@@ -1,0 +1,69 @@
+"""Decode's prefix cache (`--disaggregation-decode-enable-radix-cache`, issue 57): the KV of finished
+requests kept in a radix tree (common/engine/radix_cache.py, the same tree prefill uses), so the next
+turn of a conversation, whose prompt is the last one's prompt + answer + the new message, needs only
+the KV of its new tokens from prefill.
+
+SlotBooks (slot_books.py) holds it and is the only caller:
+  1. `take(req)` at admission: the longest cached prefix of the prompt (at most all but its last
+     position: the handoff always carries one), locked so nothing evicts it while the request lives;
+     the request reserves slots for the rest only, and asks prefill for the KV from `req.prefix_len`
+     on (HandoffRequest.kv_start, with a digest of those ids);
+  2. `keep(req, valid)` at release: the request's positions whose KV is known written (its prompt and
+     every output fed back: prompt + outputs - 1) join the tree; the slots the tree already had
+     (another request's copy) come back to be freed, with the rest of the request's own; its lock
+     is dropped;
+  3. `evict(n)` when a reservation or a growth finds the pool short: unlocked leaves, least recently
+     used first, before any request is refused or retracted.
+Only requests of one sample (n = 1, not retracted) use it; n > 1 and retracted ones reserve as before.
+Every KV slot is one of: free, a live request's own, or the tree's (`all_slots`, for the integrity
+check); the tree's are locked by the requests reading them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.engine.radix_cache import CacheStats, RadixCache
+from decode_service.req import DecodeReq, ReqState
+
+
+class DecodePrefixCache:
+    def __init__(self, kv_allocator):
+        self.tree = RadixCache(kv_allocator.free)
+        self.stats = CacheStats()  # prompt tokens admitted and how many decode held
+
+    def take(self, req: DecodeReq) -> torch.Tensor:
+        """The cached slots of `req`'s prompt prefix (locked; `req.prefix_len` of them), possibly none."""
+        slots, node, _ = self.tree.match_prefix(req.prompt_ids)
+        n = min(len(slots), req.prompt_len - 1)
+        self.stats.count(req.prompt_len, n)
+        if n <= 0:
+            return slots[:0]
+        self.tree.lock(node)
+        req.prefix_node, req.prefix_len = node, n
+        return slots[:n]
+
+    def keep(self, req: DecodeReq) -> torch.Tensor:
+        """At `req`'s release: its written positions join the tree; returns its slots to free now."""
+        own = req.kv_slots[req.prefix_len :]
+        if req.state == ReqState.RUNNING:  # its KV landed: the prompt's, and each output fed back but the last
+            valid = min(req.prompt_len + len(req.output_ids) - 1, len(req.kv_slots))
+            tokens = (req.prompt_ids + req.output_ids)[:valid]
+            present = self.tree.insert(tokens, req.kv_slots[:valid])  # positions < present: the tree had them
+            own = torch.cat([req.kv_slots[req.prefix_len : max(present, req.prefix_len)], req.kv_slots[valid:]])
+        if req.prefix_node is not None:
+            self.tree.unlock(req.prefix_node)
+        req.prefix_node, req.prefix_len = None, 0
+        return own
+
+    def untake(self, req: DecodeReq) -> None:
+        """Undo `take` (the reservation around it failed)."""
+        if req.prefix_node is not None:
+            self.tree.unlock(req.prefix_node)
+        req.prefix_node, req.prefix_len = None, 0
+
+    def evict(self, slots: int) -> int:
+        return self.tree.evict(slots)
+
+    def all_slots(self) -> list[int]:
+        return self.tree.all_slots()

@@ -1,0 +1,140 @@
+"""Decode's prefix cache and the delta handoff (issue 57, --disaggregation-decode-enable-radix-cache):
+a follow-up turn whose prompt continues an earlier request (its prompt + answer + new tokens) takes the
+KV of the earlier positions from decode's own cache and only the new positions' KV from prefill, over
+every transport, and stays token-exact against HF; eviction under pool pressure, aborts and
+retractions leave every slot held exactly once (the harnesses check the pools on close)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.engine.handoff import prefix_digest
+from common.engine.sampling import SamplingParams
+from tests.decode_harness import Pair
+from tests.grpc_harness import GrpcPair, needs_mooncake
+from tests.oracle import hf_greedy
+from tests.test_metrics import _scrape
+
+N = 8
+FIRST = [5, 9, 14, 3, 22, 8, 17, 40]
+
+
+def _turns(submit, wait, tokens, first=FIRST, turns=3):
+    """Three turns of one conversation: each prompt is the last prompt + its answer + 3 new ids."""
+    prompt, prompts = list(first), []
+    for t in range(turns):
+        rid = f"t{t}"
+        submit(rid, prompt)
+        wait(rid)
+        prompts.append(prompt)
+        prompt = prompt + tokens(rid) + [31 + t, 7, 2 + t]
+    return prompts
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_follow_up_turns_are_served_from_decodes_cache_and_match_hf(checkpoint, overlap):
+    path = checkpoint("llama")
+    pair = Pair(path, overlap=overlap, prefix_cache=True)
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    try:
+        prompts = _turns(
+            lambda rid, p: pair.submit(rid, p, params), lambda rid: pair.wait([rid]), lambda rid: pair.out.tokens[rid]
+        )
+        stats = pair.scheduler.books.cache.stats
+    finally:
+        pair.close()
+    for t, p in enumerate(prompts):
+        assert pair.out.tokens[f"t{t}"] == hf_greedy(path, p, N), t
+    # turn 2 reuses turn 1's prompt and all its answer's fed-back positions; turn 3 likewise
+    assert stats.cached_tokens == (len(prompts[0]) + N - 1) + (len(prompts[1]) + N - 1)
+
+
+def _grpc_turns(path: str, transfer: str, cache: bool):
+    """(prompts, answers, handoff bytes) of three turns through a pair over `transfer`."""
+    pair = GrpcPair(path, transfer=transfer, decode_kw=dict(disaggregation_decode_enable_radix_cache=cache,
+                                                              metrics_port=0))  # fmt: skip
+    outs = {}
+
+    def submit(rid, p):
+        outs[rid] = pair.collect(pair.generate(p, N, ignore_eos=True, rid=rid))[0]
+
+    try:
+        prompts = _turns(submit, lambda rid: None, lambda rid: outs[rid])
+        metrics = _scrape(pair.decode.metrics_port)
+    finally:
+        pair.close()
+    return prompts, outs, metrics["disagg_handoff_bytes_total"]
+
+
+@pytest.mark.parametrize("transfer", ["grpc", "shm", pytest.param("mooncake", marks=needs_mooncake)])
+def test_the_delta_handoff_moves_only_the_new_positions_kv(checkpoint, transfer):
+    path = checkpoint("llama")
+    runs = {cache: _grpc_turns(path, transfer, cache) for cache in (False, True)}
+    (prompts, outs, full_bytes), (prompts_c, outs_c, delta_bytes) = runs[False], runs[True]
+    assert prompts == prompts_c and outs == outs_c
+    for t, p in enumerate(prompts):
+        assert outs[f"t{t}"] == hf_greedy(path, p, N), t
+    total = sum(len(p) for p in prompts)
+    sent = len(prompts[0]) + sum(len(p) - (len(prompts[i]) + N - 1) for i, p in enumerate(prompts[1:]))
+    assert delta_bytes == pytest.approx(full_bytes * sent / total, rel=0.02), (full_bytes, delta_bytes)
+
+
+def test_eviction_under_pool_pressure_keeps_answers_exact_and_slots_balanced(checkpoint):
+    """A pool that holds two conversations' KV: five conversations of two turns each evict each other's
+    cached prefixes (least recently used first) rather than refusing or retracting anyone."""
+    path = checkpoint("llama")
+    pair = Pair(path, prefix_cache=True, decode_tokens=64, decode_reqs=4)
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    firsts = [[(11 * c + j) % 300 + 3 for j in range(8)] for c in range(5)]
+    try:
+        all_prompts = []
+        for c, first in enumerate(firsts):
+
+            def submit(rid, p, c=c):
+                pair.submit(f"c{c}{rid}", p, params)
+
+            all_prompts.append(_turns(submit, lambda rid, c=c: pair.wait([f"c{c}{rid}"]),
+                                      lambda rid, c=c: pair.out.tokens[f"c{c}{rid}"], first, turns=2))  # fmt: skip
+        evicted = pair.scheduler.books.cache.tree.evicted_tokens
+    finally:
+        pair.close()
+    assert evicted > 0
+    for c, prompts in enumerate(all_prompts):
+        for t, p in enumerate(prompts):
+            assert pair.out.tokens[f"c{c}t{t}"] == hf_greedy(path, p, N), (c, t)
+
+
+def test_aborted_and_concurrent_requests_on_a_shared_prefix_free_every_slot_once(checkpoint):
+    path = checkpoint("llama")
+    pair = Pair(path, prefix_cache=True)
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    try:
+        pair.submit("a", FIRST, params)
+        pair.wait(["a"])
+        follow = FIRST + pair.out.tokens["a"] + [3, 4]
+        for i in range(4):  # four readers of the same cached prefix at once, one aborted mid-answer
+            pair.submit(f"b{i}", follow + [i + 5], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        pair.wait_tokens("b1", 2)
+        pair.scheduler.abort("b1")
+        pair.wait([f"b{i}" for i in range(4)])
+    finally:
+        pair.close()
+    assert pair.out.reasons["b1"] == "abort"
+    for i in (0, 2, 3):
+        assert pair.out.tokens[f"b{i}"] == hf_greedy(path, follow + [i + 5], 40), i
+
+
+def test_prefill_refuses_a_kv_start_whose_digest_does_not_match(checkpoint):
+    from common.wire.proto_gen import prefill_pb2
+    from prefill_service import request_bounds
+
+    class Runner:
+        from common.models.config import load_model_config
+
+        config = load_model_config(checkpoint("llama"))
+
+    msg = prefill_pb2.PrefillRequest(request_id="r", input_ids=FIRST, kv_start=4, kv_start_digest=b"x" * 32)
+    with pytest.raises(ValueError, match="kv_start_digest"):
+        request_bounds.parse(msg, 1 << 20, Runner())
+    msg.kv_start_digest = prefix_digest(FIRST[:4])
+    assert request_bounds.parse(msg, 1 << 20, Runner()).kv_start == 4
