@@ -242,6 +242,12 @@ class DecodeMetrics(_Metrics):
         self.handoff_bytes = c(
             "handoff_bytes_total", "KV bytes received from prefill (sent, or written into our slots)"
         )
+        self.decode_cache_hit_tokens = c(
+            "decode_cache_hit_tokens_total", "prompt tokens whose KV decode's prefix cache held (not handed off)"
+        )
+        self.decode_cache_evicted_tokens = c(
+            "decode_cache_evicted_tokens_total", "tokens' KV evicted from decode's prefix cache for room"
+        )
         self._transfer_histograms()
         self.prompt_tokens = c("prompt_tokens_total", "prompt tokens of finished requests")
         self.generation_tokens = c("generation_tokens_total", "tokens generated")

@@ -31,6 +31,7 @@ class DecodePrefixCache:
     def __init__(self, kv_allocator):
         self.tree = RadixCache(kv_allocator.free)
         self.stats = CacheStats()  # prompt tokens admitted and how many decode held
+        self.metrics = None  # DecodeMetrics (the scheduler sets it), or None
 
     def take(self, req: DecodeReq) -> torch.Tensor:
         """The cached slots of `req`'s prompt prefix (locked; `req.prefix_len` of them), possibly none."""
@@ -63,7 +64,10 @@ class DecodePrefixCache:
         req.prefix_node, req.prefix_len = None, 0
 
     def evict(self, slots: int) -> int:
-        return self.tree.evict(slots)
+        freed = self.tree.evict(slots)
+        if self.metrics is not None:
+            self.metrics.decode_cache_evicted_tokens.inc(freed)
+        return freed
 
     def all_slots(self) -> list[int]:
         return self.tree.all_slots()

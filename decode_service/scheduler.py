@@ -123,6 +123,8 @@ class DecodeScheduler:
             )
         extra = self.spec.extra_slots if self.spec else 0
         self.books = SlotBooks(worker, extra, eagle=self.spec is not None, prefix_cache=prefix_cache)
+        if self.books.cache is not None:
+            self.books.cache.metrics = metrics
         self.intake = HandoffIntake(self.reqs, worker, abort_waits_for_prefill, ends=self)
         self.samples = SampleGroups(self.books, worker, self.reqs, self.spec is not None, self._abort)
         hooks = getattr(worker, "hooks", None)
@@ -273,6 +275,7 @@ class DecodeScheduler:
             holders += 1
             if self.metrics is not None and not req.retractions:
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
+                self.metrics.decode_cache_hit_tokens.inc(req.prefix_len)
             req.state = ReqState.AWAITING_HANDOFF
             self.prefill_fn(prefill_request(req))
 
@@ -305,7 +308,7 @@ class DecodeScheduler:
                 self.finish(req, FinishReason.ERROR, bad_reply(req.rid, e))
                 continue
             if not req.retractions:  # the front door reports it with the finish
-                req.cached_tokens = handoff.cached_tokens
+                req.cached_tokens = max(handoff.cached_tokens, req.prefix_len)  # either cache (prefix_cache.py)
             landed.append((req, handoff))
             if req.group is not None:  # n > 1: samples 1..n-1 fork from it (sample_group.py)
                 landed.extend(self.samples.fork(req, handoff))

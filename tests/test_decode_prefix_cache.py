@@ -63,20 +63,21 @@ def _grpc_turns(path: str, transfer: str, cache: bool):
         metrics = _scrape(pair.decode.metrics_port)
     finally:
         pair.close()
-    return prompts, outs, metrics["disagg_handoff_bytes_total"]
+    return prompts, outs, metrics["disagg_handoff_bytes_total"], metrics["disagg_decode_cache_hit_tokens_total"]
 
 
 @pytest.mark.parametrize("transfer", ["grpc", "shm", pytest.param("mooncake", marks=needs_mooncake)])
 def test_the_delta_handoff_moves_only_the_new_positions_kv(checkpoint, transfer):
     path = checkpoint("llama")
     runs = {cache: _grpc_turns(path, transfer, cache) for cache in (False, True)}
-    (prompts, outs, full_bytes), (prompts_c, outs_c, delta_bytes) = runs[False], runs[True]
+    (prompts, outs, full_bytes, no_hits), (prompts_c, outs_c, delta_bytes, hits) = runs[False], runs[True]
     assert prompts == prompts_c and outs == outs_c
     for t, p in enumerate(prompts):
         assert outs[f"t{t}"] == hf_greedy(path, p, N), t
     total = sum(len(p) for p in prompts)
     sent = len(prompts[0]) + sum(len(p) - (len(prompts[i]) + N - 1) for i, p in enumerate(prompts[1:]))
     assert delta_bytes == pytest.approx(full_bytes * sent / total, rel=0.02), (full_bytes, delta_bytes)
+    assert no_hits == 0 and hits == total - sent  # the metric counts the positions decode held
 
 
 def test_eviction_under_pool_pressure_keeps_answers_exact_and_slots_balanced(checkpoint):

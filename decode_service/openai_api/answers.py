@@ -5,7 +5,8 @@ A response holds prompts x n choices (completions may send several prompts): cho
 sample j of prompt p, as OpenAI numbers them. Each choice's text goes through text.ChoiceText (stops,
 UTF-8 boundaries); a tool choice other than `none` makes the choice's answer wait for its end, to be
 read as calls (chat.py), and come as one delta. Usage counts every prompt once and every choice's
-tokens; `prompt_tokens_details.cached_tokens` is what prefill's prefix cache held.
+tokens; `prompt_tokens_details.cached_tokens` is the larger of what prefill's prefix cache held (not
+computed) and what decode's held (not handed off).
 """
 
 from __future__ import annotations
