@@ -139,3 +139,34 @@ def test_prefill_refuses_a_kv_start_whose_digest_does_not_match(checkpoint):
         request_bounds.parse(msg, 1 << 20, Runner())
     msg.kv_start_digest = prefix_digest(FIRST[:4])
     assert request_bounds.parse(msg, 1 << 20, Runner()).kv_start == 4
+
+
+def test_a_follow_up_retracted_mid_answer_stays_exact(checkpoint):
+    """Turn 2 reads turn 1's cached prefix, is retracted twice mid-answer (its KV joins the tree, its
+    lock is dropped) and comes back re-prefilled: the answer is HF's, and every slot is freed once."""
+    from tests.decode_harness import Hooks
+
+    class RetractT1:  # retract t1 before its 3rd and 6th step
+        def __init__(self):
+            self.seen, self.done = 0, []
+
+        def retract(self, step, reqs):
+            hit = [r for r in reqs if r.rid == "t1"]
+            self.seen += bool(hit)
+            if hit and self.seen in (3, 6):
+                self.done.append(step)
+                return hit
+            return []
+
+    path = checkpoint("llama")
+    hooks = RetractT1()
+    pair = Pair(path, prefix_cache=True, hooks=Hooks(retract=hooks.retract), kv_grow_tokens=3)
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    try:
+        prompts = _turns(lambda rid, p: pair.submit(rid, p, params), lambda rid: pair.wait([rid]),
+                         lambda rid: pair.out.tokens[rid], turns=2)  # fmt: skip
+    finally:
+        pair.close()
+    assert len(hooks.done) == 2, hooks.done
+    for t, p in enumerate(prompts):
+        assert pair.out.tokens[f"t{t}"] == hf_greedy(path, p, N), t
