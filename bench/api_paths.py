@@ -23,8 +23,11 @@ from common.tools.procs import free_port, stop, wait_serving
 from common.tools.smg import smg_in_front_of
 
 
-def _run(backend: list[str], tokenizer: str, n: int, concurrency: int, args, out: str) -> dict:
+def _run(backend: list[str], tokenizer: str, n: int, concurrency: int, args, out: str, seed: int) -> dict:
+    """One load_gen run; `seed` picks its prompts, new for every run (prefill's prefix cache must not
+    hold a prompt an earlier path sent)."""
     load_gen.main([*backend, "--tokenizer", tokenizer, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
+                   "--seed", str(seed),
                    "--random-input-len", str(args.input_len), "--random-range-ratio", "1.0", "--random-output-len",
                    str(args.output_len), "--no-progress", "--output-json", out])  # fmt: skip
     with open(out) as f:
@@ -49,6 +52,7 @@ def main(argv=None) -> list[dict]:
         try:
             for port, proc in ((prefill_port, prefill), (decode_port, decode)):
                 wait_serving(f"127.0.0.1:{port}", proc)
+            seed = 0
             workers = {"grpc": None, "http": None, "smg-grpc": f"127.0.0.1:{decode_port}",
                        "smg-http": f"http://127.0.0.1:{http}"}  # fmt: skip
             for which in args.paths.split(","):
@@ -62,9 +66,11 @@ def main(argv=None) -> list[dict]:
                         backend = ["--backend", "grpc", "--addr", f"127.0.0.1:{decode_port}"]
                     else:
                         backend = ["--backend", "openai", "--base-url", base or f"http://127.0.0.1:{http}"]
-                    _run(backend, path, 4, 4, args, os.path.join(tmp, "warm.json"))  # warm the path
+                    seed += 1
+                    _run(backend, path, 4, 4, args, os.path.join(tmp, "warm.json"), seed)  # warm the path
                     for c in [int(x) for x in args.concurrency.split(",")]:
-                        r = _run(backend, path, max(args.num_prompts, c), c, args, os.path.join(tmp, "r.json"))
+                        seed += 1
+                        r = _run(backend, path, max(args.num_prompts, c), c, args, os.path.join(tmp, "r.json"), seed)
                         rows.append(dict(path=which, concurrency=c, tok_s=r["output_throughput"],
                                          ttft_ms=r["median_ttft_ms"], itl_ms=r["median_itl_ms"],
                                          failed=r.get("failed", 0)))  # fmt: skip
