@@ -43,6 +43,7 @@ DRILLS = {
     "tests/test_real_model.py": "SmolLM2-135M converted and served",
     "tests/test_cpu_fused_build.py::test_sigterm_mid_build_then_a_restart_builds": "a build killed, two builds",
     "tests/test_smg_structured.py": "SmolLM2-135M behind smg: structured output (~70 s)",
+    "tests/test_openai_api.py::test_smg_over_http": "smg in front of decode's OpenAI API (a gateway process)",
     "tests/test_readme_and_ci.py::test_demo_answers_the_france_question_with_the_real_model": "README line 1",
     "tests/test_compiled_layers.py::test_decode_through_torch_compile_matches_hf": "torch.compile",
     "tests/test_triton_attention.py::test_serving_through_triton_matches_hf_greedy[EAGLE": "Triton interpreter",
