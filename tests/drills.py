@@ -44,6 +44,11 @@ DRILLS = {
     "tests/test_cpu_fused_build.py::test_sigterm_mid_build_then_a_restart_builds": "a build killed, two builds",
     "tests/test_smg_structured.py": "SmolLM2-135M behind smg: structured output (~70 s)",
     "tests/test_openai_api.py::test_smg_over_http": "smg in front of decode's OpenAI API (a gateway process)",
+    "tests/test_faults.py::test_300_requests_with_injected_faults_and_cancels": "a fault soak (~30 s; the other "
+    "fault tests stay)",
+    "tests/gpu/test_cuda_path.py::test_bf16_teacher_forced_against_fp32[cpu]": "bf16 on CPU against fp32 (~20 s)",
+    "tests/test_fp8_checkpoint.py::test_two_ranks_serve_the_dequantized_weights": "TP ranks in process groups",
+    "tests/test_multinode.py::test_a_follower_waits_out_an_idle_rank_0": "TP groups over loopback nodes",
     "tests/test_readme_and_ci.py::test_demo_answers_the_france_question_with_the_real_model": "README line 1",
     "tests/test_compiled_layers.py::test_decode_through_torch_compile_matches_hf": "torch.compile",
     "tests/test_triton_attention.py::test_serving_through_triton_matches_hf_greedy[EAGLE": "Triton interpreter",
