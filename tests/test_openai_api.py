@@ -5,6 +5,7 @@ every field is honoured or refused by name; errors are OpenAI-shaped and the ser
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import socket
@@ -272,8 +273,14 @@ def test_errors_are_openai_shaped_and_the_service_keeps_serving(served):
     assert status == 400 and body["error"]["param"] == "suffix"
     status, body = _post(f"{url}/completions", {"model": "other", "prompt": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
-    status, body = _post(f"{url}/completions", b"x" * (pair.decode.openai.limit + 1))
-    assert status == 413
+    conn = http.client.HTTPConnection("127.0.0.1", pair.decode.openai.port, timeout=10)
+    conn.putrequest("POST", "/v1/completions")  # a body declared past the bound: refused before it is read
+    conn.putheader("content-type", "application/json")
+    conn.putheader("content-length", str(pair.decode.openai.limit + 1))
+    conn.endheaders()
+    reply = conn.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["type"] == "invalid_request_error"
+    conn.close()
     status, body = _post(f"{url}/completions", {"model": model, "prompt": [5] * 600})
     assert status == 400 and "context" in body["error"]["message"]
     status, body = _post(f"{url}/completions", {"model": model, "prompt": "x", "stop_regex": "a"})
