@@ -198,18 +198,18 @@ def test_grammars_and_tool_choice(served):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}  # fmt: skip
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    r = client.chat.completions.create(model=model, messages=USER, max_tokens=40, temperature=0.7, seed=3,
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=40, temperature=0,
                                        response_format=fmt)  # fmt: skip
     assert set(json.loads(r.choices[0].message.content)) == {"a"}
-    r = client.completions.create(model=model, prompt="x", max_tokens=20, temperature=0.8, seed=2,
+    r = client.completions.create(model=model, prompt="x", max_tokens=20, temperature=0,
                                   extra_body={"regex": "(ab|cd)+[0-9]{2}"})  # fmt: skip
     assert re.fullmatch("(ab|cd)+[0-9]{2}", r.choices[0].text)
-    r = client.completions.create(model=model, prompt="x", max_tokens=8, temperature=0.8, seed=2,
+    r = client.completions.create(model=model, prompt="x", max_tokens=8, temperature=0,
                                   extra_body={"ebnf": 'root ::= "yes" | "no"'})  # fmt: skip
     assert r.choices[0].text in ("yes", "no")
     tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
            "triggers": ["<f>"]}  # fmt: skip
-    r = client.chat.completions.create(model=model, messages=USER, max_tokens=30, temperature=0.7, seed=3,
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=30, temperature=0,
                                        response_format=tag)  # fmt: skip
     for body in re.findall("<f>(.*?)</f>", r.choices[0].message.content, re.DOTALL):  # tagged parts: the schema
         assert set(json.loads(body)) == {"a"}
@@ -221,14 +221,14 @@ def test_grammars_and_tool_choice(served):
         "additionalProperties": False}}}]  # fmt: skip
     answers = {}
     for choice in ("required", {"type": "function", "function": {"name": "get"}}):
-        r = client.chat.completions.create(model=model, messages=USER, max_tokens=300, temperature=0.5, seed=4,
+        r = client.chat.completions.create(model=model, messages=USER, max_tokens=300, temperature=0,
                                            tools=tools, tool_choice=choice)  # fmt: skip
         calls = r.choices[0].message.tool_calls
         assert calls and calls[0].function.name == "get", r
         assert set(json.loads(calls[0].function.arguments)) == {"city"}
         assert r.choices[0].finish_reason == "tool_calls"
         answers[str(choice)] = calls[0].function.arguments
-    stream = client.chat.completions.create(model=model, messages=USER, max_tokens=300, temperature=0.5, seed=4,
+    stream = client.chat.completions.create(model=model, messages=USER, max_tokens=300, temperature=0,
                                             tools=tools, tool_choice="required", stream=True)  # fmt: skip
     deltas = [ch.choices[0].delta for ch in stream if ch.choices and ch.choices[0].delta.tool_calls]
     assert len(deltas) == 1 and deltas[0].tool_calls[0].function.name == "get"
