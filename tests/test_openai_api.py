@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from common.tools.tokenizer import load_tokenizer
 from tests.grpc_harness import GrpcPair
 from tests.oracle import hf_greedy
+from tests.test_metrics import _scrape
 
 N = 10
 USER = [{"role": "user", "content": "The decode service then produces"}]
@@ -28,7 +29,7 @@ USER = [{"role": "user", "content": "The decode service then produces"}]
 @pytest.fixture(scope="module")
 def served(checkpoint):
     path = checkpoint("llama")
-    pair = GrpcPair(path, decode_kw=dict(openai_port=0, tool_call_parser="hermes"))
+    pair = GrpcPair(path, decode_kw=dict(openai_port=0, tool_call_parser="hermes", metrics_port=0))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.decode.openai.port}/v1", api_key="unused", max_retries=0)
     yield pair, client, pair.decode.served_model_name, load_tokenizer(path), path
     pair.close()
@@ -251,18 +252,30 @@ def test_hermes_and_llama3_tool_call_parsers():
 
 
 def test_a_client_that_goes_away_aborts_and_frees_the_request(served):
+    """A streaming client that closes after its first chunk, and a non-streaming one whose connection
+    closes while its request decodes: both requests are aborted (counted), long before their 500
+    tokens, and every slot comes back once. Waits are bounded (10 s for a request to reach the
+    scheduler; the harness's idle wait)."""
     pair, client, model, tok, _ = served
     sched = pair.decode.scheduler
-    stream = client.completions.create(model=model, prompt=[5, 9, 14], max_tokens=400, temperature=0, stream=True,
+    aborts = _scrape(pair.decode.metrics_port)["disagg_aborted_requests_total"]
+    stream = client.completions.create(model=model, prompt=[5, 9, 14], max_tokens=500, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})  # fmt: skip
     next(iter(stream))
     stream.close()
     pair.wait_idle()  # every slot freed once (the pools' integrity checked)
-    with pytest.raises((socket.timeout, urllib.error.URLError)):  # a non-streaming request its client gives up on
-        _post(f"http://127.0.0.1:{pair.decode.openai.port}/v1/completions",
-              {"model": model, "prompt": [5, 9], "max_tokens": 400, "ignore_eos": True}, timeout=0.5)  # fmt: skip
+    body = json.dumps({"model": model, "prompt": [5, 9], "max_tokens": 500, "ignore_eos": True}).encode()
+    conn = socket.create_connection(("127.0.0.1", pair.decode.openai.port), timeout=10)
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    deadline = time.time() + 10
+    while not sched.reqs:  # the request reached the scheduler: now its client goes away
+        assert time.time() < deadline, "the request never reached the scheduler"
+        time.sleep(0.01)
+    conn.close()
     pair.wait_idle()
     assert sched.worker.kv_allocator.num_used == 0
+    assert _scrape(pair.decode.metrics_port)["disagg_aborted_requests_total"] == aborts + 2
 
 
 def test_errors_are_openai_shaped_and_the_service_keeps_serving(served):
