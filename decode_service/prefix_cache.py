@@ -37,7 +37,6 @@ class DecodePrefixCache:
         """The cached slots of `req`'s prompt prefix (locked; `req.prefix_len` of them), possibly none."""
         slots, node, _ = self.tree.match_prefix(req.prompt_ids)
         n = min(len(slots), req.prompt_len - 1)
-        self.stats.count(req.prompt_len, n)
         if n <= 0:
             return slots[:0]
         self.tree.lock(node)

@@ -77,6 +77,8 @@ class SlotBooks:
                 return False
             req.req_pool_idx, own = self.pool.alloc(), self.kv.alloc(need)
             req.kv_slots = torch.cat([cached, own]) if req.prefix_len else own
+            if cached is not None:  # counted once, when the reservation holds
+                self.cache.stats.count(req.prompt_len, req.prefix_len)
             return True
         last, own = self.own_last, outputs + self.extra
         need = req.prompt_len + n * own + (n - 1) * last

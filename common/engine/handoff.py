@@ -9,6 +9,8 @@ content is `disagg.v1.PrefillRequest`).
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +30,6 @@ def check_token(rid: str, what: str, token: int, vocab_size: int) -> None:
 
 def prefix_digest(ids: list[int]) -> bytes:
     """SHA-256 of token ids as little-endian uint32: how both sides name the prefix decode holds."""
-    import hashlib
-    import struct
-
     return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).digest()
 
 
