@@ -11,7 +11,7 @@ A prefill service runs as a subprocess (its own process, as deployed); this proc
    it (one contiguous run, as a fresh pool hands them out, or scattered runs of 16 slots, as a
    churned one may), and GB/s = KV bytes / (record
    arrival - first-token arrival) with every byte already in the pool.
-2. TTFT: a decode service (in this process) with the prefill peer; a streaming Generate. Reported:
+2. TTFT: a decode service (in this process) with the prefill replica; a streaming Generate. Reported:
    queue and compute as the prefill service measured them, transfer = first token -> record on the
    decode side, the client's first token, and when the decode side had the whole handoff.
 """

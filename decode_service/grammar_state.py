@@ -167,7 +167,7 @@ def check_request(worker, params):
 
 
 def check_outputs(req, outputs: list[int], firsts=()) -> None:
-    """A prefill peer's tokens against the request's grammar, on the scheduler's thread before
+    """A prefill replica's tokens against the request's grammar, on the scheduler's thread before
     anything of the record is submitted: `outputs` (committed) and then each of `firsts` (the first
     token of each sample) must be accepted, else GrammarError (a ValueError: that request's error,
     never the grammar thread's). A fresh matcher per check: tens of microseconds, from the grammar the

@@ -1,7 +1,7 @@
-"""HandoffIntake: how the decode scheduler takes in what a prefill peer sends (an object it holds; the
+"""HandoffIntake: how the decode scheduler takes in what a prefill replica sends (an object it holds; the
 scheduler hands it every prefill reply from its inbox, `take(msg)`).
 
-A prefill peer is trusted with nothing but its own request. Each reply is checked where it enters:
+A prefill replica is trusted with nothing but its own request. Each reply is checked where it enters:
 the first token is an id of the vocabulary; a KV chunk fits the pools and the reservation
 (handoff_writes.check_kv, before anything is written); the handoff's record fits the request
 (first token, positions, cached tokens, `Handoff.check_continues`) and, with EAGLE, its seed is

@@ -1,7 +1,7 @@
 """Stream work that lands a handoff in the decode pools: KV chunks as they arrive, then the prebuilt
 writes (req_to_token row, KV carried in the record, FutureMap seeds). Submitted on the forward
 stream, so it is ordered after every forward that could still read the slots (invariant 7).
-The `submit_*` functions check what a prefill peer sent against the pools first (on the caller's
+The `submit_*` functions check what a prefill replica sent against the pools first (on the caller's
 thread), so a malformed reply raises ValueError there, for its request alone, and never fails the
 stream (which would stop every request).
 """

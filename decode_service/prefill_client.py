@@ -29,7 +29,6 @@ from decode_service.prefill_stream import MAX_PENDING_CHUNKS
 from decode_service.replica_call import ReplicaCall
 
 __all__ = ["BUSY_GRACE_S", "MAX_PENDING_CHUNKS", "SERVICE_NAME", "PrefillClient"]
-_Peer = Replica  # the name tests know a replica by
 
 
 class PrefillClient:
@@ -91,10 +90,6 @@ class PrefillClient:
         return self.replicas.entries
 
     @property
-    def peers(self) -> list[Replica]:
-        return self.replicas.peers
-
-    @property
     def router(self):
         return self.replicas.router
 
@@ -109,14 +104,10 @@ class PrefillClient:
     def cancel(self, rid: str) -> None:
         self.calls.cancel(rid)
 
-    def peer_of(self, rid: str) -> str | None:
+    def replica_of(self, rid: str) -> str | None:
         """The replica a request's prefill call is streaming from right now (for tests and logs)."""
-        peer = self.calls.peer_of(rid)
-        return peer.address if peer is not None else None
-
-    def refresh_peers(self) -> None:
-        """Re-resolve the dns entries: new replicas take calls from now on, vanished ones none."""
-        self.replicas.refresh()
+        replica = self.calls.replica_of(rid)
+        return replica.address if replica is not None else None
 
     def close(self) -> None:
         """Cancel every call in flight (no retries), stop the workers, close the channels."""
@@ -128,6 +119,6 @@ class PrefillClient:
     def _run(self, request: HandoffRequest) -> None:
         ReplicaCall(self, request).run()
 
-    def _stream(self, peer: Replica, request: HandoffRequest, sent: list[int], trace_metadata: tuple = ()) -> Handoff:
+    def _stream(self, replica: Replica, request: HandoffRequest, sent: list[int], trace_metadata: tuple = ()) -> Handoff:
         """One attempt (tests wrap this to see each attempt's outcome)."""
-        return replica_call.attempt(self, peer, request, sent, trace_metadata)
+        return replica_call.attempt(self, replica, request, sent, trace_metadata)

@@ -23,7 +23,7 @@ class InFlight:
     cancelled: bool = False  # by the front door, or by close(): no retry
     stalled: bool = False  # the watchdog cancelled its current attempt
     call: object | None = None  # the current attempt's gRPC call (a grpc.Future), None between attempts
-    peer: object | None = None  # the replica that attempt streams from (prefill_replicas.Replica)
+    replica: object | None = None  # the replica that attempt streams from (prefill_replicas.Replica)
     last_message: float | None = None  # monotonic time of the attempt's last message; None before the first
 
 
@@ -59,11 +59,11 @@ class InFlightCalls:
         for call in calls:
             call.cancel()
 
-    def attach(self, rid: str, call, peer) -> None:
+    def attach(self, rid: str, call, replica) -> None:
         """An attempt's call started: cancelled at once if its request already is."""
         with self._lock:
             state = self._requests.setdefault(rid, InFlight())
-            state.call, state.peer, state.last_message = call, peer, None
+            state.call, state.replica, state.last_message = call, replica, None
             if state.cancelled:
                 call.cancel()
 
@@ -72,7 +72,7 @@ class InFlightCalls:
         with self._lock:
             state = self._requests.get(rid)
             if state is not None:
-                state.call = state.peer = state.last_message = None
+                state.call = state.replica = state.last_message = None
 
     def progress(self, rid: str) -> None:
         """The attempt sent a message."""
@@ -90,11 +90,11 @@ class InFlightCalls:
             stalled, state.stalled = state.stalled, False
             return state.cancelled, stalled
 
-    def peer_of(self, rid: str):
+    def replica_of(self, rid: str):
         """The replica the request's current attempt streams from, or None."""
         with self._lock:
             state = self._requests.get(rid)
-            return state.peer if state is not None and state.call is not None else None
+            return state.replica if state is not None and state.call is not None else None
 
     def watch(self, closed: threading.Event, progress_timeout_s: float) -> None:
         """A daemon thread cancels, until `closed`, every attempt silent for `progress_timeout_s` since

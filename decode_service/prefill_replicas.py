@@ -85,10 +85,10 @@ class ReplicaPool:
             raise ValueError("at least one prefill address is needed")
         self.entries = list(entries)
         self._credentials, self._key = credentials, api_key
-        self.peers = [self._replica(a) for a in prefill_discovery.expand(self.entries)]
+        self.members = [self._replica(a) for a in prefill_discovery.expand(self.entries)]
         self._retired: list[Replica] = []  # gone from the name: no new calls, closed at close()
         self.router = PrefixRouter(policy)
-        self._lock = threading.Lock()  # in_flight, the router, the peers list's replacement
+        self._lock = threading.Lock()  # in_flight, the router, the members list's replacement
 
     def _replica(self, address: str) -> Replica:
         return Replica(address, self._credentials, self._key)
@@ -97,15 +97,15 @@ class ReplicaPool:
         """Whether a replica serves; `fresh` asks every replica over new channels (at once, given a
         thread pool's `map_`)."""
         if not fresh:
-            return any(p.serving() for p in self.peers)
-        return any(map_(lambda p: p.serving(fresh=True), self.peers))
+            return any(p.serving() for p in self.members)
+        return any(map_(lambda p: p.serving(fresh=True), self.members))
 
     def pick(self, exclude: set[str], prompt: list[int], wait_s: float) -> Replica | None:
         """A serving replica not in `exclude` (addresses), its in_flight counted (`release` it after
         the call); None if none is ready within `wait_s`, or every replica is excluded."""
         deadline = time.monotonic() + wait_s
         while True:
-            ready = [p for p in self.peers if p.address not in exclude and p.serving()]
+            ready = [p for p in self.members if p.address not in exclude and p.serving()]
             if ready:
                 replies = {p.address: p.load() for p in ready}  # RPCs outside the lock
                 with self._lock:
@@ -113,24 +113,24 @@ class ReplicaPool:
                     for address, (_, pool) in replies.items():
                         self.router.set_capacity(address, pool)
                     address = self.router.choose(loads, prompt)
-                    peer = next(p for p in ready if p.address == address)
-                    peer.in_flight += 1
-                return peer
-            if time.monotonic() >= deadline or len(exclude) == len(self.peers):
+                    replica = next(p for p in ready if p.address == address)
+                    replica.in_flight += 1
+                return replica
+            if time.monotonic() >= deadline or len(exclude) == len(self.members):
                 return None
             time.sleep(0.2)
 
-    def release(self, peer: Replica) -> None:
-        """A call to `peer` from `pick` ended."""
+    def release(self, replica: Replica) -> None:
+        """A call to `replica` from `pick` ended."""
         with self._lock:
-            peer.in_flight -= 1
+            replica.in_flight -= 1
 
     def refresh(self) -> None:
         """Re-resolve the dns entries: new replicas take calls from now on, vanished ones none."""
         addresses = prefill_discovery.expand(self.entries)
         with self._lock:
-            current = {p.address: p for p in self.peers}
-            self.peers = [current.get(a) or self._replica(a) for a in addresses]  # one assignment
+            current = {p.address: p for p in self.members}
+            self.members = [current.get(a) or self._replica(a) for a in addresses]  # one assignment
             gone = [p for a, p in current.items() if a not in addresses]
             self._retired.extend(gone)
         added = sorted(set(addresses) - set(current))
@@ -152,5 +152,5 @@ class ReplicaPool:
                 logger.exception("re-resolving the prefill addresses failed")
 
     def close(self) -> None:
-        for p in self.peers + self._retired:
+        for p in self.members + self._retired:
             p.channel.close()

@@ -32,13 +32,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def attempt(client: PrefillClient, peer: Replica, request: HandoffRequest, sent: list[int], trace_metadata=()):
-    """One attempt on `peer`. Tokens sampled by prefill are appended to `sent` as they are forwarded."""
+def attempt(client: PrefillClient, replica: Replica, request: HandoffRequest, sent: list[int], trace_metadata=()):
+    """One attempt on `replica`. Tokens sampled by prefill are appended to `sent` as they are forwarded."""
     msg = prefill_request.build(
         request, client.max_chunk_bytes, client.kv_destination, client.kv_keys, client.call_timeout_s
     )
-    call = peer.stub.Prefill(msg, timeout=client.call_timeout_s, metadata=peer.auth(PREFILL_METHOD) + trace_metadata)
-    client.calls.attach(request.rid, call, peer)
+    call = replica.stub.Prefill(msg, timeout=client.call_timeout_s, metadata=replica.auth(PREFILL_METHOD) + trace_metadata)
+    client.calls.attach(request.rid, call, replica)
     stream = HandoffStream(
         request, sent, client.sink, client.config, client.draft_config, client.progress_timeout_s, client.metrics
     )
@@ -74,15 +74,15 @@ class ReplicaCall:
             client.tracing.record("queue", parent, submitted, time.time_ns())
         try:
             while True:
-                peer = client.replicas.pick(self.tried, self.request.prompt_ids, client.wait_ready_s)
-                if peer is None:
+                replica = client.replicas.pick(self.tried, self.request.prompt_ids, client.wait_ready_s)
+                if replica is None:
                     reason = (
                         "; ".join(self.errors) if self.errors else f"none serving within {client.wait_ready_s:.0f}s"
                     )
                     self.sink.fail_handoff(rid, f"no prefill replica left: {reason}")
                     return
-                self.tried.add(peer.address)
-                if self._attempt(peer, parent):
+                self.tried.add(replica.address)
+                if self._attempt(replica, parent):
                     return
         except Exception as e:  # never leave a reservation without an answer
             logger.exception("prefill client failed for %s", rid)
@@ -90,7 +90,7 @@ class ReplicaCall:
         finally:
             client.calls.end(rid)
 
-    def _attempt(self, peer: Replica, parent) -> bool:
+    def _attempt(self, replica: Replica, parent) -> bool:
         """Whether the call is over (its Handoff delivered, or failed); False: retry elsewhere."""
         client, request = self.client, self.request
         attempt_request = HandoffRequest(
@@ -103,39 +103,39 @@ class ReplicaCall:
             kv_start=request.kv_start,  # decode's prefix cache holds the KV before it (prefix_cache.py)
         )
         tracing = client.tracing
-        span = tracing.start("prefill_call", parent, replica=peer.address) if parent is not None else None
+        span = tracing.start("prefill_call", parent, replica=replica.address) if parent is not None else None
         carried = tracing.inject(tracing.context_of(span)) if span is not None else ()
         try:
-            handoff = client._stream(peer, attempt_request, self.sent, carried)  # tests wrap client._stream
+            handoff = client._stream(replica, attempt_request, self.sent, carried)  # tests wrap client._stream
         except (grpc.RpcError, ValueError) as e:
-            return self._broke(peer, e)
+            return self._broke(replica, e)
         finally:
             if span is not None:
                 span.end()
-            client.replicas.release(peer)
+            client.replicas.release(replica)
             client.calls.detach(request.rid)
         self.sink.deliver_handoff(handoff)
         return True
 
-    def _broke(self, peer: Replica, e: grpc.RpcError | ValueError) -> bool:
+    def _broke(self, replica: Replica, e: grpc.RpcError | ValueError) -> bool:
         """An attempt broke: whether the call is over (failed here); False: retry elsewhere."""
         client, rid = self.client, self.request.rid
         if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             self.sink.fail_handoff(
-                rid, f"refused as invalid by prefill replica {peer.address}: {e.details()}", ErrorKind.REFUSED
+                rid, f"refused as invalid by prefill replica {replica.address}: {e.details()}", ErrorKind.REFUSED
             )
             return True  # every replica would refuse it too: no retry
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
         cancelled, stalled = client.calls.broke(rid)
         if stalled:
             detail = f"no progress for {client.progress_timeout_s:g}s"
-        self.errors.append(f"{peer.address}: {detail}")
+        self.errors.append(f"{replica.address}: {detail}")
         if client.kv_destination is not None:  # a write of this attempt may still be landing
             time.sleep(client.transfer_quiesce_s)
         if cancelled:  # aborted by the front door; a no-op if the scheduler already freed it
             self.sink.fail_handoff(rid, "cancelled")
             return True
-        logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", rid, peer.address, detail)
+        logger.warning("prefill of %s on %s broke (%s); retrying elsewhere", rid, replica.address, detail)
         client.retries += 1
         if client.metrics is not None:
             client.metrics.retries.inc()

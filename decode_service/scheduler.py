@@ -15,7 +15,7 @@ Life of a request (queues named as in the code):
   3. the prefill side delivers to the inbox (first token, KV chunks written into the reserved slots
      as they arrive, then the handoff); the loop checks the handoff and queues it on `prebuilt`.
      A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
-     Whatever a prefill peer sent is checked where it enters (handoff_intake.py): anything wrong
+     Whatever a prefill replica sent is checked where it enters (handoff_intake.py): anything wrong
      with it, or any exception while handling it, is that request's error, never the scheduler's.
   4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
      maps the req_to_token row and seeds the FutureMap row (req_pool_idx) with the first token (and

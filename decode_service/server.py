@@ -22,7 +22,7 @@ Lifecycle of one Generate call:
      (INTERNAL if the scheduler broke).
 Shutdown (`shutdown(grace_s)`, on SIGTERM/SIGINT): stop admitting, report NOT_SERVING, let open
 calls finish for up to the grace period, abort the rest (their streams end with UNAVAILABLE), stop.
-HealthCheck answers from cached state (scheduler alive, a prefill peer serving, not draining).
+HealthCheck answers from cached state (scheduler alive, a prefill replica serving, not draining).
 Liveness (grpc.health.v1, service `LIVENESS`, k8s' livenessProbe): SERVING while the scheduler (and
 every TP rank) lives, whatever the prefill replicas do: a restart mends a dead scheduler, not a
 missing prefill replica.

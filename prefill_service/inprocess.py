@@ -1,4 +1,4 @@
-"""InProcessPrefill: a PrefillScheduler in this process, called like a remote prefill peer.
+"""InProcessPrefill: a PrefillScheduler in this process, called like a remote prefill replica.
 
 The decode scheduler calls it with a HandoffRequest after reserving the request's slots; it submits
 a PrefillCall to the same scheduler the prefill service runs (scheduler.py: inbox -> waiting ->

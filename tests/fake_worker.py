@@ -71,7 +71,7 @@ class FakeWorker:
         return self.overrides.get((rid, index), token_of(rid, index))
 
     def handoff(self, request: HandoffRequest) -> Handoff:
-        """What a prefill peer would deliver for `request` (the KV came as chunks: none in the record)."""
+        """What a prefill replica would deliver for `request` (the KV came as chunks: none in the record)."""
         draft = {}
         if self.info.spec:
             draft = dict(

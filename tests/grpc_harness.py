@@ -173,9 +173,9 @@ class AttemptLog:
         self._lock = threading.Lock()
         stream = client._stream
 
-        def logged(peer, request, *rest):
+        def logged(replica, request, *rest):
             try:
-                handoff = stream(peer, request, *rest)
+                handoff = stream(replica, request, *rest)
             except grpc.RpcError as e:
                 self._add(request.rid, e.code().name)
                 raise
@@ -203,7 +203,7 @@ class AttemptLog:
 
 class FirstTokenTap:
     """Runs `hooks[request_id](decode_rid)` on the prefill-call thread as the request's first token
-    arrives from its replica, before it is passed on: the replica serving it is known (`peer_of`) and
+    arrives from its replica, before it is passed on: the replica serving it is known (`replica_of`) and
     is mid-handoff (its KV follows the first token), so a test can stop or kill it at that event."""
 
     def __init__(self, client):

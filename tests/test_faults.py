@@ -175,7 +175,7 @@ def test_calls_on_a_stopped_replica_are_retried_elsewhere(checkpoint, transfer):
         attempts, tap, stopped = AttemptLog(decode.prefill), FirstTokenTap(decode.prefill), []
 
         def stop_its_replica(rid):  # as the first token arrives: its replica is mid-handoff (40 KV chunks follow)
-            port = int(decode.prefill.peer_of(rid).rsplit(":", 1)[1])
+            port = int(decode.prefill.replica_of(rid).rsplit(":", 1)[1])
             os.kill(procs[port].pid, signal.SIGSTOP)
             stopped.append(port)
 

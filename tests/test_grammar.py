@@ -5,7 +5,7 @@ and over the gRPC pair (prefill masks the first token, decode advances its match
 handoff's first token), also with --constrained-json-disable-any-whitespace on both services; a
 grammar's end is "stop"; malformed constraints are INVALID_ARGUMENT naming the field (EAGLE:
 tests/test_grammar_eagle.py); a first token the grammar refuses (a hostile or
-buggy prefill peer) fails its own request only."""
+buggy prefill replica) fails its own request only."""
 
 import dataclasses
 import json
@@ -231,7 +231,7 @@ def refused_first_token(path: str, constraint) -> int:
 
 @pytest.mark.parametrize("where", ["in the record", "streamed", "of the second sample"])
 def test_a_first_token_the_grammar_refuses_fails_its_request_alone(cases, where):
-    """A hostile or buggy prefill peer sends a first token the grammar does not allow: that request
+    """A hostile or buggy prefill replica sends a first token the grammar does not allow: that request
     ends with an error (checked on the scheduler's thread before anything of it is submitted, so no
     matcher is seeded with it), its slots are freed once, and a constrained sibling is HF's exactly."""
     path, want = cases

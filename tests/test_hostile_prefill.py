@@ -1,4 +1,4 @@
-"""A hostile prefill peer: every bad reply fails its own request, never the decode service.
+"""A hostile prefill replica: every bad reply fails its own request, never the decode service.
 
 In process, bad handoffs go straight into the scheduler's inbox (out-of-vocabulary tokens, KV of the
 wrong shape, an unsound EAGLE seed, a record whose fields raise while handled). Over gRPC, a fake

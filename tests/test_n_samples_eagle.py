@@ -236,7 +236,7 @@ SPOILERS = {
 
 @pytest.mark.parametrize("case", list(SPOILERS))
 def test_a_bad_sample_seed_fails_only_its_request(checkpoint, fitted_head, case):
-    """A prefill peer's record with unsound samples' seeds or head KV: that request ends with an error
+    """A prefill replica's record with unsound samples' seeds or head KV: that request ends with an error
     before anything of it is written, the pools balance, and the next request is exact."""
     path = checkpoint("llama")
     change, expected = SPOILERS[case]

@@ -54,19 +54,19 @@ def test_a_replica_added_behind_the_name_takes_calls_without_a_restart(checkpoin
 
     try:
         run("a", 4)
-        assert sorted(p.address for p in decode.prefill.peers) == [f"127.0.0.{i}:{port}" for i in (1, 2)]
+        assert sorted(p.address for p in decode.prefill.replicas.members) == [f"127.0.0.{i}:{port}" for i in (1, 2)]
         assert all(r.num_prefilled > 0 for r in replicas)
         replicas.append(PrefillService(PrefillConfig(path, host="127.0.0.3", port=port)).start())
         behind.append("127.0.0.3")
         deadline = time.time() + 10
-        while len(decode.prefill.peers) < 3:
+        while len(decode.prefill.replicas.members) < 3:
             assert time.time() < deadline, "the new replica was never picked up"
             time.sleep(0.05)
         run("b", 6)
         assert replicas[2].num_prefilled > 0, [r.num_prefilled for r in replicas]
         behind.remove("127.0.0.1")  # gone from the name: no new calls go there
         replicas[0].stop()
-        while len(decode.prefill.peers) > 2:
+        while len(decode.prefill.replicas.members) > 2:
             assert time.time() < deadline + 10
             time.sleep(0.05)
         before = replicas[0].num_prefilled

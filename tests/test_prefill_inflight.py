@@ -23,7 +23,7 @@ def test_a_cancel_reaches_a_begun_request_and_nothing_is_remembered_for_others()
     calls, call = InFlightCalls(), _Call()
     calls.cancel("a")  # not begun (or already ended): nothing to cancel, nothing kept
     calls.begin("a")
-    calls.attach("a", call, "peer")
+    calls.attach("a", call, "replica")
     assert call.cancelled == 0 and calls.broke("a") == (False, False)
     calls.cancel("a")
     assert call.cancelled == 1 and calls.broke("a") == (True, False)
@@ -35,13 +35,13 @@ def test_a_cancel_reaches_a_begun_request_and_nothing_is_remembered_for_others()
 def test_cancel_reaches_the_current_attempt_and_peer_of_follows_it():
     calls, call = InFlightCalls(), _Call()
     calls.begin("a")
-    assert calls.peer_of("a") is None
-    calls.attach("a", call, "peer-1")
-    assert calls.peer_of("a") == "peer-1"
+    assert calls.replica_of("a") is None
+    calls.attach("a", call, "replica-1")
+    assert calls.replica_of("a") == "replica-1"
     calls.cancel("a")
     assert call.cancelled == 1
     calls.detach("a")
-    assert calls.peer_of("a") is None
+    assert calls.replica_of("a") is None
     calls.cancel("a")  # between attempts: nothing to cancel, the request stays cancelled
     assert call.cancelled == 1 and calls.broke("a") == (True, False)
 

@@ -135,7 +135,7 @@ def test_killing_prefill_processes_mid_handoff(checkpoint, transfer):
         attempts, tap, killed = AttemptLog(decode.prefill), FirstTokenTap(decode.prefill), []
 
         def kill_its_replica(rid):  # as the first token arrives: its replica is mid-handoff (20 KV chunks follow)
-            port = int(decode.prefill.peer_of(rid).rsplit(":", 1)[1])
+            port = int(decode.prefill.replica_of(rid).rsplit(":", 1)[1])
             procs[port].send_signal(signal.SIGKILL)
             procs[port].wait()
             killed.append(port)
@@ -226,23 +226,23 @@ def test_a_busy_replica_stays_serving_for_a_grace_but_a_refused_one_does_not():
     """A health check that times out keeps the last SERVING answer for BUSY_GRACE_S (a replica busy
     streaming KV on shared cores answered late, and every request picking it failed after 3 s);
     a refused connection or NOT_SERVING ends it at once, and so does the grace running out."""
-    from decode_service import prefill_client
+    from decode_service import prefill_replicas
 
-    peer = prefill_client._Peer(f"127.0.0.1:{free_port()}")
-    peer.health = health = _Health()
+    replica = prefill_replicas.Replica(f"127.0.0.1:{free_port()}")
+    replica.health = health = _Health()
     try:
-        assert peer.serving()
+        assert replica.serving()
         health.answer = grpc.StatusCode.DEADLINE_EXCEEDED
-        assert peer.serving()  # busy: still serving
-        peer.serving_at -= prefill_client.BUSY_GRACE_S
-        assert not peer.serving()  # busy for longer than the grace: taken as down
+        assert replica.serving()  # busy: still serving
+        replica.serving_at -= prefill_replicas.BUSY_GRACE_S
+        assert not replica.serving()  # busy for longer than the grace: taken as down
         health.answer = "SERVING"
-        assert peer.serving()
+        assert replica.serving()
         health.answer = grpc.StatusCode.UNAVAILABLE
-        assert not peer.serving()
+        assert not replica.serving()
         health.answer = grpc.StatusCode.DEADLINE_EXCEEDED
-        assert not peer.serving()  # a time-out after a refusal proves nothing
+        assert not replica.serving()  # a time-out after a refusal proves nothing
         health.answer = "NOT_SERVING"
-        assert not peer.serving()
+        assert not replica.serving()
     finally:
-        peer.channel.close()
+        replica.channel.close()

@@ -116,7 +116,7 @@ def test_prefill_killed_mid_handoff_fails_the_request_cleanly(checkpoint):
         call = pair.generate(list(range(5, 35)), 8, stream=True, ignore_eos=True)
         first = next(call)  # the first token arrived; KV chunks still coming
         assert first.chunk.token_ids
-        pair.prefill.server.stop(0)  # the prefill peer dies mid-handoff
+        pair.prefill.server.stop(0)  # the prefill replica dies mid-handoff
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill" in err.value.details()

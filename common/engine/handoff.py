@@ -3,7 +3,7 @@
 Transport-independent: the gRPC layer streams it as first token, KV chunks and a final record;
 in-process tests pass the object. KV is per layer [prompt_len, kv_heads, head_dim] in the model
 dtype, on the host, or on the pool's device where the KV transport stages it (`kv_ready`).
-`HandoffRequest` is what the decode side asks a prefill peer for (the wire's message of the same
+`HandoffRequest` is what the decode side asks a prefill replica for (the wire's message of the same
 content is `disagg.v1.PrefillRequest`).
 """
 
@@ -23,7 +23,7 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def check_token(rid: str, what: str, token: int, vocab_size: int) -> None:
-    """Raise ValueError unless `token` (sent by a prefill peer) is an id of the vocabulary."""
+    """Raise ValueError unless `token` (sent by a prefill replica) is an id of the vocabulary."""
     if not 0 <= token < vocab_size:
         raise ValueError(f"handoff {rid}: {what} {token} is outside the vocabulary [0, {vocab_size})")
 

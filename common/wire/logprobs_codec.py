@@ -4,7 +4,7 @@ common/engine/prompt_logprobs.py), both ways: one TokenLogprobs message per toke
 position, read and checked by the same code for every one (their count against the prompt:
 Handoff.check_record).
 
-A prefill peer is trusted with nothing but its own request: what it sends must be as wide as the
+A prefill replica is trusted with nothing but its own request: what it sends must be as wide as the
 request asked (top_logprobs_num candidates in the vocabulary, one value per token_ids_logprob id),
 else ValueError (the request fails cleanly, handoff_intake.py).
 """
