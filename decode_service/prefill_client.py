@@ -119,6 +119,6 @@ class PrefillClient:
     def _run(self, request: HandoffRequest) -> None:
         ReplicaCall(self, request).run()
 
-    def _stream(self, replica: Replica, request: HandoffRequest, sent: list[int], trace_metadata: tuple = ()) -> Handoff:
+    def _stream(self, replica: Replica, request: HandoffRequest, sent: list[int], trace_metadata=()) -> Handoff:
         """One attempt (tests wrap this to see each attempt's outcome)."""
         return replica_call.attempt(self, replica, request, sent, trace_metadata)

@@ -37,7 +37,8 @@ def attempt(client: PrefillClient, replica: Replica, request: HandoffRequest, se
     msg = prefill_request.build(
         request, client.max_chunk_bytes, client.kv_destination, client.kv_keys, client.call_timeout_s
     )
-    call = replica.stub.Prefill(msg, timeout=client.call_timeout_s, metadata=replica.auth(PREFILL_METHOD) + trace_metadata)
+    metadata = replica.auth(PREFILL_METHOD) + trace_metadata
+    call = replica.stub.Prefill(msg, timeout=client.call_timeout_s, metadata=metadata)
     client.calls.attach(request.rid, call, replica)
     stream = HandoffStream(
         request, sent, client.sink, client.config, client.draft_config, client.progress_timeout_s, client.metrics
