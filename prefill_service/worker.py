@@ -22,7 +22,7 @@ Lifecycle of a request:
   4. copy the prompt's K/V (and draft K/V) out of the pool into a Handoff (cached part included, and
      the prompt logprobs when asked, copied to the host), in
      the memory the KV transport stages it in (`staging`: the host, or the pool's device for a
-     transport that reads device memory; then without waiting for the device: `Handoff.kv_ready`),
+     transport that reads device memory; then without waiting for the device: `StagedHandoff.kv_ready`),
      insert the prompt into the radix cache (its own slots that duplicate cached ones are freed),
      unlock its prefix and free its request slot, exactly once, and return the Handoff from that
      step, so its first token goes out while longer prompts are still computing;
@@ -40,7 +40,7 @@ import torch
 
 from common.engine.chunked_prefill import plan_chunk, prefill_step
 from common.engine.grammar import mask_first_tokens
-from common.engine.handoff import Handoff, HandoffRequest
+from common.engine.handoff import HandoffRequest
 from common.engine.logprobs import first_token_logprobs
 from common.engine.model_runner import ModelRunner
 from common.engine.penalties import LogitProcessors, state_from_ids
@@ -48,6 +48,7 @@ from common.engine.prompt_logprobs import PromptParts, PromptRows, cacheable_pre
 from common.engine.radix_cache import CacheStats, RadixCache
 from common.engine.sampling import sample, sample_seed
 from common.forward.host_copy import to_device
+from common.kv_transfer.staging import StagedHandoff, copied_out
 from common.parallel.tp_shard import gather_kv_heads
 from common.request_rules import InvalidRequest, validate_prompt
 from prefill_service.draft_prefill import draft_extend, sample_drafts
@@ -202,8 +203,8 @@ class PrefillWorker:
         """(request, tokens) of the next forward under the budget policy (common/engine/chunked_prefill.py)."""
         return plan_chunk(self.running, self.chunk_size)
 
-    def step(self, on_first_token=None) -> list[tuple[HandoffRequest, Handoff]]:
-        """One extend forward; (request, Handoff) of each prompt it completed (its slots already freed).
+    def step(self, on_first_token=None) -> list[tuple[HandoffRequest, StagedHandoff]]:
+        """One extend forward; (request, StagedHandoff) of each prompt it completed (its slots already freed).
         `on_first_token(request, token)` hears each completed prompt's first token as soon as it is
         sampled, before its KV is copied out (and, with EAGLE, before the draft extend)."""
         spec = self.runner.draft is not None
@@ -235,11 +236,11 @@ class PrefillWorker:
             self._retire(w)
         return handoffs
 
-    def prefill(self, requests: list[HandoffRequest]) -> list[Handoff]:
+    def prefill(self, requests: list[HandoffRequest]) -> list[StagedHandoff]:
         """Run `requests` to completion (admitting as slots free up); Handoffs in request order."""
         for r in requests:
             self.validate(r)
-        todo, out = list(requests), {}  # id(request) -> Handoff
+        todo, out = list(requests), {}  # id(request) -> StagedHandoff
         try:
             while todo or self.running:
                 while todo and self.can_admit(todo[0]):
@@ -335,7 +336,7 @@ class PrefillWorker:
         gathered = self.runner.kv_pool.gather_many([w.kv_slots[w.request.kv_start :] for w in done])
         return [(staged(k), staged(v)) for k, v in gathered]
 
-    def _to_handoff(self, w: _Running, k: list[torch.Tensor], v: list[torch.Tensor]) -> Handoff:
+    def _to_handoff(self, w: _Running, k: list[torch.Tensor], v: list[torch.Tensor]) -> StagedHandoff:
         r = w.request
         extra = {}
         if self.runner.draft is not None:
@@ -346,7 +347,7 @@ class PrefillWorker:
             w.features = []
             draft_k, draft_v = self.runner.draft.kv_pool.gather(to_device(w.kv_slots, self.runner.draft.kv_pool.device))
             extra.update(draft_k=[draft_k[0].to(self.staging)], draft_v=[draft_v[0].to(self.staging)])
-        return Handoff(
+        return StagedHandoff(
             rid=r.rid,
             prompt_ids=list(r.prompt_ids),
             params=r.params,
@@ -360,7 +361,7 @@ class PrefillWorker:
             more_first_tokens=w.more_tokens,
             more_first_logprobs=w.more_logprobs,
             prompt_logprobs=w.prompt_parts.to_host() if w.prompt_parts is not None else None,
-            kv_ready=_recorded(self.staging),
+            kv_ready=copied_out(self.staging),
             kv_start=r.kv_start,
             **extra,
         )
@@ -384,13 +385,3 @@ def _more_samples(forks: list[_Running], rows: torch.Tensor, raw, logits, eos_to
         w.more_tokens = tuple(tokens[start:end])
         w.more_logprobs = tuple(logprobs[start:end]) if w.request.params.return_logprob else ()
         start = end
-
-
-def _recorded(device: torch.device):
-    """On CUDA an event recorded on the current stream, after a handoff's copy-out (whoever reads the
-    KV elsewhere waits for it); None on the host, where the copies are done when they return."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event

@@ -2,7 +2,8 @@
 
 Transport-independent: the gRPC layer streams it as first token, KV chunks and a final record;
 in-process tests pass the object. KV is per layer [prompt_len, kv_heads, head_dim] in the model
-dtype, on the host, or on the pool's device where the KV transport stages it (`kv_ready`).
+dtype, on the host, or on the pool's device where the KV transport stages it (prefill's worker makes
+a `StagedHandoff`, common/kv_transfer/staging.py, which adds the event its readers wait for).
 `HandoffRequest` is what the decode side asks a prefill replica for (the wire's message of the same
 content is `disagg.v1.PrefillRequest`).
 """
@@ -80,9 +81,6 @@ class Handoff:
     more_draft_hidden: torch.Tensor | None = None
     more_draft_k: torch.Tensor | None = None
     more_draft_v: torch.Tensor | None = None
-    # KV staged on a device (a transfer engine reads it there): a CUDA event recorded after its
-    # copy-out, which whoever reads the KV on another thread waits for; None when it is ready now
-    kv_ready: object | None = None
     kv_start: int = 0  # k / v (and the chunks or writes of them) are positions kv_start..prompt_len
 
     @property
