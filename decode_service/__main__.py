@@ -9,7 +9,7 @@ from common import omp_spin
 
 omp_spin.set_default("decode")  # before anything below imports torch (and so loads libgomp)
 
-from common.engine import shared_memory
+from common.kv_transfer import shm_files
 from common.parallel import launch
 from common.wire.grpc_server import LoadInterrupted, ShutdownSignal
 from decode_service.config import parse_args
@@ -29,7 +29,7 @@ def main(argv=None) -> None:
         service = DecodeService(config).start()
     except LoadInterrupted as e:
         logging.info("%s while loading: stopped", e)
-        shared_memory.release_all()
+        shm_files.release_all()
         logging.shutdown()
         os._exit(0)  # threads the start made (prefill channels, TP followers' pipes) end with the process
     logging.info(
@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     stop.wait()
     logging.info("decode service stopping")
     service.shutdown(config.shutdown_grace_s)
-    shared_memory.release_all()  # the shm handoff's pool files: os._exit below runs no exit handlers
+    shm_files.release_all()  # the shm handoff's pool files: os._exit below runs no exit handlers
     logging.info("stopped")
     logging.shutdown()
     os._exit(0)  # everything is released: skip interpreter teardown (~1.5 s of torch and gRPC finalizers)

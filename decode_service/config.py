@@ -126,13 +126,13 @@ class DecodeConfig(ServiceConfig, PrefillClientFlags, SchedulerFlags, DecodeStep
 
     def decode_step_args(self) -> dict:
         """The RunnerArgs of decode steps: captured graphs, compiled small batches, KV pools as shm files."""
-        from common.kv_transfer.receiver import pool_folder as kv_pool_folder  # here: config loads without protobuf
+        from common.kv_transfer.receiver import pool_memory  # here: config loads without protobuf
 
         return dict(
             cuda_graph=not self.disable_cuda_graph,
             cuda_graph_max_bs=self.cuda_graph_max_bs,
             torch_compile_max_bs=self.torch_compile_max_bs if self.enable_torch_compile else 0,
-            kv_shared_dir=kv_pool_folder(self),  # the KV transport says where our pools live (shm: files)
+            kv_allocate=pool_memory(self),  # the KV transport says where our pools live (shm: files)
         )
 
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
-from common.engine import shared_memory
+from common.kv_transfer import shm_files
 from common.wire import security
 from common.wire.aio_server import AioServer
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
@@ -207,12 +207,12 @@ def test_an_unauthenticated_body_is_never_parsed():
 
 
 def test_the_sweep_skips_a_fifo_named_like_a_pool_file(tmp_path):
-    fifo = tmp_path / f"{shared_memory.PREFIX}1-abc"
+    fifo = tmp_path / f"{shm_files.PREFIX}1-abc"
     os.mkfifo(fifo, 0o600)
-    stale = tmp_path / f"{shared_memory.PREFIX}2-def"  # left by a crash: nobody holds it
+    stale = tmp_path / f"{shm_files.PREFIX}2-def"  # left by a crash: nobody holds it
     stale.write_bytes(b"\0" * 64)
     swept: list = []
-    sweeper = threading.Thread(target=lambda: swept.append(shared_memory.sweep(str(tmp_path))), daemon=True)
+    sweeper = threading.Thread(target=lambda: swept.append(shm_files.sweep(str(tmp_path))), daemon=True)
     sweeper.start()
     sweeper.join(30)
     if sweeper.is_alive():  # blocked opening the FIFO: a writer releases it, then fail

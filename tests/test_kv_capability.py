@@ -14,7 +14,7 @@ import torch
 
 from common.engine.handoff import Handoff
 from common.engine.kv_pool import KVPool
-from common.kv_transfer import mooncake, plan, shm
+from common.kv_transfer import mooncake, plan, shm, shm_files
 from common.kv_transfer.address_writes import PoolReceiver
 from common.kv_transfer.errors import KvTransferError
 from common.kv_transfer.receiver import join_ranks
@@ -80,7 +80,7 @@ def _check_refused_and_untouched(sender, base, key: bytes, pool: KVPool) -> None
 
 
 def test_shm_a_caller_without_decodes_capability_cannot_write_into_its_pool_files(tmp_path):
-    pool = KVPool(8, 2, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    pool = KVPool(8, 2, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     endpoint = shm.ShmEndpoint(pool.files)
     base = prefill_pb2.KvDestination(session=endpoint.session, target=plan.kv_region(pool.k, pool.v))
     writer = shm.ShmWriter(str(tmp_path))
@@ -93,7 +93,7 @@ def test_shm_a_caller_without_decodes_capability_cannot_write_into_its_pool_file
 
 def test_shm_pool_files_hold_the_secret_past_what_a_writer_maps(tmp_path):
     """The key is in the files (mode 0600), not in anything a caller sees, and no write reaches it."""
-    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    pool = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     endpoint = shm.ShmEndpoint(pool.files)
     assert endpoint.key.hex() not in endpoint.session and endpoint.key not in endpoint.session.encode()
     (path, k_all), _ = pool.files

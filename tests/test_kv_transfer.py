@@ -5,6 +5,7 @@ device memory) is tests/gpu/test_kv_transfer_cuda.py."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from common.engine.handoff import Handoff, HandoffRequest
 from common.engine.kv_pool import KVPool
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
-from common.kv_transfer import grpc_bytes, mooncake, plan, receiver, sender, shm, staging
+from common.kv_transfer import grpc_bytes, mooncake, plan, receiver, sender, shm, shm_files, staging
 from common.kv_transfer.errors import KvTransferError
 from common.wire import kv_capability
 from common.wire.kv_chunks import KvAssembler
@@ -58,10 +59,12 @@ def test_the_factories_pick_the_backend_by_the_flag(tmp_path):
         sender.make_sender(_config("carrier-pigeon", tmp_path))
     bytes_side = receiver.make_receiver(None, _config("grpc", tmp_path))
     assert bytes_side.destination is None and bytes_side.keys is None  # KV comes as bytes: nothing named
-    assert receiver.pool_folder(_config("shm", tmp_path)) == str(tmp_path)  # decode's pools as files there
+    allocate = receiver.pool_memory(_config("shm", tmp_path))  # decode's pools as files there
+    path, buffer = allocate((2, 3), torch.float32)
+    assert os.path.dirname(path) == os.path.realpath(tmp_path) and buffer.shape == (2, 3)
     assert (
-        receiver.pool_folder(_config("grpc", tmp_path)) is None
-        and receiver.pool_folder(_config("mooncake", tmp_path)) is None
+        receiver.pool_memory(_config("grpc", tmp_path)) is None
+        and receiver.pool_memory(_config("mooncake", tmp_path)) is None
     )
     receiver.check(_config("grpc", tmp_path, device="cuda"))
     with pytest.raises(ValueError, match="for CPU services on one host"):
@@ -97,7 +100,7 @@ def test_a_sender_falls_back_to_bytes_by_itself(tmp_path):
 def test_a_destination_that_does_not_fit_is_a_transfer_error(tmp_path):
     """The server catches one type: a destination of the wrong shape (a ValueError of the planning)
     comes out of the messages as KvTransferError, with the planning's error as its cause."""
-    pool = KVPool(8, 3, 1, 4, torch.float32, shared_dir=str(tmp_path))  # 3 layers: the handoff has 2
+    pool = KVPool(8, 3, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))  # 3 layers: the handoff has 2
     endpoint = shm.ShmEndpoint(pool.files)
     dest = prefill_pb2.KvDestination(session=endpoint.session, target=plan.kv_region(pool.k, pool.v))
     dest.runs.extend(plan.slot_runs(list(range(1, 7))))

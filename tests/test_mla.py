@@ -12,6 +12,7 @@ from common.engine.kv_pool import KVPool, bytes_per_slot
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.forward.forward_batch import ForwardBatch
+from common.kv_transfer import shm_files
 from common.models.config import load_model_config
 from common.models.mla import deinterleave
 from common.models.rope import RotaryEmbedding, apply_rotary, attention_factor, inv_frequencies
@@ -182,6 +183,6 @@ def test_a_latent_region_names_k_alone_and_only_k_is_written():
 
 
 def test_a_shared_latent_pool_is_one_file(tmp_path):
-    pool = KVPool(8, 2, 1, 40, torch.float32, shared_dir=str(tmp_path), v_head_dim=0)
+    pool = KVPool(8, 2, 1, 40, torch.float32, allocate=shm_files.allocator(str(tmp_path)), v_head_dim=0)
     assert len(pool.files) == 1 and pool.files[0][1].data_ptr() == pool.k_all.data_ptr()
     assert pool.v_all.shape == (2, 9, 1, 0)

@@ -1,4 +1,4 @@
-"""The same-host shared-memory handoff (common/engine/shared_memory.py, common/kv_transfer/shm.py):
+"""The same-host shared-memory handoff (common/engine/shm_files.py, common/kv_transfer/shm.py):
 pool files, what a prefill replica agrees to map and write, and each sender's choice between writing
 and gRPC bytes (`reaches`)."""
 
@@ -12,25 +12,24 @@ import stat
 import pytest
 import torch
 
-from common.engine import shared_memory
 from common.engine.kv_pool import KVPool
-from common.kv_transfer import grpc_bytes, mooncake, shm
+from common.kv_transfer import grpc_bytes, mooncake, shm, shm_files
 from common.wire.proto_gen import prefill_pb2
 
 
 def _pool_files(folder) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if n.startswith(shared_memory.PREFIX))
+    return sorted(n for n in os.listdir(folder) if n.startswith(shm_files.PREFIX))
 
 
 def test_a_shared_pool_is_private_zeroed_files_that_a_writer_fills_and_that_go_with_the_pool(tmp_path):
-    pool = KVPool(10, 3, 2, 4, torch.float32, shared_dir=str(tmp_path))
+    pool = KVPool(10, 3, 2, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     names = _pool_files(tmp_path)
     assert len(names) == 2 and sorted(os.path.basename(p) for p, _ in pool.files) == names
     assert {p for p, _ in pool.files} == {str(tmp_path / n) for n in names}
     for path, buffer in pool.files:
         assert (
             stat.S_IMODE(os.stat(path).st_mode) == 0o600
-            and os.path.getsize(path) == buffer.numel() * 4 + shared_memory.TRAILER
+            and os.path.getsize(path) == buffer.numel() * 4 + shm_files.TRAILER
         )
     del buffer
     assert not pool.k_all.any() and pool.k[1].data_ptr() == pool.k_all[1].data_ptr()
@@ -56,7 +55,7 @@ def test_a_shared_pool_is_private_zeroed_files_that_a_writer_fills_and_that_go_w
 def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(tmp_path):
     folder = tmp_path / "shm"
     folder.mkdir()
-    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(folder))
+    pool = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(folder)))
     session = shm.ShmEndpoint(pool.files).session
     writer = shm.ShmWriter(str(folder))
     (path, k_all), (_, v_all) = pool.files
@@ -71,7 +70,7 @@ def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(
     for bad, why in refused.items():
         with pytest.raises(shm.ShmTransferError, match=why):
             writer.write(bad, [src.data_ptr()], [k_all.data_ptr()], [16])
-    link = folder / f"{shared_memory.PREFIX}{os.getpid()}-abc"
+    link = folder / f"{shm_files.PREFIX}{os.getpid()}-abc"
     os.symlink(path, link)
     with pytest.raises(shm.ShmTransferError, match="cannot open"):  # a link is not followed
         writer.write(
@@ -89,13 +88,13 @@ def test_a_writer_refuses_sessions_and_writes_outside_a_pool_file_of_its_folder(
 def test_a_writer_lets_go_of_a_stopped_decode_sides_files(tmp_path):
     writer = shm.ShmWriter(str(tmp_path))
     src = torch.ones(4)
-    old = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    old = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     writer.write(shm.ShmEndpoint(old.files).session, [src.data_ptr()], [old.k_all.data_ptr()], [16])
     first = old.files[0][0]
     assert first in writer._maps
     del old
     gc.collect()  # that decode service stopped: its files are gone, our map still holds the memory
-    new = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    new = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     writer.write(shm.ShmEndpoint(new.files).session, [src.data_ptr()], [new.k_all.data_ptr()], [16])
     assert first not in writer._maps and set(writer._maps) == {p for p, _ in new.files}
 
@@ -103,15 +102,15 @@ def test_a_writer_lets_go_of_a_stopped_decode_sides_files(tmp_path):
 def test_a_start_sweeps_pool_files_that_no_process_holds(tmp_path):
     """A live buffer's process holds a lock on its file; a crash leaves files nobody holds. The pid in
     the name decides nothing (pids repeat across containers and restarts)."""
-    live = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
-    stale = tmp_path / f"{shared_memory.PREFIX}{os.getpid()}-00ff"  # our own pid, but nobody holds it
+    live = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
+    stale = tmp_path / f"{shm_files.PREFIX}{os.getpid()}-00ff"  # our own pid, but nobody holds it
     other = tmp_path / "someone-elses-file"
     for f in (stale, other):
         f.write_bytes(b"x")
     held = [os.path.basename(p) for p, _ in live.files]
-    assert shared_memory.sweep(str(tmp_path)) == [str(stale)]
+    assert shm_files.sweep(str(tmp_path)) == [str(stale)]
     assert sorted(os.listdir(tmp_path)) == sorted([*held, other.name])
-    shared_memory.release_all()  # what a service ending with os._exit does: the files go, the pool stays
+    shm_files.release_all()  # what a service ending with os._exit does: the files go, the pool stays
     assert sorted(os.listdir(tmp_path)) == [other.name]
     live.k_all += 1
     assert live.k_all.sum() == live.k_all.numel()
@@ -125,8 +124,8 @@ def test_a_pool_that_does_not_fit_the_folder_is_refused_at_once(tmp_path, monkey
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(shared_memory.SharedMemoryFull, match="MiB free .*--shm-size"):
-        KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    with pytest.raises(shm_files.SharedMemoryFull, match="MiB free .*--shm-size"):
+        KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     assert _pool_files(tmp_path) == []
 
 
@@ -134,20 +133,20 @@ def test_shared_pools_are_for_cpu(checkpoint):
     from decode_service.config import DecodeConfig
     from decode_service.server import DecodeService
 
-    with pytest.raises(ValueError, match="for CPU services on one host"):
-        KVPool(4, 1, 1, 4, torch.float32, device="meta", shared_dir="/dev/shm")
+    with pytest.raises(ValueError, match="host memory: the pool's device must be the CPU"):
+        KVPool(4, 1, 1, 4, torch.float32, device="meta", allocate=shm_files.allocator("/dev/shm"))
     config = DecodeConfig(checkpoint("qwen2"), port=0, device="cuda", disaggregation_transfer_backend="shm")
     with pytest.raises(ValueError, match="for CPU services on one host"):  # before any model loads
         DecodeService(config)
 
 
 def test_a_replica_writes_only_where_its_sender_reaches_else_sends_bytes(tmp_path):
-    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    pool = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     session = shm.ShmEndpoint(pool.files).session
     local = prefill_pb2.KvDestination(session=session)
     other = prefill_pb2.KvDestination(session="127.0.0.1:1234")
     tp_local = prefill_pb2.KvDestination(tp_ranks=[prefill_pb2.KvRankDestination(session=session)] * 2)
-    elsewhere = prefill_pb2.KvDestination(session=session.replace(shared_memory.PREFIX, shared_memory.PREFIX + "1"))
+    elsewhere = prefill_pb2.KvDestination(session=session.replace(shm_files.PREFIX, shm_files.PREFIX + "1"))
     sender = shm.ShmSender(shm.ShmWriter(str(tmp_path)))
     assert sender.reaches(local) and sender.reaches(tp_local) and not sender.reaches(other)
     assert not sender.reaches(elsewhere)  # files this host does not have: decode gets bytes
@@ -168,9 +167,9 @@ def test_a_malformed_or_oversized_session_is_a_refusal_not_a_crash(tmp_path):
 
 
 def test_a_hard_link_to_a_pool_file_is_not_a_pool_file(tmp_path):
-    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    pool = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     (path, k_all), _ = pool.files
-    link = tmp_path / f"{shared_memory.PREFIX}1-abc"
+    link = tmp_path / f"{shm_files.PREFIX}1-abc"
     os.link(path, link)
     session = "shm:" + json.dumps([[str(link), k_all.data_ptr(), k_all.numel() * 4]])
     assert not shm.ShmWriter(str(tmp_path)).reaches(session)
@@ -180,7 +179,7 @@ def test_a_map_in_use_is_never_unmapped_under_a_write(tmp_path):
     """A caller's session naming a mapped file with another size is refused without touching the map;
     a file whose decode side went away is unmapped only once no write holds it."""
     writer = shm.ShmWriter(str(tmp_path))
-    pool = KVPool(4, 1, 1, 4, torch.float32, shared_dir=str(tmp_path))
+    pool = KVPool(4, 1, 1, 4, torch.float32, allocate=shm_files.allocator(str(tmp_path)))
     session = shm.ShmEndpoint(pool.files).session
     (path, k_all), _ = pool.files
     src = torch.full((4,), 7.0)

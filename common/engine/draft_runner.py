@@ -86,7 +86,7 @@ class DraftRunner:
             layer.head_dim,
             target.dtype,
             target.device,
-            target.args.kv_shared_dir,
+            target.args.kv_allocate,
             v_head_dim=layer.v_dim,  # an MLA layer keeps the latent alone (V of width 0)
         )
         self.backend = create_backend(target.attention_backend, self.kv_pool, target.req_to_token_pool)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from common.engine import shared_memory
 from common.forward.host_copy import to_device
 
 
@@ -44,11 +43,12 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        shared_dir: str | None = None,
+        allocate=None,
         v_head_dim: int | None = None,
     ):
-        """`shared_dir` (CPU): each buffer is a file there that a prefill replica on this host maps
-        and writes handoffs into (shared_memory.py); `files` lists (path, buffer). `v_head_dim`: V's
+        """`allocate(shape, dtype) -> (path, tensor)` (CPU): each buffer is a file it makes, which a
+        prefill replica on this host maps and writes handoffs into (common/kv_transfer/shm_files.py);
+        `files` lists (path, buffer). `v_head_dim`: V's
         width when not head_dim (0: a latent pool)."""
         self.num_slots = num_slots
         self.num_layers = num_layers
@@ -59,10 +59,10 @@ class KVPool:
         # one buffer per K and V, each layer a contiguous view: reading a request's slots out of every
         # layer is one index_select (`gather`), not one per layer
         self.files: list[tuple[str, torch.Tensor]] = []
-        if shared_dir is not None:
+        if allocate is not None:
             if self.device.type != "cpu":
-                raise ValueError(shared_memory.CPU_ONLY)
-            self.files = [shared_memory.allocate(shared_dir, s, dtype) for s in (shape, v_shape) if s[-1]]
+                raise ValueError("KV pool buffers in files are host memory: the pool's device must be the CPU")
+            self.files = [allocate(s, dtype) for s in (shape, v_shape) if s[-1]]
             self.k_all = self.files[0][1]
             self.v_all = self.files[1][1] if len(self.files) > 1 else torch.zeros(v_shape, dtype=dtype)
         else:

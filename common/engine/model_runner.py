@@ -47,7 +47,7 @@ class RunnerArgs:
     cuda_fused: bool = (
         True  # CUDA: norms (+ residual add), SiLU-mul, rotary + KV write as Triton kernels (cuda_fused.py)
     )
-    kv_shared_dir: str | None = None  # CPU decode with the shm handoff: KV pools as files here (kv_pool.py)
+    kv_allocate: object | None = None  # CPU decode with the shm handoff: KV pools' buffers made by it (kv_pool.py)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
     ep_size: int = 1  # mixtures of experts under TP: 1 (a slice of every expert) or tp.size (whole experts)
     constrained_json_disable_any_whitespace: bool = False  # JSON schemas compile with any_whitespace=False
@@ -128,7 +128,7 @@ class ModelRunner:
             args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, cfg.v_dim
         )
         self.kv_pool = KVPool(
-            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, args.kv_shared_dir, cfg.v_dim
+            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, args.kv_allocate, cfg.v_dim
         )
         self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
         # rows also cover the draft positions a speculative request writes past its context

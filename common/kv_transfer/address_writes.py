@@ -100,7 +100,7 @@ class AddressSender:
 
 class PoolReceiver:
     @staticmethod
-    def pool_folder(config) -> str | None:
+    def pool_memory(config) -> str | None:
         """Where the pools must be made (None: ordinary memory; shm overrides it)."""
         return None
 

@@ -67,7 +67,7 @@ class BytesReceiver:
         pass
 
     @staticmethod
-    def pool_folder(config) -> None:
+    def pool_memory(config) -> None:
         return None
 
     @classmethod

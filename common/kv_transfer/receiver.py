@@ -3,7 +3,7 @@
 One receiver per decode rank, made by `make_receiver(runner, config, tp)` from
 --disaggregation-transfer-backend (the only place that tells the backends apart on this side);
 `check(config)` refuses, before any model loads, a backend that cannot work here, and
-`pool_folder(config)` says where the pools must be made (shm: files of a shared folder). A
+`pool_memory(config)` says where the pools must be made (shm: files of a shared folder). A
 receiver has:
 
     receiver.destination
@@ -50,10 +50,10 @@ def _backend(config):
         raise ValueError(f"unknown KV transfer backend {config.disaggregation_transfer_backend!r}") from None
 
 
-def pool_folder(config) -> str | None:
-    """Where decode's KV pools must be made for this backend: a shared-memory folder whose files
-    prefill maps (shm), or None (ordinary memory, host or device)."""
-    return _backend(config).pool_folder(config)
+def pool_memory(config):
+    """Where decode's KV pools must be made for this backend: an allocator of shared-memory files
+    that prefill maps (shm: shm_files.allocator), or None (ordinary memory, host or device)."""
+    return _backend(config).pool_memory(config)
 
 
 def check(config) -> None:

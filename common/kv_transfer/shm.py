@@ -9,7 +9,7 @@ same destination (per-layer addresses and slot runs), the same `KvWritten` notic
 quiesce on early ends. The KV is staged in host memory (memmove reads it).
 
 - decode (`ShmReceiver`): its pools' buffers are files `disagg-kv-<pid>-<random>`
-  (common/engine/shared_memory.py: mode 0600, room taken at once, locked while alive, removed with
+  (shm_files.py: mode 0600, room taken at once, locked while alive, removed with
   the pool; a start sweeps those nobody holds; a trailer past the buffer holds the process's
   secret). `ShmEndpoint(files)` names the files and where they are mapped in its session: `shm:` +
   JSON [[path, base address, bytes], ...]; its `key` (the files' secret) signs each call's
@@ -36,10 +36,10 @@ import threading
 
 import torch
 
-from common.engine import shared_memory
-from common.engine.shared_memory import NAME as _NAME
+from common.kv_transfer import shm_files
 from common.kv_transfer.address_writes import AddressSender, PoolReceiver
 from common.kv_transfer.errors import KvTransferError
+from common.kv_transfer.shm_files import NAME as _NAME
 from common.wire import kv_capability
 from common.wire.kv_capability import Verifier
 
@@ -201,10 +201,10 @@ class ShmWriter:
             raise ShmTransferError(f"cannot open the decode side's pool file {path}: {e}") from e
         try:
             st = os.fstat(fd)
-            whole = size + shared_memory.TRAILER
+            whole = size + shm_files.TRAILER
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1 or st.st_size != whole:
                 raise ShmTransferError(f"{path} is not this user's pool file of {size} bytes")
-            secret = shared_memory.read_secret(fd, size)
+            secret = shm_files.read_secret(fd, size)
             if secret is None:
                 raise ShmTransferError(f"{path} holds no decode secret: not a pool file of this version")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)  # the trailer stays out
@@ -244,11 +244,11 @@ def _secret_of(files: list[tuple[str, int]]) -> bytes:
     for path, size in files:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            keys.add(shared_memory.read_secret(fd, size))
+            keys.add(shm_files.read_secret(fd, size))
         finally:
             os.close(fd)
     if len(keys) != 1 or None in keys:
-        raise ShmTransferError("the pool files do not hold one secret (made by common/engine/shared_memory.py?)")
+        raise ShmTransferError("the pool files do not hold one secret (made by common/kv_transfer/shm_files.py?)")
     return keys.pop()
 
 
@@ -278,21 +278,21 @@ class ShmSender(AddressSender):
 
 class ShmReceiver(PoolReceiver):
     @staticmethod
-    def pool_folder(config) -> str:
+    def pool_memory(config):
         """The pools are files of the shared-memory folder, which a prefill replica maps."""
-        return config.disaggregation_shm_dir
+        return shm_files.allocator(config.disaggregation_shm_dir)
 
     @staticmethod
     def check(config) -> None:
         """Pools off the CPU cannot be shared files (on GPUs the KV stays in device memory: use mooncake)."""
         if config.device != "cpu":
-            raise ValueError(shared_memory.CPU_ONLY)
+            raise ValueError(shm_files.CPU_ONLY)
 
     @classmethod
     def from_config(cls, runner, config) -> ShmReceiver:
         pools = [runner.kv_pool] + ([runner.draft.kv_pool] if runner.draft is not None else [])
         files = [f for pool in pools for f in pool.files]
         if not files:
-            raise ValueError("the shm backend needs KV pools in shared-memory files (RunnerArgs.kv_shared_dir)")
+            raise ValueError("the shm backend needs KV pools in shared-memory files (RunnerArgs.kv_allocate)")
         endpoint = ShmEndpoint(files)
         return cls(runner, endpoint, endpoint.key)

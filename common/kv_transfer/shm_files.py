@@ -1,4 +1,4 @@
-"""KV pool buffers as files of a shared-memory folder (the shm handoff, common/kv_transfer/shm.py).
+"""KV pool buffers as files of a shared-memory folder (the shm handoff, shm.py beside this file).
 
 A buffer is a file `disagg-kv-<pid>-<random>` (mode 0600) mapped shared: a prefill replica on the
 same host maps the same file and writes handoffs straight into the pool.
@@ -17,6 +17,7 @@ same host maps the same file and writes handoffs straight into the pool.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import re
 import secrets
@@ -38,6 +39,11 @@ _live: list[weakref.finalize] = []  # one per buffer made here: closes its lock,
 
 class SharedMemoryFull(RuntimeError):
     """The folder has no room for the buffer (the message says what to change)."""
+
+
+def allocator(folder: str):
+    """`allocate` in `folder`: what a KVPool makes its buffers with (KVPool's `allocate`)."""
+    return functools.partial(allocate, folder)
 
 
 def allocate(folder: str, shape: tuple, dtype: torch.dtype) -> tuple[str, torch.Tensor]:
