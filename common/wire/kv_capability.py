@@ -9,7 +9,7 @@ signature does not verify with a key the caller cannot know:
 - the capability (per rank of a tensor-parallel destination) is `expires | nonce | tag`, with
   tag = HMAC-SHA256(key, request_id, session, target and draft regions, KV heads, slot runs, expires,
   nonce): any other slots, pools, session or request need another tag, which only a key holder makes;
-- shm: the key is the decode process's secret, written by common/engine/shared_memory.py in a
+- shm: the key is the decode process's secret, written by common/kv_transfer/shm_files.py in a
   trailer of each of its pool files (mode 0600: only decode's user reads it). The writer reads it
   from the files it maps, past the part it writes (writes cannot reach it), and needs every file of
   a session to hold the same one. A prefill of the same user can read it; another user, or a remote
