@@ -17,6 +17,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 
+from common.kv_transfer import receiver, sender
 from common.parallel import launch, nodes
 from decode_service.config import DecodeConfig
 from prefill_service.config import PrefillConfig
@@ -72,8 +73,12 @@ def test_the_key_file_is_checked_before_loading(tmp_path):
         launch.check_settings(_config(**good, tp_key_file=loose))
     with pytest.raises(ValueError, match="cannot open"):
         launch.check_settings(_config(**good, tp_key_file=str(tmp_path / "missing")))
+    shm_over_nodes = _config(**good, tp_key_file=_key_file(tmp_path), disaggregation_transfer_backend="shm")
+    launch.check_settings(shm_over_nodes)  # the nodes are fine; the KV transport refuses (both sides)
     with pytest.raises(ValueError, match="shm is one host's"):
-        launch.check_settings(_config(**good, tp_key_file=_key_file(tmp_path), disaggregation_transfer_backend="shm"))
+        receiver.check(shm_over_nodes)
+    with pytest.raises(ValueError, match="shm is one host's"):
+        sender.make_sender(shm_over_nodes)
 
 
 def test_each_node_runs_its_share_of_the_ranks():

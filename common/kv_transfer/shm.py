@@ -267,6 +267,7 @@ class ShmSender(AddressSender):
 
     @classmethod
     def from_config(cls, config) -> ShmSender:
+        one_host(config)
         return cls(ShmWriter(config.disaggregation_shm_dir))
 
     def reaches(self, dest) -> bool:
@@ -287,6 +288,7 @@ class ShmReceiver(PoolReceiver):
         """Pools off the CPU cannot be shared files (on GPUs the KV stays in device memory: use mooncake)."""
         if config.device != "cpu":
             raise ValueError(shm_files.CPU_ONLY)
+        one_host(config)
 
     @classmethod
     def from_config(cls, runner, config) -> ShmReceiver:
@@ -296,3 +298,9 @@ class ShmReceiver(PoolReceiver):
             raise ValueError("the shm backend needs KV pools in shared-memory files (RunnerArgs.kv_allocate)")
         endpoint = ShmEndpoint(files)
         return cls(runner, endpoint, endpoint.key)
+
+
+def one_host(config) -> None:
+    """Shared-memory files reach one host's processes: a service spread over nodes cannot use them."""
+    if getattr(config, "nnodes", 1) > 1:
+        raise ValueError("--disaggregation-transfer-backend shm is one host's: not with --nnodes > 1")

@@ -87,8 +87,6 @@ def check(config) -> None:
             "(e.g. openssl rand -hex 32 > tp.key; chmod 600 tp.key)"
         )
     group_key(config)
-    if getattr(config, "disaggregation_transfer_backend", "grpc") == "shm":
-        raise ValueError("--disaggregation-transfer-backend shm is one host's: not with --nnodes > 1")
 
 
 def group_key(config) -> str:
