@@ -21,7 +21,7 @@ from concurrent import futures
 
 from common.engine.handoff import Handoff, HandoffRequest
 from common.forward import intra_op
-from common.wire.proto_gen import prefill_pb2
+from common.kv_transfer import grpc_bytes
 from decode_service import replica_call
 from decode_service.prefill_inflight import InFlightCalls
 from decode_service.prefill_replicas import BUSY_GRACE_S, SERVICE_NAME, Replica, ReplicaPool
@@ -44,9 +44,7 @@ class PrefillClient:
         draft_config=None,
         progress_timeout_s: float = 5.0,
         metrics=None,
-        kv_destination: prefill_pb2.KvDestination | None = None,
-        kv_keys: list[bytes] | None = None,
-        transfer_quiesce_s: float = 1.0,
+        kv_receiver=None,
         credentials=None,
         api_key: str | None = None,
         policy: str = "cache_aware",
@@ -54,11 +52,12 @@ class PrefillClient:
         tracing=None,
     ):
         """`sink` receives what the calls bring (the scheduler's Inbox: deliver_first_token, deliver_kv,
-        deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. With `kv_destination` (this
-        side's transfer engine session and registered pools) each call names its reserved slots and the
-        replica writes the KV there (each attempt's destination signed with `kv_keys`, one per rank, until
-        its deadline: common/wire/kv_capability.py); a call that ends early is reported only
-        `transfer_quiesce_s` later, so a write still landing cannot reach slots the scheduler has handed
+        deliver_handoff, fail_handoff); `metrics`: DecodeMetrics or None. `kv_receiver`: this side's KV
+        receiver (common/kv_transfer/receiver.py; None: KV as bytes on the stream). With a destination (a
+        transfer engine's session and registered pools) each call names its reserved slots and the
+        replica writes the KV there (each attempt's destination signed with the receiver's keys, one per
+        rank, until its deadline: common/wire/kv_capability.py); a call that ends early is reported once
+        the receiver has settled, so a write still landing cannot reach slots the scheduler has handed
         to another request.
         `policy`: how a replica is chosen (prefix_router.py: follow the replicas' prefix caches, or
         least loaded). `addresses` may hold dns:///NAME:PORT entries, re-resolved every
@@ -79,9 +78,8 @@ class PrefillClient:
         self.calls.watch(self._closed, progress_timeout_s)
         self.retries = 0  # calls retried on another replica since start
         self.metrics = metrics
-        self.kv_destination = kv_destination
-        self.kv_keys = kv_keys
-        self.transfer_quiesce_s = transfer_quiesce_s
+        self.kv_receiver = kv_receiver or grpc_bytes.BytesReceiver()
+        self.kv_destination, self.kv_keys = self.kv_receiver.destination, self.kv_receiver.keys
         self.tracing = tracing  # common.tracing.Tracing or None
         self.replicas.rediscover_until(self._closed, resolve_interval_s)
 

@@ -6,8 +6,8 @@ delivers the Handoff. An attempt that breaks (a gRPC error, a broken stream, the
 retried on another replica by re-prefilling prompt + the tokens already sent (sampled at the next output
 position), so the client never sees a token twice or changed. A refusal (INVALID_ARGUMENT) is not
 retried: every replica would refuse it too. With no replica left, or once cancelled, it ends in exactly
-one `fail_handoff`. With a transfer engine, a broken attempt is reported only `transfer_quiesce_s`
-later, so a write still landing cannot reach slots the scheduler has handed to another request.
+one `fail_handoff`. A broken attempt is reported once the KV receiver has settled (a transfer engine's
+write still landing cannot reach slots the scheduler has handed to another request, or a retry's).
 """
 
 from __future__ import annotations
@@ -131,8 +131,7 @@ class ReplicaCall:
         if stalled:
             detail = f"no progress for {client.progress_timeout_s:g}s"
         self.errors.append(f"{replica.address}: {detail}")
-        if client.kv_destination is not None:  # a write of this attempt may still be landing
-            time.sleep(client.transfer_quiesce_s)
+        client.kv_receiver.settle()  # a write of this attempt may still be landing (transfer engines)
         if cancelled:  # aborted by the front door; a no-op if the scheduler already freed it
             self.sink.fail_handoff(rid, "cancelled")
             return True

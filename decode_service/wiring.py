@@ -91,8 +91,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHo
         progress_timeout_s=config.prefill_progress_timeout_s,
         draft_config=runner.draft.config.layer if runner.draft else None,
         metrics=metrics,
-        kv_destination=kv_receiver.destination,
-        kv_keys=kv_receiver.keys,
+        kv_receiver=kv_receiver,
         policy=config.prefill_policy,
         resolve_interval_s=config.prefill_resolve_interval_s,
         tracing=tracer,
@@ -113,7 +112,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHo
         overlap=not config.disable_overlap_schedule,
         debug=config.debug_checks,
         metrics=metrics,
-        abort_waits_for_prefill=kv_receiver.destination is not None,
+        abort_waits_for_prefill=kv_receiver.writes_late,
         tokenizer_path=config.model_path,  # stop strings are matched in the checkpoint's tokenizer's text
         cancel_prefill=prefill.cancel,
         kv_reservation=config.decode_kv_reservation,

@@ -121,7 +121,7 @@ def test_abort_while_kv_is_written_holds_the_slots_until_the_writes_end(checkpoi
         go_on.set()
         started = time.monotonic()
         ids, complete = pair.collect(pair.generate(prompt_b, 8, rid="b", ignore_eos=True))
-        assert time.monotonic() - started >= pair.decode.prefill.transfer_quiesce_s * 0.9
+        assert time.monotonic() - started >= pair.decode.kv_receiver.quiesce_s * 0.9
         assert ids == hf_greedy(path, prompt_b, 8) and complete.finish_reason == "length"
         pair.wait_idle()
     finally:

@@ -23,6 +23,7 @@ it registers the pools with.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -98,7 +99,18 @@ class AddressSender:
             writer.unregister(tensors)
 
 
+QUIESCE_S = 1.0  # a write of a call that ended early lands within this (one chunk's copy at most)
+
+
 class PoolReceiver:
+    writes_late = True  # the replica writes the reserved slots itself, until its call has ended
+    quiesce_s = QUIESCE_S
+
+    def settle(self) -> None:
+        """A call ended early (broken, cancelled): a chunk it was writing may still land; wait it out,
+        so the slots can be retried or handed to another request. No notice tells a late write apart."""
+        time.sleep(self.quiesce_s)
+
     @staticmethod
     def pool_memory(config) -> str | None:
         """Where the pools must be made (None: ordinary memory; shm overrides it)."""

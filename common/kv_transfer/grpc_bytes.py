@@ -61,6 +61,10 @@ class BytesReceiver:
 
     destination = None
     keys = None
+    writes_late = False  # decode writes the chunks itself, before the call's record
+
+    def settle(self) -> None:
+        pass
 
     @staticmethod
     def check(config) -> None:

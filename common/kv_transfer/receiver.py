@@ -13,7 +13,11 @@ receiver has:
         the keys that sign each call's destination, one per rank (common/wire/kv_capability.py),
         or None: unsigned;
     receiver.rank_destination(heads)
-        this rank's part of a tensor-parallel destination (it holds KV `heads`).
+        this rank's part of a tensor-parallel destination (it holds KV `heads`);
+    receiver.writes_late, receiver.settle()
+        whether slots may still be written after their call ended (a replica writing by address), and
+        the wait until such a write can no longer land: the scheduler keeps an aborted request's slots
+        until its prefill call has ended, and the prefill client settles before it retries or fails.
 
 The decode side reads a request's slots only after its record, i.e. after every notice
 (docs/architecture.md, section 5). With tensor parallelism every rank makes its receiver at the same point and
@@ -39,6 +43,9 @@ _RECEIVERS = {
 class KvReceiver(Protocol):
     destination: prefill_pb2.KvDestination | None
     keys: list[bytes] | None
+    writes_late: bool  # a replica writes into decode's slots itself: a write may land after its call ended
+
+    def settle(self) -> None: ...  # returns once a write of a call that ended early can no longer land
 
     def rank_destination(self, heads: range) -> prefill_pb2.KvRankDestination: ...
 
