@@ -14,7 +14,9 @@ SlotBooks (slot_books.py) holds it and is the only caller:
      is dropped;
   3. `evict(n)` when a reservation or a growth finds the pool short: unlocked leaves, least recently
      used first, before any request is refused or retracted.
-Only requests of one sample (n = 1, not retracted) use it; n > 1 and retracted ones reserve as before.
+n > 1: the samples share the cached prefix as they share the prompt (slot_books.SampleGroup holds the
+lock and, once its last sample is freed, gives the prompt's KV to the tree: `release`). A retracted
+request reserves as before, without the cache.
 Every KV slot is one of: free, a live request's own, or the tree's (`all_slots`, for the integrity
 check); the tree's are locked by the requests reading them.
 """
@@ -33,10 +35,11 @@ class DecodePrefixCache:
         self.stats = CacheStats()  # prompt tokens admitted and how many decode held
         self.metrics = None  # DecodeMetrics (the scheduler sets it), or None
 
-    def take(self, req: DecodeReq) -> torch.Tensor:
-        """The cached slots of `req`'s prompt prefix (locked; `req.prefix_len` of them), possibly none."""
+    def take(self, req: DecodeReq, limit: int | None = None) -> torch.Tensor:
+        """The cached slots of `req`'s prompt prefix (locked; `req.prefix_len` of them, at most `limit`),
+        possibly none."""
         slots, node, _ = self.tree.match_prefix(req.prompt_ids)
-        n = min(len(slots), req.prompt_len - 1)
+        n = min(len(slots), req.prompt_len - 1, req.prompt_len if limit is None else limit)
         if n <= 0:
             return slots[:0]
         self.tree.lock(node)
@@ -45,15 +48,21 @@ class DecodePrefixCache:
 
     def keep(self, req: DecodeReq) -> torch.Tensor:
         """At `req`'s release: its written positions join the tree; returns its slots to free now."""
-        own = req.kv_slots[req.prefix_len :]
+        written = 0
         if req.state == ReqState.RUNNING:  # its KV landed: the prompt's, and each output fed back but the last
-            valid = min(req.prompt_len + len(req.output_ids) - 1, len(req.kv_slots))
-            tokens = (req.prompt_ids + req.output_ids)[:valid]
-            present = self.tree.insert(tokens, req.kv_slots[:valid])  # positions < present: the tree had them
-            own = torch.cat([req.kv_slots[req.prefix_len : max(present, req.prefix_len)], req.kv_slots[valid:]])
-        if req.prefix_node is not None:
-            self.tree.unlock(req.prefix_node)
+            written = min(req.prompt_len + len(req.output_ids) - 1, len(req.kv_slots))
+        own = self.release(req.prompt_ids + req.output_ids, req.kv_slots, written, req.prefix_len, req.prefix_node)
         req.prefix_node, req.prefix_len = None, 0
+        return own
+
+    def release(self, tokens: list[int], slots: torch.Tensor, written: int, prefix_len: int, node) -> torch.Tensor:
+        """`slots[:written]` hold the KV of `tokens[:written]`: they join the tree, and `node` (the lock
+        of the `prefix_len` slots taken from it) is dropped. Returns the slots to free now: those the
+        tree had already (another request's copy) and those never written; the taken prefix is the tree's."""
+        present = self.tree.insert(tokens[:written], slots[:written]) if written else 0  # < present: the tree's
+        own = torch.cat([slots[prefix_len : max(present, prefix_len)], slots[max(written, prefix_len) :]])
+        if node is not None:
+            self.tree.unlock(node)
         return own
 
     def untake(self, req: DecodeReq) -> None:

@@ -63,7 +63,7 @@ class SampleGroups:
             )
             fork.index, fork.group, fork.req_pool_idx = i, group, idx
             fork.kv_slots = torch.cat([group.prompt_slots[: group.shared_len], own])
-            fork.cached_tokens = handoff.cached_tokens
+            fork.cached_tokens = req.cached_tokens  # either cache, as sample 0's
             fork.state = ReqState.PREBUILT
             mine = dataclasses.replace(
                 handoff, rid=fork.rid, seed=seed, first_token=token, first_logprobs=lp, k=None, v=None

@@ -34,6 +34,8 @@ class SampleGroup:
     samples: list[DecodeReq] = field(default_factory=list)  # every sample made so far, sample 0 first
     holders: int = 0  # samples (reserved or live) that still hold the shared slots
     shared_len: int = 0  # leading prompt slots every sample reads (EAGLE: all but the last, each sample's own)
+    prefix_len: int = 0  # leading prompt slots taken from decode's prefix cache (the tree's, not the group's)
+    prefix_node: object = None  # their lock in the cache, held until the last sample is freed
 
 
 class SlotBooks:
@@ -81,15 +83,24 @@ class SlotBooks:
                 self.cache.stats.count(req.prompt_len, req.prefix_len)
             return True
         last, own = self.own_last, outputs + self.extra
-        need = req.prompt_len + n * own + (n - 1) * last
-        if self.pool.allocator.num_free < n or not self._can_alloc(need + keep_free):
+        shared = req.prompt_len - last
+        if self.pool.allocator.num_free < n:
             return False
-        prompt = self.kv.alloc(req.prompt_len)
+        cached = self.cache.take(req, limit=shared) if self.cache is not None else None
+        need = req.prompt_len - req.prefix_len + n * own + (n - 1) * last
+        if not self._can_alloc(need + keep_free):
+            if cached is not None:
+                self.cache.untake(req)
+            return False
+        prompt = self.kv.alloc(req.prompt_len - req.prefix_len)
+        prompt = torch.cat([cached, prompt]) if req.prefix_len else prompt
         reserved = [(self.pool.alloc(), self.kv.alloc(last + own)) for _ in range(n - 1)]
         req.req_pool_idx = self.pool.alloc()
         req.kv_slots = torch.cat([prompt, self.kv.alloc(own)])
-        shared = req.prompt_len - last
         req.group = SampleGroup(req.rid, req.prompt_len, prompt, reserved, [req], holders=n, shared_len=shared)
+        req.group.prefix_len, req.group.prefix_node, req.prefix_node = req.prefix_len, req.prefix_node, None
+        if cached is not None:
+            self.cache.stats.count(req.prompt_len, req.prefix_len)
         self.groups[req.rid] = req.group
         return True
 
@@ -122,8 +133,15 @@ class SlotBooks:
             self.kv.free(slots)
             self.pool.free(idx)
         group.reserved = []
+        req.prefix_len = 0  # the group holds the prefix's lock; a retracted sample comes back without it
         if group.holders == 0:
-            self.kv.free(group.prompt_slots[: group.shared_len])
+            shared = group.prompt_slots[: group.shared_len]
+            if self.cache is not None:  # the prompt's KV joins the cache once every sample is done with it
+                forked = len(group.samples) > 1  # the handoff landed: the shared slots hold the prompt's KV
+                prompt_ids = group.samples[0].prompt_ids
+                written = group.shared_len if forked else 0
+                shared = self.cache.release(prompt_ids, shared, written, group.prefix_len, group.prefix_node)
+            self.kv.free(shared)
             del self.groups[group.rid]
 
     def holders(self, reqs: Iterable[DecodeReq]) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -139,7 +157,7 @@ class SlotBooks:
             kv_holders.append(r.kv_slots[r.group.shared_len :])
             groups[id(r.group)] = r.group
         for g in groups.values():
-            kv_holders.append(g.prompt_slots[: g.shared_len])
+            kv_holders.append(g.prompt_slots[g.prefix_len : g.shared_len])  # the cached prefix is the tree's
             kv_holders.extend(slots for _, slots in g.reserved)
             pool_holders.extend([idx] for idx, _ in g.reserved)
         if self.cache is not None:

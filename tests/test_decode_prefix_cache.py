@@ -170,3 +170,48 @@ def test_a_follow_up_retracted_mid_answer_stays_exact(checkpoint):
     assert len(hooks.done) == 2, hooks.done
     for t, p in enumerate(prompts):
         assert pair.out.tokens[f"t{t}"] == hf_greedy(path, p, N), t
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_n_samples_share_the_cached_prefix_and_leave_their_prompt_to_the_cache(checkpoint, overlap):
+    """Turn 2 asks for n = 3 samples: the group reads turn 1's cached KV as its shared prompt (each
+    sample decodes as an n = 1 request with its own seed, and the greedy group as HF's greedy), and once
+    its last sample is freed the prompt's KV joins the cache, so turn 3 (the same prompt + a new message)
+    finds it. An n = 2 group aborted at once (before or after its handoff) frees its slots and its lock
+    (the harness checks every slot on close)."""
+    from common.engine.sampling import sample_seed
+
+    path = checkpoint("llama")
+    pair = Pair(path, overlap=overlap, prefix_cache=True)
+    greedy = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=1.0, seed=77, n=3)
+    try:
+        pair.submit("a", FIRST, greedy)
+        pair.wait(["a"])
+        follow = FIRST + pair.out.tokens["a"] + [3, 4]
+        pair.submit("g", follow, SamplingParams(max_new_tokens=N, ignore_eos=True, n=2))
+        pair.submit("s", follow, sampled)
+        pair.submit("x", follow, SamplingParams(max_new_tokens=40, ignore_eos=True, n=2))
+        pair.scheduler.abort("x")
+        pair.wait(["g", "g/1", "s", "s/1", "s/2", "x"])
+        cache = pair.scheduler.books.cache
+        hits_after_groups = cache.stats.cached_tokens
+        third = follow + [6, 7, 8]
+        pair.submit("t", third, greedy)
+        pair.wait(["t"])
+        hits_third = cache.stats.cached_tokens - hits_after_groups
+        singles = {}
+        for i in range(3):  # sample i of "s" as an n = 1 request with seed sample_seed(77, i)
+            one = SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=1.0, seed=sample_seed(77, i))
+            pair.submit(f"one{i}", follow, one)
+            pair.wait([f"one{i}"])
+            singles[i] = pair.out.tokens[f"one{i}"]
+    finally:
+        pair.close()
+    turn1 = len(FIRST) + N - 1
+    assert hits_after_groups in (2 * turn1, 3 * turn1)  # the groups read turn 1's KV ("x" too if admitted)
+    assert hits_third == len(follow)  # the groups' prompt joined the cache (answers of n > 1 do not)
+    want = hf_greedy(path, follow, N)
+    assert pair.out.tokens["g"] == pair.out.tokens["g/1"] == want
+    assert [pair.out.tokens[r] for r in ("s", "s/1", "s/2")] == [singles[i] for i in range(3)]
+    assert pair.out.tokens["t"] == hf_greedy(path, third, N)
