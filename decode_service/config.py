@@ -64,8 +64,8 @@ class SchedulerFlags(FlagGroup, title="scheduler"):
     disaggregation_decode_enable_radix_cache: bool = flag(
         False,
         "keep finished requests' KV on decode (a radix tree, evicted LRU under pool pressure) so a prompt that "
-        "continues one (the next chat turn) takes only its new tokens' KV from prefill (not with EAGLE / MTP, "
-        "nor --tp-size > 1, yet)",
+        "continues one (the next chat turn) takes only its new tokens' KV from prefill (EAGLE / MTP: "
+        "the head's KV too; not with --tp-size > 1 yet)",
     )
     decode_kv_grow_tokens: int = flag(
         32,

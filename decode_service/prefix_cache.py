@@ -30,8 +30,11 @@ from decode_service.req import DecodeReq, ReqState
 
 
 class DecodePrefixCache:
-    def __init__(self, kv_allocator):
+    def __init__(self, kv_allocator, draft: bool = False):
+        """`draft`: an EAGLE / MTP head's KV shares the slots; its KV at a position was made with the
+        token after it, which the tree does not key, so a match gives one position less."""
         self.tree = RadixCache(kv_allocator.free)
+        self.draft = draft
         self.stats = CacheStats()  # prompt tokens admitted and how many decode held
         self.metrics = None  # DecodeMetrics (the scheduler sets it), or None
 
@@ -39,7 +42,7 @@ class DecodePrefixCache:
         """The cached slots of `req`'s prompt prefix (locked; `req.prefix_len` of them, at most `limit`),
         possibly none."""
         slots, node, _ = self.tree.match_prefix(req.prompt_ids)
-        n = min(len(slots), req.prompt_len - 1, req.prompt_len if limit is None else limit)
+        n = min(len(slots) - self.draft, req.prompt_len - 1, req.prompt_len if limit is None else limit)
         if n <= 0:
             return slots[:0]
         self.tree.lock(node)

@@ -117,10 +117,6 @@ class DecodeScheduler:
         self.prebuilt: list[DecodeReq] = []
         # Its parts (each file says its job): the slot books (reserve, free, holders; n > 1's shared prompt
         # slots), the intake of prefill replies, the samples of n > 1 requests.
-        if prefix_cache and self.spec is not None:
-            raise ValueError(
-                "--disaggregation-decode-enable-radix-cache is not supported with speculative decoding yet"
-            )
         extra = self.spec.extra_slots if self.spec else 0
         self.books = SlotBooks(worker, extra, eagle=self.spec is not None, prefix_cache=prefix_cache)
         if self.books.cache is not None:

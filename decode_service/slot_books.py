@@ -48,7 +48,7 @@ class SlotBooks:
         self.extra = extra
         self.own_last = 1 if eagle else 0  # samples 1..n-1's own slot at the last prompt position
         self.groups: dict[str, SampleGroup] = {}
-        self.cache = DecodePrefixCache(self.kv) if prefix_cache else None
+        self.cache = DecodePrefixCache(self.kv, draft=eagle) if prefix_cache else None
 
     def _can_alloc(self, n: int) -> bool:
         """Whether `n` KV slots can be allocated, evicting cached prefixes nobody reads to make room."""

@@ -117,8 +117,6 @@ class PrefillWorker:
             raise InvalidRequest("first_output_position must be < len(input_ids)")
         if request.kv_start >= len(prompt):
             raise InvalidRequest("kv_start must be < len(input_ids): the handoff carries one position at least")
-        if request.kv_start and self.runner.draft is not None:
-            raise InvalidRequest("kv_start (a decode-side prefix cache) is not supported with speculative decoding")
         if params.prompt_logprobs and params.logprob_start_len >= len(prompt) - request.first_position:
             raise InvalidRequest(
                 "logprob_start_len must be below the prompt's length (input_ids less the resent outputs)"
@@ -345,7 +343,8 @@ class PrefillWorker:
             more = (row, len(w.prompt), w.first_token, w.more_tokens, features[-1:], w.scratch, extra, topk)
             extra.update(sample_drafts(self.runner, *more))  # n > 1: samples 1..n-1's own at the last position
             w.features = []
-            draft_k, draft_v = self.runner.draft.kv_pool.gather(to_device(w.kv_slots, self.runner.draft.kv_pool.device))
+            sent = to_device(w.kv_slots[r.kv_start :], self.runner.draft.kv_pool.device)  # as the target's
+            draft_k, draft_v = self.runner.draft.kv_pool.gather(sent)
             extra.update(draft_k=[draft_k[0].to(self.staging)], draft_v=[draft_v[0].to(self.staging)])
         return StagedHandoff(
             rid=r.rid,

@@ -7,6 +7,7 @@ retractions leave every slot held exactly once (the harnesses check the pools on
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.engine.handoff import prefix_digest
 from common.engine.sampling import SamplingParams
@@ -215,3 +216,115 @@ def test_n_samples_share_the_cached_prefix_and_leave_their_prompt_to_the_cache(c
     assert pair.out.tokens["g"] == pair.out.tokens["g/1"] == want
     assert [pair.out.tokens[r] for r in ("s", "s/1", "s/2")] == [singles[i] for i in range(3)]
     assert pair.out.tokens["t"] == hf_greedy(path, third, N)
+
+
+def _full_prefill(path: str, spec, prompt: list[int]):
+    """The handoff of `prompt` prefilled whole by a fresh prefill worker (its head's KV over every position)."""
+    from common.engine.handoff import HandoffRequest
+    from common.engine.model_runner import ModelRunner, RunnerArgs
+    from prefill_service.worker import PrefillWorker
+
+    worker = PrefillWorker(ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=2, spec=spec)))
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    return worker.prefill([HandoffRequest("full", prompt, params, 0)])[0]
+
+
+def _head_kv_read(pair, prompts, answers) -> dict:
+    """The head's KV decode holds over two prompts, by prompt: turn 3's (in the tree once it finished)
+    and a branch that edits turn 2's answer after 3 tokens (read while it runs: its match ends where the
+    cached head KV was made with the old next token, so the last matched position must be prefilled)."""
+    cache, pool = pair.scheduler.books.cache, pair.worker.runner.draft.kv_pool
+    slots = cache.tree.match_prefix(prompts[2])[0]
+    assert len(slots) == len(prompts[2])
+    held = {tuple(prompts[2]): (pool.k[0][slots], pool.v[0][slots])}
+    old = answers["t1"][3]
+    branch = prompts[1] + answers["t1"][:3] + [next(t for t in (50, 51) if t != old), 7]
+    before = cache.stats.cached_tokens
+    pair.submit("branch", branch, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    pair.wait_tokens("branch", 2)
+    slots = pair.scheduler.reqs["branch"].kv_slots[: len(branch)]
+    held[tuple(branch)] = (pool.k[0][slots].clone(), pool.v[0][slots].clone())
+    pair.wait(["branch"])
+    assert cache.stats.cached_tokens - before == len(prompts[1]) + 3 - 1  # the match, less its last position
+    return held
+
+
+def _spec_turns(path: str, spec, cache: bool, transfer: str | None = None):
+    """(prompts, answers, accepted, drafted) of three chat turns with a draft head, in process or over gRPC."""
+    from tests.test_eagle import chat_prompts
+
+    first = chat_prompts(path, 1)[0]
+    if transfer is None:
+        pair = Pair(path, overlap=True, spec=spec, prefix_cache=cache)
+        params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+        try:
+            prompts = _turns(
+                lambda rid, p: pair.submit(rid, p, params),
+                lambda rid: pair.wait([rid]),
+                lambda rid: pair.out.tokens[rid],
+                first=first,
+            )
+            answers, (accepted, drafted) = dict(pair.out.tokens), pair.scheduler.spec_stats
+            if cache:
+                held = _head_kv_read(pair, prompts, answers)
+        finally:
+            pair.close()
+        for prompt, kv in held.items() if cache else ():
+            full = _full_prefill(path, spec, list(prompt))
+            for got, want in zip(kv, (full.draft_k[0], full.draft_v[0])):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return prompts, answers, accepted, drafted
+    flags = dict(
+        speculative_algorithm=spec.algorithm,
+        speculative_draft_model_path=spec.draft_model_path,
+        speculative_num_steps=spec.num_steps,
+        speculative_eagle_topk=spec.eagle_topk,
+        speculative_num_draft_tokens=spec.num_draft_tokens,
+    )
+    decode_kw = dict(flags, disaggregation_decode_enable_radix_cache=cache)
+    pair = GrpcPair(path, transfer=transfer, prefill_kw=dict(flags, max_chunk_bytes=4096), decode_kw=decode_kw)
+    answers, stats = {}, [0, 0]
+
+    def submit(rid, p):
+        answers[rid], complete = pair.collect(pair.generate(p, N, ignore_eos=True, rid=rid))
+        stats[0] += complete.spec_accepted_tokens
+        stats[1] += complete.spec_draft_tokens
+
+    try:
+        prompts = _turns(submit, lambda rid: None, lambda rid: answers[rid], first=first)
+    finally:
+        pair.close()
+    return prompts, answers, *stats
+
+
+@pytest.mark.parametrize(
+    "algorithm,shape,transfer",
+    [
+        ("EAGLE", "chain", None),
+        ("EAGLE3", "tree", None),
+        ("NEXTN", "chain", None),
+        ("EAGLE", "chain", "grpc"),
+        ("EAGLE3", "tree", "shm"),
+    ],
+)
+def test_follow_up_turns_with_a_draft_head_keep_its_kv_and_its_accept_rate(
+    checkpoint, fitted_head, algorithm, shape, transfer
+):
+    """With EAGLE / EAGLE3 (chain and tree) and DeepSeek's MTP layer the cache keeps the head's KV beside
+    the target's (the same slots) and the delta handoff brings the head's KV of the new positions only:
+    every turn matches HF, and the drafts accepted are those of the same turns without the cache (a head
+    KV that was stale or landed at the wrong positions could change them); in process, the head's KV
+    decode holds equals a full prefill's (decode's draft extend wrote the answers' positions)."""
+    from common.engine.draft_runner import SpecArgs
+
+    mtp = algorithm == "NEXTN"  # the MTP checkpoint's own (random) layer drafts: few accepted
+    path = checkpoint("deepseek-v3-mtp" if mtp else "llama")
+    head = None if mtp else fitted_head("llama", algorithm)
+    spec = SpecArgs(algorithm, head, 3, *((1, 4) if shape == "chain" else (2, 6)))
+    (prompts, plain, acc0, drafted0), (prompts_c, cached, acc1, drafted1) = (
+        _spec_turns(path, spec, cache, transfer) for cache in (False, True)
+    )
+    assert prompts == prompts_c and plain == cached
+    for t, p in enumerate(prompts):
+        assert cached[f"t{t}"] == hf_greedy(path, p, N), t
+    assert (acc0 > 0 or mtp) and abs(acc1 - acc0) <= 0.1 * acc0 + 1, ((acc0, drafted0), (acc1, drafted1))

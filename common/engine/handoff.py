@@ -136,8 +136,8 @@ class Handoff:
             raise ValueError(f"handoff {self.rid}: the samples' draft seeds and KV are not {rows} rows each")
         for i in range(rows):
             self._check_seed(f"sample {i + 1}'s ", *(t[i] for t in more), hidden_size, vocab_size)
-        if self.draft_k is not None and any(t.shape[0] != self.prompt_len for t in self.draft_k + self.draft_v):
-            raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt")
+        if self.draft_k is not None and any(t.shape[0] != self.kv_len for t in self.draft_k + self.draft_v):
+            raise ValueError(f"handoff {self.rid}: draft KV does not cover the prompt from kv_start")
 
     def _check_seed(self, who: str, ids, p, hidden, hidden_size: int, vocab_size: int) -> None:
         """One draft seed (`who`: whose, for the message): see check_draft."""
