@@ -65,7 +65,7 @@ class SchedulerFlags(FlagGroup, title="scheduler"):
         False,
         "keep finished requests' KV on decode (a radix tree, evicted LRU under pool pressure) so a prompt that "
         "continues one (the next chat turn) takes only its new tokens' KV from prefill (EAGLE / MTP: "
-        "the head's KV too; not with --tp-size > 1 yet)",
+        "the head's KV too; n > 1 samples share it; any --tp-size)",
     )
     decode_kv_grow_tokens: int = flag(
         32,

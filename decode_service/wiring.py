@@ -60,8 +60,6 @@ def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHo
     kv_receivers.check(config)  # before the model loads: say at once what to install, or what cannot work
     check_settings(config)  # --tp-size > 1: the follower ranks (common/parallel/launch.py)
     follower = functools.partial(follower_main, hooks=hooks) if hooks is not None else follower_main
-    if config.disaggregation_decode_enable_radix_cache and config.tp_size > 1:
-        raise ValueError("--disaggregation-decode-enable-radix-cache is not supported with --tp-size > 1 yet")
     tp_ranks = TPRanks.start(config, follower, "decode") if config.tp_size > 1 else None
     tp = tp_ranks.tp if tp_ranks else None
     runner = ModelRunner.for_service(config, tp)

@@ -54,6 +54,10 @@ DRILLS = {
     "tests/test_triton_attention.py::test_serving_through_triton_matches_hf_greedy[EAGLE": "Triton interpreter",
     "tests/test_intra_op.py::test_only_the_forward_stream_starts_an_openmp_pool": "service processes",
     "tests/test_intra_op.py::test_services_set_their_openmp_spin_before_torch_loads": "service processes",
+    "tests/test_decode_prefix_cache.py::test_the_delta_handoff_moves_only_the_new_positions_kv[grpc-2-1]": "TP "
+    "service pairs (the decode-TP case stays)",
+    "tests/test_decode_prefix_cache.py::test_follow_up_turns_with_a_draft_head_keep_its_kv_and_its_accept_rate[EAGLE-"
+    "chain-grpc]": "service pairs with a head (the shm tree case stays)",
 }
 
 KEEP = (  # one representative per family in the default tier

@@ -50,10 +50,11 @@ def test_follow_up_turns_are_served_from_decodes_cache_and_match_hf(checkpoint, 
     assert stats.cached_tokens == (len(prompts[0]) + N - 1) + (len(prompts[1]) + N - 1)
 
 
-def _grpc_turns(path: str, transfer: str, cache: bool):
+def _grpc_turns(path: str, transfer: str, cache: bool, prefill_tp: int = 1, decode_tp: int = 1):
     """(prompts, answers, handoff bytes) of three turns through a pair over `transfer`."""
-    pair = GrpcPair(path, transfer=transfer, decode_kw=dict(disaggregation_decode_enable_radix_cache=cache,
-                                                              metrics_port=0))  # fmt: skip
+    tp = dict(linear_layout="mkl") if prefill_tp * decode_tp > 1 else {}
+    decode_kw = dict(disaggregation_decode_enable_radix_cache=cache, metrics_port=0, tp_size=decode_tp, **tp)
+    pair = GrpcPair(path, transfer=transfer, prefill_kw=dict(tp_size=prefill_tp, **tp), decode_kw=decode_kw)
     outs = {}
 
     def submit(rid, p):
@@ -67,10 +68,21 @@ def _grpc_turns(path: str, transfer: str, cache: bool):
     return prompts, outs, metrics["disagg_handoff_bytes_total"], metrics["disagg_decode_cache_hit_tokens_total"]
 
 
-@pytest.mark.parametrize("transfer", ["grpc", "shm", pytest.param("mooncake", marks=needs_mooncake)])
-def test_the_delta_handoff_moves_only_the_new_positions_kv(checkpoint, transfer):
+@pytest.mark.parametrize(
+    "transfer,prefill_tp,decode_tp",
+    [
+        ("grpc", 1, 1),
+        ("shm", 1, 1),
+        pytest.param("mooncake", 1, 1, marks=needs_mooncake),
+        ("grpc", 2, 1),
+        ("shm", 1, 2),
+    ],
+)
+def test_the_delta_handoff_moves_only_the_new_positions_kv(checkpoint, transfer, prefill_tp, decode_tp):
+    """Over every transport, and with prefill and decode at different TP sizes (decode's ranks each keep
+    their heads of the cached KV; the slot books are rank 0's)."""
     path = checkpoint("llama")
-    runs = {cache: _grpc_turns(path, transfer, cache) for cache in (False, True)}
+    runs = {cache: _grpc_turns(path, transfer, cache, prefill_tp, decode_tp) for cache in (False, True)}
     (prompts, outs, full_bytes, no_hits), (prompts_c, outs_c, delta_bytes, hits) = runs[False], runs[True]
     assert prompts == prompts_c and outs == outs_c
     for t, p in enumerate(prompts):
