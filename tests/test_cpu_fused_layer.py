@@ -149,3 +149,56 @@ def test_a_refused_madvise_is_said_once(monkeypatch, caplog):
             assert t.data_ptr() % weight_arena.HUGE_PAGE == 0
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(lines) == 1 and "4 KiB pages" in lines[0]
+
+
+class _CountedGemv:
+    """A weight's gemv with its calls counted (what tuning times must be what the forward runs)."""
+
+    def __init__(self, gemv):
+        self.gemv, self.calls = gemv, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.gemv(*args)
+
+
+def test_the_table_times_the_path_the_forward_takes_and_keys_it(ops, checkpoint, tmp_path, monkeypatch):
+    """With the fused ops attached, tuning's rowblock at up to GEMV_ROWS rows is the fused gemv (the call
+    the forward makes there), bmm above; the host table keys which one it timed (and the gemv's build),
+    so a table timed without the fused ops is not loaded by a runner that has them, nor the reverse.
+    And the forward's whole-stack call serves a batch exactly where the plan says rowblock for every
+    linear at its rows."""
+    from common.models import host_table, linear_tuning
+    from common.models.packed_linear import GEMV_ROWS, bucket_index
+
+    path = checkpoint("llama")
+    runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4, linear_layout="rowblock"))
+    weights = linear_weights(runner.model)
+    counted = {id(w): _CountedGemv(w.gemv) for w in weights}
+    for w in weights:
+        w.gemv = counted[id(w)]
+    group = [w for w in weights if w.shape_key == weights[0].shape_key]
+    for rows in (1, 2, 4, 8):
+        before = sum(c.calls for c in counted.values())
+        linear_tuning.measure(group, rows)
+        assert (sum(c.calls for c in counted.values()) > before) == (rows <= GEMV_ROWS), rows
+    kernel = linear_tuning.rowblock_kernel(weights)
+    assert kernel == f"gemv {cpu_fused.build_key()}"
+    monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
+    shapes, plans = [w.shape_key for w in weights], {w.shape_key: w.plan for w in weights}
+    ms = {name: [1.0] * len(ROW_BUCKETS) for name in ("mkl", "onednn", "rowblock")}
+    host_table.write(shapes, 2, plans, ms, [1.0] * len(ROW_BUCKETS), rowblock="bmm")
+    assert host_table.read(shapes, 2, kernel) is None and host_table.read(shapes, 2, "bmm") is not None
+    for w in weights:
+        w.gemv = None
+    assert linear_tuning.rowblock_kernel(weights) == "bmm"
+    # the forward: decode_layers at a batch's rows iff that bucket is rowblock for every linear
+    for w in weights:
+        w.gemv = counted[id(w)].gemv
+    fused, x = runner.model.fused_layers, torch.zeros(1, runner.config.hidden_size)
+    backend = type("Backend", (), {"fused_decode_now": True})()
+    cos = torch.zeros(1, fused.head_dim)
+    assert fused.serves(x, cos, backend)
+    weights[3].set_plan(("mkl",) + weights[3].plan[1:])
+    assert not fused.serves(x, cos, backend) and bucket_index(2) != 0
+    assert fused.serves(torch.zeros(2, runner.config.hidden_size), cos, backend)

@@ -59,14 +59,19 @@ def cpu_flags() -> str:
         return platform.processor() or platform.machine()
 
 
-def build_dir() -> str:
+def build_key() -> str:
+    """The build's name: a hash of this CPU's flags, torch's version and the sources (what decides the
+    code, and so its speed: the host's layout table keys the gemv by it)."""
     source = b""
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             source += f.read()
-    key = hashlib.sha256(cpu_flags().encode() + torch.__version__.encode() + source).hexdigest()[:16]
+    return hashlib.sha256(cpu_flags().encode() + torch.__version__.encode() + source).hexdigest()[:16]
+
+
+def build_dir() -> str:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "disagg-serve", "cpu-fused", key)
+    return os.path.join(cache, "disagg-serve", "cpu-fused", build_key())
 
 
 BUILD_LOCK = "build.lock"

@@ -1,7 +1,9 @@
 """The host's linear-layout table: timed once per host and model, shared by every service there.
 
 1. The key: the host's CPU (`common/host.py`), torch's version, the thread count and the model's
-   weight shapes, with the row buckets and layouts; its hash names the file under
+   weight shapes, with the row buckets and layouts, and what the rowblock layout runs at few rows
+   (`rowblock`: torch's bmm, or the fused ops' gemv of one build: a table timed on the other path
+   chose for code the forward does not run); its hash names the file under
    `$DISAGG_LINEAR_TABLE_DIR` (default `~/.cache/disagg-serve/linear-layouts/`).
 2. `host_wide_lock()`: one service at a time reads, times or writes (a POSIX file lock in the user's
    own `~/.cache/disagg-serve/`), so the second service to start loads what the first timed instead
@@ -48,8 +50,9 @@ def table_dir() -> str:
     return os.environ.get(ENV_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "disagg-serve", "linear-layouts")
 
 
-def key(shapes, threads: int) -> dict:
+def key(shapes, threads: int, rowblock: str = "bmm") -> dict:
     return {
+        "rowblock": rowblock,
         "host": host.describe(),
         "torch": torch.__version__,
         "threads": threads,
@@ -104,9 +107,9 @@ def host_wide_lock():
             os.close(fd)  # releases the lock
 
 
-def read(shapes, threads: int) -> dict | None:
+def read(shapes, threads: int, rowblock: str = "bmm") -> dict | None:
     """The stored record for this key, with "path" added, or None."""
-    k = key(shapes, threads)
+    k = key(shapes, threads, rowblock)
     path = path_for(k)
     try:
         record = _load_json(path)
@@ -209,10 +212,11 @@ def write(
     chosen_ms: list[float],
     greedy_ms: dict | None = None,
     how_timed: dict | None = None,
+    rowblock: str = "bmm",
 ) -> str | None:
     """Store a timed table (write to a temporary file, then rename). Returns its path, None on failure.
     `how_timed`: conditions (as JSON), spread, provisional, retimed_because (see `read`)."""
-    k = key(shapes, threads)
+    k = key(shapes, threads, rowblock)
     path = path_for(k)
     record = {
         "key": k,

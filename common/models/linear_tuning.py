@@ -41,7 +41,7 @@ import torch
 
 from common import host
 from common.host_load import MIN_WINDOW_S, Conditions, HostProbe
-from common.models import host_table, table_check
+from common.models import cpu_fused, host_table, table_check
 from common.models.greedy_head import GreedyHead
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight
 
@@ -282,13 +282,23 @@ def _time_and_store(weights, mode: str, greedy: GreedyHead | None, probe, why: s
         "retimed_because": why,
     }
     shapes = [w.shape_key for w in weights]
-    host_table.write(shapes, table.threads, table.plans, table.ms, table.chosen_ms, table.greedy_ms, extra)
+    kernel = rowblock_kernel(weights)
+    host_table.write(shapes, table.threads, table.plans, table.ms, table.chosen_ms, table.greedy_ms, extra, kernel)
     return table
+
+
+def rowblock_kernel(weights: list[LinearWeight]) -> str:
+    """What the rowblock layout runs at few rows, as the host table keys it: the fused ops' gemv (of
+    this build: cpu_fused.build_key) where they are attached, else torch's bmm. Tuning times the
+    weights as the forward calls them, so a table timed on one path says nothing of the other."""
+    if any(w.gemv is not None for w in weights):
+        return f"gemv {cpu_fused.build_key()}"
+    return "bmm"
 
 
 def _load_host_table(weights, greedy: GreedyHead | None, hooks: Hooks) -> tuple[LayoutTable | None, str]:
     """The stored table, checked (table_check.py) and applied; or None and why it is timed again."""
-    record = host_table.read([w.shape_key for w in weights], torch.get_num_threads())
+    record = host_table.read([w.shape_key for w in weights], torch.get_num_threads(), rowblock_kernel(weights))
     if record is None:
         return None, ""
     if greedy is not None and not record.get("greedy_ms"):
