@@ -9,7 +9,8 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    once at the start among `torch.sum` and the fused ops' `stream_sum` with 1, 2 or 4 streams per
    thread (how their gemv reads weights; torch.sum's one stream per thread read ~0.9x of four on a
    2-core AMD EPYC), best of 3 passes: bytes / seconds. The floor = the model's parameter bytes (a tied
-   lm_head counted once) / that bandwidth.
+   lm_head counted once) / that bandwidth; the table adds the floors of the same weights in bf16 and in
+   weight-only int8 (a float32 scale per output row), the vectors staying fp32.
 2. ours: a ModelRunner (`--linear-layout`, default auto: the host's table) decoding one request
    at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts),
    the runners' forwards interleaved step by step (order rotated), with each runner's median
@@ -85,12 +86,17 @@ def fastest_read(buffer: torch.Tensor, threads: int) -> tuple[str, object]:
     return name, reads[name]
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: torch.nn.Module, dtype: str = "fp32") -> int:
     """Bytes of the model's weights, each tensor once (a tied lm_head is the embedding): its parameters
-    and, for ours, the packed linears' weights (no longer parameters)."""
+    and, for ours, the packed linears' weights (no longer parameters); `dtype`: as stored in fp32, or
+    the matrices in bf16, or in int8 with a float32 scale per output row (weight-only int8), the
+    vectors (norms, biases) staying fp32."""
     seen: dict[int, int] = {}
     for p in [*model.parameters(), *(w.weight for w in linear_weights(model))]:
-        seen[p.data_ptr()] = p.numel() * p.element_size()
+        if dtype == "fp32" or p.dim() < 2:
+            seen[p.data_ptr()] = p.numel() * 4
+        else:
+            seen[p.data_ptr()] = p.numel() * (2 if dtype == "bf16" else 1) + (p.shape[0] * 4 if dtype == "int8" else 0)
     return sum(seen.values())
 
 
@@ -229,7 +235,9 @@ def main(argv=None) -> None:
     hf = None if args.no_hf else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if hf is not None:
         hf.generation_config.eos_token_id = None
-    nbytes = weight_bytes(hf if hf is not None else next(iter(runners.values())).model)
+    weighed = hf if hf is not None else next(iter(runners.values())).model
+    nbytes = weight_bytes(weighed)
+    by_dtype = {dtype: weight_bytes(weighed, dtype) for dtype in ("bf16", "int8")}
     # random (all-equal pages a host may merge: KSM), on 2 MiB pages as our weights are (weight_arena.py)
     buffer = hugepage_empty(args.buffer_mib * 2**20 // 4).uniform_()
     _, read = fastest_read(buffer, args.threads)
@@ -267,6 +275,9 @@ def main(argv=None) -> None:
     print("| --- | --- | --- |")
     print(f"| bandwidth, GB/s | {statistics.median(cols[0]):.1f} | {max(cols[0]):.1f} |")
     print(f"| floor, ms per token | {statistics.median(cols[1]):.1f} | {min(cols[1]):.1f} |")
+    for dtype, n in by_dtype.items():  # the same bandwidth, the weights as that dtype would store them
+        print(f"| floor with {dtype} weights ({n / 1e6:.0f} MB), ms per token | "
+              f"{statistics.median(cols[1]) * n / nbytes:.1f} | {min(cols[1]) * n / nbytes:.1f} |")  # fmt: skip
     names = [f"ours ({name})" for name in runners] + ["ours, the linears alone", "HF generate"]
     for name, ms in zip(names, [*cols[3:], cols[2]]):
         ratio = [o / f for f, o in zip(cols[1], ms)]

@@ -141,8 +141,11 @@ class GrpcBackend:
 
 
 class OpenAIBackend:
-    def __init__(self, base_url: str, model: str | None):
+    def __init__(self, base_url: str, model: str | None, ban_token: int | None = None):
+        """`ban_token`: an id (the EOS) every request biases by -100 (OpenAI's logit_bias), for servers
+        that do not take `ignore_eos`; without it the request asks for `ignore_eos`."""
         self.base_url = base_url.rstrip("/")
+        self.ban_token = ban_token
         if model is None:
             with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=10) as resp:
                 model = json.loads(resp.read())["data"][0]["id"]
@@ -155,15 +158,15 @@ class OpenAIBackend:
             "prompt": job.prompt_text,
             "max_tokens": job.output_len,
             "temperature": 0,
-            "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **({"ignore_eos": True} if self.ban_token is None else {"logit_bias": {str(self.ban_token): -100}}),
         }
         req = urllib.request.Request(
             f"{self.base_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         start = last = time.perf_counter()
-        seen_text = False
+        seen_text, events, usage = False, 0, False
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 for line in resp:
@@ -173,13 +176,16 @@ class OpenAIBackend:
                     event, now = json.loads(line[5:]), time.perf_counter()
                     if event.get("usage"):
                         out.prompt_tokens = event["usage"]["prompt_tokens"]
-                        out.output_tokens = event["usage"]["completion_tokens"]
+                        out.output_tokens, usage = event["usage"]["completion_tokens"], True
                     if event.get("choices") and event["choices"][0].get("text"):
+                        events += 1
                         if not seen_text:
                             out.ttft, seen_text = now - start, True
                         else:
                             out.itls.append(now - last)
                         last = now
+            if not usage:  # a server without stream usage: one streamed piece per token
+                out.output_tokens = events
             out.ok, out.e2e = seen_text, time.perf_counter() - start
             out.error = "" if seen_text else "no text streamed"
         except Exception as e:  # HTTP errors, timeouts, broken streams: a failed request
@@ -281,6 +287,8 @@ def main(argv=None) -> dict:
     p.add_argument("--addr", default="127.0.0.1:30000", help="gRPC front door (backend grpc)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI endpoint (backend openai)")
     p.add_argument("--model", default=None, help="OpenAI model name (default: the first of /v1/models)")
+    p.add_argument("--ban-token", type=int, default=None, help="openai: bias this id (the EOS) by -100 instead of "
+                   "asking for ignore_eos (servers without it)")  # fmt: skip
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (needed for text prompts)")
     p.add_argument("--dataset", choices=["random", "file", "generated-shared-prefix"], default="random")
     p.add_argument("--dataset-path", default=None)
@@ -308,7 +316,10 @@ def main(argv=None) -> dict:
         tokenizer = load_tokenizer(args.tokenizer)
     elif args.backend == "openai" or args.dataset == "file":
         p.error("--tokenizer is needed for the openai backend and for --dataset file")
-    send = GrpcBackend(args.addr) if args.backend == "grpc" else OpenAIBackend(args.base_url, args.model)
+    if args.backend == "grpc":
+        send = GrpcBackend(args.addr)
+    else:
+        send = OpenAIBackend(args.base_url, args.model, args.ban_token)
     if args.dataset == "file":
         if not args.dataset_path:
             p.error("--dataset file needs --dataset-path")

