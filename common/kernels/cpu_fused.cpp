@@ -275,6 +275,7 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor", &gemv);
+  m.def("gemv_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor", &gemv_w8);
   m.def("stream_sum(Tensor x, int streams) -> Tensor", &stream_sum);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "

@@ -2,6 +2,8 @@
 //   gemv(x [R, K], w [N, K], bias?, residual?) -> residual + x @ w.T + bias [R, N], for a decode step's
 //     few rows R: each thread streams its own contiguous run of w's rows once, as a few sequential
 //     streams side by side, every x row dotted against each weight row while it is in cache;
+//   gemv_w8(x, w int8 [N, K], scale [N], bias?, residual?) -> the same with w * scale (weight-only
+//     int8, a scale per output row): a quarter of the bytes streamed, widened to float in registers;
 //   stream_sum(x, streams) -> the sum of x, read the same way (bench/floor.py's bandwidth probe).
 
 #include <ATen/ops/empty.h>
@@ -17,13 +19,14 @@ namespace disagg_cpu {
 // a torch.sum over one large buffer on a 2-core AMD EPYC (AVX2); two 0.97-0.99x, four 1.03-1.13x:
 // more independent streams keep more cache-line fills in flight. Two accumulators per (row, stream)
 // hide the FMA latency; R * S <= 4 keeps them in registers.
-template <int R, int S>
-void gemv_rows(const float* x, const float* w, const float* bias, const float* residual, float* out, int64_t n,
-               int64_t k, int64_t begin, int64_t end) {
+// W: float, or int8_t with `scale` (each row's dot product times scale[row], before bias and residual).
+template <int R, int S, typename W>
+void gemv_rows(const float* x, const W* w, const float* scale, const float* bias, const float* residual, float* out,
+               int64_t n, int64_t k, int64_t begin, int64_t end) {
   constexpr int64_t step = 2 * kLanes;
   const int64_t part = (end - begin) / S;
   for (int64_t j = 0; j < part; ++j) {
-    const float* ws[S];
+    const W* ws[S];
     vec acc[S][R][2];
     for (int s = 0; s < S; ++s) {
       ws[s] = w + (begin + s * part + j) * k;
@@ -43,14 +46,15 @@ void gemv_rows(const float* x, const float* w, const float* bias, const float* r
       const int64_t row = begin + s * part + j;
       for (int r = 0; r < R; ++r) {
         float sum = vsum(vadd(acc[s][r][0], acc[s][r][1]));
-        for (int64_t t = i; t < k; ++t) sum += ws[s][t] * x[r * k + t];
+        for (int64_t t = i; t < k; ++t) sum += static_cast<float>(ws[s][t]) * x[r * k + t];
+        if (scale != nullptr) sum *= scale[row];
         if (bias != nullptr) sum += bias[row];
         if (residual != nullptr) sum += residual[r * n + row];
         out[r * n + row] = sum;
       }
     }
   }
-  if constexpr (S > 1) gemv_rows<R, 1>(x, w, bias, residual, out, n, k, begin + S * part, end);  // the remainder
+  if constexpr (S > 1) gemv_rows<R, 1>(x, w, scale, bias, residual, out, n, k, begin + S * part, end);  // the rest
 }
 
 // The sum of x's elements, each thread's half read as S streams side by side (as the gemv reads its
@@ -89,11 +93,10 @@ at::Tensor stream_sum(const at::Tensor& x, int64_t streams) {
   return at::scalar_tensor(total, x.options());
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-               const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [R, K], w [N, K]");
-  check_f32(x, "gemv: x");
-  check_f32(w, "gemv: w");
+// out [R, N] = residual + (x @ w.T) * scale + bias, w float (scale null) or int8
+template <typename W>
+at::Tensor gemv_any(const at::Tensor& x, const at::Tensor& w, const W* pw, const float* ps,
+                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   const int64_t rows = x.size(0), n = w.size(0), k = w.size(1);
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const at::Tensor res = residual.has_value() ? residual->contiguous() : at::Tensor();
@@ -106,7 +109,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
     TORCH_CHECK(res.numel() == rows * n, "gemv: residual [R, N] expected");
   }
   at::Tensor out = at::empty({rows, n}, x.options());
-  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
+  const float* px = x.data_ptr<float>();
   const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* pr = res.defined() ? res.data_ptr<float>() : nullptr;
   float* po = out.data_ptr<float>();
@@ -117,13 +120,32 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
       const int64_t r = std::min<int64_t>(4, rows - r0);
       const float *xr = px + r0 * k, *rr = pr == nullptr ? nullptr : pr + r0 * n;
       float* o = po + r0 * n;
-      if (r == 1) gemv_rows<1, 4>(xr, pw, pb, rr, o, n, k, begin, end);
-      else if (r == 2) gemv_rows<2, 2>(xr, pw, pb, rr, o, n, k, begin, end);
-      else if (r == 3) gemv_rows<3, 1>(xr, pw, pb, rr, o, n, k, begin, end);
-      else gemv_rows<4, 1>(xr, pw, pb, rr, o, n, k, begin, end);
+      if (r == 1) gemv_rows<1, 4>(xr, pw, ps, pb, rr, o, n, k, begin, end);
+      else if (r == 2) gemv_rows<2, 2>(xr, pw, ps, pb, rr, o, n, k, begin, end);
+      else if (r == 3) gemv_rows<3, 1>(xr, pw, ps, pb, rr, o, n, k, begin, end);
+      else gemv_rows<4, 1>(xr, pw, ps, pb, rr, o, n, k, begin, end);
     }
   });
   return out;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [R, K], w [N, K]");
+  check_f32(x, "gemv: x");
+  check_f32(w, "gemv: w");
+  return gemv_any<float>(x, w, w.data_ptr<float>(), nullptr, bias, residual);
+}
+
+at::Tensor gemv_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_w8: x [R, K], w [N, K]");
+  check_f32(x, "gemv_w8: x");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.device().is_cpu() && w.is_contiguous(),
+              "gemv_w8: w: contiguous CPU int8 expected");
+  check_f32(scale, "gemv_w8: scale");
+  TORCH_CHECK(scale.numel() == w.size(0), "gemv_w8: scale [N] expected");
+  return gemv_any<int8_t>(x, w, w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias, residual);
 }
 
 }  // namespace disagg_cpu

@@ -189,6 +189,7 @@ class FusedOps:
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
         self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
+        self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (packed_linear.LinearWeight.quantize_w8)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -305,6 +306,7 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
 
     for weight in linear_weights(model):  # the rowblock layout's few-row steps (lm_head too)
         weight.gemv = None if ops is None else ops.gemv
+        weight.gemv_w8 = None if ops is None else ops.gemv_w8
     n, layers = give_fused_ops(model, ops)
     if hasattr(model, "fused_layers"):  # a decoder whose every layer is dense: its decode step as one call
         whole = bool(layers) and all(fusable(layer) for layer in layers)

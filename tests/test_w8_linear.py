@@ -1,0 +1,105 @@
+"""Weight-only int8 linears on CPU (`--quantization w8`, common/models/w8_linear.py): the kernel and
+both paths of a linear equal the dequantized weight's float32 product; a served model's greedy tokens
+agree with HF's float32 argmax wherever HF's top-2 gap is wide (int8 is not token-exact by design:
+the policy the bf16 tests use), and its logits stay close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
+from common.models import w8_linear
+from common.models.packed_linear import LinearWeight, linear_weights
+from tests.decode_harness import Pair
+from tests.oracle import hf_model
+
+GAP = 0.6  # an argmax may differ from HF fp32's only where its top-2 logits are closer than this
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
+NEW = 24
+
+
+def _dequantized(w: LinearWeight) -> torch.Tensor:
+    return w.w8.float() * w.w8_scale[:, None]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("k", [576, 577, 40])
+def test_gemv_w8_is_the_dequantized_product(ops, rows, k):
+    torch.manual_seed(rows * 1000 + k)
+    w = torch.randn(96, k)
+    q, scale = w8_linear.quantize_rows(w)
+    assert q.dtype == torch.int8 and (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-6
+    x, b, r = torch.randn(rows, k), torch.randn(96), torch.randn(rows, 96)
+    ref = r.double() + x.double() @ (q.double() * scale.double()[:, None]).T + b.double()
+    torch.testing.assert_close(ops.gemv_w8(x, q, scale, b, r).double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.gemv_w8(x, q, scale, None, None).double(), ref - r - b, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.gemv_w8(x, w, scale, None, None)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 64])
+def test_a_w8_linear_runs_both_paths_as_its_dequantized_weight(ops, rows):
+    """Up to W8_GEMV_ROWS rows the int8 gemv, above them one GEMM on a dequantized copy: both are the
+    float32 product with the dequantized weight (residual and bias included)."""
+    torch.manual_seed(rows)
+    lw = LinearWeight(torch.randn(64, 48), torch.randn(64))
+    lw.gemv_w8 = ops.gemv_w8
+    w8_linear.quantize([lw])
+    assert lw.plan == ("w8",) * len(lw.plan) and lw.packed is None
+    x, res = torch.randn(rows, 48), torch.randn(rows, 64)
+    torch.testing.assert_close(lw(x, res), res + F.linear(x, _dequantized(lw), lw.bias), rtol=1e-5, atol=1e-4)
+
+
+def _hf_logits(path: str, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(path)(torch.tensor([ids])).logits[0].float()
+
+
+def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_close(checkpoint, ops):
+    """The pair with w8 on both sides (prefill: the dequantized GEMM; decode steps: gemv_w8) decodes
+    greedily; HF fp32 then reads each answer teacher-forced: every token we chose is HF's argmax at
+    that position wherever HF's top-2 gap is >= GAP. And one teacher-forced pass of our w8 runner
+    gives logits within a small share of the logits' spread of HF's."""
+    path = checkpoint("llama")
+    pair = Pair(path, quantization="w8")
+    try:
+        for i, p in enumerate(PROMPTS):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        pair.wait([str(i) for i in range(len(PROMPTS))])
+        assert pair.link.worker.runner.linear_table is None  # nothing timed: every plan is w8
+        assert all(w.plan[0] == "w8" for w in linear_weights(pair.worker.runner.model))
+    finally:
+        pair.close()
+    checked = 0
+    for i, p in enumerate(PROMPTS):
+        out = pair.out.tokens[str(i)]
+        logits = _hf_logits(path, p + out)[len(p) - 1 : -1]  # the logits each of our tokens was chosen from
+        top2 = logits.topk(2, dim=-1).values
+        wide = top2[:, 0] - top2[:, 1] >= GAP
+        agree = logits.argmax(-1) == torch.tensor(out)
+        assert bool(agree[wide].all()), (i, out, logits.argmax(-1).tolist())
+        checked += int(wide.sum())
+    assert checked >= len(PROMPTS) * NEW // 2  # most positions are wide: the check is not vacuous
+    ids = list(range(10, 90))
+    runner = ModelRunner(RunnerArgs(path, max_total_tokens=128, max_running_requests=1, quantization="w8"))
+    row = runner.req_to_token_pool.alloc()
+    runner.req_to_token_pool.write(row, 0, runner.kv_allocator.alloc(len(ids)))
+    fb = ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [row], [0], [ids], all_logits=True)
+    with torch.inference_mode():
+        ours = runner.forward(fb)[0].float()
+    ref = _hf_logits(path, ids)
+    print(f"w8 teacher-forced: max |diff| {(ours - ref).abs().max():.4f}, logits std {ref.std():.3f}, "
+          f"wide positions {checked}")  # fmt: skip
+    assert (ours - ref).abs().max() < 0.15 * ref.std(), ((ours - ref).abs().max(), ref.std())
+
+
+def test_w8_is_refused_where_it_does_not_apply(checkpoint):
+    path = checkpoint("llama")
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        ModelRunner(RunnerArgs(path, max_total_tokens=64, max_running_requests=1, quantization="int4"))
+    with pytest.raises(ValueError, match="CPU float32"):
+        ModelRunner(RunnerArgs(path, max_total_tokens=64, max_running_requests=1, quantization="w8", dtype="bfloat16"))
