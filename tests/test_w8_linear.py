@@ -16,6 +16,7 @@ from common.models import w8_linear
 from common.models.packed_linear import LinearWeight, linear_weights
 from tests.decode_harness import Pair
 from tests.oracle import hf_model
+from tests.test_cpu_fused_layer import _count
 
 GAP = 0.6  # an argmax may differ from HF fp32's only where its top-2 logits are closer than this
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
@@ -60,18 +61,21 @@ def _hf_logits(path: str, ids: list[int]) -> torch.Tensor:
 
 
 def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_close(checkpoint, ops):
-    """The pair with w8 on both sides (prefill: the dequantized GEMM; decode steps: gemv_w8) decodes
+    """The pair with w8 on both sides (prefill: the dequantized GEMM; decode steps: the whole-stack step
+    with gemv_w8) decodes
     greedily; HF fp32 then reads each answer teacher-forced: every token we chose is HF's argmax at
     that position wherever HF's top-2 gap is >= GAP. And one teacher-forced pass of our w8 runner
     gives logits within a small share of the logits' spread of HF's."""
     path = checkpoint("llama")
     pair = Pair(path, quantization="w8")
+    counting = _count(pair.worker.runner)  # decode steps of 1-4 rows: the whole stack in one call, int8
     try:
         for i, p in enumerate(PROMPTS):
             pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
         pair.wait([str(i) for i in range(len(PROMPTS))])
         assert pair.link.worker.runner.linear_table is None  # nothing timed: every plan is w8
         assert all(w.plan[0] == "w8" for w in linear_weights(pair.worker.runner.model))
+        assert counting.calls > 0
     finally:
         pair.close()
     checked = 0

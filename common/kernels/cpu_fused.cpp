@@ -227,8 +227,9 @@ at::Tensor decode_attention(
 // run as the gemv), as the torch modules compute it:
 //   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
 //   out = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
-// w: the layer's kLayerWeights entries of decode_layers' list, in the order named there.
-constexpr int64_t kLayerWeights = 12;
+// w: the layer's kLayerWeights entries of decode_layers' list, in the order named there. A linear with
+// a scale is weight-only int8 (gemv_w8), without one float32 (gemv).
+constexpr int64_t kLayerWeights = 16;
 at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t first,
                         double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& slots,
@@ -240,18 +241,25 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
     return *t;
   };
   const c10::optional<at::Tensor> none;
-  const at::Tensor qkv = gemv(rms_norm(x, need(0), eps), need(2), opt(3), none);
+  // the linear of weight w_i, bias b_i and scale s_i (int8 where it has one)
+  const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si,
+                          const c10::optional<at::Tensor>& residual) {
+    const c10::optional<at::Tensor> s = opt(si);
+    return s.has_value() ? gemv_w8(in, need(wi), *s, opt(bi), residual) : gemv(in, need(wi), opt(bi), residual);
+  };
+  const at::Tensor qkv = linear(rms_norm(x, need(0), eps), 2, 3, 12, none);
   const at::Tensor attn =
       decode_attention(qkv, cos, sin, opt(4), opt(5), eps, k_cache, v_cache, out_loc, slots, seq_lens, heads, kv_heads, scale);
-  const at::Tensor h = gemv(attn, need(6), opt(7), x);
-  const at::Tensor gate_up = gemv(rms_norm(h, need(1), eps), need(8), opt(9), none);
-  return gemv(silu_and_mul(gate_up), need(10), opt(11), h);
+  const at::Tensor h = linear(attn, 6, 7, 13, x);
+  const at::Tensor gate_up = linear(rms_norm(h, need(1), eps), 8, 9, 14, none);
+  return linear(silu_and_mul(gate_up), 10, 11, 15, h);
 }
 
 // Every layer's decode step in turn, in one call: between layers no Python runs (measured on a 2-core
 // AMD EPYC: ~60 us of interpreter per layer when each layer was its own call, the weights' stream
 // having pushed the interpreter's working set out of the caches). weights: per layer input_norm,
-// post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w, o_b?, gate_up_w, gate_up_b?, down_w, down_b?.
+// post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w, o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the
+// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, w8_linear.py).
 at::Tensor decode_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
                          at::TensorList k_caches, at::TensorList v_caches, double eps, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& out_loc, const at::Tensor& slots,

@@ -217,16 +217,20 @@ class FusedLayers:
 
     def weights(self) -> list[torch.Tensor | None]:
         """decode_layers' list: per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b,
-        gate_up_w, gate_up_b, down_w, down_b (None where the layer has none)."""
+        gate_up_w, gate_up_b, down_w, down_b (None where the layer has none), and the four linears'
+        int8 scales (with --quantization w8, whose int8 weights the list then holds; else None)."""
         if self._weights is None:
             out = []
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
-                qkv, o, gate_up, down = (lin.weight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj))
+                lins = [lin.weight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+                qkv, o, gate_up, down = lins
                 q_norm, k_norm = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
-                out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv.weight, qkv.bias]
+                w = [lw.weight if lw.w8 is None else lw.w8 for lw in lins]
+                out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, w[0], qkv.bias]
                 out += [None if n is None else n.weight for n in (q_norm, k_norm)]
-                out += [o.weight, o.bias, gate_up.weight, gate_up.bias, down.weight, down.bias]
+                out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
+                out += [lw.w8_scale for lw in lins]
             self._weights = [None if w is None else w.detach() for w in out]
         return self._weights
 
@@ -237,7 +241,8 @@ class FusedLayers:
         if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
             return False
         i = bucket_index(rows)
-        return all(lw.plan[i] == "rowblock" for lw in self.linears)
+        layout = self.linears[0].plan[i]  # every linear the gemv, or every linear the int8 gemv
+        return layout in ("rowblock", "w8") and all(lw.plan[i] == layout for lw in self.linears)
 
     def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
         pool = backend.kv_pool
