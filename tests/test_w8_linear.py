@@ -42,7 +42,7 @@ def test_gemv_w8_is_the_dequantized_product(ops, rows, k):
         ops.gemv_w8(x, w, scale, None, None)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 64])
+@pytest.mark.parametrize("rows", [1, 9, 64, 65])
 def test_a_w8_linear_runs_both_paths_as_its_dequantized_weight(ops, rows):
     """Up to W8_GEMV_ROWS rows the int8 gemv, above them one GEMM on a dequantized copy: both are the
     float32 product with the dequantized weight (residual and bias included)."""

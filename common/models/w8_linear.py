@@ -5,7 +5,7 @@ bandwidth (bench/floor.py): fp32 streams 4 bytes per parameter, int8 one. Here e
 weight becomes int8 with a float32 scale per output row (its absmax / 127, rounded to nearest), and
 activations stay float32:
 - up to W8_GEMV_ROWS rows (decode steps), the fused CPU ops' `gemv_w8` streams the int8 rows and
-  widens them to float in registers (common/kernels/cpu_gemv.cpp);
+  widens them to float in registers (common/kernels/cpu_gemv.cpp), once per 4 rows;
 - more rows (a prefill chunk), or without the fused ops, a float32 copy dequantized for the call
   feeds one GEMM (its cost shared by the rows).
 `quantize(weights)` converts the runner's LinearWeights in place (the lm_head too: it is a tenth of
@@ -24,7 +24,10 @@ import torch.nn.functional as F
 from common.models.packed_linear import ROW_BUCKETS, LinearWeight
 from common.models.weight_arena import hugepage_empty
 
-W8_GEMV_ROWS = 8  # gemv_w8 re-streams the int8 rows once per 4 rows: up to 8 it beat the dequantized GEMM
+# gemv_w8 streams the int8 rows once per 4 rows; SmolLM2's 120 layer linears at 8 / 16 / 32 / 64 rows took
+# 26 / 49 / 94 / 180 ms that way, 217 / 176 / 225 / 261 dequantized for an MKL GEMM, and 98 / 108 / 134 /
+# 176 in fp32 MKL (2-core AMD EPYC, AVX2, 2026-11-27): the gemv serves every decode batch up to 64 rows
+W8_GEMV_ROWS = 64
 LAYOUT = "w8"
 
 
