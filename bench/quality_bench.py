@@ -78,8 +78,13 @@ QUESTIONS = [
 ]
 
 
-def ask(base: str, question: str, max_tokens: int) -> str:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+def model_id(base: str) -> str:
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
+def ask(base: str, model: str, question: str, max_tokens: int) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0}  # fmt: skip
     req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})  # fmt: skip
@@ -115,7 +120,8 @@ def main(argv=None) -> list[dict]:
                 continue
             procs, base, _ = peers_bench.start(engine, model, ggufs, os.path.join(tmp, f"{engine}.log"), args)
             try:
-                answers[engine] = [ask(base, q, args.max_tokens) for q in QUESTIONS]
+                served = model_id(base)
+                answers[engine] = [ask(base, served, q, args.max_tokens) for q in QUESTIONS]
             finally:
                 for proc in procs:
                     stop(proc)
