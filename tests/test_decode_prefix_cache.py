@@ -340,3 +340,26 @@ def test_follow_up_turns_with_a_draft_head_keep_its_kv_and_its_accept_rate(
     for t, p in enumerate(prompts):
         assert cached[f"t{t}"] == hf_greedy(path, p, N), t
     assert (acc0 > 0 or mtp) and abs(acc1 - acc0) <= 0.1 * acc0 + 1, ((acc0, drafted0), (acc1, drafted1))
+
+
+def test_a_constrained_follow_up_turn_from_decodes_cache_matches_hf(checkpoint):
+    """A grammar on the follow-up turn (its mask reads the output only, the cached KV the prompt):
+    HF's greedy under xgrammar's own processor, for a regex and a JSON schema, with decode's cache hit."""
+    from tests.test_grammar import CONSTRAINTS, hf_constrained
+
+    path = checkpoint("llama")
+    pair = Pair(path, prefix_cache=True)
+    try:
+        pair.submit("a", FIRST, SamplingParams(max_new_tokens=N, ignore_eos=True))
+        pair.wait(["a"])
+        follow = FIRST + pair.out.tokens["a"] + [3, 4]
+        picked = [c for c in CONSTRAINTS if c[0] in ("regex", "json_schema")]
+        for i, (field, text) in enumerate(picked):
+            pair.submit(f"g{i}", follow, SamplingParams(max_new_tokens=16, **{field: text}))
+        pair.wait([f"g{i}" for i in range(len(picked))])
+        hits = pair.scheduler.books.cache.stats.cached_tokens
+    finally:
+        pair.close()
+    assert hits == len(picked) * (len(FIRST) + N - 1)
+    for i, constraint in enumerate(picked):
+        assert pair.out.tokens[f"g{i}"] == hf_constrained(path, follow, constraint, 16), constraint
