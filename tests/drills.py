@@ -55,7 +55,9 @@ DRILLS = {
     "tests/test_intra_op.py::test_only_the_forward_stream_starts_an_openmp_pool": "service processes",
     "tests/test_intra_op.py::test_services_set_their_openmp_spin_before_torch_loads": "service processes",
     "tests/test_decode_prefix_cache.py::test_the_delta_handoff_moves_only_the_new_positions_kv[grpc-2-1]": "TP "
-    "service pairs (the decode-TP case stays)",
+    "service pairs",
+    "tests/test_decode_prefix_cache.py::test_the_delta_handoff_moves_only_the_new_positions_kv[shm-1-2]": "TP "
+    "service pairs (~19 s; the single-rank transports stay)",
     "tests/test_decode_prefix_cache.py::test_follow_up_turns_with_a_draft_head_keep_its_kv_and_its_accept_rate[EAGLE-"
     "chain-grpc]": "service pairs with a head (the shm tree case stays)",
 }
