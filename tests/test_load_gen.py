@@ -84,3 +84,44 @@ def test_shared_prefix_workload_reports_what_the_prefix_cache_served(checkpoint)
         pair.wait_idle()
     finally:
         pair.close()
+
+
+def test_openai_backend_bans_eos_by_bias_and_counts_pieces_without_usage():
+    """Against a server that takes no `ignore_eos` and streams no usage (llama.cpp's, in the peers
+    benchmark): the request bans the EOS id by logit_bias instead, and the output tokens are the text
+    pieces streamed. With no ban it asks for ignore_eos, and a streamed usage wins over the count."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies = []
+
+    class Stub(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            events = [{"choices": [{"text": t}]} for t in ("a", "b", "c")]
+            if "ignore_eos" in body:
+                events.append({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7}})
+            for e in events:
+                self.wfile.write(f"data: {json.dumps(e)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        job = load_gen.Job(prompt_ids=[1, 2, 3], prompt_text="hi", output_len=3)
+        banned = load_gen.OpenAIBackend(base, "m", ban_token=2)(job, "r0", 10)
+        plain = load_gen.OpenAIBackend(base, "m")(job, "r1", 10)
+    finally:
+        server.shutdown()
+    assert bodies[0]["logit_bias"] == {"2": -100} and "ignore_eos" not in bodies[0]
+    assert bodies[1]["ignore_eos"] is True and "logit_bias" not in bodies[1]
+    assert banned.ok and banned.output_tokens == 3 and len(banned.itls) == 2
+    assert plain.ok and plain.output_tokens == 7 and plain.prompt_tokens == 4
