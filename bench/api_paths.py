@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import tempfile
 
@@ -26,12 +25,7 @@ from common.tools.smg import smg_in_front_of
 def _run(backend: list[str], tokenizer: str, n: int, concurrency: int, args, out: str, seed: int) -> dict:
     """One load_gen run; `seed` picks its prompts, new for every run (prefill's prefix cache must not
     hold a prompt an earlier path sent)."""
-    load_gen.main([*backend, "--tokenizer", tokenizer, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
-                   "--seed", str(seed),
-                   "--random-input-len", str(args.input_len), "--random-range-ratio", "1.0", "--random-output-len",
-                   str(args.output_len), "--no-progress", "--output-json", out])  # fmt: skip
-    with open(out) as f:
-        return json.load(f)
+    return load_gen.fixed_run(backend, tokenizer, n, concurrency, args.input_len, args.output_len, seed, out)
 
 
 def main(argv=None) -> list[dict]:
@@ -77,11 +71,9 @@ def main(argv=None) -> list[dict]:
                         print(f"[api_paths] {rows[-1]}", flush=True)
         finally:
             stop(decode), stop(prefill)
-    print("| path | concurrency | output tok/s | median TTFT ms | median ITL ms | failed |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['path']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['itl_ms']:.1f} | "
-              f"{r['failed']} |")  # fmt: skip
+    columns = [("path", "path", ""), ("concurrency", "concurrency", ""), ("output tok/s", "tok_s", ".1f")]
+    columns += [("median TTFT ms", "ttft_ms", ".0f"), ("median ITL ms", "itl_ms", ".1f"), ("failed", "failed", "")]
+    load_gen.print_rows(rows, columns)
     return rows
 
 

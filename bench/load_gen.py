@@ -281,6 +281,27 @@ def print_report(r: dict) -> None:
         print(f"error: {e}")
 
 
+def fixed_run(
+    backend: list[str], tokenizer: str, n: int, concurrency: int, input_len: int, output_len: int, seed: int, out: str
+) -> dict:
+    """One run of `n` random prompts of exactly `input_len` tokens, `output_len` new tokens each, at most
+    `concurrency` in flight, through `backend` (this tool's backend flags); its JSON report. `seed`
+    picks the prompts: a new one per run keeps a server's prefix cache from holding an earlier run's."""
+    main([*backend, "--tokenizer", tokenizer, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
+          "--seed", str(seed), "--random-input-len", str(input_len), "--random-range-ratio", "1.0",
+          "--random-output-len", str(output_len), "--no-progress", "--output-json", out])  # fmt: skip
+    with open(out) as f:
+        return json.load(f)
+
+
+def print_rows(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """`rows` as a markdown table: columns of (header, key, format spec)."""
+    print("| " + " | ".join(h for h, _, _ in columns) + " |")
+    print("|" + " --- |" * len(columns))
+    for r in rows:
+        print("| " + " | ".join(format(r[k], f) for _, k, f in columns) + " |")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.load_gen", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=["grpc", "openai"], default="grpc")

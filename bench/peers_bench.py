@@ -180,14 +180,11 @@ def _eos_id(model: str) -> int:
 
 def measure(base: str, ban: int | None, tokenizer: str, concurrency: int, args, seed: int, tmp: str) -> dict:
     """One load_gen run through `base`'s /v1/completions; `seed` picks its prompts (none repeats)."""
-    out = os.path.join(tmp, "run.json")
-    argv = ["--backend", "openai", "--base-url", base, "--tokenizer", tokenizer,
-            "--num-prompts", str(max(args.num_prompts, 2 * concurrency)), "--max-concurrency", str(concurrency),
-            "--seed", str(seed), "--random-input-len", str(args.input_len), "--random-range-ratio", "1.0",
-            "--random-output-len", str(args.output_len), "--no-progress", "--output-json", out]  # fmt: skip
-    load_gen.main(argv + (["--ban-token", str(ban)] if ban is not None else []))
-    with open(out) as f:
-        return json.load(f)
+    backend = ["--backend", "openai", "--base-url", base] + (["--ban-token", str(ban)] if ban is not None else [])
+    n = max(args.num_prompts, 2 * concurrency)
+    return load_gen.fixed_run(
+        backend, tokenizer, n, concurrency, args.input_len, args.output_len, seed, os.path.join(tmp, "run.json")
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -233,11 +230,9 @@ def main(argv=None) -> list[dict]:
                 for proc in procs:
                     stop(proc)
     print(f"host: {host.describe()}, {os.cpu_count()} CPUs")
-    print("| engine | concurrency | output tok/s | median TTFT ms | median TPOT ms | failed |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['engine']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['tpot_ms']:.1f} | "
-              f"{r['failed']} |")  # fmt: skip
+    columns = [("engine", "engine", ""), ("concurrency", "concurrency", ""), ("output tok/s", "tok_s", ".1f")]
+    columns += [("median TTFT ms", "ttft_ms", ".0f"), ("median TPOT ms", "tpot_ms", ".1f"), ("failed", "failed", "")]
+    load_gen.print_rows(rows, columns)
     return rows
 
 
