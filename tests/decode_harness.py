@@ -161,13 +161,19 @@ class Pair:
             assert time.time() < deadline, f"{rid}: fewer than {n} tokens in time"
             time.sleep(0.001)
 
-    def close(self) -> None:
-        """Wait for idle, check pool integrity, stop."""
-        deadline = time.time() + 30
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Return once the scheduler holds no request: a finished request's output reaches the client
+        before its slots are freed (and its KV joins the prefix cache), so tests that read the books
+        wait for this first."""
+        deadline = time.time() + timeout
         while not self.scheduler.idle:
             assert time.time() < deadline, "scheduler never went idle"
             time.sleep(0.005)
         time.sleep(0.05)
+
+    def close(self) -> None:
+        """Wait for idle, check pool integrity, stop."""
+        self.wait_idle()
         self.scheduler.check_integrity()  # the prefix cache's slots are the tree's: held once, by it
         cache = self.scheduler.books.cache
         assert self.worker.kv_allocator.num_used == (cache.tree.tree_size if cache is not None else 0)

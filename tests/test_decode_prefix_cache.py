@@ -246,6 +246,7 @@ def _head_kv_read(pair, prompts, answers) -> dict:
     and a branch that edits turn 2's answer after 3 tokens (read while it runs: its match ends where the
     cached head KV was made with the old next token, so the last matched position must be prefilled)."""
     cache, pool = pair.scheduler.books.cache, pair.worker.runner.draft.kv_pool
+    pair.wait_idle()  # turn 3's KV joins the tree once its slots are freed, after its last output
     slots = cache.tree.match_prefix(prompts[2])[0]
     assert len(slots) == len(prompts[2])
     held = {tuple(prompts[2]): (pool.k[0][slots], pool.v[0][slots])}
