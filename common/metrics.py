@@ -245,6 +245,10 @@ class DecodeMetrics(_Metrics):
         self.decode_cache_hit_tokens = c(
             "decode_cache_hit_tokens_total", "prompt tokens whose KV decode's prefix cache held (not handed off)"
         )
+        self.decode_cache_refetches = c(
+            "decode_cache_refetches_total",
+            "handoffs from decode's cached prefix a prefill replica refused (asked whole)",
+        )
         self.decode_cache_evicted_tokens = c(
             "decode_cache_evicted_tokens_total", "tokens' KV evicted from decode's prefix cache for room"
         )

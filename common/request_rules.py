@@ -20,6 +20,11 @@ class InvalidRequest(ValueError):
     """The request is malformed or does not fit this model (INVALID_ARGUMENT)."""
 
 
+class KvStartRefused(ValueError):
+    """A prefill replica will not send the KV from `kv_start` on: the prefix ids it got do not match
+    their digest (FAILED_PRECONDITION). Decode's answer is to ask again for the whole prompt's KV."""
+
+
 class Overloaded(Exception):
     """The request is refused for now, not for what it is (RESOURCE_EXHAUSTED: retry later)."""
 
@@ -86,6 +91,8 @@ class ErrorKind(enum.StrEnum):
 
     BROKEN = "broken"  # the handoff broke (replicas gone, a bad reply, a failed call): UNAVAILABLE, retry later
     REFUSED = "refused"  # a prefill replica refused the request as invalid: INVALID_ARGUMENT, no other replica tried
+    KV_START_REFUSED = "kv_start_refused"  # a prefill replica refused the handoff from kv_start: decode asks for
+    # the whole prompt's KV (scheduler.refetch_whole); a client hears it only if that cannot be done
 
 
 def check_fits_pool(prompt_len: int, max_new_tokens: int, pool_size: int, extra: int = 0) -> None:

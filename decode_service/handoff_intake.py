@@ -9,7 +9,9 @@ sound (top-k ids in the vocabulary, finite probabilities and hidden of the targe
 grammar, every first token (streamed or in the record) and resent output is one it allows. A reply
 that fails a check, or any exception while one is handled, ends that request with an error
 (`_fail_reply`: freed once, now or at the prefill's last word while a transfer engine may still
-write its slots); only our own books (InvariantError) or a failed stream stop the scheduler.
+write its slots); only our own books (InvariantError) or a failed stream stop the scheduler. A handoff
+from decode's cached prefix that the replica refused (ErrorKind.KV_START_REFUSED) is asked for again,
+whole (`scheduler.refetch_whole`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 
 from common.engine.handoff import check_token
 from common.engine.streams import StreamFailed
-from common.request_rules import FinishReason
+from common.request_rules import ErrorKind, FinishReason
 from decode_service.grammar_state import check_outputs
 from decode_service.inbox import FirstTokenArrived, HandoffArrived, HandoffFailed, KvChunkArrived
 from decode_service.req import ReqState
@@ -38,8 +40,9 @@ class HandoffIntake:
     def __init__(self, reqs: dict, worker, abort_waits_for_prefill: bool, ends):
         """`reqs`: the scheduler's request table; `worker`: lands KV chunks (its `info` bounds what is
         checked); `abort_waits_for_prefill`: a transfer engine may write reserved slots until the prefill's
-        last word; `ends`: the scheduler, whose `finish`, `release`, `emit`, `finish_reason` end requests
-        and whose `queue_prebuilt` takes a request whose handoff is in."""
+        last word; `ends`: the scheduler, whose `finish`, `release`, `emit`, `finish_reason` end requests,
+        whose `queue_prebuilt` takes a request whose handoff is in and whose `refetch_whole` re-queues one
+        whose handoff from the cached prefix was refused."""
         self.reqs, self.worker, self.ends = reqs, worker, ends
         self.info, self.spec = worker.info, worker.info.spec
         self.abort_waits_for_prefill = abort_waits_for_prefill
@@ -119,6 +122,8 @@ class HandoffIntake:
         req = self._awaiting(msg.rid)
         if req is not None and req.finished:  # aborted earlier; its prefill has ended now
             self.ends.release(req)
+        elif req is not None and msg.kind == ErrorKind.KV_START_REFUSED and req.prefix_len:
+            self.ends.refetch_whole(req, msg.error)  # decode's cached prefix not taken: ask for the whole prompt
         elif req is not None:
             self.ends.finish(req, FinishReason.ERROR, msg.error, msg.kind)
 

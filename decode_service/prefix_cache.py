@@ -7,7 +7,9 @@ SlotBooks (slot_books.py) holds it and is the only caller:
   1. `take(req)` at admission: the longest cached prefix of the prompt (at most all but its last
      position: the handoff always carries one), locked so nothing evicts it while the request lives;
      the request reserves slots for the rest only, and asks prefill for the KV from `req.prefix_len`
-     on (HandoffRequest.kv_start, with a digest of those ids);
+     on (HandoffRequest.kv_start, with a digest of those ids); a replica that refuses it (the digest does
+     not match: FAILED_PRECONDITION) has the request freed and admitted again without the cache, asking
+     for the whole prompt (scheduler.refetch_whole); a taken prefix is locked, so never evicted meanwhile;
   2. `keep(req, valid)` at release: the request's positions whose KV is known written (its prompt and
      every output fed back: prompt + outputs - 1) join the tree; the slots the tree already had
      (another request's copy) come back to be freed, with the rest of the request's own; its lock

@@ -126,6 +126,12 @@ class ReplicaCall:
                 rid, f"refused as invalid by prefill replica {replica.address}: {e.details()}", ErrorKind.REFUSED
             )
             return True  # every replica would refuse it too: no retry
+        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.FAILED_PRECONDITION and self.request.kv_start:
+            detail = (
+                f"prefill replica {replica.address} refused the KV from position {self.request.kv_start}: {e.details()}"
+            )
+            self.sink.fail_handoff(rid, detail, ErrorKind.KV_START_REFUSED)  # the scheduler asks for it whole
+            return True
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
         cancelled, stalled = client.calls.broke(rid)
         if stalled:

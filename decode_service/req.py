@@ -54,6 +54,8 @@ class DecodeReq:
     retractions: int = 0  # times retracted to free KV (kv_growth.py); it then comes back without its group
     prefix_len: int = 0  # leading prompt positions whose KV came from decode's prefix cache (prefix_cache.py)
     prefix_node: object = None  # the cache node it locks while it lives
+    whole_prompt: bool = False  # a prefill replica refused its handoff from the cached prefix: admitted again
+    # without decode's cache, it asks for the KV of the whole prompt (scheduler.refetch_whole)
 
     @property
     def prompt_len(self) -> int:

@@ -14,7 +14,9 @@ Life of a request (queues named as in the code):
      await their handoff (state AWAITING_HANDOFF) and `prefill_fn(HandoffRequest)` is called.
   3. the prefill side delivers to the inbox (first token, KV chunks written into the reserved slots
      as they arrive, then the handoff); the loop checks the handoff and queues it on `prebuilt`.
-     A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once.
+     A broken handoff (fail_handoff or a malformed record) frees the reservation exactly once; one
+     refused from decode's cached prefix on frees it and queues the request first again, to ask for
+     the whole prompt (`refetch_whole`).
      Whatever a prefill replica sent is checked where it enters (handoff_intake.py): anything wrong
      with it, or any exception while handling it, is that request's error, never the scheduler's.
   4. prebuilt batch (no forward): stream work writes the handed-over K/V into the reserved slots,
@@ -269,9 +271,8 @@ class DecodeScheduler:
                 return
             self.waiting.popleft()
             holders += 1
-            if self.metrics is not None and not req.retractions:
+            if self.metrics is not None and not req.retractions and not req.whole_prompt:  # its first admission
                 self.metrics.queue_time.observe(time.monotonic() - req.submitted_at)
-                self.metrics.decode_cache_hit_tokens.inc(req.prefix_len)
             req.state = ReqState.AWAITING_HANDOFF
             self.prefill_fn(prefill_request(req))
 
@@ -281,6 +282,19 @@ class DecodeScheduler:
         self.books.free(req)
         req.kv_slots, req.req_pool_idx, req.group = None, 0, None
         req.retractions += 1
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+
+    def refetch_whole(self, req: DecodeReq, detail: str) -> None:
+        """A prefill replica refused `req`'s handoff from its cached prefix on (handoff_intake.py; nothing
+        of it was written): free its reservation and the prefix's lock, and queue it first for admission
+        again, without decode's cache, so that it asks for the whole prompt's KV."""
+        logger.warning("%s; asking for the whole prompt's KV", detail)
+        if self.metrics is not None:
+            self.metrics.decode_cache_refetches.inc()
+        self.books.free(req)
+        req.kv_slots, req.req_pool_idx, req.group = None, 0, None
+        req.whole_prompt = True
         req.state = ReqState.WAITING
         self.waiting.appendleft(req)
 
@@ -305,6 +319,8 @@ class DecodeScheduler:
                 continue
             if not req.retractions:  # the front door reports it with the finish
                 req.cached_tokens = max(handoff.cached_tokens, req.prefix_len)  # either cache (prefix_cache.py)
+                if self.metrics is not None:
+                    self.metrics.decode_cache_hit_tokens.inc(req.prefix_len)
             landed.append((req, handoff))
             if req.group is not None:  # n > 1: samples 1..n-1 fork from it (sample_group.py)
                 landed.extend(self.samples.fork(req, handoff))

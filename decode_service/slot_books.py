@@ -71,7 +71,8 @@ class SlotBooks:
         if n == 1:
             if self.pool.allocator.num_free == 0:
                 return False
-            cached = self.cache.take(req) if self.cache is not None and not req.retractions else None
+            use_cache = self.cache is not None and not req.retractions and not req.whole_prompt
+            cached = self.cache.take(req) if use_cache else None
             need = req.prompt_len + len(req.output_ids) + outputs + self.extra - req.prefix_len
             if not self._can_alloc(need + keep_free):
                 if cached is not None:
@@ -86,7 +87,7 @@ class SlotBooks:
         shared = req.prompt_len - last
         if self.pool.allocator.num_free < n:
             return False
-        cached = self.cache.take(req, limit=shared) if self.cache is not None else None
+        cached = self.cache.take(req, limit=shared) if self.cache is not None and not req.whole_prompt else None
         need = req.prompt_len - req.prefix_len + n * own + (n - 1) * last
         if not self._can_alloc(need + keep_free):
             if cached is not None:

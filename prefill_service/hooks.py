@@ -7,6 +7,8 @@ handoff stream skip every hook with one `is None` test. A test or drill hands in
     after_step()              the scheduler thread, after each worker step (before its answers go)
     await before_kv_message() the server's event loop, before each KV message of a stream is sent
     draw_fault()              once per call, as its KV is about to go: None, FAIL or STALL
+    received(request)         the server's event loop, as a Prefill call's request arrives (before it is
+                              checked): a drill may alter the message, e.g. a wrong kv_start_digest
 
 A FAIL call ends with INTERNAL right after its first KV message; a STALL call sends nothing after it
 and holds the call open (until the caller gives up, the server stops, or STALL_MAX_S passes), like
@@ -37,6 +39,9 @@ class PrefillHooks:
     def draw_fault(self) -> str | None:
         """Once per call, as its KV is about to go: None (healthy), FAIL or STALL."""
         return None
+
+    def received(self, request) -> None:
+        """On the event loop as a Prefill call's request (a PrefillRequest message) arrives, before its checks."""
 
 
 class Delays(PrefillHooks):

@@ -23,7 +23,7 @@ from common.engine.penalties import MAX_LOGIT_BIAS
 from common.engine.sampling import SamplingParams
 from common.models.config import ModelConfig
 from common.parallel.tp_shard import check_divisible, kv_heads_of
-from common.request_rules import stop_token_ids
+from common.request_rules import KvStartRefused, stop_token_ids
 from common.wire import kv_chunks
 from common.wire.proto_gen import prefill_pb2
 
@@ -55,7 +55,7 @@ def parse(request: prefill_pb2.PrefillRequest, default_chunk_bytes: int, runner)
     prompt = list(request.input_ids)  # against the model and pool: the scheduler's check (worker.validate)
     params.min_new_tokens = sp.min_new_tokens  # masks EOS / stop ids if first_output_position is below it
     if request.kv_start and request.kv_start_digest != prefix_digest(prompt[: request.kv_start]):
-        raise ValueError("kv_start_digest does not match input_ids[:kv_start]")
+        raise KvStartRefused("kv_start_digest does not match input_ids[:kv_start]")
     return HandoffRequest(
         request.request_id, prompt, params, sp.seed, request.first_output_position, kv_start=request.kv_start
     )

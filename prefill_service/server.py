@@ -11,7 +11,9 @@ Lifecycle of one Prefill call:
      included until it drops them), RESOURCE_EXHAUSTED (decode tries another replica);
   1. validate the request (request_bounds.py: prompt ids, sampling params with <= 64 stop ids, fits
      the context, max_chunk_bytes 0 or in [256 KiB, 32 MiB], tp_ranks in a decode layout of this
-     model): INVALID_ARGUMENT if not; UNAVAILABLE if the scheduler is not running;
+     model): INVALID_ARGUMENT if not; FAILED_PRECONDITION if `kv_start_digest` does not match the ids
+     before `kv_start` (decode then asks for the whole prompt's KV); UNAVAILABLE if the scheduler is not
+     running;
   2. submit a PrefillCall to the scheduler (scheduler.py: `inbox` -> `waiting` -> `running`, one
      chunked extend forward per step, short prompts first); in the step its prompt completes, its
      first token is sampled and handed to the call at once, then its KV is copied out (with EAGLE
@@ -37,6 +39,7 @@ import logging
 import grpc
 
 from common.engine.grammar import GrammarBusy
+from common.request_rules import KvStartRefused
 from common.wire.proto_gen import prefill_pb2, prefill_pb2_grpc
 from prefill_service import request_bounds, wiring
 from prefill_service.config import PrefillConfig
@@ -129,6 +132,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.open_calls -= 1
 
     async def _prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        if self.hooks is not None:
+            self.hooks.received(request)
         try:
             args = (request, self.config.max_chunk_bytes, self.runner)
             if request.sampling_params.WhichOneof("constraint") is not None:  # a grammar compiles: off the loop
@@ -137,6 +142,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 handoff_request = request_bounds.parse(*args)
         except GrammarBusy as e:  # too many grammars compiling here: another replica, or later
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._busy(str(e)))
+        except KvStartRefused as e:  # decode asks again for the whole prompt's KV (not the client's error)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not self.scheduler.alive:

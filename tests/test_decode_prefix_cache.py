@@ -11,6 +11,8 @@ import torch
 
 from common.engine.handoff import prefix_digest
 from common.engine.sampling import SamplingParams
+from common.request_rules import KvStartRefused
+from prefill_service.hooks import PrefillHooks
 from tests.decode_harness import Pair
 from tests.grpc_harness import GrpcPair, needs_mooncake
 from tests.oracle import hf_greedy
@@ -148,10 +150,60 @@ def test_prefill_refuses_a_kv_start_whose_digest_does_not_match(checkpoint):
         config = load_model_config(checkpoint("llama"))
 
     msg = prefill_pb2.PrefillRequest(request_id="r", input_ids=FIRST, kv_start=4, kv_start_digest=b"x" * 32)
-    with pytest.raises(ValueError, match="kv_start_digest"):
+    with pytest.raises(KvStartRefused, match="kv_start_digest"):  # FAILED_PRECONDITION: decode asks again, whole
         request_bounds.parse(msg, 1 << 20, Runner())
     msg.kv_start_digest = prefix_digest(FIRST[:4])
     assert request_bounds.parse(msg, 1 << 20, Runner()).kv_start == 4
+
+
+class WrongDigest(PrefillHooks):
+    """Spoils the kv_start_digest of the first `times` Prefill requests that start past position 0."""
+
+    def __init__(self, times: int):
+        self.left, self.spoiled = times, []
+
+    def received(self, request) -> None:
+        if request.kv_start and self.left:
+            self.left -= 1
+            request.kv_start_digest = bytes(32)
+            self.spoiled.append(request.request_id)
+
+
+@pytest.mark.parametrize("transfer", ["grpc", "shm"])
+def test_a_refused_delta_handoff_is_asked_again_whole_and_stays_exact(checkpoint, transfer):
+    """Prefill refuses a handoff from decode's cached prefix (its digest does not match: FAILED_PRECONDITION);
+    decode frees the reservation and the prefix's lock and asks again for the whole prompt's KV, for n = 1
+    and for an n = 2 group; the next turn's delta is served as usual. Every answer equals HF's greedy, the
+    handoff bytes are two full prompts and one delta, and every slot is freed once (the harness's close)."""
+    path = checkpoint("llama")
+    hooks = WrongDigest(times=2)
+    decode_kw = dict(disaggregation_decode_enable_radix_cache=True, metrics_port=0)
+    pair = GrpcPair(path, transfer=transfer, decode_kw=decode_kw, prefill_hooks=hooks)
+    outs, prompts = {}, [FIRST]
+    try:
+        for t, n in enumerate((1, 1, 2, 1)):
+            responses = list(pair.generate(prompts[t], N, rid=f"t{t}", ignore_eos=True, n=n))
+            completes = {r.complete.index: r.complete for r in responses if r.HasField("complete")}
+            assert sorted(completes) == list(range(n)), responses[-1]
+            outs[t] = [list(completes[i].output_ids) for i in range(n)]
+            prompts.append(prompts[t] + outs[t][0] + [31 + t, 7, 2 + t])
+            if t == 0:
+                per_position = _scrape(pair.decode.metrics_port)["disagg_handoff_bytes_total"] / len(prompts[0])
+            if t == 1:
+                pair.wait_idle()
+                held = pair.decode.scheduler.books.cache.tree.tree_size  # turns 0 and 1: prompt and answer
+        metrics = _scrape(pair.decode.metrics_port)
+    finally:
+        pair.close()
+    assert len(hooks.spoiled) == 2  # turns 1 and 2 were refused once each
+    for t, n in enumerate((1, 1, 2, 1)):
+        assert outs[t] == [hf_greedy(path, prompts[t], N)] * n, t
+    assert held == len(prompts[1]) + N - 1
+    assert metrics["disagg_decode_cache_refetches_total"] == 2
+    hit = len(prompts[2])  # turn 3 reads turn 2's prompt (an n = 2 group leaves its prompt, not its answers)
+    assert metrics["disagg_decode_cache_hit_tokens_total"] == hit  # the refused turns' matches not counted
+    handed_off = sum(map(len, prompts[:3])) + len(prompts[3]) - hit  # turns 1 and 2 whole, turn 3 a delta
+    assert metrics["disagg_handoff_bytes_total"] == pytest.approx(per_position * handed_off, rel=1e-6)
 
 
 def test_a_follow_up_retracted_mid_answer_stays_exact(checkpoint):
