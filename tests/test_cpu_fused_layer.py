@@ -40,7 +40,7 @@ def _decode_hidden(runner, rows: list[int], prefixes: list[int], token: int) -> 
         return runner.model(fb, runner.backend)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 6])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch, batch):
     """One decode step of `batch` requests (prefixes of different lengths) through `decode_layers`, then
@@ -51,7 +51,7 @@ def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch, bat
     assert isinstance(runner.model.fused_layers, cpu_fused.FusedLayers)
     counting = _count(runner)
     pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
-    prompts = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1]][:batch]
+    prompts = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1], [4, 5, 6], [8, 9, 10, 11], [250, 2, 7]][:batch]
     rows = []
     for prompt in prompts:
         rows.append(pool.alloc())

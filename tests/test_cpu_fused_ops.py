@@ -92,13 +92,16 @@ def test_stream_sum_is_the_sum(ops, n, streams):
     assert abs(float(ops.stream_sum(x, streams)) - float(x.double().sum())) <= 1e-4 * n
 
 
-def test_gemv_runs_any_row_count_in_groups_of_four(ops):
-    """Called directly with more rows than one pass holds (6: a group of 4, then 2), and a
-    non-contiguous residual: still x @ w.T + bias + residual."""
-    g = torch.Generator().manual_seed(6)
-    w, x, b = torch.randn(300, 200, generator=g), torch.randn(6, 200, generator=g), torch.randn(300, generator=g)
-    res = torch.randn(300, 6, generator=g).t()
+@pytest.mark.parametrize("rows,n,k", [(6, 300, 200), (16, 961, 576), (23, 301, 100), (64, 129, 1536), (9, 1, 13)])
+def test_gemv_runs_any_row_count_in_register_tiles(ops, rows, n, k):
+    """More rows than one pass holds (tiles of 4 rows by 2 weight rows, then the rows and weight rows left
+    over: odd n, k not a multiple of the vector width) and a non-contiguous residual: still
+    x @ w.T + bias + residual."""
+    g = torch.Generator().manual_seed(rows * n)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    res = torch.randn(n, rows, generator=g).t()
     torch.testing.assert_close(ops.gemv(x, w, b, res), F.linear(x, w, b) + res, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.gemv(x, w, None, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def _decode_case(lengths, heads, kv_heads, d, seed):

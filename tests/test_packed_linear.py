@@ -47,7 +47,7 @@ def test_blocks_view_the_weight_and_stay_put():
 
 
 def test_rows_map_to_the_first_bucket_that_holds_them():
-    assert [bucket_index(r) for r in (1, 2, 3, 4, 5, 33, 64, 65)] == [0, 1, 2, 2, 3, 6, 6, 6]
+    assert [bucket_index(r) for r in (1, 2, 3, 4, 5, 33, 64, 65, 256, 512)] == [0, 1, 2, 2, 3, 6, 6, 7, 7, 7]
     assert bucket_index(4096) == len(ROW_BUCKETS) - 1  # prefill chunks: the largest bucket's plan
     assert all(ROW_BUCKETS[bucket_index(r)] >= r for r in range(1, ROW_BUCKETS[-1] + 1))
 
@@ -166,17 +166,18 @@ def test_a_pinned_table_is_applied_as_it_is_and_a_bad_one_stops_start_up(tmp_pat
     """fixed.json in the table folder: every weight gets its plan and the greedy head its use, nothing is
     timed and no table is written; `retime` still times; a malformed pin raises, naming the file."""
     monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
-    plan = ["mkl", "rowblock", "onednn", "mkl", "rowblock", "onednn", "mkl"]
+    plan = ["mkl", "rowblock", "onednn", "mkl", "rowblock", "onednn", "mkl", "onednn"]
+    assert len(plan) == len(packed_linear.ROW_BUCKETS)
     pin = tmp_path / host_table.FIXED
-    pin.write_text(json.dumps({"plan": plan, "greedy": [True] + [False] * 6}))
+    pin.write_text(json.dumps({"plan": plan, "greedy": [True] + [False] * 7}))
     monkeypatch.setattr(linear_tuning, "tune", lambda *a, **k: pytest.fail("a pinned table is not timed"))
     weights = linear_weights(packed_linear.pack_linears(_model()))
     table = linear_tuning.tune_and_log(weights, "auto")
-    assert all(w.plan == tuple(plan) for w in weights) and table.greedy_plan == (True,) + (False,) * 6
+    assert all(w.plan == tuple(plan) for w in weights) and table.greedy_plan == (True,) + (False,) * 7
     assert "pinned by" in table.lines()[0] and str(pin) in table.lines()[0]
     assert list(tmp_path.iterdir()) == [pin]
-    for bad in ({"plan": plan[:3], "greedy": [False] * 7}, {"plan": ["fast"] * 7, "greedy": [False] * 7},
-                {"plan": plan, "greedy": [1] * 7}):  # fmt: skip
+    for bad in ({"plan": plan[:3], "greedy": [False] * 8}, {"plan": ["fast"] * 8, "greedy": [False] * 8},
+                {"plan": plan, "greedy": [1] * 8}):  # fmt: skip
         pin.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="fixed.json"):
             linear_tuning.tune_and_log(linear_weights(packed_linear.pack_linears(_model())), "auto")

@@ -27,7 +27,7 @@ def _dequantized(w: LinearWeight) -> torch.Tensor:
     return w.w8.float() * w.w8_scale[:, None]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 18, 64])
 @pytest.mark.parametrize("k", [576, 577, 40])
 def test_gemv_w8_is_the_dequantized_product(ops, rows, k):
     torch.manual_seed(rows * 1000 + k)

@@ -13,7 +13,8 @@ it. The layouts:
   weight on all threads (a view of the plain weight: no copy); for up to GEMV_ROWS rows, where the
   fused CPU ops are loaded (common/models/cpu_fused.py), their `gemv` instead: each thread streams its
   own run of weight rows once and adds bias and residual itself (2-row steps 0.70-0.85x of bmm's on
-  a 2-core AMD EPYC, 1 row 0.9-1.0x).
+  a 2-core AMD EPYC, 1 row 0.9-1.0x; above 4 rows in register tiles, 8-16 rows 0.5-0.7x of MKL's).
+  Rows above 64 (prefill chunks) have a bucket of their own, timed at 256 rows.
 `pack_linears(model)` swaps every nn.Linear for a `PackedLinear`; `LinearWeight` (also used for
 lm_heads) holds the layouts of one weight. The oneDNN copy is dropped once the plan never uses it.
 Results equal F.linear within fp32 rounding (another summation order). Only for CPU: on CUDA,
@@ -30,9 +31,9 @@ from common.models.direct_call import DirectCall
 
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
 LAYOUTS = ("mkl", "onednn", "rowblock")
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows r use the plan of the first bucket >= r (the last above)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows r use the plan of the first bucket >= r (the last above)
 DEFAULT_PLAN = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)  # before tuning: the AMD host's choice
-GEMV_ROWS = 4  # the fused gemv serves rowblock up to this many rows (a GEMM's blocking wins above)
+GEMV_ROWS = 64  # the fused gemv serves rowblock up to this many rows (decode batches; prefill chunks: the bmm)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
