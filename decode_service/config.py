@@ -122,7 +122,7 @@ class FrontDoorFlags(FlagGroup, title="front door"):
 class DecodeConfig(ServiceConfig, PrefillClientFlags, SchedulerFlags, DecodeStepFlags, FrontDoorFlags):
     port: int = flag(30000, "port to bind (0 = any free port)")
     max_total_tokens: int = flag(16384, "KV slots of the decode pool")
-    max_running_requests: int = flag(32, "request slots (requests decoding or awaiting a handoff)")
+    max_running_requests: int = flag(64, "request slots (requests decoding or awaiting a handoff)")
 
     def decode_step_args(self) -> dict:
         """The RunnerArgs of decode steps: captured graphs, compiled small batches, KV pools as shm files."""
