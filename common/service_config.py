@@ -276,6 +276,8 @@ def _add_flag(section, f: Field) -> None:
     meta = dict(f.metadata)
     if f.default is MISSING:
         section.add_argument(name, required=True, type=meta["type"] or str, help=meta["help"])
+    elif isinstance(f.default, bool) and f.default:  # on by default: --no-NAME turns it off
+        section.add_argument(name, action=argparse.BooleanOptionalAction, default=True, help=meta["help"])
     elif isinstance(f.default, bool):
         section.add_argument(name, action="store_true", help=meta["help"])
     else:

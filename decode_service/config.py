@@ -62,7 +62,7 @@ class SchedulerFlags(FlagGroup, title="scheduler"):
         choices=["on-demand", "full"],
     )
     disaggregation_decode_enable_radix_cache: bool = flag(
-        False,
+        True,
         "keep finished requests' KV on decode (a radix tree, evicted LRU under pool pressure) so a prompt that "
         "continues one (the next chat turn) takes only its new tokens' KV from prefill (EAGLE / MTP: "
         "the head's KV too; n > 1 samples share it; any --tp-size)",

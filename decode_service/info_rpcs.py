@@ -82,16 +82,16 @@ class InfoRpcs:
         return load_counts(self.scheduler)
 
     async def GetLoads(self, request, context):
-        kv = self.runner.kv_allocator
+        kv, used = self.runner.kv_allocator, self.scheduler.books.kv_in_use  # evictable cached prefixes: free
         running, waiting = self.load_counts()
         load = pb.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=running,
             num_waiting_reqs=waiting,
             num_total_reqs=running + waiting,
-            num_used_tokens=kv.num_used,
+            num_used_tokens=used,
             max_total_num_tokens=kv.size,
-            token_usage=kv.num_used / kv.size,
+            token_usage=used / kv.size,
             max_running_requests=self.config.max_running_requests,
         )
         return pb.GetLoadsResponse(version="disagg-serve", dp_rank_count=1, loads=[load])

@@ -59,6 +59,13 @@ class SlotBooks:
         return self.kv.can_alloc(n)
 
     @property
+    def kv_in_use(self) -> int:
+        """KV slots requests hold (their own, and cached prefixes they read): the pool's used slots less
+        the cached prefixes nobody reads, which a reservation evicts when it needs them (the load decode
+        reports; SGLang's token usage counts them free too). Read from other threads: a snapshot."""
+        return self.kv.num_used - (self.cache.tree.evictable_size if self.cache is not None else 0)
+
+    @property
     def room(self) -> int:
         """The most prompt + max_new_tokens one request can reserve: the pool less the draft window."""
         return self.kv.size - self.extra

@@ -68,7 +68,7 @@ def build(config: DecodeConfig, open_streams: Callable[[], int], hooks: DecodeHo
     metrics = DecodeMetrics(  # the gauges are read at scrape time, when `scheduler` below exists
         running=lambda: load_counts(scheduler)[0],
         queued=lambda: load_counts(scheduler)[1],
-        kv_usage=lambda: kv.num_used / kv.size,
+        kv_usage=lambda: scheduler.books.kv_in_use / kv.size,  # decode's cached prefixes nobody reads: free
         open_streams=open_streams,
         model_name=name,
     )

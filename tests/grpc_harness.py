@@ -146,9 +146,7 @@ class GrpcPair:
             assert time.time() < deadline, "decode scheduler never went idle"
             time.sleep(0.01)
         time.sleep(0.05)
-        sched.check_integrity()
-        cached = sched.books.cache.tree.tree_size if sched.books.cache is not None else 0  # decode's prefix cache
-        assert sched.worker.kv_allocator.num_used == cached and sched.worker.req_to_token_pool.allocator.num_used == 0
+        check_idle_books(sched)
 
     def close(self) -> None:
         try:
@@ -157,6 +155,16 @@ class GrpcPair:
             self.channel.close()
             self.decode.stop()
             self.prefill.stop()
+
+
+def check_idle_books(sched) -> None:
+    """An idle decode scheduler's books balance: every KV slot free or its prefix cache's (unlocked),
+    every request slot free."""
+    sched.check_integrity()
+    cache = sched.books.cache
+    assert sched.worker.kv_allocator.num_used == (cache.tree.tree_size if cache is not None else 0)
+    assert cache is None or cache.tree.locked_size == 0
+    assert sched.worker.req_to_token_pool.allocator.num_used == 0
 
 
 def _client_rid(rid: str) -> str:

@@ -75,8 +75,8 @@ def test_every_flag_parses(service, name, tmp_path, monkeypatch):
     f = next(f for f in fields(cls) if f.name == name)
     option = "--" + name.replace("_", "-")
     base = [] if name == "model_path" else ["--model-path", "m"]
-    if isinstance(f.default, bool):
-        argv, value = base + [option], True
+    if isinstance(f.default, bool):  # a switch, or for one on by default its --no- form
+        argv, value = base + ["--no-" + option[2:] if f.default else option], not f.default
     else:
         text, value = _other_value(f, tmp_path)
         argv = base + [option, text]

@@ -273,8 +273,7 @@ def test_a_client_that_goes_away_aborts_and_frees_the_request(served):
         assert time.time() < deadline, "the request never reached the scheduler"
         time.sleep(0.01)
     conn.close()
-    pair.wait_idle()
-    assert sched.worker.kv_allocator.num_used == 0
+    pair.wait_idle()  # and the books balance (check_idle_books)
     assert _scrape(pair.decode.metrics_port)["disagg_aborted_requests_total"] == aborts + 2
 
 

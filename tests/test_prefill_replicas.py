@@ -20,7 +20,7 @@ from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.hooks import Delays
 from prefill_service.server import PrefillService
-from tests.grpc_harness import AttemptLog, FirstTokenTap, needs_mooncake
+from tests.grpc_harness import AttemptLog, FirstTokenTap, check_idle_books, needs_mooncake
 from tests.oracle import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,8 +52,7 @@ def _wait_idle(decode: DecodeService) -> None:
     while not decode.scheduler.idle:
         assert time.time() < deadline
         time.sleep(0.01)
-    decode.scheduler.check_integrity()
-    assert decode.runner.kv_allocator.num_used == 0
+    check_idle_books(decode.scheduler)
 
 
 def test_two_replicas_both_get_work(checkpoint):

@@ -171,3 +171,51 @@ def test_repeated_prompt_reports_cached_tokens_in_usage(gateway):
     usage = _post(base, "/v1/completions", body)["usage"]
     assert usage["prompt_tokens"] == n
     assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens") == n - 1, usage
+
+
+def test_cache_aware_routing_keeps_each_conversation_on_the_decode_that_holds_its_kv(checkpoint, tmp_path):
+    """Two decode replicas (each with its prefix cache, on by default) behind smg's cache_aware policy,
+    over their OpenAI APIs (compose's path): each follow-up turn of a conversation reaches the replica
+    that served its earlier turns and reads their KV from that replica's cache."""
+    from decode_service.config import DecodeConfig
+    from decode_service.server import DecodeService
+    from tests.test_metrics import _scrape
+
+    path = checkpoint("llama")
+    kw = dict(served_model_name=MODEL, openai_port=0, metrics_port=0)
+    pair = GrpcPair(path, decode_kw=kw)
+    second = DecodeService(DecodeConfig(path, prefill_addr=pair.prefill.address, port=0, debug_checks=True, **kw))
+    decodes = [pair.decode, second.start()]
+
+    def counts() -> list[tuple[float, float]]:  # (requests finished, decode cache hit tokens) per replica
+        out = []
+        for d in decodes:
+            m = _scrape(d.metrics_port)
+            done = sum(v for k, v in m.items() if k.startswith("disagg_requests_total"))
+            out.append((done, m.get("disagg_decode_cache_hit_tokens_total", 0.0)))
+        return out
+
+    served: dict[int, list[int]] = {}  # conversation -> the replica of each turn
+    hits: dict[int, list[float]] = {}
+    try:
+        urls = [f"http://127.0.0.1:{d.openai.port}" for d in decodes]
+        with smg_in_front_of(urls, str(tmp_path / "smg.log"), "--policy", "cache_aware") as base:
+            words = ["Apples", "Rivers", "Copper", "Violins"]  # distinct first tokens: no shared prefix
+            texts = [f"{words[c]} are what conversation {c} is about: tell me more." for c in range(4)]
+            firsts = [len(load_tokenizer(path).encode(t)) for t in texts]
+            for turn in range(3):
+                for c in range(4):
+                    before = counts()
+                    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "prompt": texts[c]}
+                    texts[c] += _post(base, "/v1/completions", body)["choices"][0]["text"] + f" And then {turn}?"
+                    after = counts()
+                    which = [i for i in range(2) if after[i][0] > before[i][0]]
+                    assert len(which) == 1, (before, after)
+                    served.setdefault(c, []).append(which[0])
+                    hits.setdefault(c, []).append(after[which[0]][1] - before[which[0]][1])
+    finally:
+        second.stop()
+        pair.close()
+    for c in range(4):
+        assert len(set(served[c])) == 1, served  # every turn on the replica that holds the conversation
+        assert all(h >= firsts[c] - 2 for h in hits[c][1:]), (hits, firsts)  # follow-ups read its cache

@@ -39,7 +39,7 @@ def _default(f: Field) -> str:
     if f.default is MISSING:
         return "required"
     if isinstance(f.default, bool):
-        return "off (a switch)"
+        return f"on (`--no-{f.name.replace('_', '-')}`: off)" if f.default else "off (a switch)"
     if f.default is None:
         return "unset"
     return f"`{f.default!r}`" if f.default == "" else f"`{f.default}`"

@@ -1,7 +1,8 @@
-"""The smg gateway launched in front of one decode service, on loopback, for tests and benchmarks.
+"""The smg gateway launched in front of decode services, on loopback, for tests and benchmarks.
 
 `worker` is decode's gRPC address (HOST:PORT, routed as grpc://) or a URL (http://HOST:PORT: decode's
-own OpenAI API, the path compose and deploy/k8s take). smg comes with the dev extra.
+own OpenAI API, the path compose and deploy/k8s take), or a list of them (several decode replicas;
+`--policy` in `extra` picks how smg routes between them). smg comes with the dev extra.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ def smg_binary() -> str:
 
 
 @contextlib.contextmanager
-def smg_in_front_of(worker: str, log_path: str, *extra: str):
+def smg_in_front_of(worker: str | list[str], log_path: str, *extra: str):
     """smg in front of `worker` (its log at `log_path`): yields its base URL once ready; stopped after."""
     port = free_port()
-    url = worker if "://" in worker else f"grpc://{worker}"
+    urls = [w if "://" in w else f"grpc://{w}" for w in ([worker] if isinstance(worker, str) else worker)]
     args = ["launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(free_port()), "--worker-urls", url, "--worker-startup-check-interval", "1",
+            "--prometheus-port", str(free_port()), "--worker-urls", *urls, "--worker-startup-check-interval", "1",
             "--health-check-interval-secs", "5", *extra]  # fmt: skip
     with open(log_path, "w") as log:
         proc = subprocess.Popen([smg_binary(), *args], stdout=log, stderr=subprocess.STDOUT)
