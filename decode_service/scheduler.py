@@ -124,6 +124,7 @@ class DecodeScheduler:
         if self.books.cache is not None:
             self.books.cache.metrics = metrics
         self.intake = HandoffIntake(self.reqs, worker, abort_waits_for_prefill, ends=self)
+        self.books.hold_while_in_flight = abort_waits_for_prefill and overlap  # a transfer engine writes late
         self.samples = SampleGroups(self.books, worker, self.reqs, self.spec is not None, self._abort)
         hooks = getattr(worker, "hooks", None)
         self.growth = KvGrowth(self.books, worker, kv_reservation, kv_grow_tokens, hooks, metrics)
@@ -241,8 +242,10 @@ class DecodeScheduler:
         if self.overlap:  # results lag one step: process the previous launch's
             done = self.last_launched
             self.last_launched = launched
+            self.books.in_flight = self.step_count if launched is not None else 0  # slot_books: frees wait for it
         if done is not None:
             self.process_batch_result(done)
+            self.books.settled(done.result.step)
         return launched is not None or done is not None
 
     # ---- stages -----------------------------------------------------------------------------------

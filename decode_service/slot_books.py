@@ -49,6 +49,30 @@ class SlotBooks:
         self.own_last = 1 if eagle else 0  # samples 1..n-1's own slot at the last prompt position
         self.groups: dict[str, SampleGroup] = {}
         self.cache = DecodePrefixCache(self.kv, draft=eagle) if prefix_cache else None
+        # With a transfer engine that writes reserved slots itself (shm, Mooncake), a slot freed while a
+        # step is in flight (overlap: the step after the one whose results freed it) goes back to the
+        # pool only once that step is done: the step may still write it (a finished request rides in it:
+        # its next position, EAGLE's draft window), and a transfer engine's write for the next request
+        # reserved there is not ordered after stream work as decode's own writes are (invariant 7).
+        self.hold_while_in_flight = False  # the scheduler sets it: its KV receiver writes late, and overlap
+        self.in_flight = 0  # the step in flight while frees happen (0: none)
+        self._held: list[tuple[int, torch.Tensor]] = []  # (step, slots) freed while that step was in flight
+
+    def _free_kv(self, slots: torch.Tensor) -> None:
+        if self.hold_while_in_flight and self.in_flight and len(slots):
+            self._held.append((self.in_flight, slots))
+        else:
+            self.kv.free(slots)
+
+    def settled(self, step: int) -> None:
+        """Step `step` is done: the slots freed while it was in flight go back to the pool."""
+        keep = []
+        for s, slots in self._held:
+            if s <= step:
+                self.kv.free(slots)
+            else:
+                keep.append((s, slots))
+        self._held = keep
 
     def _can_alloc(self, n: int) -> bool:
         """Whether `n` KV slots can be allocated, evicting cached prefixes nobody reads to make room."""
@@ -131,14 +155,14 @@ class SlotBooks:
         own = req.kv_slots if group is None else req.kv_slots[group.shared_len :]
         if self.cache is not None and group is None:  # its written KV joins the cache (prefix_cache.py)
             own = self.cache.keep(req)
-        self.kv.free(own)
+        self._free_kv(own)
         self.pool.free(req.req_pool_idx)
         self.worker.release_row(req.req_pool_idx)
         if group is None:
             return
         group.holders -= 1 + len(group.reserved)
         for idx, slots in group.reserved:  # never forked: nothing of theirs reached the device
-            self.kv.free(slots)
+            self._free_kv(slots)
             self.pool.free(idx)
         group.reserved = []
         req.prefix_len = 0  # the group holds the prefix's lock; a retracted sample comes back without it
@@ -149,7 +173,7 @@ class SlotBooks:
                 prompt_ids = group.samples[0].prompt_ids
                 written = group.shared_len if forked else 0
                 shared = self.cache.release(prompt_ids, shared, written, group.prefix_len, group.prefix_node)
-            self.kv.free(shared)
+            self._free_kv(shared)
             del self.groups[group.rid]
 
     def holders(self, reqs: Iterable[DecodeReq]) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -170,4 +194,5 @@ class SlotBooks:
             pool_holders.extend([idx] for idx, _ in g.reserved)
         if self.cache is not None:
             kv_holders.append(torch.tensor(self.cache.all_slots(), dtype=torch.int64))
+        kv_holders.extend(slots for _, slots in self._held)  # freed, back once their step is done
         return kv_holders, pool_holders

@@ -244,3 +244,40 @@ def test_retry_after_a_finishing_first_token_streams_nothing_more(checkpoint):
     sched.inbox.deliver_handoff(h1)
     pair.close()
     assert pair.out.tokens["r"] == [h0.first_token] and pair.out.reasons["r"] == "length"
+
+
+def test_slots_freed_while_a_step_is_in_flight_wait_for_it_when_a_transfer_engine_writes_late():
+    """With shm / Mooncake prefill writes a new request's reserved slots itself, unordered with decode's
+    stream: a slot a finished request freed while the next step is in flight (which may still write it:
+    the request rides in that step) goes back to the pool only once that step is done. The pool is a
+    stack (the last freed slot is handed out first), so without the hold the next reservation gets
+    exactly those slots (seen: EAGLE3 tree over shm with decode's cache, 2 of 6 runs off HF)."""
+    from common.engine.req_to_token_pool import ReqToTokenPool
+    from common.engine.slot_allocator import SlotAllocator
+    from decode_service.req import DecodeReq
+    from decode_service.slot_books import SlotBooks
+
+    class Worker:
+        def __init__(self):
+            self.req_to_token_pool, self.kv_allocator = ReqToTokenPool(4, 64), SlotAllocator(64)
+
+        def release_row(self, idx):
+            pass
+
+    params = SamplingParams(max_new_tokens=4)
+    for hold in (False, True):
+        books = SlotBooks(Worker(), extra=0, eagle=False)
+        books.hold_while_in_flight = hold
+        first = DecodeReq("a", [1, 2, 3, 4], params, 0)
+        assert books.reserve(first, 4)
+        mine = set(first.kv_slots.tolist())
+        books.in_flight = 7  # step 7 was launched; its lane of "a" may still write a's slots
+        books.free(first)
+        second = DecodeReq("b", [5, 6], params, 0)
+        assert books.reserve(second, 2)
+        assert bool(mine & set(second.kv_slots.tolist())) != hold  # without the hold: a's slots, at once
+        books.kv.check_integrity(holders=books.holders([second])[0])  # the held slots are accounted for
+        books.settled(6)
+        assert books.kv.num_used == len(second.kv_slots) + (len(mine) if hold else 0)
+        books.settled(7)  # step 7 is done: a's slots are the pool's again
+        assert books.kv.num_used == len(second.kv_slots)
