@@ -282,11 +282,8 @@ class DecodeScheduler:
     def retract(self, req: DecodeReq) -> None:
         """Free a running request's KV and request slot now (kv_growth.py) and queue it first for
         admission again; a lane of it in a step still in flight is processed as usual."""
-        self.books.free(req)
-        req.kv_slots, req.req_pool_idx, req.group = None, 0, None
         req.retractions += 1
-        req.state = ReqState.WAITING
-        self.waiting.appendleft(req)
+        self._requeue_first(req)
 
     def refetch_whole(self, req: DecodeReq, detail: str) -> None:
         """A prefill replica refused `req`'s handoff from its cached prefix on (handoff_intake.py; nothing
@@ -295,9 +292,13 @@ class DecodeScheduler:
         logger.warning("%s; asking for the whole prompt's KV", detail)
         if self.metrics is not None:
             self.metrics.decode_cache_refetches.inc()
+        req.whole_prompt = True
+        self._requeue_first(req)
+
+    def _requeue_first(self, req: DecodeReq) -> None:
+        """Free `req`'s reservation (slot books) and queue it first for admission again."""
         self.books.free(req)
         req.kv_slots, req.req_pool_idx, req.group = None, 0, None
-        req.whole_prompt = True
         req.state = ReqState.WAITING
         self.waiting.appendleft(req)
 

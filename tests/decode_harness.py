@@ -114,6 +114,16 @@ def runners(
     return prefill, decode
 
 
+def check_idle_books(sched) -> None:
+    """An idle decode scheduler's books balance: every KV slot free or its prefix cache's (held once,
+    by the tree, with every lock dropped), every request slot free."""
+    sched.check_integrity()
+    cache = sched.books.cache
+    assert sched.worker.kv_allocator.num_used == (cache.tree.tree_size if cache is not None else 0)
+    assert cache is None or cache.tree.locked_size == 0
+    assert sched.worker.req_to_token_pool.allocator.num_used == 0
+
+
 class Pair:
     def __init__(
         self,
@@ -174,11 +184,7 @@ class Pair:
     def close(self) -> None:
         """Wait for idle, check pool integrity, stop."""
         self.wait_idle()
-        self.scheduler.check_integrity()  # the prefix cache's slots are the tree's: held once, by it
-        cache = self.scheduler.books.cache
-        assert self.worker.kv_allocator.num_used == (cache.tree.tree_size if cache is not None else 0)
-        assert cache is None or cache.tree.locked_size == 0  # every lock dropped
-        assert self.worker.req_to_token_pool.allocator.num_used == 0
+        check_idle_books(self.scheduler)
         self.scheduler.stop()
         self.link.close()
 

@@ -19,6 +19,7 @@ from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.hooks import PrefillHooks
 from prefill_service.server import PrefillService
+from tests.decode_harness import check_idle_books
 
 
 def wait_for(what: str, cond, timeout: float = 20.0) -> None:
@@ -155,16 +156,6 @@ class GrpcPair:
             self.channel.close()
             self.decode.stop()
             self.prefill.stop()
-
-
-def check_idle_books(sched) -> None:
-    """An idle decode scheduler's books balance: every KV slot free or its prefix cache's (unlocked),
-    every request slot free."""
-    sched.check_integrity()
-    cache = sched.books.cache
-    assert sched.worker.kv_allocator.num_used == (cache.tree.tree_size if cache is not None else 0)
-    assert cache is None or cache.tree.locked_size == 0
-    assert sched.worker.req_to_token_pool.allocator.num_used == 0
 
 
 def _client_rid(rid: str) -> str:

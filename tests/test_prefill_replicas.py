@@ -20,7 +20,8 @@ from decode_service.server import DecodeService
 from prefill_service.config import PrefillConfig
 from prefill_service.hooks import Delays
 from prefill_service.server import PrefillService
-from tests.grpc_harness import AttemptLog, FirstTokenTap, check_idle_books, needs_mooncake
+from tests.decode_harness import check_idle_books
+from tests.grpc_harness import AttemptLog, FirstTokenTap, needs_mooncake
 from tests.oracle import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
