@@ -63,7 +63,7 @@ void gemv_rows(const float* x, const W* w, const float* scale, const float* bias
 // One (R x rows) x (J weight rows) tile: out[r, j0 + j] for r < R, j < J.
 template <int R, int J, typename W>
 inline void tile(const float* x, const W* wj, const float* scale, const float* bias, const float* residual,
-                 float* out, int64_t n, int64_t k, int64_t j0, const W* next) {
+                 float* out, int64_t n, int64_t k, int64_t j0, const W* next = nullptr) {
   vec acc[R][J];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = vzero();
@@ -72,7 +72,7 @@ inline void tile(const float* x, const W* wj, const float* scale, const float* b
     vec wv[J];
     for (int j = 0; j < J; ++j) wv[j] = vload(wj + j * k + i);
     if (next != nullptr)
-      for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * k + i), _MM_HINT_T0);
+      for (int j = 0; j < J; ++j) __builtin_prefetch(next + j * k + i);
     for (int r = 0; r < R; ++r) {
       const vec xv = vload(x + r * k + i);
       for (int j = 0; j < J; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
@@ -107,13 +107,13 @@ void gemv_many(const float* x, int64_t rows, const W* w, const float* scale, con
     int64_t r0 = 0;
     for (; r0 + 4 <= rows; r0 += 4) {
       const float* rr = residual == nullptr ? nullptr : residual + r0 * n;
-      tile<4, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0, r0 == 0 ? next : static_cast<const W*>(nullptr));
+      tile<4, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0, r0 == 0 ? next : nullptr);
     }
     const float* rr = residual == nullptr ? nullptr : residual + r0 * n;
     const int64_t left = rows - r0;
-    if (left == 1) tile<1, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0, static_cast<const W*>(nullptr));
-    else if (left == 2) tile<2, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0, static_cast<const W*>(nullptr));
-    else if (left == 3) tile<3, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0, static_cast<const W*>(nullptr));
+    if (left == 1) tile<1, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0);
+    else if (left == 2) tile<2, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0);
+    else if (left == 3) tile<3, JJ>(x + r0 * k, wj, scale, bias, rr, out + r0 * n, n, k, j0);
   };
   int64_t j0 = begin;
   for (; j0 + J <= end; j0 += J) pass(std::integral_constant<int, J>{}, j0);
