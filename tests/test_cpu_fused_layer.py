@@ -11,7 +11,7 @@ import torch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.forward.forward_batch import ForwardBatch
 from common.models import cpu_fused, weight_arena
-from common.models.packed_linear import ROW_BUCKETS, linear_weights
+from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, linear_weights
 from tests.oracle import hf_greedy
 from tests.test_cpu_fused_ops import NEW, PROMPTS, _greedy
 
@@ -186,7 +186,7 @@ def test_the_table_times_the_path_the_forward_takes_and_keys_it(ops, checkpoint,
     assert kernel == f"gemv {cpu_fused.build_key()}"
     monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
     shapes, plans = [w.shape_key for w in weights], {w.shape_key: w.plan for w in weights}
-    ms = {name: [1.0] * len(ROW_BUCKETS) for name in ("mkl", "onednn", "rowblock")}
+    ms = {name: [1.0] * len(ROW_BUCKETS) for name in LAYOUTS}
     host_table.write(shapes, 2, plans, ms, [1.0] * len(ROW_BUCKETS), rowblock="bmm")
     assert host_table.read(shapes, 2, kernel) is None and host_table.read(shapes, 2, "bmm") is not None
     for w in weights:

@@ -104,6 +104,25 @@ def test_gemv_runs_any_row_count_in_register_tiles(ops, rows, n, k):
     torch.testing.assert_close(ops.gemv(x, w, None, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 48), (7, 300, 200), (50, 3072, 576), (200, 100, 37), (13, 9, 1536)])
+def test_panel_gemm_is_x_at_w_t(ops, rows, n, k):
+    """The panel GEMM over full tiles, the rows left over (any count below a tile), the row chunks
+    (200 rows: more than one), a last panel of fewer columns than its width, an odd K and a
+    non-contiguous residual: x @ w.T + bias + residual; the packed panels are w's values, zero-padded."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    res = torch.randn(n, rows, generator=g).t()
+    panels = ops.pack_panels(w)
+    width = panels.shape[2]
+    assert panels.shape[:2] == ((n + width - 1) // width, k)
+    assert torch.equal(panels.transpose(1, 2).reshape(-1, k)[:n], w)
+    assert not panels.transpose(1, 2).reshape(-1, k)[n:].any()
+    torch.testing.assert_close(ops.gemm_panels(x, panels, n, b, res), F.linear(x, w, b) + res, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.gemm_panels(x, panels, n, None, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ops.gemm_panels(x, panels, n + width, None, None)
+
+
 def _decode_case(lengths, heads, kv_heads, d, seed):
     """A decode batch over scattered KV slots, each request's prefix KV already in the pool."""
     g = torch.Generator().manual_seed(seed)

@@ -143,7 +143,9 @@ def test_the_host_table_keeps_the_greedy_timing(tmp_path, monkeypatch):
     """The greedy timing is stored with the layouts and loaded with them; a table stored without it
     (no greedy head then) is timed again once a model has one."""
     monkeypatch.setenv(host_table.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(linear_tuning, "measure", lambda ws, rows: {"mkl": 1.0, "onednn": 2.0, "rowblock": 3.0})
+    monkeypatch.setattr(
+        linear_tuning, "measure", lambda ws, rows: {"mkl": 1.0, "onednn": 2.0, "rowblock": 3.0, "panels": 4.0}
+    )
     timed = []
 
     def fake(h, rows):

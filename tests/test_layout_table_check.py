@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common.host_load import MIN_WINDOW_S, USER_HZ, Conditions, HostProbe, Sample
-from common.models import host_table, linear_tuning, packed_linear, table_check
+from common.models import cpu_fused, host_table, linear_tuning, packed_linear, table_check
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight, linear_weights
 
 pytestmark = pytest.mark.skipif(
@@ -49,8 +49,8 @@ class Host:
     def ms(self, layout: str, rows: int, busy: bool | None = None) -> float:
         busy = self.busy if busy is None else busy
         if rows == 1:
-            return {"mkl": 3.0, "onednn": 1.5, "rowblock": 1.0 if not busy else 2.4}[layout]
-        return {"mkl": 3.0, "onednn": 1.0, "rowblock": 4.0}[layout]
+            return {"mkl": 3.0, "onednn": 1.5, "rowblock": 1.0 if not busy else 2.4, "panels": 5.0}[layout]
+        return {"mkl": 3.0, "onednn": 1.0, "rowblock": 4.0, "panels": 4.5}[layout]
 
     def measure(self, weights, rows):
         self.timings += 1
@@ -161,7 +161,7 @@ def test_measure_keeps_the_best_round_and_reports_the_spread(monkeypatch):
     """Interleaved rounds, each in another order; the best round counts; the spread is the winner's
     median round over its best."""
     monkeypatch.setattr(linear_tuning, "SLOW_S", 1e9)  # every round runs
-    script = {"mkl": [2.5] * 5, "onednn": [2.0, 1.0, 3.0, 2.0, 2.0], "rowblock": [9.0] * 5}
+    script = {"mkl": [2.5] * 5, "onednn": [2.0, 1.0, 3.0, 2.0, 2.0], "rowblock": [9.0] * 5, "panels": [9.5] * 5}
     order, seen = [], {name: 0 for name in LAYOUTS}
 
     def timer(fn):  # measure's calls close over their layout's name as a default argument
@@ -173,9 +173,9 @@ def test_measure_keeps_the_best_round_and_reports_the_spread(monkeypatch):
     weights = [LinearWeight(torch.randn(16, 8))]
     seconds = linear_tuning.measure(weights, rows=1, timer=timer)
     assert seconds["onednn"] == 1.0 and seconds["mkl"] == 2.5
-    assert seen == {"mkl": 2, "onednn": 5, "rowblock": 1}, "a clear loser is not timed again"
+    assert seen == {"mkl": 2, "onednn": 5, "rowblock": 1, "panels": 1}, "a clear loser is not timed again"
     assert seconds.spread == pytest.approx(1.0)  # median 2 of 2, 1, 3, 2, 2 over the best, 1
-    assert order[:5] == ["mkl", "onednn", "rowblock", "onednn", "mkl"], "rounds rotate the order"
+    assert order[:6] == ["mkl", "onednn", "rowblock", "panels", "onednn", "mkl"], "rounds rotate the order"
 
 
 def test_conditions_round_trip_and_a_malformed_record_is_timed_again(tmp_path, monkeypatch):
@@ -309,8 +309,11 @@ class TimedPasses:
 
 
 def _mixed_plan():
-    """_weights() under a stored plan that is no single layout: the check has four candidates."""
+    """_weights() under a stored plan that is no single layout, each laid out in panels too (the fused
+    ops' GEMM): the check has five candidates."""
     weights = _weights()  # shape keys: (32, 8), (8, 32) with bias, (32, 8) again
+    for w in weights:
+        w.set_panels(cpu_fused.load())
     by_key = {(32, 8, False): "onednn", (8, 32, True): "mkl"}
     plans = {key: (layout,) * len(ROW_BUCKETS) for key, layout in by_key.items()}
     runs = {table_check.STORED: ("onednn", "mkl", "onednn"), **{name: (name,) * 3 for name in LAYOUTS}}

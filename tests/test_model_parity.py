@@ -84,13 +84,14 @@ def test_every_cpu_linear_layout_gives_the_plain_logits(checkpoint, variant):
 
     path = checkpoint(variant)
     runs = {}
-    for layout in ("mkl", "onednn", "rowblock", "auto"):
+    for layout in ("mkl", "onednn", "rowblock", "panels", "auto"):
         runner = ModelRunner(RunnerArgs(path, max_total_tokens=512, max_running_requests=4, linear_layout=layout))
         packed = [m.weight for m in runner.model.modules() if isinstance(m, PackedLinear)]
         assert packed and runner.model._lm_head_cpu is not None
         for w in packed + [runner.model._lm_head_cpu]:
             assert set(w.plan) <= set(LAYOUTS) and (layout == "auto" or set(w.plan) == {layout})
             assert (w.packed is not None) == ("onednn" in w.plan)  # an unused oneDNN copy is dropped
+            assert (w.panels is not None) == ("panels" in w.plan)  # and an unused panel copy
         prompts = _prompts(runner.config.vocab_size)
         rows = [_reserve(runner, len(p)) for p in prompts]
         runs[layout] = runner.forward(

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.host_load import Conditions
-from common.models import host_table, linear_tuning, packed_linear
+from common.models import cpu_fused, host_table, linear_tuning, packed_linear
 from common.models.linear_tuning import measure, tune
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight, bucket_index, linear_weights
 
@@ -26,6 +26,9 @@ def test_every_layout_equals_f_linear(layout, out_features, bias):
     w = torch.randn(out_features, 48, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     lin = LinearWeight(w, b)
+    if layout == "panels":  # the fused ops' GEMM (without them the layout is F.linear itself)
+        lin.set_panels(cpu_fused.load())
+        assert lin.panels is not None
     lin.set_plan((layout,) * len(ROW_BUCKETS))
     for rows in (1, 2, 3, 17, 200):
         for shape in ((rows, 48), (1, rows, 48)):
@@ -78,20 +81,25 @@ def test_tuning_keeps_the_fastest_layout_per_shape_and_bucket():
     weights = linear_weights(model, model[0].weight)  # listed twice: counted once
     assert len(weights) == 3
 
-    def fake_measure(weights, rows):  # wide weights: rowblock wins one row, oneDNN above; else mkl
+    def fake_measure(weights, rows):  # wide weights: rowblock wins one row, panels the most, oneDNN between
         assert len({w.shape_key for w in weights}) == 1
         if weights[0].out_features == 32:
-            return {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0 if rows == 1 else 5.0}
-        return {"mkl": 1.0, "onednn": 2.0, "rowblock": 3.0}
+            return {
+                "mkl": 3.0,
+                "onednn": 2.0,
+                "rowblock": 1.0 if rows == 1 else 5.0,
+                "panels": 1.5 if rows > 64 else 4.0,
+            }
+        return {"mkl": 1.0, "onednn": 2.0, "rowblock": 3.0, "panels": 4.0}
 
     table = tune(weights, "auto", measure=fake_measure)
-    wide = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)
+    wide = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 2) + ("panels",)
     assert model[0].weight.plan == model[2].weight.plan == wide
     assert model[1].weight.plan == ("mkl",) * len(ROW_BUCKETS) and model[1].weight.packed is None
     assert model[0].weight.packed is not None
     # whole-model ms per bucket: two wide weights and one narrow one
     assert table.ms["mkl"][0] == 1e3 * (2 * 3.0 + 1.0) and table.chosen_ms[0] == 1e3 * (2 * 1.0 + 1.0)
-    assert table.chosen_ms[1] == 1e3 * (2 * 2.0 + 1.0)
+    assert table.chosen_ms[1] == 1e3 * (2 * 2.0 + 1.0) and table.chosen_ms[-1] == 1e3 * (2 * 1.5 + 1.0)
     lines = table.lines()
     assert "threads" in lines[0] and len(lines) == 2 + len(ROW_BUCKETS)
 
@@ -120,7 +128,9 @@ def test_the_host_table_is_timed_once_and_shared(tmp_path, monkeypatch):
 
     def counting_tune(weights, mode):
         timed.append(mode)
-        return real_tune(weights, mode, measure=lambda ws, rows: {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0})
+        return real_tune(
+            weights, mode, measure=lambda ws, rows: {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0, "panels": 4.0}
+        )
 
     monkeypatch.setattr(linear_tuning, "tune", counting_tune)
     # a quiet host whose start-up check agrees with any table (tests/test_layout_table_check.py drives the rest)

@@ -157,7 +157,9 @@ def _timing_tune(monkeypatch) -> list[str]:
 
     def counting_tune(weights, mode):
         timed.append(mode)
-        return real_tune(weights, mode, measure=lambda ws, rows: {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0})
+        return real_tune(
+            weights, mode, measure=lambda ws, rows: {"mkl": 3.0, "onednn": 2.0, "rowblock": 1.0, "panels": 4.0}
+        )
 
     monkeypatch.setattr(linear_tuning, "tune", counting_tune)
     return timed

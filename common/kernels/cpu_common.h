@@ -66,6 +66,8 @@ inline vec vload(const int8_t* p) {  // kLanes int8 weights, widened to float (t
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using vec = __m256;
 constexpr int64_t kLanes = 8;
@@ -76,6 +78,8 @@ inline vec vload(const int8_t* p) {
 }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -90,6 +94,8 @@ inline vec vload(const int8_t* p) { return static_cast<float>(*p); }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
 inline float vsum(vec v) { return v; }
+inline vec vset1(float a) { return a; }
+inline void vstore(float* p, vec v) { *p = v; }
 #endif
 
 // cpu_gemv.cpp
@@ -98,5 +104,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 at::Tensor gemv_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 at::Tensor stream_sum(const at::Tensor& x, int64_t streams);
+
+// cpu_gemm.cpp
+at::Tensor pack_panels(const at::Tensor& w);
+at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual);
 
 }  // namespace disagg_cpu

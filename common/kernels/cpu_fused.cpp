@@ -1,5 +1,5 @@
 // Fused CPU fp32 ops for small decode batches (common/models/cpu_fused.py builds and loads this file
-// with cpu_gemv.cpp; cpu_common.h is what they share).
+// with cpu_gemv.cpp and cpu_gemm.cpp; cpu_common.h is what they share).
 //
 // A batch-1 decode forward on CPU is the weights streamed once plus ~2,000 small dispatched torch ops
 // (norm, rotary, KV write, paged gather, SDPA, SiLU-mul): each costs a few microseconds whatever its
@@ -7,7 +7,8 @@
 //   rms_norm(x [N, D], w [D], eps)                      -> x * rsqrt(mean(x^2) + eps) * w
 //   silu_and_mul(gate_up [N, 2I])                       -> silu(gate) * up  [N, I]
 //   gemv(x [R, K], w [N, K], bias?, residual?)         -> residual + x @ w.T + bias [R, N], for a few
-//     rows R (a decode step's), and stream_sum: cpu_gemv.cpp;
+//     rows R (a decode step's), and stream_sum: cpu_gemv.cpp; pack_panels / gemm_panels, the GEMM of
+//     many rows (prefill chunks) on weights laid out once: cpu_gemm.cpp;
 //   decode_attention(qkv [B, (H + 2 KV) d], ...)        -> [B, H d]: what the batched backend's decode
 //     path computes between qkv_proj and o_proj: optional per-head q/k RMSNorm (Qwen3), the half-split
 //     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
@@ -285,6 +286,8 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor", &gemv);
   m.def("gemv_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor", &gemv_w8);
   m.def("stream_sum(Tensor x, int streams) -> Tensor", &stream_sum);
+  m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
+  m.def("gemm_panels(Tensor x, Tensor panels, int n, Tensor? bias, Tensor? residual) -> Tensor", &gemm_panels);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "

@@ -1,4 +1,4 @@
-"""Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_common.h), built on first use
+"""Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_common.h), built on first use
 on this host, or None.
 
 A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
@@ -42,7 +42,7 @@ import torch
 
 log = logging.getLogger(__name__)
 KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
-SOURCES = [os.path.join(KERNELS, name) for name in ("cpu_fused.cpp", "cpu_gemv.cpp")]
+SOURCES = [os.path.join(KERNELS, name) for name in ("cpu_fused.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp")]
 HEADERS = [os.path.join(KERNELS, "cpu_common.h")]
 NAME = "disagg_cpu_fused"
 _lock = threading.Lock()
@@ -190,6 +190,7 @@ class FusedOps:
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
         self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
         self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (packed_linear.LinearWeight.quantize_w8)
+        self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -307,11 +308,13 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     of their rowblock layout, or with None take them away; returns how many modules (norms, MLPs, the
     stack, the backend) got them."""
     from common.models.decoder import give_fused_ops
-    from common.models.packed_linear import linear_weights
+    from common.models.packed_linear import DEFAULT_PLAN, linear_weights
 
     for weight in linear_weights(model):  # the rowblock layout's few-row steps (lm_head too)
         weight.gemv = None if ops is None else ops.gemv
         weight.gemv_w8 = None if ops is None else ops.gemv_w8
+        if weight.plan is DEFAULT_PLAN or "panels" in weight.plan:  # not yet tuned, or tuned to use it
+            weight.set_panels(ops)
     n, layers = give_fused_ops(model, ops)
     if hasattr(model, "fused_layers"):  # a decoder whose every layer is dense: its decode step as one call
         whole = bool(layers) and all(fusable(layer) for layer in layers)

@@ -15,8 +15,13 @@ it. The layouts:
   own run of weight rows once and adds bias and residual itself (2-row steps 0.70-0.85x of bmm's on
   a 2-core AMD EPYC, 1 row 0.9-1.0x; above 4 rows in register tiles, 8-16 rows 0.5-0.7x of MKL's).
   Rows above 64 (prefill chunks) have a bucket of their own, timed at 256 rows.
+- `panels`: the fused CPU ops' GEMM on the weight laid out once in panels of output columns
+  (common/kernels/cpu_gemm.cpp): for many rows, where MKL and oneDNN re-lay the weight on every call
+  (SmolLM2's linears at 50 rows, each weight from memory: 101-105 GFLOP/s against oneDNN's 56-85 and
+  MKL's 44-82 on a 2-core AMD EPYC, AVX2). Without the fused ops it is F.linear.
 `pack_linears(model)` swaps every nn.Linear for a `PackedLinear`; `LinearWeight` (also used for
-lm_heads) holds the layouts of one weight. The oneDNN copy is dropped once the plan never uses it.
+lm_heads) holds the layouts of one weight.
+The oneDNN and panel copies are dropped once the plan never uses them.
 Results equal F.linear within fp32 rounding (another summation order). Only for CPU: on CUDA,
 cuBLAS needs no such step and this module is never used.
 """
@@ -30,7 +35,7 @@ from torch import nn
 from common.models.direct_call import DirectCall
 
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
-LAYOUTS = ("mkl", "onednn", "rowblock")
+LAYOUTS = ("mkl", "onednn", "rowblock", "panels")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows r use the plan of the first bucket >= r (the last above)
 DEFAULT_PLAN = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)  # before tuning: the AMD host's choice
 GEMV_ROWS = 64  # the fused gemv serves rowblock up to this many rows (decode batches; prefill chunks: the bmm)
@@ -69,12 +74,18 @@ class LinearWeight:
         self.plan = DEFAULT_PLAN
         self.gemv = None  # the fused CPU ops' gemv (cpu_fused.attach), or None: bmm
         self.gemv_w8 = None  # their int8 gemv, for the w8 layout (common/models/w8_linear.py)
+        self.panels = self.gemm = None  # the panels layout's copy and GEMM (set_panels), or None: F.linear
         self.w8 = self.w8_scale = self.w8_run = None  # set by w8_linear.quantize
 
     def relocate(self, weight: torch.Tensor) -> None:
         """Serve from `weight` (the same values elsewhere: common/models/weight_arena.py)."""
         self.weight = weight
         self.blocks = weight.view(self.blocks.shape)
+
+    def set_panels(self, ops) -> None:
+        """Lay the weight out for the fused ops' GEMM (`ops`: cpu_fused.FusedOps), or with None drop it."""
+        self.gemm = None if ops is None else ops.gemm_panels
+        self.panels = None if ops is None else ops.pack_panels(self.weight)
 
     @property
     def shape_key(self) -> tuple[int, int, bool]:
@@ -87,6 +98,8 @@ class LinearWeight:
         self.plan = tuple(plan)
         if "onednn" not in self.plan:
             self.packed = None  # its memory back: a second copy of the weight
+        if "panels" not in self.plan:
+            self.panels = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() == 2:  # the model's packed tokens: no reshapes
@@ -102,6 +115,10 @@ class LinearWeight:
             return self.w8_run(self, x2, residual)
         if layout == "onednn" and torch.compiler.is_compiling():
             layout = "mkl"  # Inductor lowers a packed oneDNN linear only for weights it froze (compiled_layers.py)
+        if layout == "panels":
+            if self.panels is not None and not torch.compiler.is_compiling():
+                return self.gemm(x2.contiguous(), self.panels, self.out_features, self.bias, residual)
+            layout = "mkl"  # no fused ops (or a graph Inductor traces: the op has no meta kernel)
         if layout == "onednn":
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

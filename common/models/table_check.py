@@ -29,12 +29,13 @@ STORED = "stored"
 
 
 def _usable(w: LinearWeight, layout: str) -> bool:
-    return layout != "onednn" or w.packed is not None  # (a plan without oneDNN dropped the copy)
+    """Whether `w` still holds the layout's copy (a plan without oneDNN or panels dropped it)."""
+    return {"onednn": w.packed, "panels": w.panels}.get(layout, w.weight) is not None
 
 
 def candidates(weights: list[LinearWeight], plans: dict) -> dict[str, list[str]]:
     """Per candidate, the layout of each weight at one row: the stored choice, then each layout alone
-    (unless it is the stored choice already, or a weight no longer holds its oneDNN copy)."""
+    (unless it is the stored choice already, or a weight no longer holds its oneDNN or panel copy)."""
     stored = [plans[w.shape_key][0] for w in weights]
     out = {STORED: stored}
     for name in LAYOUTS:

@@ -1,0 +1,132 @@
+// The GEMM of the fused CPU ops for many rows (a prefill chunk, a large decode batch; registered in
+// cpu_fused.cpp):
+//   pack_panels(w [N, K])                          -> [ceil(N / P), K, P]: w's rows in panels of P output
+//     columns (P = two SIMD vectors), each panel k-major (the P columns' weights of one k side by side,
+//     one cache line on AVX2), the last panel zero-padded; made once per weight
+//     (common/models/packed_linear.py's `panels` layout);
+//   gemm_panels(x [R, K], panels, N, bias?, residual?) -> residual + x @ w.T + bias [R, N].
+// A tile of T x rows by one panel keeps 2T accumulators in registers: per k it loads the panel's two
+// vectors and broadcasts T x values, 2T FMAs for 2 + T loads (T = 6 on AVX2, 12 on AVX-512), the
+// register blocking of BLIS-like kernels. MKL's and oneDNN's GEMMs, called per linear, re-lay the
+// weight on every call at these row counts; the panels are laid out once. Each thread owns a run of
+// panels; rows go by in chunks that stay in L2 while the thread's panels stream past. Every output is
+// one running sum over k in order (another summation order than F.linear's: equal within fp32 rounding).
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <utility>
+
+#include "cpu_common.h"
+
+namespace disagg_cpu {
+
+constexpr int64_t kPanel = 2 * kLanes;
+constexpr int kTileRows = kLanes == 16 ? 12 : 6;  // 2T accumulators + 2 weight vectors + 1 broadcast <= registers
+constexpr int64_t kRowChunk = 16 * kTileRows;     // x rows per pass over a thread's panels (K = 1536: 590 KB)
+
+// out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of x against one panel [k, P]; x is a
+// group of packed rows [k, kTileRows] (the group's T first rows)
+template <int T>
+inline void panel_tile(const float* x, const float* panel, const float* bias, const float* residual, float* out,
+                       int64_t n, int64_t k, int64_t col0) {
+  vec acc[T][2];
+  for (int r = 0; r < T; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t i = 0; i < k; ++i) {
+    const vec w0 = vload(panel + i * kPanel), w1 = vload(panel + i * kPanel + kLanes);
+    for (int r = 0; r < T; ++r) {
+      const vec xv = vset1(x[i * kTileRows + r]);
+      acc[r][0] = vfma(w0, xv, acc[r][0]);
+      acc[r][1] = vfma(w1, xv, acc[r][1]);
+    }
+  }
+  const int64_t cols = std::min<int64_t>(kPanel, n - col0);
+  for (int r = 0; r < T; ++r) {
+    float sums[kPanel];
+    vstore(sums, acc[r][0]);
+    vstore(sums + kLanes, acc[r][1]);
+    for (int64_t c = 0; c < cols; ++c) {
+      float v = sums[c];
+      if (bias != nullptr) v += bias[col0 + c];
+      if (residual != nullptr) v += residual[r * n + col0 + c];
+      out[r * n + col0 + c] = v;
+    }
+  }
+}
+
+// the rows left after the full tiles: one tile of `left` (< T) rows
+template <int T>
+inline void panel_rest(int64_t left, const float* x, const float* panel, const float* bias, const float* residual,
+                       float* out, int64_t n, int64_t k, int64_t col0) {
+  if constexpr (T > 0) {
+    if (left == T) return panel_tile<T>(x, panel, bias, residual, out, n, k, col0);
+    panel_rest<T - 1>(left, x, panel, bias, residual, out, n, k, col0);
+  }
+}
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "pack_panels: w [N, K]");
+  check_f32(w, "pack_panels: w");
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels, k, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  parallel_range(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanel + c] = src[(p * kPanel + c) * k + i];
+  });
+  return out;
+}
+
+at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3, "gemm_panels: x [R, K], panels [N / P, K, P]");
+  check_f32(x, "gemm_panels: x");
+  check_f32(panels, "gemm_panels: panels");
+  const int64_t rows = x.size(0), k = x.size(1), count = panels.size(0);
+  TORCH_CHECK(panels.size(1) == k && panels.size(2) == kPanel, "gemm_panels: panels of this build's pack_panels, K = x's");
+  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count, "gemm_panels: N does not match the panels");
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const at::Tensor res = residual.has_value() ? residual->contiguous() : at::Tensor();
+  if (b.defined()) {
+    check_f32(b, "gemm_panels: bias");
+    TORCH_CHECK(b.numel() == n, "gemm_panels: bias [N] expected");
+  }
+  if (res.defined()) {
+    check_f32(res, "gemm_panels: residual");
+    TORCH_CHECK(res.numel() == rows * n, "gemm_panels: residual [R, N] expected");
+  }
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* px = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* pr = res.defined() ? res.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  // x's rows in groups of kTileRows, k-major ([k, kTileRows] each): a tile's x values for one k side by side
+  const int64_t groups = (rows + kTileRows - 1) / kTileRows;
+  at::Tensor packed = at::empty({groups, k, kTileRows}, x.options());
+  float* pxp = packed.data_ptr<float>();
+  parallel_range(0, groups, grain_for(k * kTileRows), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < kTileRows && g * kTileRows + r < rows; ++r)
+        for (int64_t i = 0; i < k; ++i) pxp[(g * k + i) * kTileRows + r] = px[(g * kTileRows + r) * k + i];
+  });
+  parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
+      const int64_t r1 = std::min(rows, r0 + kRowChunk);
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = pp + p * k * kPanel;
+        int64_t r = r0;
+        for (; r + kTileRows <= r1; r += kTileRows)
+          panel_tile<kTileRows>(pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k,
+                                p * kPanel);
+        panel_rest<kTileRows - 1>(r1 - r, pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n,
+                                  n, k, p * kPanel);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace disagg_cpu
