@@ -27,13 +27,19 @@ constexpr int64_t kRowChunk = 16 * kTileRows;     // x rows per pass over a thre
 
 // out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of x against one panel [k, P]; x is a
 // group of packed rows [k, kTileRows] (the group's T first rows)
+// `next`: the next panel, fetched into cache meanwhile (the first tile of a panel does it: a panel read
+// from memory only when its first tile needs it stalls that tile at few rows)
 template <int T>
 inline void panel_tile(const float* x, const float* panel, const float* bias, const float* residual, float* out,
-                       int64_t n, int64_t k, int64_t col0) {
+                       int64_t n, int64_t k, int64_t col0, const float* next = nullptr) {
   vec acc[T][2];
   for (int r = 0; r < T; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t i = 0; i < k; ++i) {
     const vec w0 = vload(panel + i * kPanel), w1 = vload(panel + i * kPanel + kLanes);
+    if (next != nullptr) {
+      __builtin_prefetch(next + i * kPanel);
+      if constexpr (kPanel > 16) __builtin_prefetch(next + i * kPanel + 16);  // two cache lines per k
+    }
     for (int r = 0; r < T; ++r) {
       const vec xv = vset1(x[i * kTileRows + r]);
       acc[r][0] = vfma(w0, xv, acc[r][0]);
@@ -57,10 +63,10 @@ inline void panel_tile(const float* x, const float* panel, const float* bias, co
 // the rows left after the full tiles: one tile of `left` (< T) rows
 template <int T>
 inline void panel_rest(int64_t left, const float* x, const float* panel, const float* bias, const float* residual,
-                       float* out, int64_t n, int64_t k, int64_t col0) {
+                       float* out, int64_t n, int64_t k, int64_t col0, const float* next) {
   if constexpr (T > 0) {
-    if (left == T) return panel_tile<T>(x, panel, bias, residual, out, n, k, col0);
-    panel_rest<T - 1>(left, x, panel, bias, residual, out, n, k, col0);
+    if (left == T) return panel_tile<T>(x, panel, bias, residual, out, n, k, col0, next);
+    panel_rest<T - 1>(left, x, panel, bias, residual, out, n, k, col0, next);
   }
 }
 
@@ -117,12 +123,13 @@ at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
       const int64_t r1 = std::min(rows, r0 + kRowChunk);
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = pp + p * k * kPanel;
+        const float* next = p + 1 < end ? panel + k * kPanel : nullptr;
         int64_t r = r0;
-        for (; r + kTileRows <= r1; r += kTileRows)
+        for (; r + kTileRows <= r1; r += kTileRows, next = nullptr)
           panel_tile<kTileRows>(pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k,
-                                p * kPanel);
+                                p * kPanel, next);
         panel_rest<kTileRows - 1>(r1 - r, pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n,
-                                  n, k, p * kPanel);
+                                  n, k, p * kPanel, next);
       }
     }
   });
