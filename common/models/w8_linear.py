@@ -51,7 +51,7 @@ def quantize(weights: list[LinearWeight]) -> int:
         w.w8.copy_(q)
         w.w8_scale, w.w8_run = scale, run
         start += q.numel()
-        w.packed = None  # the oneDNN copy's memory back
+        w.packed = w.panels = None  # the oneDNN and panel copies' memory back
         w.plan = (LAYOUT,) * len(ROW_BUCKETS)
     return total
 
