@@ -40,15 +40,26 @@ def _decode_hidden(runner, rows: list[int], prefixes: list[int], token: int) -> 
         return runner.model(fb, runner.backend)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 6])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch, batch):
+@pytest.mark.parametrize(
+    "arch,batch,layouts",
+    [(arch, batch, "rowblock") for arch in ("llama", "qwen2", "qwen3") for batch in (1, 3, 6)]
+    + [(arch, 6, "panels") for arch in ("llama", "qwen3")]
+    + [("qwen2", 3, "mixed")],
+)
+def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch, batch, layouts):
     """One decode step of `batch` requests (prefixes of different lengths) through `decode_layers`, then
     the same step (same slots: the same K/V written again) through the modules with F.linear: the
-    final hidden states agree within fp32 rounding."""
+    final hidden states agree within fp32 rounding. Its linears as the gemv, as the panel GEMM, or
+    mixed (qkv and gate_up as panels, o and down as the gemv)."""
+    forced = "panels" if layouts == "panels" else "rowblock"
     runner = ModelRunner(RunnerArgs(checkpoint(arch), max_total_tokens=96, max_running_requests=batch,
-                                    linear_layout="rowblock"))  # fmt: skip
+                                    linear_layout=forced))  # fmt: skip
     assert isinstance(runner.model.fused_layers, cpu_fused.FusedLayers)
+    if layouts == "mixed":
+        for layer in runner.model.model.layers:
+            for lw in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight):
+                lw.set_panels(ops)
+                lw.set_plan(("panels",) * len(ROW_BUCKETS))
     counting = _count(runner)
     pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
     prompts = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1], [4, 5, 6], [8, 9, 10, 11], [250, 2, 7]][:batch]
@@ -192,12 +203,15 @@ def test_the_table_times_the_path_the_forward_takes_and_keys_it(ops, checkpoint,
     for w in weights:
         w.gemv = None
     assert linear_tuning.rowblock_kernel(weights) == "bmm"
-    # the forward: decode_layers at a batch's rows iff that bucket is rowblock for every linear
+    # the forward: decode_layers at a batch's rows iff that bucket is rowblock or panels for every linear
     for w in weights:
         w.gemv = counted[id(w)].gemv
     fused, x = runner.model.fused_layers, torch.zeros(1, runner.config.hidden_size)
     backend = type("Backend", (), {"fused_decode_now": True})()
     cos = torch.zeros(1, fused.head_dim)
+    assert fused.serves(x, cos, backend)
+    weights[3].set_panels(runner.cpu_fused)
+    weights[3].set_plan(("panels",) + weights[3].plan[1:])
     assert fused.serves(x, cos, backend)
     weights[3].set_plan(("mkl",) + weights[3].plan[1:])
     assert not fused.serves(x, cos, backend) and bucket_index(2) != 0

@@ -225,11 +225,11 @@ at::Tensor decode_attention(
 }
 
 // A dense decoder layer's decode step for a few rows (a Llama / Qwen2 / Qwen3 layer whose linears
-// run as the gemv), as the torch modules compute it:
+// run as the gemv or the panel GEMM), as the torch modules compute it:
 //   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
 //   out = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
 // w: the layer's kLayerWeights entries of decode_layers' list, in the order named there. A linear with
-// a scale is weight-only int8 (gemv_w8), without one float32 (gemv).
+// a scale is weight-only int8 (gemv_w8), one given as panels the panel GEMM, else float32 (gemv).
 constexpr int64_t kLayerWeights = 16;
 at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t first,
                         double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
@@ -242,25 +242,32 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
     return *t;
   };
   const c10::optional<at::Tensor> none;
-  // the linear of weight w_i, bias b_i and scale s_i (int8 where it has one)
-  const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si,
+  // the linear of weight w_i, bias b_i and scale s_i with n outputs: int8 where it has a scale, the
+  // panel GEMM where the weight is panels (3-D: pack_panels), else the float32 gemv
+  const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si, int64_t n,
                           const c10::optional<at::Tensor>& residual) {
     const c10::optional<at::Tensor> s = opt(si);
-    return s.has_value() ? gemv_w8(in, need(wi), *s, opt(bi), residual) : gemv(in, need(wi), opt(bi), residual);
+    const at::Tensor weight = need(wi);
+    if (s.has_value()) return gemv_w8(in, weight, *s, opt(bi), residual);
+    return weight.dim() == 3 ? gemm_panels(in, weight, n, opt(bi), residual) : gemv(in, weight, opt(bi), residual);
   };
-  const at::Tensor qkv = linear(rms_norm(x, need(0), eps), 2, 3, 12, none);
+  const int64_t hidden = x.size(1), width = (heads + 2 * kv_heads) * k_cache.size(-1);
+  const at::Tensor down = need(10);  // its in-features: the MLP's width (gate_up has twice as many outputs)
+  const int64_t inter = down.dim() == 3 ? down.size(1) : down.size(-1);
+  const at::Tensor qkv = linear(rms_norm(x, need(0), eps), 2, 3, 12, width, none);
   const at::Tensor attn =
       decode_attention(qkv, cos, sin, opt(4), opt(5), eps, k_cache, v_cache, out_loc, slots, seq_lens, heads, kv_heads, scale);
-  const at::Tensor h = linear(attn, 6, 7, 13, x);
-  const at::Tensor gate_up = linear(rms_norm(h, need(1), eps), 8, 9, 14, none);
-  return linear(silu_and_mul(gate_up), 10, 11, 15, h);
+  const at::Tensor h = linear(attn, 6, 7, 13, hidden, x);
+  const at::Tensor gate_up = linear(rms_norm(h, need(1), eps), 8, 9, 14, 2 * inter, none);
+  return linear(silu_and_mul(gate_up), 10, 11, 15, hidden, h);
 }
 
 // Every layer's decode step in turn, in one call: between layers no Python runs (measured on a 2-core
 // AMD EPYC: ~60 us of interpreter per layer when each layer was its own call, the weights' stream
 // having pushed the interpreter's working set out of the caches). weights: per layer input_norm,
 // post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w, o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the
-// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, w8_linear.py).
+// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, w8_linear.py); a linear's
+// weight may be its panels instead (the layout the plan picks at the batch's rows).
 at::Tensor decode_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
                          at::TensorList k_caches, at::TensorList v_caches, double eps, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& out_loc, const at::Tensor& slots,

@@ -206,9 +206,10 @@ class FusedOps:
 class FusedLayers:
     """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
     decode batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of every
-    layer is in the rowblock layout at that row count (the gemv; the host's table may pick another).
-    The weight list is built on first use: the weights stay where they are once the runner is built
-    (weight_arena.place runs before the ops are attached)."""
+    layer is at that row count in the rowblock layout (the gemv) or the panels one (the panel GEMM),
+    or every one in w8 (the host's table may pick another layout: then the torch modules run). The
+    weight list of each mix of layouts is built on first use: the weights stay where they are once
+    the runner is built (weight_arena.place runs before the ops are attached)."""
 
     def __init__(self, layers: list[torch.nn.Module], ops: FusedOps):
         a = layers[0].self_attn
@@ -219,42 +220,58 @@ class FusedLayers:
             for layer in layers
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         ]
-        self._weights = None
+        self._weights: dict[tuple[str, ...], list] = {}  # per mix of layouts (one per linear)
 
-    def weights(self) -> list[torch.Tensor | None]:
-        """decode_layers' list: per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b,
-        gate_up_w, gate_up_b, down_w, down_b (None where the layer has none), and the four linears'
-        int8 scales (with --quantization w8, whose int8 weights the list then holds; else None)."""
-        if self._weights is None:
-            out = []
+    def weights(self, layouts: tuple[str, ...]) -> list[torch.Tensor | None]:
+        """decode_layers' list with each linear in `layouts` (one per linear, in self.linears' order):
+        per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
+        down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
+        w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 its int8 weight."""
+        if layouts not in self._weights:
+            held = {"rowblock": lambda lw: lw.weight, "panels": lambda lw: lw.panels, "w8": lambda lw: lw.w8}
+            out, it = [], iter(layouts)
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
                 lins = [lin.weight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
                 qkv, o, gate_up, down = lins
+                mine = [next(it) for _ in lins]
                 q_norm, k_norm = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
-                w = [lw.weight if lw.w8 is None else lw.w8 for lw in lins]
+                w = [held[layout](lw) for lw, layout in zip(lins, mine)]
                 out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, w[0], qkv.bias]
                 out += [None if n is None else n.weight for n in (q_norm, k_norm)]
                 out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
-                out += [lw.w8_scale for lw in lins]
-            self._weights = [None if w is None else w.detach() for w in out]
-        return self._weights
+                out += [lw.w8_scale if layout == "w8" else None for lw, layout in zip(lins, mine)]
+            self._weights[layouts] = [None if w is None else w.detach() for w in out]
+        return self._weights[layouts]
+
+    def _layouts(self, rows: int) -> tuple[str, ...] | None:
+        """Every linear's layout at `rows`, where decode_layers computes them all (the gemv or the panel
+        GEMM in fp32, or the int8 gemv throughout); else None."""
+        from common.models.packed_linear import bucket_index
+
+        i = bucket_index(rows)
+        layouts = tuple(lw.plan[i] for lw in self.linears)
+        kinds = set(layouts)
+        if kinds == {"w8"} or (kinds <= {"rowblock", "panels"} and all(
+            lw.panels is not None for lw, layout in zip(self.linears, layouts) if layout == "panels"
+        )):  # fmt: skip
+            return layouts
+        return None
 
     def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
-        from common.models.packed_linear import GEMV_ROWS, bucket_index
+        from common.models.packed_linear import GEMV_ROWS
 
         rows = x.shape[0]
         if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
             return False
-        i = bucket_index(rows)
-        layout = self.linears[0].plan[i]  # every linear the gemv, or every linear the int8 gemv
-        return layout in ("rowblock", "w8") and all(lw.plan[i] == layout for lw in self.linears)
+        return self._layouts(rows) is not None
 
     def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
         pool = backend.kv_pool
         _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
+        weights = self.weights(self._layouts(x.shape[0]))
         return self.ops.decode_layers(
-            x, self.weights(), pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale
+            x, weights, pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale
         )
 
 
