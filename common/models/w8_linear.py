@@ -10,8 +10,8 @@ activations stay float32:
   feeds one GEMM (its cost shared by the rows).
 `quantize(weights)` converts the runner's LinearWeights in place (the lm_head too: it is a tenth of
 SmolLM2's bytes), after the fp32 arena is placed; the int8 weights get an arena of their own on 2 MiB
-pages (common/models/weight_arena.py). Plans become "w8" for every row count: no layout tuning, no
-whole-stack fused step (its list takes fp32 weights), the greedy head off (it would read an fp32 copy).
+pages (common/models/weight_arena.py). Plans become "w8" for every row count: no layout tuning, the
+whole-stack fused step with the int8 gemv, the greedy head off (it would read an fp32 copy).
 Accuracy: not token-exact with fp32 by design; tests/test_w8_linear.py checks logits against HF fp32
 and greedy agreement where HF's top-2 gap is wide, and the quality benchmark compares answers.
 """
