@@ -51,6 +51,30 @@ inline void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, ": contiguous expected");
 }
 
+// A linear's optional bias [N] and residual [R, N] (the gemv's, the panel GEMM's), checked and made
+// contiguous; kept here while their data is read.
+struct Addends {
+  at::Tensor bias, residual;
+  const float* bias_data() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+  const float* residual_data() const { return residual.defined() ? residual.data_ptr<float>() : nullptr; }
+};
+
+inline Addends checked_addends(const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                               int64_t rows, int64_t n, const char* op) {
+  Addends a;
+  if (bias.has_value()) {
+    a.bias = bias->contiguous();
+    check_f32(a.bias, op);
+    TORCH_CHECK(a.bias.numel() == n, op, ": bias [N] expected");
+  }
+  if (residual.has_value()) {
+    a.residual = residual->contiguous();
+    check_f32(a.residual, op);
+    TORCH_CHECK(a.residual.numel() == rows * n, op, ": residual [R, N] expected");
+  }
+  return a;
+}
+
 // SIMD for the weight streams: -march=native picks AVX-512 or AVX2+FMA; elsewhere one lane (the
 // compiler may still vectorize). Adjacent weight rows read side by side (four rows 2.3 KB apart) ran at
 // 0.62-0.70x the bandwidth of one sequential stream on a 2-core AMD EPYC (AVX2): each stream below

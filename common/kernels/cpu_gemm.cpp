@@ -93,21 +93,12 @@ at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   const int64_t rows = x.size(0), k = x.size(1), count = panels.size(0);
   TORCH_CHECK(panels.size(1) == k && panels.size(2) == kPanel, "gemm_panels: panels of this build's pack_panels, K = x's");
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count, "gemm_panels: N does not match the panels");
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const at::Tensor res = residual.has_value() ? residual->contiguous() : at::Tensor();
-  if (b.defined()) {
-    check_f32(b, "gemm_panels: bias");
-    TORCH_CHECK(b.numel() == n, "gemm_panels: bias [N] expected");
-  }
-  if (res.defined()) {
-    check_f32(res, "gemm_panels: residual");
-    TORCH_CHECK(res.numel() == rows * n, "gemm_panels: residual [R, N] expected");
-  }
+  const Addends add = checked_addends(bias, residual, rows, n, "gemm_panels: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* px = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
-  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  const float* pr = res.defined() ? res.data_ptr<float>() : nullptr;
+  const float* pb = add.bias_data();
+  const float* pr = add.residual_data();
   float* po = out.data_ptr<float>();
   // x's rows in groups of kTileRows, k-major ([k, kTileRows] each): a tile's x values for one k side by side
   const int64_t groups = (rows + kTileRows - 1) / kTileRows;

@@ -161,20 +161,11 @@ template <typename W>
 at::Tensor gemv_any(const at::Tensor& x, const at::Tensor& w, const W* pw, const float* ps,
                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   const int64_t rows = x.size(0), n = w.size(0), k = w.size(1);
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const at::Tensor res = residual.has_value() ? residual->contiguous() : at::Tensor();
-  if (b.defined()) {
-    check_f32(b, "gemv: bias");
-    TORCH_CHECK(b.numel() == n, "gemv: bias [N] expected");
-  }
-  if (res.defined()) {
-    check_f32(res, "gemv: residual");
-    TORCH_CHECK(res.numel() == rows * n, "gemv: residual [R, N] expected");
-  }
+  const Addends add = checked_addends(bias, residual, rows, n, "gemv: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* px = x.data_ptr<float>();
-  const float* pb = b.defined() ? b.data_ptr<float>() : nullptr;
-  const float* pr = res.defined() ? res.data_ptr<float>() : nullptr;
+  const float* pb = add.bias_data();
+  const float* pr = add.residual_data();
   float* po = out.data_ptr<float>();
   // a grain of weight rows per thread: at least ~64 KiB, so each thread streams contiguous memory
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));

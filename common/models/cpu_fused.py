@@ -258,18 +258,20 @@ class FusedLayers:
             return layouts
         return None
 
-    def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
+    def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> tuple[str, ...] | None:
+        """The linears' layouts this step's rows run them in, where this call computes the step (the
+        caller hands them to __call__: they are read once per step); else None."""
         from common.models.packed_linear import GEMV_ROWS
 
         rows = x.shape[0]
         if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
-            return False
-        return self._layouts(rows) is not None
+            return None
+        return self._layouts(rows)
 
-    def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
+    def __call__(self, x, cos, sin, forward_batch, backend, layouts: tuple[str, ...]) -> torch.Tensor:
         pool = backend.kv_pool
         _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
-        weights = self.weights(self._layouts(x.shape[0]))
+        weights = self.weights(layouts)
         return self.ops.decode_layers(
             x, weights, pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale
         )
