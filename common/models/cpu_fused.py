@@ -221,6 +221,7 @@ class FusedLayers:
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         ]
         self._weights: dict[tuple[str, ...], list] = {}  # per mix of layouts (one per linear)
+        self._serving: tuple[str, ...] | None = None  # the layouts of the step `serves` accepted last
 
     def weights(self, layouts: tuple[str, ...]) -> list[torch.Tensor | None]:
         """decode_layers' list with each linear in `layouts` (one per linear, in self.linears' order):
@@ -258,20 +259,21 @@ class FusedLayers:
             return layouts
         return None
 
-    def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> tuple[str, ...] | None:
-        """The linears' layouts this step's rows run them in, where this call computes the step (the
-        caller hands them to __call__: they are read once per step); else None."""
+    def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
+        """Whether this call computes the step; the layouts it found are kept for the call that follows
+        (DecoderLM.run_layers asks, then calls: they are read once per step)."""
         from common.models.packed_linear import GEMV_ROWS
 
         rows = x.shape[0]
         if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
-            return None
-        return self._layouts(rows)
+            return False
+        self._serving = self._layouts(rows)
+        return self._serving is not None
 
-    def __call__(self, x, cos, sin, forward_batch, backend, layouts: tuple[str, ...]) -> torch.Tensor:
+    def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
         pool = backend.kv_pool
         _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
-        weights = self.weights(layouts)
+        weights = self.weights(self._serving)
         return self.ops.decode_layers(
             x, weights, pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale
         )

@@ -196,9 +196,8 @@ class DecoderLM(nn.Module):
 
     def run_layers(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
         fused = self.fused_layers
-        layouts = None if fused is None else fused.serves(x, cos, backend)
-        if layouts is not None:
-            return fused(x, cos, sin, forward_batch, backend, layouts)
+        if fused is not None and fused.serves(x, cos, backend):
+            return fused(x, cos, sin, forward_batch, backend)
         for layer in self.model.layers:
             x = layer(x, cos, sin, forward_batch, backend)
         return x
