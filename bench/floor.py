@@ -20,9 +20,9 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    `--variants` picks the runners, timed in turn within each round: eager (torch ops only, the fused
    CPU ops off), fused (the fused C++ ops of common/models/cpu_fused.py: norms, SiLU-and-mul, the
    decode attention), compiled (`--enable-torch-compile`: batch 1 compiled at warm-up, kept only where
-   warm-up timed it faster: common/models/compiled_layers.py), w8 (fused, with `--quantization w8`:
-   int8 linears, common/models/w8_linear.py; its ratio is to the fp32 floor, the int8 floor is in
-   the table). `--op-count` first counts each
+   warm-up timed it faster: common/models/compiled_layers.py), w8 and bf16 (fused, with `--quantization w8 |
+   bf16`: int8 or bf16 linears, common/models/weight_only.py; their ratios are to the fp32 floor, the
+   int8 and bf16 floors are in the table). `--op-count` first counts each
    runner's dispatched ops per batch-1 decode forward (torch.profiler, deterministic).
 3. ours, the linears alone: every linear of the first runner's model once at one row, in model
    order, each in its batch-1 layout (median of --steps passes): the part of a step that streams
@@ -47,6 +47,7 @@ import torch
 from common import host
 from common.forward import intra_op
 from common.host_load import HostProbe
+from common.models import weight_only
 from common.models.packed_linear import linear_weights
 from common.models.table_check import time_pass
 from common.models.weight_arena import hugepage_empty
@@ -198,7 +199,9 @@ def main(argv=None) -> None:
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--linear-layout", default="auto")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
-    parser.add_argument("--variants", default="eager,fused", help="ours: eager, fused, compiled, w8 (comma-separated)")
+    parser.add_argument(
+        "--variants", default="eager,fused", help="ours: eager, fused, compiled, w8, bf16 (comma-separated)"
+    )
     parser.add_argument("--op-count", action="store_true", help="print each runner's ops per decode forward")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the layout table and its start-up check
@@ -217,12 +220,12 @@ def main(argv=None) -> None:
                 max_running_requests=1,
                 max_total_tokens=256,
                 linear_layout=args.linear_layout,
-                torch_compile_max_bs={"eager": 0, "fused": 0, "compiled": 1, "w8": 0}[variant],
-                cpu_fused=variant in ("fused", "w8"),
-                quantization="w8" if variant == "w8" else "none",
+                torch_compile_max_bs=1 if variant == "compiled" else 0,
+                cpu_fused=variant in ("fused", *weight_only.FORMATS),
+                quantization=variant if variant in weight_only.FORMATS else "none",
             )
         )
-        if variant in ("fused", "w8") and runners[variant].cpu_fused is None:
+        if variant in ("fused", *weight_only.FORMATS) and runners[variant].cpu_fused is None:
             print("fused: left out (the fused CPU ops did not load: see the log line above)", flush=True)
             del runners[variant]
             continue
@@ -286,9 +289,14 @@ def main(argv=None) -> None:
         ratio = [o / f for f, o in zip(cols[1], ms)]
         print(f"| {name}, ms per token | {statistics.median(ms):.1f} | {min(ms):.1f} |")
         print(f"| {name} / floor | {statistics.median(ratio):.2f}x | {min(ratio):.2f}x |")
+    own = {"w8": "int8", "bf16": "bf16"}  # a weight-only variant's own floor: its weights' bytes
     for i, name in enumerate(runners):
         per_round = [r[i] for r in paired_rounds]
         print(f"| ours ({name}) / floor, paired steps | {statistics.median(per_round):.2f}x | {min(per_round):.2f}x |")
+        if name in own:
+            f = nbytes / by_dtype[own[name]]
+            print(f"| ours ({name}) / its own ({own[name]}) floor, paired steps | "
+                  f"{f * statistics.median(per_round):.2f}x | {f * min(per_round):.2f}x |")  # fmt: skip
     for i, name in enumerate(list(runners)[1:], 1):
         per_round = [r[i - 1] for r in ratios]
         print(f"| ours ({name}) / ours ({next(iter(runners))}), paired steps | {statistics.median(per_round):.3f}x "

@@ -96,8 +96,9 @@ class ModelFlags(FlagGroup, title="model"):
     quantization: str = flag(
         "none",
         "CPU fp32: w8 = weight-only int8 linears (a float32 scale per output row, activations float32): "
-        "a quarter of the bytes a decode step reads; not token-exact with fp32",
-        choices=["none", "w8"],
+        "a quarter of the bytes a decode step reads; bf16 = weight-only bf16 linears (rounded to nearest, "
+        "activations float32): half of them; neither is token-exact with fp32",
+        choices=["none", "w8", "bf16"],
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     disable_cpu_fused: bool = flag(

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 
 #include <omp.h>
@@ -87,6 +88,10 @@ inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vload(const int8_t* p) {  // kLanes int8 weights, widened to float (the w8 gemv)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline vec vload(const c10::BFloat16* p) {  // kLanes bf16 weights, widened to float exactly (the bf16 gemv)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
@@ -99,6 +104,10 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vec vload(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
@@ -115,6 +124,7 @@ constexpr int64_t kLanes = 1;
 inline vec vzero() { return 0.f; }
 inline vec vload(const float* p) { return *p; }
 inline vec vload(const int8_t* p) { return static_cast<float>(*p); }
+inline vec vload(const c10::BFloat16* p) { return static_cast<float>(*p); }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
 inline float vsum(vec v) { return v; }

@@ -2,7 +2,8 @@
 //   gemv(x [R, K], w [N, K], bias?, residual?) -> residual + x @ w.T + bias [R, N], for a decode step's
 //     rows R (up to 64: packed_linear.GEMV_ROWS): each thread streams its own contiguous run of w's rows
 //     once (up to 4 rows as a few sequential streams side by side), every x row dotted against each
-//     weight row while it is in cache;
+//     weight row while it is in cache; w float32, or bfloat16 (weight-only bf16: half the bytes, each
+//     weight widened to float exactly in registers, so the products and sums are float32's);
 //   gemv_w8(x, w int8 [N, K], scale [N], bias?, residual?) -> the same with w * scale (weight-only
 //     int8, a scale per output row): a quarter of the bytes streamed, widened to float in registers;
 //   stream_sum(x, streams) -> the sum of x, read the same way (bench/floor.py's bandwidth probe).
@@ -22,7 +23,7 @@ namespace disagg_cpu {
 // a torch.sum over one large buffer on a 2-core AMD EPYC (AVX2); two 0.97-0.99x, four 1.03-1.13x:
 // more independent streams keep more cache-line fills in flight. Two accumulators per (row, stream)
 // hide the FMA latency; R * S <= 4 keeps them in registers.
-// W: float, or int8_t with `scale` (each row's dot product times scale[row], before bias and residual).
+// W: float, c10::BFloat16, or int8_t with `scale` (each row's dot product times scale[row], before bias and residual).
 template <int R, int S, typename W>
 void gemv_rows(const float* x, const W* w, const float* scale, const float* bias, const float* residual, float* out,
                int64_t n, int64_t k, int64_t begin, int64_t end) {
@@ -156,7 +157,7 @@ at::Tensor stream_sum(const at::Tensor& x, int64_t streams) {
   return at::scalar_tensor(total, x.options());
 }
 
-// out [R, N] = residual + (x @ w.T) * scale + bias, w float (scale null) or int8
+// out [R, N] = residual + (x @ w.T) * scale + bias, w float or bf16 (scale null) or int8
 template <typename W>
 at::Tensor gemv_any(const at::Tensor& x, const at::Tensor& w, const W* pw, const float* ps,
                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
@@ -183,7 +184,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
                 const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [R, K], w [N, K]");
   check_f32(x, "gemv: x");
-  check_f32(w, "gemv: w");
+  if (w.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), "gemv: w: contiguous CPU float32 or bfloat16 expected");
+    return gemv_any<c10::BFloat16>(x, w, w.data_ptr<c10::BFloat16>(), nullptr, bias, residual);
+  }
+  check_f32(w, "gemv: w (float32 or bfloat16)");
   return gemv_any<float>(x, w, w.data_ptr<float>(), nullptr, bias, residual);
 }
 

@@ -194,7 +194,7 @@ class FusedOps:
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
         self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
-        self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (packed_linear.LinearWeight.quantize_w8)
+        self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (common/models/weight_only.py; gemv takes bf16)
         self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
 
     @staticmethod
@@ -207,9 +207,9 @@ class FusedLayers:
     """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
     decode batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of every
     layer is at that row count in the rowblock layout (the gemv) or the panels one (the panel GEMM),
-    or every one in w8 (the host's table may pick another layout: then the torch modules run). The
-    weight list of each mix of layouts is built on first use: the weights stay where they are once
-    the runner is built (weight_arena.place runs before the ops are attached)."""
+    or every one in w8, or every one in bf16 (the host's table may pick another layout: then the torch
+    modules run). The weight list of each mix of layouts is built on first use: the weights stay where
+    they are once the runner is built (weight_arena.place runs before the ops are attached)."""
 
     def __init__(self, layers: list[torch.nn.Module], ops: FusedOps):
         a = layers[0].self_attn
@@ -227,9 +227,11 @@ class FusedLayers:
         """decode_layers' list with each linear in `layouts` (one per linear, in self.linears' order):
         per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
         down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
-        w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 its int8 weight."""
+        w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored weight
+        (weight_only.py)."""
         if layouts not in self._weights:
-            held = {"rowblock": lambda lw: lw.weight, "panels": lambda lw: lw.panels, "w8": lambda lw: lw.w8}
+            held = {"rowblock": lambda lw: lw.weight, "panels": lambda lw: lw.panels}
+            held["w8"] = held["bf16"] = lambda lw: lw.low
             out, it = [], iter(layouts)
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -241,19 +243,19 @@ class FusedLayers:
                 out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, w[0], qkv.bias]
                 out += [None if n is None else n.weight for n in (q_norm, k_norm)]
                 out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
-                out += [lw.w8_scale if layout == "w8" else None for lw, layout in zip(lins, mine)]
+                out += [lw.low_scale if layout == "w8" else None for lw, layout in zip(lins, mine)]
             self._weights[layouts] = [None if w is None else w.detach() for w in out]
         return self._weights[layouts]
 
     def _layouts(self, rows: int) -> tuple[str, ...] | None:
         """Every linear's layout at `rows`, where decode_layers computes them all (the gemv or the panel
-        GEMM in fp32, or the int8 gemv throughout); else None."""
+        GEMM in fp32, or the int8 or bf16 gemv throughout); else None."""
         from common.models.packed_linear import bucket_index
 
         i = bucket_index(rows)
         layouts = tuple(lw.plan[i] for lw in self.linears)
         kinds = set(layouts)
-        if kinds == {"w8"} or (kinds <= {"rowblock", "panels"} and all(
+        if kinds in ({"w8"}, {"bf16"}) or (kinds <= {"rowblock", "panels"} and all(
             lw.panels is not None for lw, layout in zip(self.linears, layouts) if layout == "panels"
         )):  # fmt: skip
             return layouts

@@ -1,0 +1,89 @@
+"""Weight-only low-precision linears on CPU (`--quantization w8 | bf16`): fewer bytes for a decode step to stream.
+
+A batch-1 decode step on CPU reads every weight once, so its floor is the weight bytes over the memory
+bandwidth (bench/floor.py): fp32 streams 4 bytes per parameter. Here each linear's [out, in] weight is
+stored in one of two formats, and activations (and so the KV cache) stay float32:
+- `w8`: int8 with a float32 scale per output row (its absmax / 127, rounded to nearest): 1 byte;
+- `bf16`: the weight rounded to bfloat16 (to nearest even): 2 bytes. Widening bf16 to float is exact,
+  so a bf16 linear computes exactly what float32 computes with the rounded weight: the model is the fp32
+  model with its linears' weights rounded, and nothing else changes.
+Up to GEMV_ROWS rows (decode steps) the fused CPU ops' gemv streams the stored rows and widens them to
+float in registers (common/kernels/cpu_gemv.cpp: `gemv_w8`, and `gemv` on a bf16 weight), once per 4
+rows; more rows (a prefill chunk), or without the fused ops, a float32 copy made for the call feeds one
+GEMM (its cost shared by the rows; a prefill service may as well stay fp32).
+`quantize(weights, fmt)` converts the runner's LinearWeights in place (the lm_head too: it is a fifth of
+SmolLM2's bytes; a tied embedding stays fp32 for the lookup), after the fp32 arena is placed; the stored
+weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py). Plans become `fmt`
+for every row count: no layout tuning, the whole-stack fused step with the low-precision gemv, the
+greedy head off (it would read an fp32 copy).
+Accuracy: not token-exact with fp32 by design; tests/test_weight_only.py checks w8's logits against HF
+fp32 and greedy agreement where HF's top-2 gap is wide, bf16 token for token against HF fp32 with the
+same rounded weights, and the quality benchmark compares answers with fp32's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common.models.packed_linear import ROW_BUCKETS, LinearWeight
+from common.models.weight_arena import hugepage_empty
+
+# the gemv streams the stored rows once per 4 rows; SmolLM2's 120 layer linears in int8 at 8 / 16 / 32 / 64
+# rows took 26 / 49 / 94 / 180 ms that way, 217 / 176 / 225 / 261 dequantized for an MKL GEMM, and 98 /
+# 108 / 134 / 176 in fp32 MKL (2-core AMD EPYC, AVX2, 2026-11-27): the gemv serves every decode batch up to
+# 64 rows
+GEMV_ROWS = 64
+FORMATS = ("w8", "bf16")  # each is also the layout name of the linears it converts
+BYTES = {"w8": 1, "bf16": 2}
+DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16}
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [out, in], float32 scale [out]): each row as round(w / s), s = absmax / 127 (0 rows: s = 1)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def stored(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`weight` in `fmt`: (the stored [out, in] tensor, w8's scale per row or None)."""
+    if fmt == "w8":
+        return quantize_rows(weight)
+    return weight.detach().to(torch.bfloat16), None
+
+
+def quantize(weights: list[LinearWeight], fmt: str) -> int:
+    """Convert `weights` to `fmt` in place (one arena for all); returns the stored weights' bytes."""
+    if fmt not in FORMATS:
+        raise ValueError(f"weight-only format must be one of {FORMATS}, got {fmt!r}")
+    parts = [stored(w.weight, fmt) for w in weights]
+    total = sum(q.numel() for q, _ in parts)
+    arena = hugepage_empty(-(-total * BYTES[fmt] // 4)).view(DTYPES[fmt])[:total]
+    start = 0
+    for w, (q, scale) in zip(weights, parts):
+        w.low = arena[start : start + q.numel()].view(q.shape)
+        w.low.copy_(q)
+        w.low_scale, w.low_run = scale, run
+        start += q.numel()
+        w.packed = w.panels = None  # the oneDNN and panel copies' memory back
+        w.plan = (fmt,) * len(ROW_BUCKETS)
+    return total * BYTES[fmt]
+
+
+def dequantized(w: LinearWeight) -> torch.Tensor:
+    """The float32 weight a converted linear computes with."""
+    return w.low.float() if w.low_scale is None else w.low.float() * w.low_scale[:, None]
+
+
+def run(w: LinearWeight, x2: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """[rows, out] = residual + x2 @ dequantized(w).T + bias."""
+    if x2.shape[0] <= GEMV_ROWS:
+        if w.low_scale is not None and w.gemv_w8 is not None:
+            return w.gemv_w8(x2.contiguous(), w.low, w.low_scale, w.bias, residual)
+        if w.low_scale is None and w.gemv is not None:
+            return w.gemv(x2.contiguous(), w.low, w.bias, residual)
+    out = F.linear(x2, dequantized(w), w.bias)
+    return out if residual is None else residual + out
