@@ -108,6 +108,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--vllm-dtype", default="float32")
     args = p.parse_args(argv)
     args.concurrency, args.input_len, args.output_len = "1", 64, args.max_tokens  # what peers_bench.start reads
+    args.decode_flags = ""
     from transformers import AutoTokenizer
 
     rows, answers = [], {}
