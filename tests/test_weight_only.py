@@ -14,7 +14,7 @@ from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.forward.forward_batch import ForwardBatch
 from common.models import weight_only
-from common.models.packed_linear import LinearWeight, linear_weights
+from common.models.packed_linear import ROW_BUCKETS, LinearWeight, linear_weights
 from tests.decode_harness import Pair
 from tests.oracle import hf_model
 from tests.test_cpu_fused_layer import _count
@@ -62,14 +62,21 @@ def test_a_weight_only_linear_runs_both_paths_as_its_dequantized_weight(ops, fmt
     lw.gemv, lw.gemv_w8 = ops.gemv, ops.gemv_w8
     lw.set_panels(ops)  # as the fused ops' attach leaves it: quantize drops the copy
     fp32 = lw.weight.clone()
-    assert weight_only.quantize([lw], fmt) == 64 * 48 * weight_only.BYTES[fmt]
-    assert lw.plan == (fmt,) * len(lw.plan) and lw.packed is None and lw.panels is None
+    assert weight_only.quantize([lw], fmt, ops) == 64 * 48 * weight_only.BYTES[fmt]
+    assert lw.packed is None and lw.panels is None
+    assert fmt == "bf16" or lw.plan == (fmt,) * len(lw.plan)
     assert lw.low.dtype == weight_only.DTYPES[fmt]
     if fmt == "bf16":  # rounded to nearest: what torch's conversion gives, within half a bf16 ulp
         assert torch.equal(weight_only.dequantized(lw), fp32.to(torch.bfloat16).float())
     x, res = torch.randn(rows, 48), torch.randn(rows, 64)
     want = res + F.linear(x, weight_only.dequantized(lw), lw.bias)
     torch.testing.assert_close(lw(x, res), want, rtol=1e-5, atol=1e-4)
+    if fmt == "bf16":  # its other layout, and the plan quantize measured: a layout of its own per bucket
+        assert lw.low_panels.dtype == torch.bfloat16 and set(lw.plan) <= {"bf16", "bf16-panels"}
+        torch.testing.assert_close(lw.run("bf16-panels", x, res), want, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(lw.run("bf16", x, res), want, rtol=1e-5, atol=1e-4)
+        with pytest.raises(ValueError, match="weight-only plan"):
+            weight_only.set_plan([lw], ("panels",) * len(ROW_BUCKETS))
     with pytest.raises(ValueError, match="must be one of"):
         weight_only.quantize([lw], "int4")
 
@@ -134,22 +141,34 @@ def _hf_rounded(path: str):
     return model
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "qwen3"])
-def test_served_bf16_tokens_equal_hf_fp32_with_the_rounded_weights(checkpoint, ops, name):
-    """The pair with bf16 on both sides (prefill: a float32 copy's GEMM; decode steps of 1-4 rows: the
-    whole stack in one call, each bf16 weight widened in registers) decodes greedily, token for token
-    as HF float32 generate with the same rounded weights; and not as HF with the float32 weights
-    everywhere (the rounding is really applied: the check is not vacuous)."""
+PINNED = {  # decode's bf16 plans (weight_only.set_plan), each layout in every decode bucket
+    "gemv": ("bf16",) * (len(ROW_BUCKETS) - 1) + ("bf16-panels",),
+    "panels": ("bf16-panels",) * len(ROW_BUCKETS),
+}
+
+
+@pytest.mark.parametrize(
+    "name,plan", [("llama", "gemv"), ("llama", "panels"), ("qwen2-tied", "gemv"), ("qwen3", "panels")]
+)
+def test_served_bf16_tokens_equal_hf_fp32_with_the_rounded_weights(checkpoint, ops, name, plan):
+    """The pair with bf16 on both sides (prefill: its measured plan; decode pinned to the bf16 gemv or
+    the bf16 panel GEMM, its steps of 1-4 rows the whole stack in one call, each bf16 weight widened in
+    registers) decodes greedily, token for token as HF float32 generate with the same rounded weights;
+    and not as HF with the float32 weights everywhere (the rounding is really applied: the check is
+    not vacuous)."""
     path = checkpoint(name)
     pair = Pair(path, quantization="bf16")
+    weights = linear_weights(pair.worker.runner.model)
+    measured = weights[0].plan  # what quantize timed here: one plan for all, the panels past GEMV_ROWS
+    assert all(w.plan == measured for w in weights) and set(measured) <= {"bf16", "bf16-panels"}
+    assert measured[-1] == "bf16-panels"
+    weight_only.set_plan(weights, PINNED[plan])
     counting = _count(pair.worker.runner)
     try:
         for i, p in enumerate(PROMPTS):
             pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
         pair.wait([str(i) for i in range(len(PROMPTS))])
-        assert all(
-            w.plan[0] == "bf16" and w.low.dtype == torch.bfloat16 for w in linear_weights(pair.worker.runner.model)
-        )
+        assert all(w.low.dtype == torch.bfloat16 and w.low_panels.dtype == torch.bfloat16 for w in weights)
         assert counting.calls > 0
     finally:
         pair.close()

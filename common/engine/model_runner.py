@@ -99,7 +99,9 @@ class ModelRunner:
         self.linear_table = None
         if args.quantization != "none":  # weight-only: no layouts to time, no greedy head (an fp32 pass)
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
-            nbytes = weight_only.quantize(weights, args.quantization)
+            nbytes = intra_op.on_own_thread(  # bf16 times its layouts: on the computing thread count
+                lambda: weight_only.quantize(weights, args.quantization, self.cpu_fused), threads
+            )
             self.model.greedy_head = None
             how = {"w8": "int8 with a scale per output row", "bf16": "bf16 (activations and KV float32)"}
             log.info("%s: %d linears as %s (%.0f MB)", args.quantization, len(weights), how[args.quantization],

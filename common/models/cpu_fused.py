@@ -227,11 +227,12 @@ class FusedLayers:
         """decode_layers' list with each linear in `layouts` (one per linear, in self.linears' order):
         per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
         down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
-        w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored weight
-        (weight_only.py)."""
+        w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored weight,
+        bf16-panels its bf16 panels (weight_only.py)."""
         if layouts not in self._weights:
             held = {"rowblock": lambda lw: lw.weight, "panels": lambda lw: lw.panels}
             held["w8"] = held["bf16"] = lambda lw: lw.low
+            held["bf16-panels"] = lambda lw: lw.low_panels
             out, it = [], iter(layouts)
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -249,13 +250,15 @@ class FusedLayers:
 
     def _layouts(self, rows: int) -> tuple[str, ...] | None:
         """Every linear's layout at `rows`, where decode_layers computes them all (the gemv or the panel
-        GEMM in fp32, or the int8 or bf16 gemv throughout); else None."""
+        GEMM in fp32, the int8 gemv throughout, or the bf16 gemv or panel GEMM); else None."""
         from common.models.packed_linear import bucket_index
 
         i = bucket_index(rows)
         layouts = tuple(lw.plan[i] for lw in self.linears)
         kinds = set(layouts)
-        if kinds in ({"w8"}, {"bf16"}) or (kinds <= {"rowblock", "panels"} and all(
+        if kinds == {"w8"} or (kinds <= {"bf16", "bf16-panels"} and all(
+            lw.low_panels is not None for lw, layout in zip(self.linears, layouts) if layout == "bf16-panels"
+        )) or (kinds <= {"rowblock", "panels"} and all(
             lw.panels is not None for lw, layout in zip(self.linears, layouts) if layout == "panels"
         )):  # fmt: skip
             return layouts

@@ -7,15 +7,19 @@ stored in one of two formats, and activations (and so the KV cache) stay float32
 - `bf16`: the weight rounded to bfloat16 (to nearest even): 2 bytes. Widening bf16 to float is exact,
   so a bf16 linear computes exactly what float32 computes with the rounded weight: the model is the fp32
   model with its linears' weights rounded, and nothing else changes.
-Up to GEMV_ROWS rows (decode steps) the fused CPU ops' gemv streams the stored rows and widens them to
-float in registers (common/kernels/cpu_gemv.cpp: `gemv_w8`, and `gemv` on a bf16 weight), once per 4
-rows; more rows (a prefill chunk), or without the fused ops, a float32 copy made for the call feeds one
-GEMM (its cost shared by the rows; a prefill service may as well stay fp32).
+With the fused CPU ops, w8 runs `gemv_w8` up to GEMV_ROWS rows (decode steps: the int8 rows streamed
+and widened in registers once per 4 rows, common/kernels/cpu_gemv.cpp); bf16 has two layouts, `bf16`
+(the fused `gemv` on the bf16 rows) and `bf16-panels` (the panel GEMM on bf16 panels, common/kernels/
+cpu_gemm.cpp, widening as it loads), and `quantize` times both over the model's linears per row bucket
+up to GEMV_ROWS on this host (best of ROUNDS interleaved rounds; on the Zen 4 dev host the gemv won at
+1-2 rows, 2x, the panels from 4 rows, 1.2-1.3x) and plans the faster; above GEMV_ROWS the panels. Without the
+fused ops, or past GEMV_ROWS for w8, a float32 copy made for the call feeds one GEMM (its cost shared by
+the rows; a prefill service may as well stay fp32).
 `quantize(weights, fmt)` converts the runner's LinearWeights in place (the lm_head too: it is a fifth of
 SmolLM2's bytes; a tied embedding stays fp32 for the lookup), after the fp32 arena is placed; the stored
-weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py). Plans become `fmt`
-for every row count: no layout tuning, the whole-stack fused step with the low-precision gemv, the
-greedy head off (it would read an fp32 copy).
+weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py). No fp32 layout
+tuning: decode batches run the whole-stack fused step in the format's layouts, and the greedy head is
+off (it would read an fp32 copy).
 Accuracy: not token-exact with fp32 by design; tests/test_weight_only.py checks w8's logits against HF
 fp32 and greedy agreement where HF's top-2 gap is wide, bf16 token for token against HF fp32 with the
 same rounded weights, and the quality benchmark compares answers with fp32's.
@@ -23,18 +27,25 @@ same rounded weights, and the quality benchmark compares answers with fp32's.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.nn.functional as F
 
 from common.models.packed_linear import ROW_BUCKETS, LinearWeight
 from common.models.weight_arena import hugepage_empty
 
+log = logging.getLogger(__name__)
+
 # the gemv streams the stored rows once per 4 rows; SmolLM2's 120 layer linears in int8 at 8 / 16 / 32 / 64
 # rows took 26 / 49 / 94 / 180 ms that way, 217 / 176 / 225 / 261 dequantized for an MKL GEMM, and 98 /
 # 108 / 134 / 176 in fp32 MKL (2-core AMD EPYC, AVX2, 2026-11-27): the gemv serves every decode batch up to
 # 64 rows
 GEMV_ROWS = 64
-FORMATS = ("w8", "bf16")  # each is also the layout name of the linears it converts
+FORMATS = ("w8", "bf16")
+LAYOUTS = ("w8", "bf16", "bf16-panels")  # a format's layouts: the gemv (named as the format) and bf16's panels
+ROUNDS = 3
 BYTES = {"w8": 1, "bf16": 2}
 DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16}
 
@@ -55,8 +66,9 @@ def stored(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
     return weight.detach().to(torch.bfloat16), None
 
 
-def quantize(weights: list[LinearWeight], fmt: str) -> int:
-    """Convert `weights` to `fmt` in place (one arena for all); returns the stored weights' bytes."""
+def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
+    """Convert `weights` to `fmt` in place (one arena for all) and plan their layouts (bf16 with the fused
+    CPU ops `ops`: timed here, see the module's docstring); returns the stored weights' bytes."""
     if fmt not in FORMATS:
         raise ValueError(f"weight-only format must be one of {FORMATS}, got {fmt!r}")
     parts = [stored(w.weight, fmt) for w in weights]
@@ -67,10 +79,47 @@ def quantize(weights: list[LinearWeight], fmt: str) -> int:
         w.low = arena[start : start + q.numel()].view(q.shape)
         w.low.copy_(q)
         w.low_scale, w.low_run = scale, run
+        w.low_panels = ops.pack_panels(w.low) if fmt == "bf16" and ops is not None else None
+        if w.low_panels is not None:
+            w.gemm = ops.gemm_panels
         start += q.numel()
         w.packed = w.panels = None  # the oneDNN and panel copies' memory back
         w.plan = (fmt,) * len(ROW_BUCKETS)
+    if fmt == "bf16" and ops is not None:
+        set_plan(weights, plan_bf16(weights))
     return total * BYTES[fmt]
+
+
+def set_plan(weights: list[LinearWeight], plan: tuple[str, ...]) -> None:
+    """Every weight in `plan` (a layout of LAYOUTS per row bucket; tests pin one this way)."""
+    if len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
+        raise ValueError(f"a weight-only plan names one of {LAYOUTS} per row bucket {ROW_BUCKETS}, got {plan}")
+    for w in weights:
+        w.plan = tuple(plan)
+
+
+def plan_bf16(weights: list[LinearWeight]) -> tuple[str, ...]:
+    """Per row bucket up to GEMV_ROWS, the faster of the bf16 gemv and the bf16 panels through all
+    `weights` in turn (each from memory, as in a forward; best of ROUNDS interleaved rounds); panels above."""
+    plan, lines, begin = [], [], time.perf_counter()
+    with torch.inference_mode():
+        for rows in ROW_BUCKETS:
+            if rows > GEMV_ROWS:
+                plan.append("bf16-panels")
+                continue
+            xs = {k: torch.randn(rows, k) for k in {w.in_features for w in weights}}
+            best = {}
+            for r in range(ROUNDS):
+                for layout in ("bf16", "bf16-panels")[:: 1 if r % 2 else -1]:
+                    start = time.perf_counter()
+                    for w in weights:
+                        w.run(layout, xs[w.in_features])
+                    best[layout] = min(best.get(layout, float("inf")), time.perf_counter() - start)
+            plan.append(min(best, key=best.get))
+            lines.append(f"{rows}: gemv {1e3 * best['bf16']:.1f} / panels {1e3 * best['bf16-panels']:.1f}")
+    log.info("bf16 linears, ms per pass of all at each row bucket (%.1f s): %s; plan %s",
+             time.perf_counter() - begin, ", ".join(lines), ", ".join(plan))  # fmt: skip
+    return tuple(plan)
 
 
 def dequantized(w: LinearWeight) -> torch.Tensor:
@@ -78,9 +127,12 @@ def dequantized(w: LinearWeight) -> torch.Tensor:
     return w.low.float() if w.low_scale is None else w.low.float() * w.low_scale[:, None]
 
 
-def run(w: LinearWeight, x2: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """[rows, out] = residual + x2 @ dequantized(w).T + bias."""
-    if x2.shape[0] <= GEMV_ROWS:
+def run(w: LinearWeight, x2: torch.Tensor, residual: torch.Tensor | None, layout: str | None = None) -> torch.Tensor:
+    """[rows, out] = residual + x2 @ dequantized(w).T + bias, in `layout` (LAYOUTS; default: the format's gemv)."""
+    rows = x2.shape[0]
+    if layout == "bf16-panels" and w.low_panels is not None and w.gemm is not None:
+        return w.gemm(x2.contiguous(), w.low_panels, w.out_features, w.bias, residual)
+    if rows <= GEMV_ROWS:
         if w.low_scale is not None and w.gemv_w8 is not None:
             return w.gemv_w8(x2.contiguous(), w.low, w.low_scale, w.bias, residual)
         if w.low_scale is None and w.gemv is not None:
