@@ -24,6 +24,14 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
 NEW = 24
 
 
+def pinned(fmt: str, plan: str) -> tuple[str, ...]:
+    """A decode plan of one layout in every decode bucket (weight_only.set_plan): the format's gemv
+    (panels past GEMV_ROWS) or its panels."""
+    if plan == "gemv":
+        return (fmt,) * (len(ROW_BUCKETS) - 1) + (f"{fmt}-panels",)
+    return (f"{fmt}-panels",) * len(ROW_BUCKETS)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 18, 64])
 @pytest.mark.parametrize("k", [576, 577, 40])
 def test_gemv_w8_is_the_dequantized_product(ops, rows, k):
@@ -37,6 +45,13 @@ def test_gemv_w8_is_the_dequantized_product(ops, rows, k):
     torch.testing.assert_close(ops.gemv_w8(x, q, scale, None, None).double(), ref - r - b, rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="int8"):
         ops.gemv_w8(x, w, scale, None, None)
+    panels = ops.pack_panels(q)  # the w8-panels layout: the panel GEMM on int8 panels, the scale per output
+    assert panels.dtype == torch.int8
+    torch.testing.assert_close(ops.gemm_panels(x, panels, 96, b, r, scale).double(), ref, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="a scale"):
+        ops.gemm_panels(x, panels, 96, b, r)  # int8 panels without their scale
+    with pytest.raises(RuntimeError, match="a scale"):
+        ops.gemm_panels(x, ops.pack_panels(w), 96, b, r, scale)  # a scale with float32 panels
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 18, 64])
@@ -50,13 +65,17 @@ def test_gemv_on_bf16_weights_is_the_widened_product(ops, rows, k):
     torch.testing.assert_close(ops.gemv(x, w, None, None).double(), ref - r - b, rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.gemv(x, w.to(torch.float16), None, None)
+    panels = ops.pack_panels(w)  # the bf16-panels layout
+    assert panels.dtype == torch.bfloat16
+    torch.testing.assert_close(ops.gemm_panels(x, panels, 96, b, r).double(), ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", weight_only.FORMATS)
 @pytest.mark.parametrize("rows", [1, 9, 64, 65])
 def test_a_weight_only_linear_runs_both_paths_as_its_dequantized_weight(ops, fmt, rows):
-    """Up to GEMV_ROWS rows the fused gemv, above them one GEMM on a dequantized copy: both are the
-    float32 product with the dequantized weight (residual and bias included)."""
+    """Each layout of the format (its gemv, its panels; past GEMV_ROWS the panels, and without them one
+    GEMM on a dequantized copy) is the float32 product with the dequantized weight (residual and bias
+    included); quantize plans one of the two per row bucket."""
     torch.manual_seed(rows)
     lw = LinearWeight(torch.randn(64, 48), torch.randn(64))
     lw.gemv, lw.gemv_w8 = ops.gemv, ops.gemv_w8
@@ -64,19 +83,17 @@ def test_a_weight_only_linear_runs_both_paths_as_its_dequantized_weight(ops, fmt
     fp32 = lw.weight.clone()
     assert weight_only.quantize([lw], fmt, ops) == 64 * 48 * weight_only.BYTES[fmt]
     assert lw.packed is None and lw.panels is None
-    assert fmt == "bf16" or lw.plan == (fmt,) * len(lw.plan)
-    assert lw.low.dtype == weight_only.DTYPES[fmt]
+    assert set(lw.plan) <= {fmt, f"{fmt}-panels"} and lw.plan[-1] == f"{fmt}-panels"
+    assert lw.low.dtype == lw.low_panels.dtype == weight_only.DTYPES[fmt]
     if fmt == "bf16":  # rounded to nearest: what torch's conversion gives, within half a bf16 ulp
         assert torch.equal(weight_only.dequantized(lw), fp32.to(torch.bfloat16).float())
     x, res = torch.randn(rows, 48), torch.randn(rows, 64)
     want = res + F.linear(x, weight_only.dequantized(lw), lw.bias)
     torch.testing.assert_close(lw(x, res), want, rtol=1e-5, atol=1e-4)
-    if fmt == "bf16":  # its other layout, and the plan quantize measured: a layout of its own per bucket
-        assert lw.low_panels.dtype == torch.bfloat16 and set(lw.plan) <= {"bf16", "bf16-panels"}
-        torch.testing.assert_close(lw.run("bf16-panels", x, res), want, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(lw.run("bf16", x, res), want, rtol=1e-5, atol=1e-4)
-        with pytest.raises(ValueError, match="weight-only plan"):
-            weight_only.set_plan([lw], ("panels",) * len(ROW_BUCKETS))
+    for layout in (fmt, f"{fmt}-panels"):
+        torch.testing.assert_close(lw.run(layout, x, res), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="weight-only plan"):
+        weight_only.set_plan([lw], ("panels",) * len(ROW_BUCKETS))
     with pytest.raises(ValueError, match="must be one of"):
         weight_only.quantize([lw], "int4")
 
@@ -86,21 +103,24 @@ def _hf_logits(path: str, ids: list[int]) -> torch.Tensor:
         return hf_model(path)(torch.tensor([ids])).logits[0].float()
 
 
-def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_close(checkpoint, ops):
-    """The pair with w8 on both sides (prefill: the dequantized GEMM; decode steps: the whole-stack step
-    with gemv_w8) decodes
-    greedily; HF fp32 then reads each answer teacher-forced: every token we chose is HF's argmax at
-    that position wherever HF's top-2 gap is >= GAP. And one teacher-forced pass of our w8 runner
-    gives logits within a small share of the logits' spread of HF's."""
+@pytest.mark.parametrize("plan", ["gemv", "panels"])
+def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_close(checkpoint, ops, plan):
+    """The pair with w8 on both sides (prefill: its measured plan; decode pinned to the int8 gemv or
+    the int8 panel GEMM, its steps the whole-stack step) decodes greedily; HF fp32 then reads each
+    answer teacher-forced: every token we chose is HF's argmax at that position wherever HF's top-2 gap
+    is >= GAP. And one teacher-forced pass of our w8 runner gives logits within a small share of the
+    logits' spread of HF's."""
     path = checkpoint("llama")
     pair = Pair(path, quantization="w8")
+    weights = linear_weights(pair.worker.runner.model)
+    assert pair.link.worker.runner.linear_table is None  # no fp32 layout table: the format's own plan
+    assert all(set(w.plan) <= {"w8", "w8-panels"} for w in weights)
+    weight_only.set_plan(weights, pinned("w8", plan))
     counting = _count(pair.worker.runner)  # decode steps of 1-4 rows: the whole stack in one call, int8
     try:
         for i, p in enumerate(PROMPTS):
             pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
         pair.wait([str(i) for i in range(len(PROMPTS))])
-        assert pair.link.worker.runner.linear_table is None  # nothing timed: every plan is w8
-        assert all(w.plan[0] == "w8" for w in linear_weights(pair.worker.runner.model))
         assert counting.calls > 0
     finally:
         pair.close()
@@ -141,12 +161,6 @@ def _hf_rounded(path: str):
     return model
 
 
-PINNED = {  # decode's bf16 plans (weight_only.set_plan), each layout in every decode bucket
-    "gemv": ("bf16",) * (len(ROW_BUCKETS) - 1) + ("bf16-panels",),
-    "panels": ("bf16-panels",) * len(ROW_BUCKETS),
-}
-
-
 @pytest.mark.parametrize(
     "name,plan", [("llama", "gemv"), ("llama", "panels"), ("qwen2-tied", "gemv"), ("qwen3", "panels")]
 )
@@ -162,7 +176,7 @@ def test_served_bf16_tokens_equal_hf_fp32_with_the_rounded_weights(checkpoint, o
     measured = weights[0].plan  # what quantize timed here: one plan for all, the panels past GEMV_ROWS
     assert all(w.plan == measured for w in weights) and set(measured) <= {"bf16", "bf16-panels"}
     assert measured[-1] == "bf16-panels"
-    weight_only.set_plan(weights, PINNED[plan])
+    weight_only.set_plan(weights, pinned("bf16", plan))
     counting = _count(pair.worker.runner)
     try:
         for i, p in enumerate(PROMPTS):

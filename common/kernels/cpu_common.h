@@ -142,6 +142,6 @@ at::Tensor stream_sum(const at::Tensor& x, int64_t streams);
 // cpu_gemm.cpp
 at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& residual);
+                       const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& scale);
 
 }  // namespace disagg_cpu

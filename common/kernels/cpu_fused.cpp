@@ -228,8 +228,9 @@ at::Tensor decode_attention(
 // run as the gemv or the panel GEMM), as the torch modules compute it:
 //   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
 //   out = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
-// w: the layer's kLayerWeights entries of decode_layers' list, in the order named there. A linear with
-// a scale is weight-only int8 (gemv_w8), one given as panels the panel GEMM, else float32 (gemv).
+// w: the layer's kLayerWeights entries of decode_layers' list, in the order named there. A linear given
+// as panels runs the panel GEMM, else the gemv; with a scale its weight is int8 (weight-only w8), else
+// float32 or bf16.
 constexpr int64_t kLayerWeights = 16;
 at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t first,
                         double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
@@ -242,14 +243,14 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
     return *t;
   };
   const c10::optional<at::Tensor> none;
-  // the linear of weight w_i, bias b_i and scale s_i with n outputs: int8 where it has a scale, the
-  // panel GEMM where the weight is panels (3-D: pack_panels), else the float32 gemv
+  // the linear of weight w_i, bias b_i and scale s_i with n outputs: the panel GEMM where the weight is
+  // panels (3-D: pack_panels), else the gemv (gemv_w8 where it has a scale: int8)
   const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si, int64_t n,
                           const c10::optional<at::Tensor>& residual) {
     const c10::optional<at::Tensor> s = opt(si);
     const at::Tensor weight = need(wi);
-    if (s.has_value()) return gemv_w8(in, weight, *s, opt(bi), residual);
-    return weight.dim() == 3 ? gemm_panels(in, weight, n, opt(bi), residual) : gemv(in, weight, opt(bi), residual);
+    if (weight.dim() == 3) return gemm_panels(in, weight, n, opt(bi), residual, s);
+    return s.has_value() ? gemv_w8(in, weight, *s, opt(bi), residual) : gemv(in, weight, opt(bi), residual);
   };
   const int64_t hidden = x.size(1), width = (heads + 2 * kv_heads) * k_cache.size(-1);
   const at::Tensor down = need(10);  // its in-features: the MLP's width (gate_up has twice as many outputs)
@@ -294,7 +295,8 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("gemv_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor", &gemv_w8);
   m.def("stream_sum(Tensor x, int streams) -> Tensor", &stream_sum);
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
-  m.def("gemm_panels(Tensor x, Tensor panels, int n, Tensor? bias, Tensor? residual) -> Tensor", &gemm_panels);
+  m.def("gemm_panels(Tensor x, Tensor panels, int n, Tensor? bias, Tensor? residual, Tensor? scale=None) -> Tensor",
+        &gemm_panels);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "

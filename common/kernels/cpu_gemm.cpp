@@ -3,9 +3,10 @@
 //   pack_panels(w [N, K])                          -> [ceil(N / P), K, P]: w's rows in panels of P output
 //     columns (P = two SIMD vectors), each panel k-major (the P columns' weights of one k side by side,
 //     one cache line on AVX2), the last panel zero-padded; made once per weight
-//     (common/models/packed_linear.py's `panels` layout), in w's dtype: float32, or bfloat16 (weight-only
-//     bf16: common/models/weight_only.py), whose weights the tiles widen to float exactly as they load;
-//   gemm_panels(x [R, K], panels, N, bias?, residual?) -> residual + x @ w.T + bias [R, N].
+//     (common/models/packed_linear.py's `panels` layout), in w's dtype: float32, or bfloat16 or int8 (the
+//     weight-only formats: common/models/weight_only.py), whose weights the tiles widen to float as they load;
+//   gemm_panels(x [R, K], panels, N, bias?, residual?, scale?) -> residual + (x @ w.T) * scale + bias [R, N]
+//     (scale [N]: int8 panels' scale per output row).
 // A tile of T x rows by one panel keeps 2T accumulators in registers: per k it loads the panel's two
 // vectors and broadcasts T x values, 2T FMAs for 2 + T loads (T = 6 on AVX2, 12 on AVX-512), the
 // register blocking of BLIS-like kernels. MKL's and oneDNN's GEMMs, called per linear, re-lay the
@@ -31,8 +32,8 @@ constexpr int64_t kRowChunk = 16 * kTileRows;     // x rows per pass over a thre
 // `next`: the next panel, fetched into cache meanwhile (the first tile of a panel does it: a panel read
 // from memory only when its first tile needs it stalls that tile at few rows)
 template <int T, typename W>
-inline void panel_tile(const float* x, const W* panel, const float* bias, const float* residual, float* out,
-                       int64_t n, int64_t k, int64_t col0, const W* next = nullptr) {
+inline void panel_tile(const float* x, const W* panel, const float* scale, const float* bias, const float* residual,
+                       float* out, int64_t n, int64_t k, int64_t col0, const W* next = nullptr) {
   vec acc[T][2];
   for (int r = 0; r < T; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t i = 0; i < k; ++i) {
@@ -54,6 +55,7 @@ inline void panel_tile(const float* x, const W* panel, const float* bias, const 
     vstore(sums + kLanes, acc[r][1]);
     for (int64_t c = 0; c < cols; ++c) {
       float v = sums[c];
+      if (scale != nullptr) v *= scale[col0 + c];
       if (bias != nullptr) v += bias[col0 + c];
       if (residual != nullptr) v += residual[r * n + col0 + c];
       out[r * n + col0 + c] = v;
@@ -63,11 +65,11 @@ inline void panel_tile(const float* x, const W* panel, const float* bias, const 
 
 // the rows left after the full tiles: one tile of `left` (< T) rows
 template <int T, typename W>
-inline void panel_rest(int64_t left, const float* x, const W* panel, const float* bias, const float* residual,
-                       float* out, int64_t n, int64_t k, int64_t col0, const W* next) {
+inline void panel_rest(int64_t left, const float* x, const W* panel, const float* scale, const float* bias,
+                       const float* residual, float* out, int64_t n, int64_t k, int64_t col0, const W* next) {
   if constexpr (T > 0) {
-    if (left == T) return panel_tile<T>(x, panel, bias, residual, out, n, k, col0, next);
-    panel_rest<T - 1, W>(left, x, panel, bias, residual, out, n, k, col0, next);
+    if (left == T) return panel_tile<T>(x, panel, scale, bias, residual, out, n, k, col0, next);
+    panel_rest<T - 1, W>(left, x, panel, scale, bias, residual, out, n, k, col0, next);
   }
 }
 
@@ -83,23 +85,22 @@ void pack_into(const W* src, W* dst, int64_t n, int64_t k) {
 
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "pack_panels: w [N, K]");
-  const bool bf16 = w.scalar_type() == at::kBFloat16;
-  if (bf16) {
-    TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), "pack_panels: w: contiguous CPU bfloat16 expected");
-  } else {
-    check_f32(w, "pack_panels: w (float32 or bfloat16)");
-  }
+  const auto type = w.scalar_type();
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() &&
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kChar),
+              "pack_panels: w: contiguous CPU float32, bfloat16 or int8 expected");
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
   at::Tensor out = at::zeros({panels, k, kPanel}, w.options());
-  if (bf16) pack_into(w.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), n, k);
+  if (type == at::kBFloat16) pack_into(w.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), n, k);
+  else if (type == at::kChar) pack_into(w.data_ptr<int8_t>(), out.data_ptr<int8_t>(), n, k);
   else pack_into(w.data_ptr<float>(), out.data_ptr<float>(), n, k);
   return out;
 }
 
 // out [rows, n] from the packed x groups and the panels: each thread owns a run of panels, rows in chunks
 template <typename W>
-void panel_rows(const float* pxp, const W* pp, const float* pb, const float* pr, float* po, int64_t rows, int64_t n,
-                int64_t k, int64_t count) {
+void panel_rows(const float* pxp, const W* pp, const float* ps, const float* pb, const float* pr, float* po,
+                int64_t rows, int64_t n, int64_t k, int64_t count) {
   parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
       const int64_t r1 = std::min(rows, r0 + kRowChunk);
@@ -108,9 +109,9 @@ void panel_rows(const float* pxp, const W* pp, const float* pb, const float* pr,
         const W* next = p + 1 < end ? panel + k * kPanel : nullptr;
         int64_t r = r0;
         for (; r + kTileRows <= r1; r += kTileRows, next = nullptr)
-          panel_tile<kTileRows>(pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k,
+          panel_tile<kTileRows>(pxp + r * k, panel, ps, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k,
                                 p * kPanel, next);
-        panel_rest<kTileRows - 1>(r1 - r, pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n,
+        panel_rest<kTileRows - 1>(r1 - r, pxp + r * k, panel, ps, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n,
                                   n, k, p * kPanel, next);
       }
     }
@@ -118,16 +119,25 @@ void panel_rows(const float* pxp, const W* pp, const float* pb, const float* pr,
 }
 
 at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& residual) {
+                       const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3, "gemm_panels: x [R, K], panels [N / P, K, P]");
   check_f32(x, "gemm_panels: x");
+  const auto type = panels.scalar_type();
   TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() &&
-                  (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
-              "gemm_panels: panels: contiguous CPU float32 or bfloat16 expected");
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kChar),
+              "gemm_panels: panels: contiguous CPU float32, bfloat16 or int8 expected");
+  TORCH_CHECK(scale.has_value() == (type == at::kChar), "gemm_panels: a scale [N] with int8 panels, and only then");
   const int64_t rows = x.size(0), k = x.size(1), count = panels.size(0);
   TORCH_CHECK(panels.size(1) == k && panels.size(2) == kPanel, "gemm_panels: panels of this build's pack_panels, K = x's");
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count, "gemm_panels: N does not match the panels");
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_panels: bias / residual");
+  at::Tensor sc;
+  if (scale.has_value()) {
+    sc = scale->contiguous();
+    check_f32(sc, "gemm_panels: scale");
+    TORCH_CHECK(sc.numel() == n, "gemm_panels: scale [N] expected");
+  }
+  const float* ps = sc.defined() ? sc.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* px = x.data_ptr<float>();
   const float* pb = add.bias_data();
@@ -142,11 +152,9 @@ at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
       for (int64_t r = 0; r < kTileRows && g * kTileRows + r < rows; ++r)
         for (int64_t i = 0; i < k; ++i) pxp[(g * k + i) * kTileRows + r] = px[(g * kTileRows + r) * k + i];
   });
-  if (panels.scalar_type() == at::kBFloat16) {
-    panel_rows(pxp, panels.data_ptr<c10::BFloat16>(), pb, pr, po, rows, n, k, count);
-  } else {
-    panel_rows(pxp, panels.data_ptr<float>(), pb, pr, po, rows, n, k, count);
-  }
+  if (type == at::kBFloat16) panel_rows(pxp, panels.data_ptr<c10::BFloat16>(), ps, pb, pr, po, rows, n, k, count);
+  else if (type == at::kChar) panel_rows(pxp, panels.data_ptr<int8_t>(), ps, pb, pr, po, rows, n, k, count);
+  else panel_rows(pxp, panels.data_ptr<float>(), ps, pb, pr, po, rows, n, k, count);
   return out;
 }
 

@@ -228,11 +228,11 @@ class FusedLayers:
         per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
         down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
         w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored weight,
-        bf16-panels its bf16 panels (weight_only.py)."""
+        w8-panels / bf16-panels the panels of that (weight_only.py)."""
         if layouts not in self._weights:
             held = {"rowblock": lambda lw: lw.weight, "panels": lambda lw: lw.panels}
             held["w8"] = held["bf16"] = lambda lw: lw.low
-            held["bf16-panels"] = lambda lw: lw.low_panels
+            held["w8-panels"] = held["bf16-panels"] = lambda lw: lw.low_panels
             out, it = [], iter(layouts)
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -244,21 +244,21 @@ class FusedLayers:
                 out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, w[0], qkv.bias]
                 out += [None if n is None else n.weight for n in (q_norm, k_norm)]
                 out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
-                out += [lw.low_scale if layout == "w8" else None for lw, layout in zip(lins, mine)]
+                out += [lw.low_scale if layout.startswith("w8") else None for lw, layout in zip(lins, mine)]
             self._weights[layouts] = [None if w is None else w.detach() for w in out]
         return self._weights[layouts]
 
     def _layouts(self, rows: int) -> tuple[str, ...] | None:
         """Every linear's layout at `rows`, where decode_layers computes them all (the gemv or the panel
-        GEMM in fp32, the int8 gemv throughout, or the bf16 gemv or panel GEMM); else None."""
+        GEMM in fp32, or one weight-only format's gemv or panel GEMM); else None."""
         from common.models.packed_linear import bucket_index
 
         i = bucket_index(rows)
         layouts = tuple(lw.plan[i] for lw in self.linears)
         kinds = set(layouts)
-        if kinds == {"w8"} or (kinds <= {"bf16", "bf16-panels"} and all(
-            lw.low_panels is not None for lw, layout in zip(self.linears, layouts) if layout == "bf16-panels"
-        )) or (kinds <= {"rowblock", "panels"} and all(
+        if any(kinds <= {fmt, f"{fmt}-panels"} for fmt in ("w8", "bf16")) and all(
+            lw.low_panels is not None for lw, layout in zip(self.linears, layouts) if layout.endswith("-panels")
+        ) or (kinds <= {"rowblock", "panels"} and all(
             lw.panels is not None for lw, layout in zip(self.linears, layouts) if layout == "panels"
         )):  # fmt: skip
             return layouts

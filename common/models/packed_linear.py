@@ -75,7 +75,7 @@ class LinearWeight:
         self.gemv = None  # the fused CPU ops' gemv (cpu_fused.attach), or None: bmm
         self.gemv_w8 = None  # their int8 gemv, for the w8 layout (common/models/weight_only.py)
         self.panels = self.gemm = None  # the panels layout's copy and GEMM (set_panels), or None: F.linear
-        # a weight-only format's weight, w8's scale, bf16's panels and the call (common/models/weight_only.py)
+        # a weight-only format's weight, w8's scale, the panels of the weight and the call (weight_only.py)
         self.low = self.low_scale = self.low_panels = self.low_run = None
 
     def relocate(self, weight: torch.Tensor) -> None:
@@ -112,7 +112,7 @@ class LinearWeight:
 
     def run(self, layout: str, x2: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, out] through one layout (tuning times this)."""
-        if layout in ("w8", "bf16", "bf16-panels"):  # weight-only int8 or bf16 (common/models/weight_only.py)
+        if layout in ("w8", "w8-panels", "bf16", "bf16-panels"):  # weight-only int8 or bf16 (weight_only.py)
             return self.low_run(self, x2, residual, layout)
         if layout == "onednn" and torch.compiler.is_compiling():
             layout = "mkl"  # Inductor lowers a packed oneDNN linear only for weights it froze (compiled_layers.py)

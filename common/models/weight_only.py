@@ -7,14 +7,14 @@ stored in one of two formats, and activations (and so the KV cache) stay float32
 - `bf16`: the weight rounded to bfloat16 (to nearest even): 2 bytes. Widening bf16 to float is exact,
   so a bf16 linear computes exactly what float32 computes with the rounded weight: the model is the fp32
   model with its linears' weights rounded, and nothing else changes.
-With the fused CPU ops, w8 runs `gemv_w8` up to GEMV_ROWS rows (decode steps: the int8 rows streamed
-and widened in registers once per 4 rows, common/kernels/cpu_gemv.cpp); bf16 has two layouts, `bf16`
-(the fused `gemv` on the bf16 rows) and `bf16-panels` (the panel GEMM on bf16 panels, common/kernels/
-cpu_gemm.cpp, widening as it loads), and `quantize` times both over the model's linears per row bucket
-up to GEMV_ROWS on this host (best of ROUNDS interleaved rounds; on the Zen 4 dev host the gemv won at
-1-2 rows, 2x, the panels from 4 rows, 1.2-1.3x) and plans the faster; above GEMV_ROWS the panels. Without the
-fused ops, or past GEMV_ROWS for w8, a float32 copy made for the call feeds one GEMM (its cost shared by
-the rows; a prefill service may as well stay fp32).
+With the fused CPU ops each format has two layouts: the gemv, named as the format (`w8`: `gemv_w8`,
+`bf16`: `gemv` on the bf16 rows; the stored rows streamed and widened in registers once per 4 rows,
+common/kernels/cpu_gemv.cpp), and `w8-panels` / `bf16-panels` (the panel GEMM on panels of the stored
+weights, widening as it loads, w8's scale applied per output: common/kernels/cpu_gemm.cpp). `quantize`
+times both over the model's linears per row bucket up to GEMV_ROWS on this host (best of ROUNDS
+interleaved rounds; on the Zen 4 dev host bf16's gemv won at 1-2 rows, 2x, the panels from 4 rows,
+1.2-1.3x) and plans the faster; above GEMV_ROWS the panels. Without the fused ops a float32 copy made
+for the call feeds one GEMM (its cost shared by the rows).
 `quantize(weights, fmt)` converts the runner's LinearWeights in place (the lm_head too: it is a fifth of
 SmolLM2's bytes; a tied embedding stays fp32 for the lookup), after the fp32 arena is placed; the stored
 weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py). No fp32 layout
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # 64 rows
 GEMV_ROWS = 64
 FORMATS = ("w8", "bf16")
-LAYOUTS = ("w8", "bf16", "bf16-panels")  # a format's layouts: the gemv (named as the format) and bf16's panels
+LAYOUTS = ("w8", "w8-panels", "bf16", "bf16-panels")  # each format's gemv (named as the format) and panels
 ROUNDS = 3
 BYTES = {"w8": 1, "bf16": 2}
 DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16}
@@ -67,8 +67,8 @@ def stored(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
-    """Convert `weights` to `fmt` in place (one arena for all) and plan their layouts (bf16 with the fused
-    CPU ops `ops`: timed here, see the module's docstring); returns the stored weights' bytes."""
+    """Convert `weights` to `fmt` in place (one arena for all) and plan their layouts (with the fused CPU
+    ops `ops`: timed here, see the module's docstring); returns the stored weights' bytes."""
     if fmt not in FORMATS:
         raise ValueError(f"weight-only format must be one of {FORMATS}, got {fmt!r}")
     parts = [stored(w.weight, fmt) for w in weights]
@@ -79,14 +79,14 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
         w.low = arena[start : start + q.numel()].view(q.shape)
         w.low.copy_(q)
         w.low_scale, w.low_run = scale, run
-        w.low_panels = ops.pack_panels(w.low) if fmt == "bf16" and ops is not None else None
+        w.low_panels = ops.pack_panels(w.low) if ops is not None else None
         if w.low_panels is not None:
             w.gemm = ops.gemm_panels
         start += q.numel()
         w.packed = w.panels = None  # the oneDNN and panel copies' memory back
         w.plan = (fmt,) * len(ROW_BUCKETS)
-    if fmt == "bf16" and ops is not None:
-        set_plan(weights, plan_bf16(weights))
+    if ops is not None:
+        set_plan(weights, timed_plan(weights, fmt))
     return total * BYTES[fmt]
 
 
@@ -98,26 +98,27 @@ def set_plan(weights: list[LinearWeight], plan: tuple[str, ...]) -> None:
         w.plan = tuple(plan)
 
 
-def plan_bf16(weights: list[LinearWeight]) -> tuple[str, ...]:
-    """Per row bucket up to GEMV_ROWS, the faster of the bf16 gemv and the bf16 panels through all
-    `weights` in turn (each from memory, as in a forward; best of ROUNDS interleaved rounds); panels above."""
+def timed_plan(weights: list[LinearWeight], fmt: str) -> tuple[str, ...]:
+    """Per row bucket up to GEMV_ROWS, the faster of `fmt`'s gemv and its panels through all `weights` in
+    turn (each from memory, as in a forward; best of ROUNDS interleaved rounds); the panels above."""
+    layouts = (fmt, f"{fmt}-panels")
     plan, lines, begin = [], [], time.perf_counter()
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
             if rows > GEMV_ROWS:
-                plan.append("bf16-panels")
+                plan.append(layouts[1])
                 continue
             xs = {k: torch.randn(rows, k) for k in {w.in_features for w in weights}}
             best = {}
             for r in range(ROUNDS):
-                for layout in ("bf16", "bf16-panels")[:: 1 if r % 2 else -1]:
+                for layout in layouts[:: 1 if r % 2 else -1]:
                     start = time.perf_counter()
                     for w in weights:
                         w.run(layout, xs[w.in_features])
                     best[layout] = min(best.get(layout, float("inf")), time.perf_counter() - start)
             plan.append(min(best, key=best.get))
-            lines.append(f"{rows}: gemv {1e3 * best['bf16']:.1f} / panels {1e3 * best['bf16-panels']:.1f}")
-    log.info("bf16 linears, ms per pass of all at each row bucket (%.1f s): %s; plan %s",
+            lines.append(f"{rows}: gemv {1e3 * best[layouts[0]]:.1f} / panels {1e3 * best[layouts[1]]:.1f}")
+    log.info("%s linears, ms per pass of all at each row bucket (%.1f s): %s; plan %s", fmt,
              time.perf_counter() - begin, ", ".join(lines), ", ".join(plan))  # fmt: skip
     return tuple(plan)
 
@@ -130,8 +131,8 @@ def dequantized(w: LinearWeight) -> torch.Tensor:
 def run(w: LinearWeight, x2: torch.Tensor, residual: torch.Tensor | None, layout: str | None = None) -> torch.Tensor:
     """[rows, out] = residual + x2 @ dequantized(w).T + bias, in `layout` (LAYOUTS; default: the format's gemv)."""
     rows = x2.shape[0]
-    if layout == "bf16-panels" and w.low_panels is not None and w.gemm is not None:
-        return w.gemm(x2.contiguous(), w.low_panels, w.out_features, w.bias, residual)
+    if layout is not None and layout.endswith("-panels") and w.low_panels is not None and w.gemm is not None:
+        return w.gemm(x2.contiguous(), w.low_panels, w.out_features, w.bias, residual, w.low_scale)
     if rows <= GEMV_ROWS:
         if w.low_scale is not None and w.gemv_w8 is not None:
             return w.gemv_w8(x2.contiguous(), w.low, w.low_scale, w.bias, residual)
