@@ -12,9 +12,9 @@ With the fused CPU ops each format has two layouts: the gemv, named as the forma
 common/kernels/cpu_gemv.cpp), and `w8-panels` / `bf16-panels` (the panel GEMM on panels of the stored
 weights, widening as it loads, w8's scale applied per output: common/kernels/cpu_gemm.cpp). `quantize`
 times both over the model's linears per row bucket up to GEMV_ROWS on this host (best of ROUNDS
-interleaved rounds; on the Zen 4 dev host bf16's gemv won at 1-2 rows, 2x, the panels from 4 rows,
-1.2-1.3x) and plans the faster; above GEMV_ROWS the panels. Without the fused ops a float32 copy made
-for the call feeds one GEMM (its cost shared by the rows).
+interleaved rounds, ~1.5 s for SmolLM2; on a 2-core AMD Zen 4 the gemv won at 1-2 rows by 1.6-2.1x, the
+panels from 8 rows for bf16 and from 4 for w8 by 1.1-1.3x) and plans the faster; above GEMV_ROWS the
+panels. Without the fused ops a float32 copy made for the call feeds one GEMM (its cost shared by the rows).
 `quantize(weights, fmt)` converts the runner's LinearWeights in place (the lm_head too: it is a fifth of
 SmolLM2's bytes; a tied embedding stays fp32 for the lookup), after the fp32 arena is placed; the stored
 weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py). No fp32 layout
