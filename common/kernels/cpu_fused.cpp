@@ -267,7 +267,7 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
 // AMD EPYC: ~60 us of interpreter per layer when each layer was its own call, the weights' stream
 // having pushed the interpreter's working set out of the caches). weights: per layer input_norm,
 // post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w, o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the
-// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, w8_linear.py); a linear's
+// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, weight_only.py); a linear's
 // weight may be its panels instead (the layout the plan picks at the batch's rows).
 at::Tensor decode_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
                          at::TensorList k_caches, at::TensorList v_caches, double eps, const at::Tensor& cos,

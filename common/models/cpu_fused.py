@@ -203,6 +203,20 @@ class FusedOps:
         return x.dtype == torch.float32 and x.is_contiguous()
 
 
+# what decode_layers takes for a linear in each layout it runs: the weight the gemv streams, or the panels
+# the panel GEMM reads (None where the linear has no such copy: then the step runs the torch modules)
+HELD = {
+    "rowblock": lambda lw: lw.weight,
+    "panels": lambda lw: lw.panels,
+    "w8": lambda lw: lw.low,
+    "bf16": lambda lw: lw.low,
+    "w8-panels": lambda lw: lw.low_panels,
+    "bf16-panels": lambda lw: lw.low_panels,
+}
+# one stack runs one family of layouts: fp32's, or one weight-only format's (common/models/weight_only.py)
+FAMILIES = ({"rowblock", "panels"}, {"w8", "w8-panels"}, {"bf16", "bf16-panels"})
+
+
 class FusedLayers:
     """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
     decode batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of every
@@ -230,9 +244,6 @@ class FusedLayers:
         w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored weight,
         w8-panels / bf16-panels the panels of that (weight_only.py)."""
         if layouts not in self._weights:
-            held = {"rowblock": lambda lw: lw.weight, "panels": lambda lw: lw.panels}
-            held["w8"] = held["bf16"] = lambda lw: lw.low
-            held["w8-panels"] = held["bf16-panels"] = lambda lw: lw.low_panels
             out, it = [], iter(layouts)
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -240,7 +251,7 @@ class FusedLayers:
                 qkv, o, gate_up, down = lins
                 mine = [next(it) for _ in lins]
                 q_norm, k_norm = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
-                w = [held[layout](lw) for lw, layout in zip(lins, mine)]
+                w = [HELD[layout](lw) for lw, layout in zip(lins, mine)]
                 out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, w[0], qkv.bias]
                 out += [None if n is None else n.weight for n in (q_norm, k_norm)]
                 out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
@@ -255,12 +266,9 @@ class FusedLayers:
 
         i = bucket_index(rows)
         layouts = tuple(lw.plan[i] for lw in self.linears)
-        kinds = set(layouts)
-        if any(kinds <= {fmt, f"{fmt}-panels"} for fmt in ("w8", "bf16")) and all(
-            lw.low_panels is not None for lw, layout in zip(self.linears, layouts) if layout.endswith("-panels")
-        ) or (kinds <= {"rowblock", "panels"} and all(
-            lw.panels is not None for lw, layout in zip(self.linears, layouts) if layout == "panels"
-        )):  # fmt: skip
+        if any(set(layouts) <= family for family in FAMILIES) and all(
+            HELD[layout](lw) is not None for lw, layout in zip(self.linears, layouts)
+        ):
             return layouts
         return None
 

@@ -36,6 +36,9 @@ from common.models.direct_call import DirectCall
 
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
 LAYOUTS = ("mkl", "onednn", "rowblock", "panels")
+# the weight-only formats' layouts (common/models/weight_only.py): each format's gemv, named as the format,
+# and its panel GEMM
+WEIGHT_ONLY_LAYOUTS = ("w8", "w8-panels", "bf16", "bf16-panels")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows r use the plan of the first bucket >= r (the last above)
 DEFAULT_PLAN = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)  # before tuning: the AMD host's choice
 GEMV_ROWS = 64  # the fused gemv serves rowblock up to this many rows (decode batches; prefill chunks: the bmm)
@@ -112,7 +115,7 @@ class LinearWeight:
 
     def run(self, layout: str, x2: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, out] through one layout (tuning times this)."""
-        if layout in ("w8", "w8-panels", "bf16", "bf16-panels"):  # weight-only int8 or bf16 (weight_only.py)
+        if layout in WEIGHT_ONLY_LAYOUTS:
             return self.low_run(self, x2, residual, layout)
         if layout == "onednn" and torch.compiler.is_compiling():
             layout = "mkl"  # Inductor lowers a packed oneDNN linear only for weights it froze (compiled_layers.py)

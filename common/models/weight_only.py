@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from common.models.packed_linear import ROW_BUCKETS, LinearWeight
+from common.models.packed_linear import WEIGHT_ONLY_LAYOUTS as LAYOUTS
 from common.models.weight_arena import hugepage_empty
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,6 @@ log = logging.getLogger(__name__)
 # 64 rows
 GEMV_ROWS = 64
 FORMATS = ("w8", "bf16")
-LAYOUTS = ("w8", "w8-panels", "bf16", "bf16-panels")  # each format's gemv (named as the format) and panels
 ROUNDS = 3
 BYTES = {"w8": 1, "bf16": 2}
 DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16}
@@ -79,9 +79,9 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
         w.low = arena[start : start + q.numel()].view(q.shape)
         w.low.copy_(q)
         w.low_scale, w.low_run = scale, run
-        w.low_panels = ops.pack_panels(w.low) if ops is not None else None
-        if w.low_panels is not None:
-            w.gemm = ops.gemm_panels
+        w.low_panels = None
+        if ops is not None:
+            w.low_panels, w.gemm = ops.pack_panels(w.low), ops.gemm_panels
         start += q.numel()
         w.packed = w.panels = None  # the oneDNN and panel copies' memory back
         w.plan = (fmt,) * len(ROW_BUCKETS)
