@@ -21,7 +21,7 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    CPU ops off), fused (the fused C++ ops of common/models/cpu_fused.py: norms, SiLU-and-mul, the
    decode attention), compiled (`--enable-torch-compile`: batch 1 compiled at warm-up, kept only where
    warm-up timed it faster: common/models/compiled_layers.py), w8 and bf16 (fused, with `--quantization w8 |
-   bf16`: int8 or bf16 linears, common/models/weight_only.py; their ratios are to the fp32 floor, the
+   bf16`: int8 or bf16 linears, common/models/low_precision.py; their ratios are to the fp32 floor, the
    int8 and bf16 floors are in the table). `--op-count` first counts each
    runner's dispatched ops per batch-1 decode forward (torch.profiler, deterministic).
 3. ours, the linears alone: every linear of the first runner's model once at one row, in model
@@ -47,7 +47,7 @@ import torch
 from common import host
 from common.forward import intra_op
 from common.host_load import HostProbe
-from common.models import weight_only
+from common.models import low_precision
 from common.models.packed_linear import linear_weights
 from common.models.table_check import time_pass
 from common.models.weight_arena import hugepage_empty
@@ -221,11 +221,11 @@ def main(argv=None) -> None:
                 max_total_tokens=256,
                 linear_layout=args.linear_layout,
                 torch_compile_max_bs=1 if variant == "compiled" else 0,
-                cpu_fused=variant in ("fused", *weight_only.FORMATS),
-                quantization=variant if variant in weight_only.FORMATS else "none",
+                cpu_fused=variant in ("fused", *low_precision.FORMATS),
+                quantization=variant if variant in low_precision.FORMATS else "none",
             )
         )
-        if variant in ("fused", *weight_only.FORMATS) and runners[variant].cpu_fused is None:
+        if variant in ("fused", *low_precision.FORMATS) and runners[variant].cpu_fused is None:
             print("fused: left out (the fused CPU ops did not load: see the log line above)", flush=True)
             del runners[variant]
             continue

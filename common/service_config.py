@@ -97,8 +97,10 @@ class ModelFlags(FlagGroup, title="model"):
         "none",
         "CPU fp32: w8 = weight-only int8 linears (a float32 scale per output row, activations float32): "
         "a quarter of the bytes a decode step reads; bf16 = weight-only bf16 linears (rounded to nearest, "
-        "activations float32): half of them; neither is token-exact with fp32",
-        choices=["none", "w8", "bf16"],
+        "activations float32): half of them; bf16-matmul = bf16 linears whose inputs are rounded to bf16 too "
+        "(products bf16 x bf16, sums float32; the rest and KV float32): AVX512-BF16's dot product, half "
+        "the time of a many-row GEMM (large decode batches, prefill); none is token-exact with fp32",
+        choices=["none", "w8", "bf16", "bf16-matmul"],
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     disable_cpu_fused: bool = flag(

@@ -19,7 +19,7 @@ from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
 from common.forward import intra_op
 from common.forward.forward_batch import ForwardBatch
-from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear, weight_arena, weight_only
+from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear, weight_arena, low_precision
 from common.models.config import ModelConfig, load_model_config
 from common.models.expert_load import ExpertLoad
 from common.models.loader import load_model, resolve_dtype
@@ -27,7 +27,7 @@ from common.parallel import tp_shard
 from common.parallel.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
-QUANTIZATIONS = ("none", *weight_only.FORMATS)
+QUANTIZATIONS = ("none", *low_precision.FORMATS)
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RunnerArgs:
     attention_backend: str = "auto"  # triton on CUDA, batched on CPU (common/attention/__init__.py)
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     greedy_head: str = "auto"  # CPU fp32: greedy tokens through a bf16 pass where measured faster (greedy_head.py)
-    quantization: str = "none"  # CPU fp32: "w8" / "bf16", weight-only int8 / bf16 linears (models/weight_only.py)
+    quantization: str = "none"  # CPU fp32: "w8" / "bf16" / "bf16-matmul" linears (models/low_precision.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
@@ -97,13 +97,17 @@ class ModelRunner:
         with intra_op.single_threaded():  # loading starts no OpenMP pool on this thread (intra_op.py)
             self._build(args, config)
         self.linear_table = None
-        if args.quantization != "none":  # weight-only: no layouts to time, no greedy head (an fp32 pass)
+        if args.quantization != "none":  # low precision: no fp32 layouts to time, no greedy head (an fp32 pass)
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
             nbytes = intra_op.on_own_thread(  # bf16 times its layouts: on the computing thread count
-                lambda: weight_only.quantize(weights, args.quantization, self.cpu_fused), threads
+                lambda: low_precision.quantize(weights, args.quantization, self.cpu_fused), threads
             )
             self.model.greedy_head = None
-            how = {"w8": "int8 with a scale per output row", "bf16": "bf16 (activations and KV float32)"}
+            how = {
+                "w8": "int8 with a scale per output row",
+                "bf16": "bf16 (activations and KV float32)",
+                "bf16-matmul": "bf16 with their inputs rounded to bf16 (sums, the rest and KV float32)",
+            }
             log.info("%s: %d linears as %s (%.0f MB)", args.quantization, len(weights), how[args.quantization],
                      nbytes / 1e6)  # fmt: skip
         elif self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it

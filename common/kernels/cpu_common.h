@@ -132,6 +132,9 @@ inline vec vset1(float a) { return a; }
 inline void vstore(float* p, vec v) { *p = v; }
 #endif
 
+// the panel GEMMs' panels (cpu_gemm.cpp, cpu_bf16.cpp): two vectors of output columns
+constexpr int64_t kPanel = 2 * kLanes;
+
 // cpu_gemv.cpp
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& residual);
@@ -143,5 +146,10 @@ at::Tensor stream_sum(const at::Tensor& x, int64_t streams);
 at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
                        const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& scale);
+
+// cpu_bf16.cpp
+at::Tensor pack_bf16_pairs(const at::Tensor& w);
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& residual);
 
 }  // namespace disagg_cpu

@@ -1,5 +1,5 @@
 // Fused CPU fp32 ops for small decode batches (common/models/cpu_fused.py builds and loads this file
-// with cpu_gemv.cpp and cpu_gemm.cpp; cpu_common.h is what they share).
+// with cpu_gemv.cpp, cpu_gemm.cpp and cpu_bf16.cpp; cpu_common.h is what they share).
 //
 // A batch-1 decode forward on CPU is the weights streamed once plus ~2,000 small dispatched torch ops
 // (norm, rotary, KV write, paged gather, SDPA, SiLU-mul): each costs a few microseconds whatever its
@@ -8,7 +8,8 @@
 //   silu_and_mul(gate_up [N, 2I])                       -> silu(gate) * up  [N, I]
 //   gemv(x [R, K], w [N, K], bias?, residual?)         -> residual + x @ w.T + bias [R, N], for a few
 //     rows R (a decode step's), and stream_sum: cpu_gemv.cpp; pack_panels / gemm_panels, the GEMM of
-//     many rows (prefill chunks) on weights laid out once: cpu_gemm.cpp;
+//     many rows (prefill chunks) on weights laid out once: cpu_gemm.cpp; pack_bf16_pairs / gemm_bf16,
+//     the bf16 matmul: cpu_bf16.cpp;
 //   decode_attention(qkv [B, (H + 2 KV) d], ...)        -> [B, H d]: what the batched backend's decode
 //     path computes between qkv_proj and o_proj: optional per-head q/k RMSNorm (Qwen3), the half-split
 //     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
@@ -229,8 +230,8 @@ at::Tensor decode_attention(
 //   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
 //   out = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
 // w: the layer's kLayerWeights entries of decode_layers' list, in the order named there. A linear given
-// as panels runs the panel GEMM, else the gemv; with a scale its weight is int8 (weight-only w8), else
-// float32 or bf16.
+// as panels runs the panel GEMM, as bf16 pairs the bf16 matmul, else the gemv; with a scale its weight
+// is int8 (weight-only w8), else float32 or bf16.
 constexpr int64_t kLayerWeights = 16;
 at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t first,
                         double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
@@ -244,17 +245,19 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
   };
   const c10::optional<at::Tensor> none;
   // the linear of weight w_i, bias b_i and scale s_i with n outputs: the panel GEMM where the weight is
-  // panels (3-D: pack_panels), else the gemv (gemv_w8 where it has a scale: int8)
+  // panels (3-D: pack_panels), the bf16 matmul where it is pairs (4-D: pack_bf16_pairs), else the gemv
+  // (gemv_w8 where it has a scale: int8)
   const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si, int64_t n,
                           const c10::optional<at::Tensor>& residual) {
     const c10::optional<at::Tensor> s = opt(si);
     const at::Tensor weight = need(wi);
     if (weight.dim() == 3) return gemm_panels(in, weight, n, opt(bi), residual, s);
+    if (weight.dim() == 4) return gemm_bf16(in, weight, n, opt(bi), residual);
     return s.has_value() ? gemv_w8(in, weight, *s, opt(bi), residual) : gemv(in, weight, opt(bi), residual);
   };
   const int64_t hidden = x.size(1), width = (heads + 2 * kv_heads) * k_cache.size(-1);
   const at::Tensor down = need(10);  // its in-features: the MLP's width (gate_up has twice as many outputs)
-  const int64_t inter = down.dim() == 3 ? down.size(1) : down.size(-1);
+  const int64_t inter = down.dim() == 4 ? 2 * down.size(1) : down.dim() == 3 ? down.size(1) : down.size(-1);
   const at::Tensor qkv = linear(rms_norm(x, need(0), eps), 2, 3, 12, width, none);
   const at::Tensor attn =
       decode_attention(qkv, cos, sin, opt(4), opt(5), eps, k_cache, v_cache, out_loc, slots, seq_lens, heads, kv_heads, scale);
@@ -267,7 +270,7 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
 // AMD EPYC: ~60 us of interpreter per layer when each layer was its own call, the weights' stream
 // having pushed the interpreter's working set out of the caches). weights: per layer input_norm,
 // post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w, o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the
-// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, weight_only.py); a linear's
+// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, low_precision.py); a linear's
 // weight may be its panels instead (the layout the plan picks at the batch's rows).
 at::Tensor decode_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
                          at::TensorList k_caches, at::TensorList v_caches, double eps, const at::Tensor& cos,
@@ -297,6 +300,8 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
   m.def("gemm_panels(Tensor x, Tensor panels, int n, Tensor? bias, Tensor? residual, Tensor? scale=None) -> Tensor",
         &gemm_panels);
+  m.def("pack_bf16_pairs(Tensor w) -> Tensor", &pack_bf16_pairs);
+  m.def("gemm_bf16(Tensor x, Tensor pairs, int n, Tensor? bias, Tensor? residual) -> Tensor", &gemm_bf16);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "

@@ -4,7 +4,7 @@
 //     columns (P = two SIMD vectors), each panel k-major (the P columns' weights of one k side by side,
 //     one cache line on AVX2), the last panel zero-padded; made once per weight
 //     (common/models/packed_linear.py's `panels` layout), in w's dtype: float32, or bfloat16 or int8 (the
-//     weight-only formats: common/models/weight_only.py), whose weights the tiles widen to float as they load;
+//     weight-only formats: common/models/low_precision.py), whose weights the tiles widen to float as they load;
 //   gemm_panels(x [R, K], panels, N, bias?, residual?, scale?) -> residual + (x @ w.T) * scale + bias [R, N]
 //     (scale [N]: int8 panels' scale per output row).
 // A tile of T x rows by one panel keeps 2T accumulators in registers: per k it loads the panel's two
@@ -23,7 +23,6 @@
 
 namespace disagg_cpu {
 
-constexpr int64_t kPanel = 2 * kLanes;
 constexpr int kTileRows = kLanes == 16 ? 12 : 6;  // 2T accumulators + 2 weight vectors + 1 broadcast <= registers
 constexpr int64_t kRowChunk = 16 * kTileRows;     // x rows per pass over a thread's panels (K = 1536: 590 KB)
 

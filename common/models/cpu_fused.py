@@ -1,5 +1,5 @@
-"""Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_common.h), built on first use
-on this host, or None.
+"""Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp, cpu_common.h),
+built on first use on this host, or None.
 
 A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
 ~2,000 small dispatched ops outside the linears on SmolLM2-135M (BENCHMARKS.md). The extension runs
@@ -42,7 +42,7 @@ import torch
 
 log = logging.getLogger(__name__)
 KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
-SOURCES = [os.path.join(KERNELS, name) for name in ("cpu_fused.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp")]
+SOURCES = [os.path.join(KERNELS, name) for name in ("cpu_fused.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp", "cpu_bf16.cpp")]
 HEADERS = [os.path.join(KERNELS, "cpu_common.h")]
 NAME = "disagg_cpu_fused"
 # -fno-trapping-math: float compares and conversions may be if-converted, so loops with a select (the
@@ -194,8 +194,9 @@ class FusedOps:
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
         self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
-        self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (common/models/weight_only.py; gemv takes bf16)
+        self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (common/models/low_precision.py; gemv takes bf16)
         self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
+        self.pack_bf16_pairs, self.gemm_bf16 = ops.pack_bf16_pairs, ops.gemm_bf16  # the bf16-matmul layout
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -212,16 +213,17 @@ HELD = {
     "bf16": lambda lw: lw.low,
     "w8-panels": lambda lw: lw.low_panels,
     "bf16-panels": lambda lw: lw.low_panels,
+    "bf16-matmul": lambda lw: lw.low_panels,  # its bf16 pairs
 }
-# one stack runs one family of layouts: fp32's, or one weight-only format's (common/models/weight_only.py)
-FAMILIES = ({"rowblock", "panels"}, {"w8", "w8-panels"}, {"bf16", "bf16-panels"})
+# one stack runs one family of layouts: fp32's, or one low-precision format's (common/models/low_precision.py)
+FAMILIES = ({"rowblock", "panels"}, {"w8", "w8-panels"}, {"bf16", "bf16-panels"}, {"bf16-matmul"})
 
 
 class FusedLayers:
     """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
     decode batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of every
     layer is at that row count in the rowblock layout (the gemv) or the panels one (the panel GEMM),
-    or every one in w8, or every one in bf16 (the host's table may pick another layout: then the torch
+    or every one in w8, in bf16 or in bf16-matmul (the host's table may pick another layout: then the torch
     modules run). The weight list of each mix of layouts is built on first use: the weights stay where
     they are once the runner is built (weight_arena.place runs before the ops are attached)."""
 
@@ -242,7 +244,7 @@ class FusedLayers:
         per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
         down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
         w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored weight,
-        w8-panels / bf16-panels the panels of that (weight_only.py)."""
+        w8-panels / bf16-panels the panels of that, bf16-matmul its bf16 pairs (low_precision.py)."""
         if layouts not in self._weights:
             out, it = [], iter(layouts)
             for layer in self.layers:

@@ -36,9 +36,9 @@ from common.models.direct_call import DirectCall
 
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
 LAYOUTS = ("mkl", "onednn", "rowblock", "panels")
-# the weight-only formats' layouts (common/models/weight_only.py): each format's gemv, named as the format,
-# and its panel GEMM
-WEIGHT_ONLY_LAYOUTS = ("w8", "w8-panels", "bf16", "bf16-panels")
+# the low-precision formats' layouts (common/models/low_precision.py): the weight-only formats' gemv, named
+# as the format, and their panel GEMM; bf16-matmul's one
+LOW_PRECISION_LAYOUTS = ("w8", "w8-panels", "bf16", "bf16-panels", "bf16-matmul")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows r use the plan of the first bucket >= r (the last above)
 DEFAULT_PLAN = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)  # before tuning: the AMD host's choice
 GEMV_ROWS = 64  # the fused gemv serves rowblock up to this many rows (decode batches; prefill chunks: the bmm)
@@ -76,9 +76,10 @@ class LinearWeight:
         self.blocks = self.weight.view(parts, self.out_features // parts, self.in_features)
         self.plan = DEFAULT_PLAN
         self.gemv = None  # the fused CPU ops' gemv (cpu_fused.attach), or None: bmm
-        self.gemv_w8 = None  # their int8 gemv, for the w8 layout (common/models/weight_only.py)
+        self.gemv_w8 = None  # their int8 gemv, for the w8 layout (common/models/low_precision.py)
         self.panels = self.gemm = None  # the panels layout's copy and GEMM (set_panels), or None: F.linear
-        # a weight-only format's weight, w8's scale, the panels of the weight and the call (weight_only.py)
+        # a low-precision format's weight, w8's scale, the panels (or bf16 pairs) of the weight and the call
+        # (low_precision.py)
         self.low = self.low_scale = self.low_panels = self.low_run = None
 
     def relocate(self, weight: torch.Tensor) -> None:
@@ -115,7 +116,7 @@ class LinearWeight:
 
     def run(self, layout: str, x2: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, out] through one layout (tuning times this)."""
-        if layout in WEIGHT_ONLY_LAYOUTS:
+        if layout in LOW_PRECISION_LAYOUTS:
             return self.low_run(self, x2, residual, layout)
         if layout == "onednn" and torch.compiler.is_compiling():
             layout = "mkl"  # Inductor lowers a packed oneDNN linear only for weights it froze (compiled_layers.py)

@@ -1,8 +1,9 @@
-"""Weight-only linears on CPU (`--quantization w8 | bf16`, common/models/weight_only.py): the kernels and
-both paths of a linear equal the dequantized weight's float32 product. w8: a served model's greedy
-tokens agree with HF's float32 argmax wherever HF's top-2 gap is wide (int8 is not token-exact by
-design: the policy the bf16 tests use), and its logits stay close. bf16: widening is exact, so the
-served model is HF float32 with its linears' weights rounded to bf16, token for token."""
+"""Low-precision linears on CPU (`--quantization w8 | bf16 | bf16-matmul`, common/models/low_precision.py):
+the kernels and every layout of a linear equal the dequantized weight's float32 product (bf16-matmul:
+with the input rounded to bf16). w8: a served model's greedy tokens agree with HF's float32 argmax
+wherever HF's top-2 gap is wide (int8 is not token-exact by design: the policy the bf16 tests use), and
+its logits stay close. bf16: widening is exact, so the served model is HF float32 with its linears'
+weights rounded to bf16, token for token; bf16-matmul: the same with every linear's input rounded too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.forward.forward_batch import ForwardBatch
-from common.models import weight_only
+from common.models import low_precision
 from common.models.packed_linear import ROW_BUCKETS, LinearWeight, linear_weights
 from tests.decode_harness import Pair
 from tests.oracle import hf_model
@@ -25,7 +26,7 @@ NEW = 24
 
 
 def pinned(fmt: str, plan: str) -> tuple[str, ...]:
-    """A decode plan of one layout in every decode bucket (weight_only.set_plan): the format's gemv
+    """A decode plan of one layout in every decode bucket (low_precision.set_plan): the format's gemv
     (panels past GEMV_ROWS) or its panels."""
     if plan == "gemv":
         return (fmt,) * (len(ROW_BUCKETS) - 1) + (f"{fmt}-panels",)
@@ -37,7 +38,7 @@ def pinned(fmt: str, plan: str) -> tuple[str, ...]:
 def test_gemv_w8_is_the_dequantized_product(ops, rows, k):
     torch.manual_seed(rows * 1000 + k)
     w = torch.randn(96, k)
-    q, scale = weight_only.quantize_rows(w)
+    q, scale = low_precision.quantize_rows(w)
     assert q.dtype == torch.int8 and (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-6
     x, b, r = torch.randn(rows, k), torch.randn(96), torch.randn(rows, 96)
     ref = r.double() + x.double() @ (q.double() * scale.double()[:, None]).T + b.double()
@@ -70,32 +71,67 @@ def test_gemv_on_bf16_weights_is_the_widened_product(ops, rows, k):
     torch.testing.assert_close(ops.gemm_panels(x, panels, 96, b, r).double(), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", weight_only.FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 64, 100])
+@pytest.mark.parametrize("n,k", [(96, 576), (33, 40), (70, 2)])
+def test_gemm_bf16_is_the_product_of_the_rounded_input_and_does_not_depend_on_the_batch(ops, rows, n, k):
+    """The bf16 matmul (vdpbf16ps where the CPU has it, the weights widened in registers where not) equals
+    the float64 product of x rounded to bf16 with the bf16 weight, residual and bias added; far from the
+    product of the unrounded x (the rounding is applied); and each row's sums are the same bits alone as
+    in the batch (one order of summation over k whatever the tile)."""
+    torch.manual_seed(rows * 1000 + k)
+    w = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+    x, b, r = torch.randn(rows, k), torch.randn(n), torch.randn(rows, n)
+    pairs = ops.pack_bf16_pairs(w)
+    assert pairs.dtype == torch.bfloat16 and pairs.shape[1:] == (k // 2, pairs.shape[2], 2)
+    got = ops.gemm_bf16(x, pairs, n, b, r)
+    rounded = r.double() + x.to(torch.bfloat16).double() @ w.double().T + b.double()
+    torch.testing.assert_close(got.double(), rounded, rtol=1e-5, atol=1e-5)
+    unrounded = r.double() + x.double() @ w.double().T + b.double()
+    assert (got.double() - unrounded).abs().max() > 1e-4 * k**0.5
+    torch.testing.assert_close(ops.gemm_bf16(x, pairs, n, None, None).double(), rounded - r - b, rtol=1e-5, atol=1e-5)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(ops.gemm_bf16(x[i : i + 1], pairs, n, b, r[i : i + 1])[0], got[i])
+    with pytest.raises(RuntimeError, match="even K"):
+        ops.pack_bf16_pairs(torch.randn(n, k + 1).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.pack_bf16_pairs(w.float())
+    with pytest.raises(RuntimeError, match="K = x's"):
+        ops.gemm_bf16(torch.randn(rows, k + 2), pairs, n, None, None)
+
+
+@pytest.mark.parametrize("fmt", low_precision.FORMATS)
 @pytest.mark.parametrize("rows", [1, 9, 64, 65])
-def test_a_weight_only_linear_runs_both_paths_as_its_dequantized_weight(ops, fmt, rows):
-    """Each layout of the format (its gemv, its panels; past GEMV_ROWS the panels, and without them one
-    GEMM on a dequantized copy) is the float32 product with the dequantized weight (residual and bias
-    included); quantize plans one of the two per row bucket."""
+def test_a_low_precision_linear_runs_both_paths_as_its_dequantized_weight(ops, fmt, rows):
+    """Each layout of the format (w8 / bf16: its gemv, its panels, past GEMV_ROWS the panels;
+    bf16-matmul: its one) and, without the fused ops, one GEMM on a dequantized copy, is the float32
+    product with the dequantized weight (residual and bias included; bf16-matmul: of x rounded to
+    bf16); quantize plans the format's layouts per row bucket (w8 / bf16: timed)."""
     torch.manual_seed(rows)
-    lw = LinearWeight(torch.randn(64, 48), torch.randn(64))
+    lw, plain = (LinearWeight(torch.randn(64, 48), torch.randn(64)) for _ in range(2))
+    plain.weight.copy_(lw.weight)
+    plain.bias.copy_(lw.bias)
     lw.gemv, lw.gemv_w8 = ops.gemv, ops.gemv_w8
     lw.set_panels(ops)  # as the fused ops' attach leaves it: quantize drops the copy
     fp32 = lw.weight.clone()
-    assert weight_only.quantize([lw], fmt, ops) == 64 * 48 * weight_only.BYTES[fmt]
+    assert low_precision.quantize([lw], fmt, ops) == 64 * 48 * low_precision.BYTES[fmt]
+    assert low_precision.quantize([plain], fmt) == 64 * 48 * low_precision.BYTES[fmt]  # no fused ops
     assert lw.packed is None and lw.panels is None
-    assert set(lw.plan) <= {fmt, f"{fmt}-panels"} and lw.plan[-1] == f"{fmt}-panels"
-    assert lw.low.dtype == lw.low_panels.dtype == weight_only.DTYPES[fmt]
-    if fmt == "bf16":  # rounded to nearest: what torch's conversion gives, within half a bf16 ulp
-        assert torch.equal(weight_only.dequantized(lw), fp32.to(torch.bfloat16).float())
+    mine = low_precision.layouts(fmt)
+    assert set(lw.plan) <= set(mine) and lw.plan[-1] == mine[-1]
+    assert lw.low.dtype == lw.low_panels.dtype == low_precision.DTYPES[fmt]
+    if fmt != "w8":  # rounded to nearest: what torch's conversion gives, within half a bf16 ulp
+        assert torch.equal(low_precision.dequantized(lw), fp32.to(torch.bfloat16).float())
     x, res = torch.randn(rows, 48), torch.randn(rows, 64)
-    want = res + F.linear(x, weight_only.dequantized(lw), lw.bias)
+    x_in = x.to(torch.bfloat16).float() if fmt == "bf16-matmul" else x
+    want = res + F.linear(x_in, low_precision.dequantized(lw), lw.bias)
     torch.testing.assert_close(lw(x, res), want, rtol=1e-5, atol=1e-4)
-    for layout in (fmt, f"{fmt}-panels"):
+    torch.testing.assert_close(plain(x, res), want, rtol=1e-5, atol=1e-4)
+    for layout in mine:
         torch.testing.assert_close(lw.run(layout, x, res), want, rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="weight-only plan"):
-        weight_only.set_plan([lw], ("panels",) * len(ROW_BUCKETS))
+    with pytest.raises(ValueError, match="low-precision plan"):
+        low_precision.set_plan([lw], ("panels",) * len(ROW_BUCKETS))
     with pytest.raises(ValueError, match="must be one of"):
-        weight_only.quantize([lw], "int4")
+        low_precision.quantize([lw], "int4")
 
 
 def _hf_logits(path: str, ids: list[int]) -> torch.Tensor:
@@ -115,7 +151,7 @@ def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_cl
     weights = linear_weights(pair.worker.runner.model)
     assert pair.link.worker.runner.linear_table is None  # no fp32 layout table: the format's own plan
     assert all(set(w.plan) <= {"w8", "w8-panels"} for w in weights)
-    weight_only.set_plan(weights, pinned("w8", plan))
+    low_precision.set_plan(weights, pinned("w8", plan))
     counting = _count(pair.worker.runner)  # decode steps of 1-4 rows: the whole stack in one call, int8
     try:
         for i, p in enumerate(PROMPTS):
@@ -147,9 +183,10 @@ def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_cl
     assert (ours - ref).abs().max() < 0.15 * ref.std(), ((ours - ref).abs().max(), ref.std())
 
 
-def _hf_rounded(path: str):
+def _hf_rounded(path: str, inputs: bool = False):
     """HF float32 with every linear's weight (the lm_head's too, untied from the embedding, which stays
-    float32 as ours does) rounded to bf16: the model `--quantization bf16` serves."""
+    float32 as ours does) rounded to bf16: the model `--quantization bf16` serves; with `inputs` every
+    linear's input rounded to bf16 as well (a forward pre-hook): the model bf16-matmul serves."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -158,35 +195,49 @@ def _hf_rounded(path: str):
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(module.weight.to(torch.bfloat16).float())
+                if inputs:
+                    module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).float(),))
     return model
 
 
 @pytest.mark.parametrize(
-    "name,plan", [("llama", "gemv"), ("llama", "panels"), ("qwen2-tied", "gemv"), ("qwen3", "panels")]
+    "fmt,name,plan",
+    [
+        ("bf16", "llama", "gemv"),
+        ("bf16", "llama", "panels"),
+        ("bf16", "qwen2-tied", "gemv"),
+        ("bf16", "qwen3", "panels"),
+        ("bf16-matmul", "llama", None),
+        ("bf16-matmul", "qwen2-tied", None),
+        ("bf16-matmul", "qwen3", None),
+    ],
 )
-def test_served_bf16_tokens_equal_hf_fp32_with_the_rounded_weights(checkpoint, ops, name, plan):
-    """The pair with bf16 on both sides (prefill: its measured plan; decode pinned to the bf16 gemv or
-    the bf16 panel GEMM, its steps of 1-4 rows the whole stack in one call, each bf16 weight widened in
-    registers) decodes greedily, token for token as HF float32 generate with the same rounded weights;
-    and not as HF with the float32 weights everywhere (the rounding is really applied: the check is
-    not vacuous)."""
+def test_served_bf16_tokens_equal_hf_fp32_with_the_same_rounding(checkpoint, ops, fmt, name, plan):
+    """The pair with the format on both sides decodes greedily, token for token as HF float32 generate
+    with the same rounding: bf16 (prefill: its measured plan; decode pinned to the bf16 gemv or the bf16
+    panel GEMM, each bf16 weight widened in registers) as HF with its linears' weights rounded;
+    bf16-matmul (its one layout: the bf16 matmul) as HF with their inputs rounded too. Decode steps of
+    1-4 rows run the whole stack in one call. Not vacuous: the oracle's logits differ from HF float32's
+    (bf16-matmul: from the weight-rounded model's too)."""
     path = checkpoint(name)
-    pair = Pair(path, quantization="bf16")
+    pair = Pair(path, quantization=fmt)
     weights = linear_weights(pair.worker.runner.model)
-    measured = weights[0].plan  # what quantize timed here: one plan for all, the panels past GEMV_ROWS
-    assert all(w.plan == measured for w in weights) and set(measured) <= {"bf16", "bf16-panels"}
-    assert measured[-1] == "bf16-panels"
-    weight_only.set_plan(weights, pinned("bf16", plan))
+    measured = weights[0].plan  # what quantize planned here: one plan for all, the panels past GEMV_ROWS
+    assert all(w.plan == measured for w in weights) and set(measured) <= set(low_precision.layouts(fmt))
+    assert measured[-1] == low_precision.layouts(fmt)[-1]
+    if plan is not None:
+        low_precision.set_plan(weights, pinned(fmt, plan))
     counting = _count(pair.worker.runner)
     try:
         for i, p in enumerate(PROMPTS):
             pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
         pair.wait([str(i) for i in range(len(PROMPTS))])
         assert all(w.low.dtype == torch.bfloat16 and w.low_panels.dtype == torch.bfloat16 for w in weights)
+        assert all(w.low_panels.dim() == (4 if fmt == "bf16-matmul" else 3) for w in weights)
         assert counting.calls > 0
     finally:
         pair.close()
-    hf = _hf_rounded(path)
+    hf = _hf_rounded(path, inputs=fmt == "bf16-matmul")
     rounded_logits = []
     for i, p in enumerate(PROMPTS):
         with torch.inference_mode():
@@ -198,9 +249,14 @@ def test_served_bf16_tokens_equal_hf_fp32_with_the_rounded_weights(checkpoint, o
     moved = max((a - _hf_logits(path, p + pair.out.tokens[str(i)])).abs().max() for i, (p, a) in
                 enumerate(zip(PROMPTS, rounded_logits)))  # fmt: skip
     assert moved > 1e-4  # the rounded model's logits differ from fp32's: the oracle saw the rounding
+    if fmt == "bf16-matmul":  # and the rounded inputs move them beyond the rounded weights alone
+        weights_only = _hf_rounded(path)
+        with torch.inference_mode():
+            p = PROMPTS[1] + pair.out.tokens["1"]
+            assert (weights_only(torch.tensor([p])).logits[0] - rounded_logits[1]).abs().max() > 1e-4
 
 
-def test_weight_only_is_refused_where_it_does_not_apply(checkpoint):
+def test_low_precision_is_refused_where_it_does_not_apply(checkpoint):
     path = checkpoint("llama")
     with pytest.raises(ValueError, match="--quantization must be one of"):
         ModelRunner(RunnerArgs(path, max_total_tokens=64, max_running_requests=1, quantization="int4"))
@@ -210,3 +266,5 @@ def test_weight_only_is_refused_where_it_does_not_apply(checkpoint):
         ModelRunner(
             RunnerArgs(path, max_total_tokens=64, max_running_requests=1, quantization="bf16", torch_compile_max_bs=1)
         )
+    with pytest.raises(ValueError, match="in-features must be even"):  # its products go by pairs of k
+        low_precision.quantize([LinearWeight(torch.randn(8, 5))], "bf16-matmul")

@@ -1,28 +1,40 @@
-"""Weight-only low-precision linears on CPU (`--quantization w8 | bf16`): fewer bytes for a decode step to stream.
+"""Low-precision linears on CPU (`--quantization w8 | bf16 | bf16-matmul`): fewer bytes for a decode step
+to stream, and with bf16-matmul half the instructions of a many-row GEMM.
 
 A batch-1 decode step on CPU reads every weight once, so its floor is the weight bytes over the memory
 bandwidth (bench/floor.py): fp32 streams 4 bytes per parameter. Here each linear's [out, in] weight is
-stored in one of two formats, and activations (and so the KV cache) stay float32:
-- `w8`: int8 with a float32 scale per output row (its absmax / 127, rounded to nearest): 1 byte;
-- `bf16`: the weight rounded to bfloat16 (to nearest even): 2 bytes. Widening bf16 to float is exact,
-  so a bf16 linear computes exactly what float32 computes with the rounded weight: the model is the fp32
-  model with its linears' weights rounded, and nothing else changes.
-With the fused CPU ops each format has two layouts: the gemv, named as the format (`w8`: `gemv_w8`,
+stored in one of three formats; norms, attention, the residual stream and the KV cache stay float32:
+- `w8`: int8 with a float32 scale per output row (its absmax / 127, rounded to nearest): 1 byte,
+  weight-only (the linears' inputs float32);
+- `bf16`: the weight rounded to bfloat16 (to nearest even): 2 bytes, weight-only. Widening bf16 to
+  float is exact, so a bf16 linear computes exactly what float32 computes with the rounded weight: the
+  model is the fp32 model with its linears' weights rounded, and nothing else changes;
+- `bf16-matmul`: the bf16 weight, and each linear's input rounded to bf16 too: every product bf16 x bf16
+  (exact in float32), summed in float32: the model is the fp32 model with its linears' weights and inputs
+  rounded. What it buys is arithmetic: at the rows of a large decode batch or a prefill chunk a linear
+  is bound by multiply-adds, not bytes, and AVX512-BF16's `vdpbf16ps` does two per lane per instruction
+  (SmolLM2's linears at 64 rows on a 2-core AMD Zen 4: 36 ms, against 72-75 ms for the fp32 and bf16
+  panels); at one row it streams the bf16 bytes as the bf16 gemv does.
+With the fused CPU ops w8 and bf16 have two layouts each: the gemv, named as the format (`w8`: `gemv_w8`,
 `bf16`: `gemv` on the bf16 rows; the stored rows streamed and widened in registers once per 4 rows,
 common/kernels/cpu_gemv.cpp), and `w8-panels` / `bf16-panels` (the panel GEMM on panels of the stored
 weights, widening as it loads, w8's scale applied per output: common/kernels/cpu_gemm.cpp). `quantize`
 times both over the model's linears per row bucket up to GEMV_ROWS on this host (best of ROUNDS
 interleaved rounds, ~1.5 s for SmolLM2; on a 2-core AMD Zen 4 the gemv won at 1-2 rows by 1.6-2.1x, the
 panels from 8 rows for bf16 and from 4 for w8 by 1.1-1.3x) and plans the faster; above GEMV_ROWS the
-panels. Without the fused ops a float32 copy made for the call feeds one GEMM (its cost shared by the rows).
+panels. bf16-matmul has one layout, named as the format, at every row count: the bf16 matmul on pairs
+of k (common/kernels/cpu_bf16.cpp), whose sums do not depend on the batch's rows; where the CPU lacks
+AVX512-BF16 it widens the weights in registers instead (the bf16 panels' speed, the same sums).
+Without the fused ops a float32 copy made for the call feeds one GEMM (its cost shared by the rows).
 `quantize(weights, fmt)` converts the runner's LinearWeights in place (the lm_head too: it is a fifth of
 SmolLM2's bytes; a tied embedding stays fp32 for the lookup), after the fp32 arena is placed; the stored
 weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py). No fp32 layout
 tuning: decode batches run the whole-stack fused step in the format's layouts, and the greedy head is
 off (it would read an fp32 copy).
-Accuracy: not token-exact with fp32 by design; tests/test_weight_only.py checks w8's logits against HF
-fp32 and greedy agreement where HF's top-2 gap is wide, bf16 token for token against HF fp32 with the
-same rounded weights, and the quality benchmark compares answers with fp32's.
+Accuracy: not token-exact with fp32 by design; tests/test_low_precision.py checks w8's logits against HF
+fp32 and greedy agreement where HF's top-2 gap is wide, bf16 and bf16-matmul token for token against HF
+fp32 with the same rounding of weights (and, for bf16-matmul, of every linear's input), and the quality
+benchmark compares answers with fp32's.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from common.models.packed_linear import ROW_BUCKETS, LinearWeight
-from common.models.packed_linear import WEIGHT_ONLY_LAYOUTS as LAYOUTS
+from common.models.packed_linear import LOW_PRECISION_LAYOUTS as LAYOUTS
 from common.models.weight_arena import hugepage_empty
 
 log = logging.getLogger(__name__)
@@ -44,10 +56,11 @@ log = logging.getLogger(__name__)
 # 108 / 134 / 176 in fp32 MKL (2-core AMD EPYC, AVX2, 2026-11-27): the gemv serves every decode batch up to
 # 64 rows
 GEMV_ROWS = 64
-FORMATS = ("w8", "bf16")
+FORMATS = ("w8", "bf16", "bf16-matmul")
 ROUNDS = 3
-BYTES = {"w8": 1, "bf16": 2}
-DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16}
+BYTES = {"w8": 1, "bf16": 2, "bf16-matmul": 2}
+DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16, "bf16-matmul": torch.bfloat16}
+MATMUL = "bf16-matmul"  # the format (and layout) whose linears round their inputs too
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +83,9 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
     """Convert `weights` to `fmt` in place (one arena for all) and plan their layouts (with the fused CPU
     ops `ops`: timed here, see the module's docstring); returns the stored weights' bytes."""
     if fmt not in FORMATS:
-        raise ValueError(f"weight-only format must be one of {FORMATS}, got {fmt!r}")
+        raise ValueError(f"low-precision format must be one of {FORMATS}, got {fmt!r}")
+    if fmt == MATMUL and any(w.in_features % 2 for w in weights):
+        raise ValueError(f"{fmt}: every linear's in-features must be even (its products go by pairs of k)")
     parts = [stored(w.weight, fmt) for w in weights]
     total = sum(q.numel() for q, _ in parts)
     arena = hugepage_empty(-(-total * BYTES[fmt] // 4)).view(DTYPES[fmt])[:total]
@@ -80,20 +95,27 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
         w.low.copy_(q)
         w.low_scale, w.low_run = scale, run
         w.low_panels = None
-        if ops is not None:
+        if ops is not None and fmt == MATMUL:
+            w.low_panels, w.gemm = ops.pack_bf16_pairs(w.low), ops.gemm_bf16
+        elif ops is not None:
             w.low_panels, w.gemm = ops.pack_panels(w.low), ops.gemm_panels
         start += q.numel()
         w.packed = w.panels = None  # the oneDNN and panel copies' memory back
         w.plan = (fmt,) * len(ROW_BUCKETS)
-    if ops is not None:
+    if ops is not None and fmt != MATMUL:
         set_plan(weights, timed_plan(weights, fmt))
     return total * BYTES[fmt]
+
+
+def layouts(fmt: str) -> tuple[str, ...]:
+    """`fmt`'s layouts: the weight-only formats' gemv and panels, bf16-matmul's one."""
+    return (fmt,) if fmt == MATMUL else (fmt, f"{fmt}-panels")
 
 
 def set_plan(weights: list[LinearWeight], plan: tuple[str, ...]) -> None:
     """Every weight in `plan` (a layout of LAYOUTS per row bucket; tests pin one this way)."""
     if len(plan) != len(ROW_BUCKETS) or not set(plan) <= set(LAYOUTS):
-        raise ValueError(f"a weight-only plan names one of {LAYOUTS} per row bucket {ROW_BUCKETS}, got {plan}")
+        raise ValueError(f"a low-precision plan names one of {LAYOUTS} per row bucket {ROW_BUCKETS}, got {plan}")
     for w in weights:
         w.plan = tuple(plan)
 
@@ -101,23 +123,23 @@ def set_plan(weights: list[LinearWeight], plan: tuple[str, ...]) -> None:
 def timed_plan(weights: list[LinearWeight], fmt: str) -> tuple[str, ...]:
     """Per row bucket up to GEMV_ROWS, the faster of `fmt`'s gemv and its panels through all `weights` in
     turn (each from memory, as in a forward; best of ROUNDS interleaved rounds); the panels above."""
-    layouts = (fmt, f"{fmt}-panels")
+    gemv, panels = layouts(fmt)
     plan, lines, begin = [], [], time.perf_counter()
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
             if rows > GEMV_ROWS:
-                plan.append(layouts[1])
+                plan.append(panels)
                 continue
             xs = {k: torch.randn(rows, k) for k in {w.in_features for w in weights}}
             best = {}
             for r in range(ROUNDS):
-                for layout in layouts[:: 1 if r % 2 else -1]:
+                for layout in (gemv, panels)[:: 1 if r % 2 else -1]:
                     start = time.perf_counter()
                     for w in weights:
                         w.run(layout, xs[w.in_features])
                     best[layout] = min(best.get(layout, float("inf")), time.perf_counter() - start)
             plan.append(min(best, key=best.get))
-            lines.append(f"{rows}: gemv {1e3 * best[layouts[0]]:.1f} / panels {1e3 * best[layouts[1]]:.1f}")
+            lines.append(f"{rows}: gemv {1e3 * best[gemv]:.1f} / panels {1e3 * best[panels]:.1f}")
     log.info("%s linears, ms per pass of all at each row bucket (%.1f s): %s; plan %s", fmt,
              time.perf_counter() - begin, ", ".join(lines), ", ".join(plan))  # fmt: skip
     return tuple(plan)
@@ -129,11 +151,16 @@ def dequantized(w: LinearWeight) -> torch.Tensor:
 
 
 def run(w: LinearWeight, x2: torch.Tensor, residual: torch.Tensor | None, layout: str | None = None) -> torch.Tensor:
-    """[rows, out] = residual + x2 @ dequantized(w).T + bias, in `layout` (LAYOUTS; default: the format's gemv)."""
+    """[rows, out] = residual + x2 @ dequantized(w).T + bias, in `layout` (LAYOUTS; default: the format's gemv);
+    in bf16-matmul x2 rounded to bf16 first."""
     rows = x2.shape[0]
-    if layout is not None and layout.endswith("-panels") and w.low_panels is not None and w.gemm is not None:
+    if layout == MATMUL and w.low_panels is not None and w.gemm is not None:
+        return w.gemm(x2.contiguous(), w.low_panels, w.out_features, w.bias, residual)
+    if layout == MATMUL:  # no fused ops: the rounded input through one GEMM
+        x2 = x2.to(torch.bfloat16).float()
+    elif layout is not None and layout.endswith("-panels") and w.low_panels is not None and w.gemm is not None:
         return w.gemm(x2.contiguous(), w.low_panels, w.out_features, w.bias, residual, w.low_scale)
-    if rows <= GEMV_ROWS:
+    elif rows <= GEMV_ROWS:
         if w.low_scale is not None and w.gemv_w8 is not None:
             return w.gemv_w8(x2.contiguous(), w.low, w.low_scale, w.bias, residual)
         if w.low_scale is None and w.gemv is not None:

@@ -1,0 +1,176 @@
+// The bf16 matmul of the fused CPU ops (`--quantization bf16-matmul`, common/models/weight_only.py;
+// registered in cpu_fused.cpp): a linear whose products are bf16 x bf16, summed in float32.
+//   pack_bf16_pairs(w [N, K] bf16, K even)  -> [ceil(N / P), K / 2, P, 2]: panels of P output columns
+//     (P = two SIMD vectors, as cpu_gemm.cpp's), each k-pair-major: for k = 2i, 2i + 1 the P columns'
+//     two weights side by side, (w[c, 2i], w[c, 2i + 1]) as one 32-bit lane; the last panel zero-padded;
+//   gemm_bf16(x [R, K] float32, pairs, N, bias?, residual?) -> residual + bf16(x) @ w.T + bias [R, N],
+//     bf16(x): x rounded to bf16 to nearest even (as torch's x.bfloat16()).
+// Per lane and k pair a tile adds w[2i + 1] x[2i + 1], then w[2i] x[2i], to a float32 sum, in k order:
+// with AVX512-BF16 one `vdpbf16ps` per vector does both (what the instruction computes: two fused
+// multiply-adds, odd then even), twice the multiply-adds of an fp32 FMA per instruction and half the weight
+// bytes (on a 2-core AMD Zen 4, SmolLM2's linears at 64 rows: 36 ms, the fp32 panels 72). Elsewhere
+// (AVX-512 without it, AVX2, one lane) the same two FMAs on the weights widened in registers: the same
+// sums, at the bf16 panels' speed. A bf16 x bf16 product is exact in float32, so both paths differ only
+// where vdpbf16ps flushes denormal inputs and outputs to zero.
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "cpu_common.h"
+
+namespace disagg_cpu {
+
+// 2T accumulators + 2 weight vectors + the broadcast x within the registers: 32 on AVX-512; AVX2's 16
+// hold 4 rows with the fallback's 4 widened weight vectors and 2 x
+constexpr int kPairRows = kLanes == 16 ? 12 : 4;
+constexpr int64_t kPairChunk = 16 * kPairRows;  // x rows per pass over a thread's panels
+constexpr int64_t kPairBytes = 2 * kPanel * sizeof(uint16_t);  // a panel's weights of one k pair
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kDotBf16 = true;  // x groups hold the rows' bf16 pairs: [K / 2, kPairRows] of 32 bits
+#else
+constexpr bool kDotBf16 = false;  // x groups hold the rows' rounded floats: [K, kPairRows]
+// kLanes lanes of (even, odd) bf16 weights widened to float: even in the low 16 bits of each 32-bit lane
+inline void vload_pairs(const uint16_t* p, vec& even, vec& odd) {
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+#else
+  even = static_cast<float>(c10::BFloat16(p[0], c10::BFloat16::from_bits()));
+  odd = static_cast<float>(c10::BFloat16(p[1], c10::BFloat16::from_bits()));
+#endif
+}
+#endif
+
+// out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of the x group against one pair panel
+template <int T>
+inline void pair_tile(const float* x, const uint16_t* panel, const float* bias, const float* residual, float* out,
+                      int64_t n, int64_t k2, int64_t col0, const uint16_t* next) {
+  vec acc[T][2];
+  for (int r = 0; r < T; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t i = 0; i < k2; ++i) {
+    const uint16_t* w = panel + i * 2 * kPanel;
+    if (next != nullptr)
+      for (int64_t b = 0; b < kPairBytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(next + i * 2 * kPanel) + b);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 2 * kLanes);
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(x) + i * kPairRows;
+    for (int r = 0; r < T; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+    }
+#else
+    vec e0, o0, e1, o1;
+    vload_pairs(w, e0, o0);
+    vload_pairs(w + 2 * kLanes, e1, o1);
+    const float* xe = x + 2 * i * kPairRows;
+    const float* xo = xe + kPairRows;
+    for (int r = 0; r < T; ++r) {
+      const vec ve = vset1(xe[r]), vo = vset1(xo[r]);
+      acc[r][0] = vfma(e0, ve, vfma(o0, vo, acc[r][0]));
+      acc[r][1] = vfma(e1, ve, vfma(o1, vo, acc[r][1]));
+    }
+#endif
+  }
+  const int64_t cols = std::min<int64_t>(kPanel, n - col0);
+  for (int r = 0; r < T; ++r) {
+    float sums[kPanel];
+    vstore(sums, acc[r][0]);
+    vstore(sums + kLanes, acc[r][1]);
+    for (int64_t c = 0; c < cols; ++c) {
+      float v = sums[c];
+      if (bias != nullptr) v += bias[col0 + c];
+      if (residual != nullptr) v += residual[r * n + col0 + c];
+      out[r * n + col0 + c] = v;
+    }
+  }
+}
+
+// the rows left after the full tiles: one tile of `left` (< T) rows
+template <int T>
+inline void pair_rest(int64_t left, const float* x, const uint16_t* panel, const float* bias, const float* residual,
+                      float* out, int64_t n, int64_t k2, int64_t col0, const uint16_t* next) {
+  if constexpr (T > 0) {
+    if (left == T) return pair_tile<T>(x, panel, bias, residual, out, n, k2, col0, next);
+    pair_rest<T - 1>(left, x, panel, bias, residual, out, n, k2, col0, next);
+  }
+}
+
+at::Tensor pack_bf16_pairs(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.is_contiguous(),
+              "pack_bf16_pairs: w: contiguous CPU bfloat16 [N, K] expected");
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(k % 2 == 0, "pack_bf16_pairs: an even K expected, got ", k);
+  at::Tensor out = at::zeros({panels, k / 2, kPanel, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  parallel_range(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i) dst[((p * (k / 2) + i / 2) * kPanel + c) * 2 + i % 2] = src[(p * kPanel + c) * k + i];
+  });
+  return out;
+}
+
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && pairs.dim() == 4, "gemm_bf16: x [R, K], pairs [N / P, K / 2, P, 2]");
+  check_f32(x, "gemm_bf16: x");
+  TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.device().is_cpu() && pairs.is_contiguous(),
+              "gemm_bf16: pairs: contiguous CPU bfloat16 expected");
+  const int64_t rows = x.size(0), k = x.size(1), k2 = k / 2, count = pairs.size(0);
+  TORCH_CHECK(k % 2 == 0 && pairs.size(1) == k2 && pairs.size(2) == kPanel && pairs.size(3) == 2,
+              "gemm_bf16: pairs of this build's pack_bf16_pairs, K = x's");
+  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count, "gemm_bf16: N does not match the pairs");
+  const Addends add = checked_addends(bias, residual, rows, n, "gemm_bf16: bias / residual");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* px = x.data_ptr<float>();
+  // x's rows rounded to bf16, in groups of kPairRows, k-major: with vdpbf16ps each k pair's two bf16 in one
+  // 32-bit lane per row ([K / 2, kPairRows]), else the rounded floats ([K, kPairRows])
+  const int64_t groups = (rows + kPairRows - 1) / kPairRows;
+  at::Tensor packed = at::zeros({groups, k, kPairRows}, x.options());  // zeros: a short group's rows
+  float* pxp = packed.data_ptr<float>();
+  parallel_range(0, groups, grain_for(k * kPairRows), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < kPairRows && g * kPairRows + r < rows; ++r) {
+        const float* row = px + (g * kPairRows + r) * k;
+        if constexpr (kDotBf16) {
+          uint32_t* dst = reinterpret_cast<uint32_t*>(pxp + g * k * kPairRows);
+          for (int64_t i = 0; i < k2; ++i)
+            dst[i * kPairRows + r] = static_cast<uint32_t>(c10::BFloat16(row[2 * i]).x) |
+                                     static_cast<uint32_t>(c10::BFloat16(row[2 * i + 1]).x) << 16;
+        } else {
+          for (int64_t i = 0; i < k; ++i)
+            pxp[(g * k + i) * kPairRows + r] = static_cast<float>(c10::BFloat16(row[i]));
+        }
+      }
+  });
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
+  const float* pb = add.bias_data();
+  const float* pr = add.residual_data();
+  float* po = out.data_ptr<float>();
+  parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kPairChunk) {
+      const int64_t r1 = std::min(rows, r0 + kPairChunk);
+      for (int64_t p = begin; p < end; ++p) {
+        const uint16_t* panel = pp + p * k * kPanel;
+        const uint16_t* next = p + 1 < end ? panel + k * kPanel : nullptr;
+        int64_t r = r0;
+        for (; r + kPairRows <= r1; r += kPairRows, next = nullptr)
+          pair_tile<kPairRows>(pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k2,
+                               p * kPanel, next);
+        pair_rest<kPairRows - 1>(r1 - r, pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n,
+                                 k2, p * kPanel, next);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace disagg_cpu
