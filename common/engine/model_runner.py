@@ -19,7 +19,7 @@ from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
 from common.forward import intra_op
 from common.forward.forward_batch import ForwardBatch
-from common.models import compiled_layers, cpu_fused, linear_tuning, packed_linear, weight_arena, low_precision
+from common.models import compiled_layers, cpu_fused, linear_tuning, low_precision, packed_linear, weight_arena
 from common.models.config import ModelConfig, load_model_config
 from common.models.expert_load import ExpertLoad
 from common.models.loader import load_model, resolve_dtype

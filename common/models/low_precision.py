@@ -45,8 +45,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common.models.packed_linear import ROW_BUCKETS, LinearWeight
 from common.models.packed_linear import LOW_PRECISION_LAYOUTS as LAYOUTS
+from common.models.packed_linear import ROW_BUCKETS, LinearWeight
 from common.models.weight_arena import hugepage_empty
 
 log = logging.getLogger(__name__)
