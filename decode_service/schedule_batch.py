@@ -87,9 +87,12 @@ class ScheduleBatch:
         self.kv_committed_lens_cpu = self.kv_committed_lens_cpu + 1
         self.kv_committed_lens = self.kv_committed_lens + 1
 
-    def filter_unfinished(self) -> ScheduleBatch:
-        """The batch less its finished requests and those retracted meanwhile (no longer RUNNING)."""
-        keep = [i for i, r in enumerate(self.reqs) if not r.finished and r.state == ReqState.RUNNING]
+    def filter_unfinished(self, ending: frozenset[int] = frozenset()) -> ScheduleBatch:
+        """The batch less its finished requests, those retracted meanwhile (no longer RUNNING) and those
+        in `ending` (ids of requests whose last token the step in flight computes)."""
+        keep = [
+            i for i, r in enumerate(self.reqs) if not r.finished and r.state == ReqState.RUNNING and id(r) not in ending
+        ]
         if len(keep) == len(self.reqs):
             return self
         out = ScheduleBatch.__new__(ScheduleBatch)

@@ -27,8 +27,10 @@ Life of a request (queues named as in the code):
      to what the step may write, retracting requests when the pool runs dry: kv_growth.py), hand it to the worker
      as a frozen WorkerBatch (a plain step, or with EAGLE a chain or tree step), bump
      kv_committed_lens, and only then process step N's results: append tokens, stream, finish (EOS
-     unless ignore_eos, stop_token_ids, max_new_tokens) and release. A request finished at N still
-     rides in N+1; its result is skipped, never released twice. With EAGLE a step commits accept_len
+     unless ignore_eos, stop_token_ids, max_new_tokens) and release. A request whose step N computes
+     its max_new_tokens-th token is left out of N+1 (known when N+1 is built: a lane of wasted work, and
+     at one request a step that a new arrival would wait behind); one finished at N otherwise (EOS, a
+     stop) still rides in N+1; its result is skipped, never released twice. With EAGLE a step commits accept_len
      tokens per request and kv_committed_lens are not bumped: the next build resolves them from the
      step's publish (`worker.resolve_kv_committed_lens_cpu`, FutureMap invariant 3).
   6. release: free KV slots and the request slot exactly once (with n > 1 the prompt's slots go with
@@ -226,7 +228,7 @@ class DecodeScheduler:
         """One iteration; returns False when there was nothing to do."""
         self.process_input_requests()
         self.pop_preallocated()
-        running = self.running_batch.filter_unfinished()
+        running = self.running_batch.filter_unfinished(self._ending())
         if self.spec and len(running):  # EAGLE: lengths come from the last step's publish (invariant 3)
             running.set_kv_committed_lens(self.worker.resolve_kv_committed_lens_cpu(running.req_pool_indices))
         batch = running.merge(self.get_new_prebuilt_batch())
@@ -247,6 +249,13 @@ class DecodeScheduler:
             self.process_batch_result(done)
             self.books.settled(done.result.step)
         return launched is not None or done is not None
+
+    def _ending(self) -> frozenset[int]:
+        """With overlap (no EAGLE: one token per step), the requests whose step in flight computes their
+        last token by max_new_tokens: the next step leaves them out (their results are still processed)."""
+        if not self.overlap or self.spec or self.last_launched is None:
+            return frozenset()
+        return frozenset(id(r) for r in self.last_launched.reqs if len(r.output_ids) + 1 >= r.params.max_new_tokens)
 
     # ---- stages -----------------------------------------------------------------------------------
     def process_input_requests(self) -> None:

@@ -300,13 +300,16 @@ def test_6_planted_second_gather_in_the_scheduler_trips(checkpoint):
 
 
 def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
-    """B takes A's row and KV while A's wasted last lane is still in flight: B's writes must wait."""
+    """B takes A's row and KV while A's wasted last lane is still in flight: B's writes must wait. A ends
+    on a stop token (its sixth), which the scheduler sees only after launching the next step."""
     from tests.decode_harness import Hooks
 
     path = checkpoint("llama")
+    ref = hf_greedy(path, [5, 6, 7], 6)
+    assert ref[5] not in ref[:5]  # the sixth token is the first of its kind: it ends A there
     order, latch, threads = [], threading.Event(), {}
     hooks = Hooks()
-    pair = ManualPair(path, hooks=hooks, decode_reqs=1, decode_tokens=3 + 6)
+    pair = ManualPair(path, hooks=hooks, decode_reqs=1, decode_tokens=3 + 8)
     sched = pair.scheduler
     write = sched.worker.runner.req_to_token_pool.write
 
@@ -316,11 +319,11 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
         write(idx, start, slots)
 
     sched.worker.runner.req_to_token_pool.write = logged_write
-    pair.submit("A", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    pair.submit("A", [5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=(ref[5],)))
     sched.step()
     pair.prefill()
 
-    def before_forward(step):  # step 6 is A's wasted lane, launched as A finishes
+    def before_forward(step):  # step 6 is A's wasted lane, launched before A's stop token is seen
         if step == 6:
             latch.wait(GUARD_S)  # released by the test below; the bound only ends a hang
         threads["forward"] = threading.current_thread()
@@ -330,8 +333,8 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     while "A" not in pair.out.reasons:
         sched.step()
     assert sched.step_count == 6 and ("forward", 6) not in order
-    a_slots = sched.worker.runner.req_to_token_pool.req_to_token[1, :9].clone()
-    pair.submit("B", [8, 9, 10], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    a_slots = sched.worker.runner.req_to_token_pool.req_to_token[1, :11].clone()
+    pair.submit("B", [8, 9, 10], SamplingParams(max_new_tokens=8, ignore_eos=True))
     sched.process_input_requests()
     sched.pop_preallocated()
     pair.prefill()
@@ -340,7 +343,7 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     # no wait here: the schedule side has returned, so a write it made on its own thread is in `order`
     # by now; one handed to any thread but the forward stream's is caught below by the thread it ran on
     assert ("row write", 1) not in order[1:], "B's row was written while the previous forward was in flight"
-    assert torch.equal(sched.worker.runner.req_to_token_pool.req_to_token[1, :9], a_slots)
+    assert torch.equal(sched.worker.runner.req_to_token_pool.req_to_token[1, :11], a_slots)
     latch.set()
     pair.close()
     # on CPU the forward stream is one thread running work in submission order (streams.py): B's row
@@ -348,8 +351,8 @@ def test_7_slot_reuse_is_ordered_after_the_in_flight_forward(checkpoint):
     # unordered with forward 6's reads, whatever the timing
     assert all(t is threads["forward"] for t in threads["row writes"]), [t.name for t in threads["row writes"]]
     assert order.index(("row write", 1), 1) > order.index(("forward", 6))
-    assert pair.out.tokens["A"] == hf_greedy(path, [5, 6, 7], 6)
-    assert pair.out.tokens["B"] == hf_greedy(path, [8, 9, 10], 6)
+    assert pair.out.tokens["A"] == ref and pair.out.reasons["A"] == "stop"
+    assert pair.out.tokens["B"] == hf_greedy(path, [8, 9, 10], 8)
 
 
 def test_8_prebuilt_batch_seeds_future_rows(checkpoint):

@@ -211,9 +211,20 @@ def test_overlap_processes_step_n_after_launching_step_n_plus_1():
     assert [op[1] for op in d.worker.log if op[0] == "forward"] == [1, 2]
     assert d.tokens["a"] == d.expected("a", 2)
     d.run()
-    # "a" finished at step 3; it still rode in step 4, whose result was skipped
-    assert [op[1] for op in d.worker.log if op[0] == "forward"] == [1, 2, 3, 4]
+    # "a" reached max_new_tokens at step 3: known when step 4 would have been built, so no step 4
+    assert [op[1] for op in d.worker.log if op[0] == "forward"] == [1, 2, 3]
     assert d.tokens["a"] == d.expected("a", 4)
+
+
+def test_overlap_a_request_ended_by_a_stop_token_rides_one_wasted_lane():
+    """A stop token is seen only when its step is processed, after the next step was launched: that
+    lane's result is skipped (nothing past the stop is streamed) and the request is released once."""
+    d = Driver(overlap=True)
+    d.submit("b", max_new=8, stop_token_ids=(token_of("b", 2),))
+    d.run()
+    assert d.tokens["b"] == d.expected("b", 3) and d.reasons["b"] == "stop"
+    assert [op[1] for op in d.worker.log if op[0] == "forward"] == [1, 2, 3]  # step 3: the wasted lane
+    assert [op for op in d.worker.log if op[0] == "release"] == [("release", 1)]
 
 
 def test_without_overlap_each_step_is_processed_before_the_next_launch():
