@@ -200,7 +200,9 @@ def main(argv=None) -> None:
     parser.add_argument("--linear-layout", default="auto")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument(
-        "--variants", default="eager,fused", help="ours: eager, fused, compiled, w8, bf16, bf16-matmul (comma-separated)"
+        "--variants",
+        default="eager,fused",
+        help="ours: eager, fused, compiled, w8, bf16, bf16-matmul (comma-separated)",
     )
     parser.add_argument("--op-count", action="store_true", help="print each runner's ops per decode forward")
     args = parser.parse_args(argv)

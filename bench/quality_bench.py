@@ -103,12 +103,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m bench.quality_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
-    p.add_argument("--engines", default="ours,ours-w8,ours-bf16,ours-bf16-matmul,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4")
+    p.add_argument(
+        "--engines", default="ours,ours-w8,ours-bf16,ours-bf16-matmul,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4"
+    )
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--vllm-dtype", default="float32")
     args = p.parse_args(argv)
     args.concurrency, args.input_len, args.output_len = "1", 64, args.max_tokens  # what peers_bench.start reads
-    args.decode_flags = ""
+    args.decode_flags = args.pair_flags = ""
     from transformers import AutoTokenizer
 
     rows, answers = [], {}

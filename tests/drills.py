@@ -42,6 +42,7 @@ DRILLS = {
     "tests/test_prefill_replicas.py::test_killing_prefill_processes_mid_handoff": "kill mid-handoff",
     "tests/test_real_model.py": "SmolLM2-135M converted and served",
     "tests/test_cpu_fused_build.py::test_sigterm_mid_build_then_a_restart_builds": "a build killed, two builds",
+    "tests/test_kernel_isas.py": "the fused kernels built for the lesser ISAs the host runs (~20 s a build)",
     "tests/test_smg_structured.py": "SmolLM2-135M behind smg: structured output (~70 s)",
     "tests/test_openai_api.py::test_smg_over_http": "smg in front of decode's OpenAI API (a gateway process)",
     "tests/test_faults.py::test_300_requests_with_injected_faults_and_cancels": "a fault soak (~30 s; the other "

@@ -1,0 +1,84 @@
+"""The fused CPU kernels built for the lesser ISAs this host can run, as hosts with less would build them.
+
+`-march=native` (common/models/cpu_fused.py) compiles one of several forms of every kernel: AVX-512,
+AVX-512 with BF16's `vdpbf16ps` (the bf16 matmul), AVX2 + FMA, or one lane. CI lands on hosts of every
+shape, and each tests only its own form; here each lesser form this host can run (one lane, AVX2, and
+on an AVX-512 host AVX-512 without BF16) is built into a folder of its own, in a subprocess (a library
+registers its ops once per process), and checked: the bf16 matmul gives the same bits as its float32
+definition (per k pair the odd product, then the even one, added in k order), and the gemv and panel
+GEMM on fp32 / bf16 / int8 weights equal the float64 product. ~20 s a build on 2 cores: a drill.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _host_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+
+
+def lesser_isas() -> list[str]:
+    """The -march values below this host's own that it can run."""
+    flags = _host_flags()
+    isas = ["x86-64"]
+    if {"avx2", "fma"} <= flags:
+        isas.append("haswell")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= flags:
+        isas.append("skylake-avx512")
+    return isas
+
+
+def check(march: str, folder: str) -> None:
+    """Build the kernels with -march=`march` into `folder`, load them, and check them (raises if wrong)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from common.models import cpu_fused, low_precision
+
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_fused.CFLAGS]
+    cpp_extension.load(cpu_fused.NAME, cpu_fused.SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       build_directory=folder, is_python_module=False)  # fmt: skip
+    ops = cpu_fused.FusedOps()
+    torch.manual_seed(0)
+    for rows, n, k in ((1, 40, 18), (5, 33, 2), (13, 100, 64), (64, 96, 576), (100, 70, 30)):
+        w = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+        x, b, r = torch.randn(rows, k), torch.randn(n), torch.randn(rows, n)
+        got = ops.gemm_bf16(x, ops.pack_bf16_pairs(w), n, b, r)
+        xr, wf, acc = x.to(torch.bfloat16).float(), w.float(), torch.zeros(rows, n)
+        for i in range(k // 2):
+            acc = acc + xr[:, 2 * i + 1 : 2 * i + 2] * wf[:, 2 * i + 1]
+            acc = acc + xr[:, 2 * i : 2 * i + 1] * wf[:, 2 * i]
+        assert torch.equal(got, acc + b + r), (march, "gemm_bf16", rows, n, k)
+        q, scale = low_precision.quantize_rows(w.float())
+        cases = {
+            "fp32": (w.float(), None, w.double()),
+            "bf16": (w, None, w.double()),
+            "int8": (q, scale, q.double() * scale.double()[:, None]),
+        }
+        for name, (weight, s, exact) in cases.items():
+            ref = r.double() + x.double() @ exact.T + b.double()
+            panels = ops.gemm_panels(x, ops.pack_panels(weight), n, b, r, s)
+            torch.testing.assert_close(panels.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} panels {name}")
+            if rows <= 64:
+                gemv = ops.gemv(x, weight, b, r) if s is None else ops.gemv_w8(x, weight, s, b, r)
+                torch.testing.assert_close(gemv.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemv {name}")
+
+
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
+def test_the_kernels_built_for_a_lesser_isa_compute_what_the_native_build_does(march, tmp_path):
+    if platform.machine() != "x86_64":
+        pytest.skip("the kernels' SIMD forms are x86's")
+    if march not in lesser_isas():
+        pytest.skip(f"this host cannot run -march={march} code")
+    code = f"from tests.test_kernel_isas import check; check({march!r}, {str(tmp_path)!r}); print('ok')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
