@@ -49,7 +49,15 @@ def check(march: str, folder: str) -> None:
                        build_directory=folder, is_python_module=False)  # fmt: skip
     ops = cpu_fused.FusedOps()
     torch.manual_seed(0)
-    for rows, n, k in ((1, 40, 18), (5, 33, 2), (13, 100, 64), (64, 96, 576), (100, 70, 30)):
+    for rows, n, k in (
+        (1, 40, 18),
+        (1, 300, 64),
+        (2, 300, 64),
+        (5, 33, 2),
+        (13, 100, 64),
+        (64, 96, 576),
+        (100, 70, 30),
+    ):
         w = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
         x, b, r = torch.randn(rows, k), torch.randn(n), torch.randn(rows, n)
         got = ops.gemm_bf16(x, ops.pack_bf16_pairs(w), n, b, r)

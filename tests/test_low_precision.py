@@ -72,7 +72,7 @@ def test_gemv_on_bf16_weights_is_the_widened_product(ops, rows, k):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 64, 100])
-@pytest.mark.parametrize("n,k", [(96, 576), (33, 40), (70, 2)])
+@pytest.mark.parametrize("n,k", [(96, 576), (33, 40), (70, 2), (300, 64)])
 def test_gemm_bf16_is_the_product_of_the_rounded_input_and_does_not_depend_on_the_batch(ops, rows, n, k):
     """The bf16 matmul (vdpbf16ps where the CPU has it, the weights widened in registers where not) equals
     the float64 product of x rounded to bf16 with the bf16 weight, residual and bias added; far from the

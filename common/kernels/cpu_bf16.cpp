@@ -25,6 +25,8 @@ namespace disagg_cpu {
 constexpr int kPairRows = kLanes == 16 ? 12 : 4;
 constexpr int64_t kPairChunk = 16 * kPairRows;  // x rows per pass over a thread's panels
 constexpr int64_t kPairBytes = 2 * kPanel * sizeof(uint16_t);  // a panel's weights of one k pair
+constexpr int kFewRows = 2;  // up to this many rows the tiles read kStreams panels side by side
+constexpr int kStreams = 4;
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kDotBf16 = true;  // x groups hold the rows' bf16 pairs: [K / 2, kPairRows] of 32 bits
@@ -47,42 +49,49 @@ inline void vload_pairs(const uint16_t* p, vec& even, vec& odd) {
 }
 #endif
 
-// out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of the x group against one pair panel
-template <int T>
+// out[r, col0 + c] for r < T, c < min(S P, n - col0): T rows of the x group against S adjacent pair
+// panels, read side by side (S streams: a few rows' step is bound by the weights' bytes, which one
+// sequential stream per thread does not bring in at the host's rate); `next`: the panel after them, fetched
+// into cache meanwhile by the first tile of a run over them (S = 1)
+template <int T, int S = 1>
 inline void pair_tile(const float* x, const uint16_t* panel, const float* bias, const float* residual, float* out,
                       int64_t n, int64_t k2, int64_t col0, const uint16_t* next) {
-  vec acc[T][2];
-  for (int r = 0; r < T; ++r) acc[r][0] = acc[r][1] = vzero();
+  vec acc[T][2 * S];
+  for (int r = 0; r < T; ++r)
+    for (int j = 0; j < 2 * S; ++j) acc[r][j] = vzero();
+  const int64_t stride = k2 * 2 * kPanel;  // one panel
   for (int64_t i = 0; i < k2; ++i) {
-    const uint16_t* w = panel + i * 2 * kPanel;
     if (next != nullptr)
       for (int64_t b = 0; b < kPairBytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(next + i * 2 * kPanel) + b);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 2 * kLanes);
+    __m512bh w[2 * S];
+    for (int s = 0; s < S; ++s) {
+      w[2 * s] = (__m512bh)_mm512_loadu_si512(panel + s * stride + i * 2 * kPanel);
+      w[2 * s + 1] = (__m512bh)_mm512_loadu_si512(panel + s * stride + i * 2 * kPanel + 2 * kLanes);
+    }
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(x) + i * kPairRows;
     for (int r = 0; r < T; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+      for (int j = 0; j < 2 * S; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
     }
 #else
-    vec e0, o0, e1, o1;
-    vload_pairs(w, e0, o0);
-    vload_pairs(w + 2 * kLanes, e1, o1);
+    vec e[2 * S], o[2 * S];
+    for (int s = 0; s < S; ++s) {
+      vload_pairs(panel + s * stride + i * 2 * kPanel, e[2 * s], o[2 * s]);
+      vload_pairs(panel + s * stride + i * 2 * kPanel + 2 * kLanes, e[2 * s + 1], o[2 * s + 1]);
+    }
     const float* xe = x + 2 * i * kPairRows;
     const float* xo = xe + kPairRows;
     for (int r = 0; r < T; ++r) {
       const vec ve = vset1(xe[r]), vo = vset1(xo[r]);
-      acc[r][0] = vfma(e0, ve, vfma(o0, vo, acc[r][0]));
-      acc[r][1] = vfma(e1, ve, vfma(o1, vo, acc[r][1]));
+      for (int j = 0; j < 2 * S; ++j) acc[r][j] = vfma(e[j], ve, vfma(o[j], vo, acc[r][j]));
     }
 #endif
   }
-  const int64_t cols = std::min<int64_t>(kPanel, n - col0);
+  const int64_t cols = std::min<int64_t>(S * kPanel, n - col0);
   for (int r = 0; r < T; ++r) {
-    float sums[kPanel];
-    vstore(sums, acc[r][0]);
-    vstore(sums + kLanes, acc[r][1]);
+    float sums[S * kPanel];
+    for (int j = 0; j < 2 * S; ++j) vstore(sums + j * kLanes, acc[r][j]);
     for (int64_t c = 0; c < cols; ++c) {
       float v = sums[c];
       if (bias != nullptr) v += bias[col0 + c];
@@ -134,7 +143,7 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
   // x's rows rounded to bf16, in groups of kPairRows, k-major: with vdpbf16ps each k pair's two bf16 in one
   // 32-bit lane per row ([K / 2, kPairRows]), else the rounded floats ([K, kPairRows])
   const int64_t groups = (rows + kPairRows - 1) / kPairRows;
-  at::Tensor packed = at::zeros({groups, k, kPairRows}, x.options());  // zeros: a short group's rows
+  at::Tensor packed = at::empty({groups, k, kPairRows}, x.options());  // a short group's missing rows: never read
   float* pxp = packed.data_ptr<float>();
   parallel_range(0, groups, grain_for(k * kPairRows), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
@@ -155,6 +164,18 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
   const float* pb = add.bias_data();
   const float* pr = add.residual_data();
   float* po = out.data_ptr<float>();
+  if (rows <= kFewRows) {  // a decode step of a request or two: kStreams panels at a time, each thread
+    parallel_range(0, count, kStreams, [&](int64_t begin, int64_t end) {
+      int64_t p = begin;
+      for (; p + kStreams <= end; p += kStreams)
+        (rows == 1 ? pair_tile<1, kStreams> : pair_tile<kFewRows, kStreams>)(
+            pxp, pp + p * k * kPanel, pb, pr, po, n, k2, p * kPanel, nullptr);
+      for (; p < end; ++p)
+        (rows == 1 ? pair_tile<1> : pair_tile<kFewRows>)(pxp, pp + p * k * kPanel, pb, pr, po, n, k2, p * kPanel,
+                                                         nullptr);
+    });
+    return out;
+  }
   parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < rows; r0 += kPairChunk) {
       const int64_t r1 = std::min(rows, r0 + kPairChunk);
