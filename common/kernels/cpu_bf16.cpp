@@ -1,4 +1,4 @@
-// The bf16 matmul of the fused CPU ops (`--quantization bf16-matmul`, common/models/weight_only.py;
+// The bf16 matmul of the fused CPU ops (`--quantization bf16-matmul`, common/models/low_precision.py;
 // registered in cpu_fused.cpp): a linear whose products are bf16 x bf16, summed in float32.
 //   pack_bf16_pairs(w [N, K] bf16, K even)  -> [ceil(N / P), K / 2, P, 2]: panels of P output columns
 //     (P = two SIMD vectors, as cpu_gemm.cpp's), each k-pair-major: for k = 2i, 2i + 1 the P columns'
@@ -11,7 +11,8 @@
 // bytes (on a 2-core AMD Zen 4, SmolLM2's linears at 64 rows: 36 ms, the fp32 panels 72). Elsewhere
 // (AVX-512 without it, AVX2, one lane) the same two FMAs on the weights widened in registers: the same
 // sums, at the bf16 panels' speed. A bf16 x bf16 product is exact in float32, so both paths differ only
-// where vdpbf16ps flushes denormal inputs and outputs to zero.
+// where vdpbf16ps flushes denormal inputs and outputs to zero. Tiles of up to 12 rows (4 without 32
+// registers) by one panel; one or two rows (a decode step) by kStreams panels read side by side.
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -26,7 +27,9 @@ constexpr int kPairRows = kLanes == 16 ? 12 : 4;
 constexpr int64_t kPairChunk = 16 * kPairRows;  // x rows per pass over a thread's panels
 constexpr int64_t kPairBytes = 2 * kPanel * sizeof(uint16_t);  // a panel's weights of one k pair
 constexpr int kFewRows = 2;  // up to this many rows the tiles read kStreams panels side by side
-constexpr int kStreams = 4;
+// 4 on AVX-512: a 1-row pass of SmolLM2's linears 7.8 -> 7.3 ms on a 2-core AMD Zen 4 (2 and 8: no better);
+// 2 where 16 registers hold the accumulators and the widened weights
+constexpr int kStreams = kLanes == 16 ? 4 : 2;
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kDotBf16 = true;  // x groups hold the rows' bf16 pairs: [K / 2, kPairRows] of 32 bits
