@@ -14,7 +14,7 @@ stored in one of three formats; norms, attention, the residual stream and the KV
   rounded. What it buys is arithmetic: at the rows of a large decode batch or a prefill chunk a linear
   is bound by multiply-adds, not bytes, and AVX512-BF16's `vdpbf16ps` does two per lane per instruction
   (SmolLM2's linears at 64 rows on a 2-core AMD Zen 4: 36 ms, against 72-75 ms for the fp32 and bf16
-  panels); at one row it streams the bf16 bytes as the bf16 gemv does.
+  panels); at one row it streams the bf16 bytes (there ~10% slower than the bf16 gemv in a whole step).
 With the fused CPU ops w8 and bf16 have two layouts each: the gemv, named as the format (`w8`: `gemv_w8`,
 `bf16`: `gemv` on the bf16 rows; the stored rows streamed and widened in registers once per 4 rows,
 common/kernels/cpu_gemv.cpp), and `w8-panels` / `bf16-panels` (the panel GEMM on panels of the stored
