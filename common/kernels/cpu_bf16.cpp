@@ -91,26 +91,16 @@ inline void pair_tile(const float* x, const uint16_t* panel, const float* bias, 
     }
 #endif
   }
-  const int64_t cols = std::min<int64_t>(S * kPanel, n - col0);
-  for (int r = 0; r < T; ++r) {
-    float sums[S * kPanel];
-    for (int j = 0; j < 2 * S; ++j) vstore(sums + j * kLanes, acc[r][j]);
-    for (int64_t c = 0; c < cols; ++c) {
-      float v = sums[c];
-      if (bias != nullptr) v += bias[col0 + c];
-      if (residual != nullptr) v += residual[r * n + col0 + c];
-      out[r * n + col0 + c] = v;
-    }
-  }
+  store_tile(acc, std::min<int64_t>(S * kPanel, n - col0), nullptr, bias, residual, out, n, col0);
 }
 
-// the rows left after the full tiles: one tile of `left` (< T) rows
+// a tile of `rows` (<= T) rows against one panel: pair_tile of that many
 template <int T>
-inline void pair_rest(int64_t left, const float* x, const uint16_t* panel, const float* bias, const float* residual,
-                      float* out, int64_t n, int64_t k2, int64_t col0, const uint16_t* next) {
+inline void pair_tile_of(int64_t rows, const float* x, const uint16_t* panel, const float* bias,
+                         const float* residual, float* out, int64_t n, int64_t k2, int64_t col0, const uint16_t* next) {
   if constexpr (T > 0) {
-    if (left == T) return pair_tile<T>(x, panel, bias, residual, out, n, k2, col0, next);
-    pair_rest<T - 1>(left, x, panel, bias, residual, out, n, k2, col0, next);
+    if (rows == T) return pair_tile<T>(x, panel, bias, residual, out, n, k2, col0, next);
+    pair_tile_of<T - 1>(rows, x, panel, bias, residual, out, n, k2, col0, next);
   }
 }
 
@@ -179,20 +169,10 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
     });
     return out;
   }
-  parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kPairChunk) {
-      const int64_t r1 = std::min(rows, r0 + kPairChunk);
-      for (int64_t p = begin; p < end; ++p) {
-        const uint16_t* panel = pp + p * k * kPanel;
-        const uint16_t* next = p + 1 < end ? panel + k * kPanel : nullptr;
-        int64_t r = r0;
-        for (; r + kPairRows <= r1; r += kPairRows, next = nullptr)
-          pair_tile<kPairRows>(pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k2,
-                               p * kPanel, next);
-        pair_rest<kPairRows - 1>(r1 - r, pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n,
-                                 k2, p * kPanel, next);
-      }
-    }
+  panel_walk(rows, count, kPairRows, kPairChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) {
+    const uint16_t* panel = pp + p * k * kPanel;
+    pair_tile_of<kPairRows>(t, pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k2,
+                            p * kPanel, fetch ? panel + k * kPanel : nullptr);
   });
   return out;
 }

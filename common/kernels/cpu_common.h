@@ -135,6 +135,42 @@ inline void vstore(float* p, vec v) { *p = v; }
 // the panel GEMMs' panels (cpu_gemm.cpp, cpu_bf16.cpp): two vectors of output columns
 constexpr int64_t kPanel = 2 * kLanes;
 
+// A panel GEMM tile's end: out[r, col0 + c] = acc[r] * scale + bias + residual[r] for r < T, c < cols
+// (each of scale [N], bias [N], residual [T rows of N] optional; acc[r]: V vectors of output columns)
+template <int T, int V>
+inline void store_tile(const vec (&acc)[T][V], int64_t cols, const float* scale, const float* bias,
+                       const float* residual, float* out, int64_t n, int64_t col0) {
+  for (int r = 0; r < T; ++r) {
+    float sums[V * kLanes];
+    for (int j = 0; j < V; ++j) vstore(sums + j * kLanes, acc[r][j]);
+    for (int64_t c = 0; c < cols; ++c) {
+      float v = sums[c];
+      if (scale != nullptr) v *= scale[col0 + c];
+      if (bias != nullptr) v += bias[col0 + c];
+      if (residual != nullptr) v += residual[r * n + col0 + c];
+      out[r * n + col0 + c] = v;
+    }
+  }
+}
+
+// The panel GEMMs' walk over [rows, count panels]: each thread owns a run of panels; rows go by in chunks
+// of `chunk` that stay in L2 while the thread's panels stream past, in tiles of up to `tile_rows`.
+// tile(r, t, p, fetch) computes rows [r, r + t) against panel p; `fetch`: the first tile of a panel, which
+// fetches the run's next panel into cache meanwhile (a panel read from memory only when its first tile
+// needs it stalls that tile at few rows).
+template <typename Tile>
+void panel_walk(int64_t rows, int64_t count, int64_t tile_rows, int64_t chunk, const Tile& tile) {
+  parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t r1 = std::min(rows, r0 + chunk);
+      for (int64_t p = begin; p < end; ++p) {
+        bool fetch = p + 1 < end;
+        for (int64_t r = r0; r < r1; r += tile_rows, fetch = false) tile(r, std::min(tile_rows, r1 - r), p, fetch);
+      }
+    }
+  });
+}
+
 // cpu_gemv.cpp
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& residual);

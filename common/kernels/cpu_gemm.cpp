@@ -27,9 +27,8 @@ constexpr int kTileRows = kLanes == 16 ? 12 : 6;  // 2T accumulators + 2 weight 
 constexpr int64_t kRowChunk = 16 * kTileRows;     // x rows per pass over a thread's panels (K = 1536: 590 KB)
 
 // out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of x against one panel [k, P]; x is a
-// group of packed rows [k, kTileRows] (the group's T first rows)
-// `next`: the next panel, fetched into cache meanwhile (the first tile of a panel does it: a panel read
-// from memory only when its first tile needs it stalls that tile at few rows)
+// group of packed rows [k, kTileRows] (the group's T first rows); `next`: the panel to fetch meanwhile
+// (panel_walk)
 template <int T, typename W>
 inline void panel_tile(const float* x, const W* panel, const float* scale, const float* bias, const float* residual,
                        float* out, int64_t n, int64_t k, int64_t col0, const W* next = nullptr) {
@@ -47,28 +46,16 @@ inline void panel_tile(const float* x, const W* panel, const float* scale, const
       acc[r][1] = vfma(w1, xv, acc[r][1]);
     }
   }
-  const int64_t cols = std::min<int64_t>(kPanel, n - col0);
-  for (int r = 0; r < T; ++r) {
-    float sums[kPanel];
-    vstore(sums, acc[r][0]);
-    vstore(sums + kLanes, acc[r][1]);
-    for (int64_t c = 0; c < cols; ++c) {
-      float v = sums[c];
-      if (scale != nullptr) v *= scale[col0 + c];
-      if (bias != nullptr) v += bias[col0 + c];
-      if (residual != nullptr) v += residual[r * n + col0 + c];
-      out[r * n + col0 + c] = v;
-    }
-  }
+  store_tile(acc, std::min<int64_t>(kPanel, n - col0), scale, bias, residual, out, n, col0);
 }
 
-// the rows left after the full tiles: one tile of `left` (< T) rows
+// a tile of `rows` (<= T) rows: panel_tile of that many
 template <int T, typename W>
-inline void panel_rest(int64_t left, const float* x, const W* panel, const float* scale, const float* bias,
-                       const float* residual, float* out, int64_t n, int64_t k, int64_t col0, const W* next) {
+inline void panel_tile_of(int64_t rows, const float* x, const W* panel, const float* scale, const float* bias,
+                          const float* residual, float* out, int64_t n, int64_t k, int64_t col0, const W* next) {
   if constexpr (T > 0) {
-    if (left == T) return panel_tile<T>(x, panel, scale, bias, residual, out, n, k, col0, next);
-    panel_rest<T - 1, W>(left, x, panel, scale, bias, residual, out, n, k, col0, next);
+    if (rows == T) return panel_tile<T>(x, panel, scale, bias, residual, out, n, k, col0, next);
+    panel_tile_of<T - 1, W>(rows, x, panel, scale, bias, residual, out, n, k, col0, next);
   }
 }
 
@@ -96,24 +83,14 @@ at::Tensor pack_panels(const at::Tensor& w) {
   return out;
 }
 
-// out [rows, n] from the packed x groups and the panels: each thread owns a run of panels, rows in chunks
+// out [rows, n] from the packed x groups and the panels (panel_walk: each thread a run of panels)
 template <typename W>
 void panel_rows(const float* pxp, const W* pp, const float* ps, const float* pb, const float* pr, float* po,
                 int64_t rows, int64_t n, int64_t k, int64_t count) {
-  parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
-      const int64_t r1 = std::min(rows, r0 + kRowChunk);
-      for (int64_t p = begin; p < end; ++p) {
-        const W* panel = pp + p * k * kPanel;
-        const W* next = p + 1 < end ? panel + k * kPanel : nullptr;
-        int64_t r = r0;
-        for (; r + kTileRows <= r1; r += kTileRows, next = nullptr)
-          panel_tile<kTileRows>(pxp + r * k, panel, ps, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k,
-                                p * kPanel, next);
-        panel_rest<kTileRows - 1>(r1 - r, pxp + r * k, panel, ps, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n,
-                                  n, k, p * kPanel, next);
-      }
-    }
+  panel_walk(rows, count, kTileRows, kRowChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) {
+    const W* panel = pp + p * k * kPanel;
+    panel_tile_of<kTileRows>(t, pxp + r * k, panel, ps, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k,
+                             p * kPanel, fetch ? panel + k * kPanel : nullptr);
   });
 }
 
