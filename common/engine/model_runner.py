@@ -103,13 +103,8 @@ class ModelRunner:
                 lambda: low_precision.quantize(weights, args.quantization, self.cpu_fused), threads
             )
             self.model.greedy_head = None
-            how = {
-                "w8": "int8 with a scale per output row",
-                "bf16": "bf16 (activations and KV float32)",
-                "bf16-matmul": "bf16 with their inputs rounded to bf16 (sums, the rest and KV float32)",
-            }
-            log.info("%s: %d linears as %s (%.0f MB)", args.quantization, len(weights), how[args.quantization],
-                     nbytes / 1e6)  # fmt: skip
+            how = low_precision.HOW[args.quantization]
+            log.info("%s: %d linears as %s (%.0f MB)", args.quantization, len(weights), how, nbytes / 1e6)
         elif self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
             head = self.model.greedy_head

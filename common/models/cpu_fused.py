@@ -263,7 +263,7 @@ class FusedLayers:
 
     def _layouts(self, rows: int) -> tuple[str, ...] | None:
         """Every linear's layout at `rows`, where decode_layers computes them all (the gemv or the panel
-        GEMM in fp32, or one weight-only format's gemv or panel GEMM); else None."""
+        GEMM in fp32, or one low-precision format's layouts); else None."""
         from common.models.packed_linear import bucket_index
 
         i = bucket_index(rows)

@@ -61,6 +61,11 @@ ROUNDS = 3
 BYTES = {"w8": 1, "bf16": 2, "bf16-matmul": 2}
 DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16, "bf16-matmul": torch.bfloat16}
 MATMUL = "bf16-matmul"  # the format (and layout) whose linears round their inputs too
+HOW = {  # what each format stores, for the start-up log
+    "w8": "int8 with a scale per output row",
+    "bf16": "bf16 (activations and KV float32)",
+    "bf16-matmul": "bf16 with their inputs rounded to bf16 (sums, the rest and KV float32)",
+}
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
