@@ -1,9 +1,10 @@
-"""Low-precision linears on CPU (`--quantization w8 | bf16 | bf16-matmul`, common/models/low_precision.py):
+"""Low-precision linears on CPU (`--quantization w8 | bf16 | bf16-matmul | w8a8`, common/models/low_precision.py):
 the kernels and every layout of a linear equal the dequantized weight's float32 product (bf16-matmul:
-with the input rounded to bf16). w8: a served model's greedy tokens agree with HF's float32 argmax
-wherever HF's top-2 gap is wide (int8 is not token-exact by design: the policy the bf16 tests use), and
-its logits stay close. bf16: widening is exact, so the served model is HF float32 with its linears'
-weights rounded to bf16, token for token; bf16-matmul: the same with every linear's input rounded too."""
+with the input rounded to bf16; w8a8: quantized per block). w8: a served model's greedy tokens agree with
+HF's float32 argmax wherever HF's top-2 gap is wide (int8 is not token-exact by design: the policy the
+bf16 tests use), and its logits stay close. bf16: widening is exact, so the served model is HF float32
+with its linears' weights rounded to bf16, token for token; bf16-matmul: the same with every linear's
+input rounded too; w8a8: HF float32 with w8's weights and every linear's input quantized, token for token."""
 
 from __future__ import annotations
 
@@ -99,30 +100,65 @@ def test_gemm_bf16_is_the_product_of_the_rounded_input_and_does_not_depend_on_th
         ops.gemm_bf16(torch.randn(rows, k + 2), pairs, n, None, None)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, 64, 100])
+@pytest.mark.parametrize("n,k,block", [(96, 576, 32), (33, 64, 16), (70, 4, 4), (300, 64, 64), (40, 96, 96)])
+def test_gemm_int8_is_the_product_of_the_quantized_input_and_does_not_depend_on_the_batch(ops, rows, n, k, block):
+    """The int8 matmul (w8a8): the float64 product of x quantized per block and the dequantized weight
+    (its integer sums exact, the float steps within float32's error); far from the unquantized x's
+    product (the quantization is applied); each row's bits alone equal its bits in the batch; a zero
+    block of x contributes nothing (its scale 1, not 0 / 0)."""
+    torch.manual_seed(rows * 1000 + n + k)
+    q, scale = low_precision.quantize_rows(torch.randn(n, k))
+    x, b, r = torch.randn(rows, k), torch.randn(n), torch.randn(rows, n)
+    if k > block:
+        x[0, :block] = 0
+    quads = ops.pack_int8_quads(q)
+    assert quads.dtype == torch.uint8 and tuple(quads.shape[1:]) == (k // 4, quads.shape[2], 4)
+    got = ops.gemm_int8(x, quads, scale, n, block, b, r)
+    exact = q.double() * scale.double()[:, None]
+    want = r.double() + low_precision.quantized_input(x, block).double() @ exact.T + b.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    if k >= 16:
+        assert (got.double() - (r.double() + x.double() @ exact.T + b.double())).abs().max() > 1e-3
+    torch.testing.assert_close(ops.gemm_int8(x, quads, scale, n, block, None, None).double(), want - r - b,
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+    for i in range(rows):
+        assert torch.equal(ops.gemm_int8(x[i : i + 1], quads, scale, n, block, b, r[i : i + 1])[0], got[i])
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        ops.pack_int8_quads(torch.zeros(n, k + 2, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.pack_int8_quads(q.float())
+    with pytest.raises(RuntimeError, match="block"):
+        ops.gemm_int8(x, quads, scale, n, 3, b, r)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        ops.gemm_int8(x, quads, scale[:-1], n, block, b, r)
+
+
 @pytest.mark.parametrize("fmt", low_precision.FORMATS)
 @pytest.mark.parametrize("rows", [1, 9, 64, 65])
 def test_a_low_precision_linear_runs_both_paths_as_its_dequantized_weight(ops, fmt, rows):
     """Each layout of the format (w8 / bf16: its gemv, its panels, past GEMV_ROWS the panels;
-    bf16-matmul: its one) and, without the fused ops, one GEMM on a dequantized copy, is the float32
-    product with the dequantized weight (residual and bias included; bf16-matmul: of x rounded to
-    bf16); quantize plans the format's layouts per row bucket (w8 / bf16: timed)."""
+    bf16-matmul, w8a8: its one) and, without the fused ops, one GEMM on a dequantized copy, is the
+    float32 product with the dequantized weight (residual and bias included; bf16-matmul: of x rounded
+    to bf16, w8a8: of x quantized); quantize plans the format's layouts per row bucket (w8 / bf16: timed)."""
     torch.manual_seed(rows)
-    lw, plain = (LinearWeight(torch.randn(64, 48), torch.randn(64)) for _ in range(2))
+    lw, plain = (LinearWeight(torch.randn(64, 64), torch.randn(64)) for _ in range(2))
     plain.weight.copy_(lw.weight)
     plain.bias.copy_(lw.bias)
     lw.gemv, lw.gemv_w8 = ops.gemv, ops.gemv_w8
     lw.set_panels(ops)  # as the fused ops' attach leaves it: quantize drops the copy
     fp32 = lw.weight.clone()
-    assert low_precision.quantize([lw], fmt, ops) == 64 * 48 * low_precision.BYTES[fmt]
-    assert low_precision.quantize([plain], fmt) == 64 * 48 * low_precision.BYTES[fmt]  # no fused ops
+    assert low_precision.quantize([lw], fmt, ops) == 64 * 64 * low_precision.BYTES[fmt]
+    assert low_precision.quantize([plain], fmt) == 64 * 64 * low_precision.BYTES[fmt]  # no fused ops
     assert lw.packed is None and lw.panels is None
     mine = low_precision.layouts(fmt)
     assert set(lw.plan) <= set(mine) and lw.plan[-1] == mine[-1]
-    assert lw.low.dtype == lw.low_panels.dtype == low_precision.DTYPES[fmt]
-    if fmt != "w8":  # rounded to nearest: what torch's conversion gives, within half a bf16 ulp
+    assert lw.low.dtype == low_precision.DTYPES[fmt]
+    assert lw.low_panels.dtype == (torch.uint8 if fmt == "w8a8" else low_precision.DTYPES[fmt])
+    if low_precision.DTYPES[fmt] == torch.bfloat16:  # rounded to nearest: torch's conversion, within half an ulp
         assert torch.equal(low_precision.dequantized(lw), fp32.to(torch.bfloat16).float())
-    x, res = torch.randn(rows, 48), torch.randn(rows, 64)
-    x_in = x.to(torch.bfloat16).float() if fmt == "bf16-matmul" else x
+    x, res = torch.randn(rows, 64), torch.randn(rows, 64)
+    x_in = {"bf16-matmul": x.to(torch.bfloat16).float(), "w8a8": low_precision.quantized_input(x)}.get(fmt, x)
     want = res + F.linear(x_in, low_precision.dequantized(lw), lw.bias)
     torch.testing.assert_close(lw(x, res), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(plain(x, res), want, rtol=1e-5, atol=1e-4)
@@ -183,20 +219,23 @@ def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_cl
     assert (ours - ref).abs().max() < 0.15 * ref.std(), ((ours - ref).abs().max(), ref.std())
 
 
-def _hf_rounded(path: str, inputs: bool = False):
+def _hf_rounded(path: str, fmt: str):
     """HF float32 with every linear's weight (the lm_head's too, untied from the embedding, which stays
-    float32 as ours does) rounded to bf16: the model `--quantization bf16` serves; with `inputs` every
-    linear's input rounded to bf16 as well (a forward pre-hook): the model bf16-matmul serves."""
+    float32 as ours does) as `fmt` stores it: rounded to bf16 (bf16, bf16-matmul) or w8's dequantized int8
+    (w8a8), the model `--quantization bf16` serves; for bf16-matmul and w8a8 every linear's input rounded
+    to bf16 / quantized as well (a forward pre-hook): the model those formats serve."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    inputs = {"bf16-matmul": lambda x: x.to(torch.bfloat16).float(), "w8a8": low_precision.quantized_input}.get(fmt)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(module.weight.to(torch.bfloat16).float())
-                if inputs:
-                    module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).float(),))
+                q, scale = low_precision.stored(module.weight, fmt)
+                module.weight.copy_(q.float() if scale is None else q.float() * scale[:, None])
+                if inputs is not None:
+                    module.register_forward_pre_hook(lambda _, args: (inputs(args[0]),))
     return model
 
 
@@ -210,15 +249,19 @@ def _hf_rounded(path: str, inputs: bool = False):
         ("bf16-matmul", "llama", None),
         ("bf16-matmul", "qwen2-tied", None),
         ("bf16-matmul", "qwen3", None),
+        ("w8a8", "llama", None),
+        ("w8a8", "qwen2-tied", None),
+        ("w8a8", "qwen3", None),
     ],
 )
-def test_served_bf16_tokens_equal_hf_fp32_with_the_same_rounding(checkpoint, ops, fmt, name, plan):
+def test_served_tokens_equal_hf_fp32_with_the_same_rounding(checkpoint, ops, fmt, name, plan):
     """The pair with the format on both sides decodes greedily, token for token as HF float32 generate
     with the same rounding: bf16 (prefill: its measured plan; decode pinned to the bf16 gemv or the bf16
     panel GEMM, each bf16 weight widened in registers) as HF with its linears' weights rounded;
-    bf16-matmul (its one layout: the bf16 matmul) as HF with their inputs rounded too. Decode steps of
+    bf16-matmul (its one layout: the bf16 matmul) as HF with their inputs rounded too; w8a8 (its one
+    layout: the int8 matmul) as HF with w8's weights and its inputs quantized per block. Decode steps of
     1-4 rows run the whole stack in one call. Not vacuous: the oracle's logits differ from HF float32's
-    (bf16-matmul: from the weight-rounded model's too)."""
+    (bf16-matmul, w8a8: from the weights-only model's too)."""
     path = checkpoint(name)
     pair = Pair(path, quantization=fmt)
     weights = linear_weights(pair.worker.runner.model)
@@ -228,16 +271,17 @@ def test_served_bf16_tokens_equal_hf_fp32_with_the_same_rounding(checkpoint, ops
     if plan is not None:
         low_precision.set_plan(weights, pinned(fmt, plan))
     counting = _count(pair.worker.runner)
+    stored = low_precision.DTYPES[fmt]
     try:
         for i, p in enumerate(PROMPTS):
             pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
         pair.wait([str(i) for i in range(len(PROMPTS))])
-        assert all(w.low.dtype == torch.bfloat16 and w.low_panels.dtype == torch.bfloat16 for w in weights)
-        assert all(w.low_panels.dim() == (4 if fmt == "bf16-matmul" else 3) for w in weights)
+        assert all(w.low.dtype == stored for w in weights)
+        assert all(w.low_panels.dim() == (4 if fmt in low_precision.MATMULS else 3) for w in weights)
         assert counting.calls > 0
     finally:
         pair.close()
-    hf = _hf_rounded(path, inputs=fmt == "bf16-matmul")
+    hf = _hf_rounded(path, fmt)
     rounded_logits = []
     for i, p in enumerate(PROMPTS):
         with torch.inference_mode():
@@ -249,8 +293,8 @@ def test_served_bf16_tokens_equal_hf_fp32_with_the_same_rounding(checkpoint, ops
     moved = max((a - _hf_logits(path, p + pair.out.tokens[str(i)])).abs().max() for i, (p, a) in
                 enumerate(zip(PROMPTS, rounded_logits)))  # fmt: skip
     assert moved > 1e-4  # the rounded model's logits differ from fp32's: the oracle saw the rounding
-    if fmt == "bf16-matmul":  # and the rounded inputs move them beyond the rounded weights alone
-        weights_only = _hf_rounded(path)
+    if fmt in low_precision.MATMULS:  # and the quantized inputs move them beyond the weights' alone
+        weights_only = _hf_rounded(path, "bf16" if fmt == "bf16-matmul" else "w8")
         with torch.inference_mode():
             p = PROMPTS[1] + pair.out.tokens["1"]
             assert (weights_only(torch.tensor([p])).logits[0] - rounded_logits[1]).abs().max() > 1e-4
@@ -268,3 +312,5 @@ def test_low_precision_is_refused_where_it_does_not_apply(checkpoint):
         )
     with pytest.raises(ValueError, match="in-features must be even"):  # its products go by pairs of k
         low_precision.quantize([LinearWeight(torch.randn(8, 5))], "bf16-matmul")
+    with pytest.raises(ValueError, match="in-features must be a multiple of 32"):  # its input's blocks
+        low_precision.quantize([LinearWeight(torch.randn(8, 48))], "w8a8")

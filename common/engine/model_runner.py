@@ -42,7 +42,7 @@ class RunnerArgs:
     attention_backend: str = "auto"  # triton on CUDA, batched on CPU (common/attention/__init__.py)
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     greedy_head: str = "auto"  # CPU fp32: greedy tokens through a bf16 pass where measured faster (greedy_head.py)
-    quantization: str = "none"  # CPU fp32: "w8" / "bf16" / "bf16-matmul" linears (models/low_precision.py)
+    quantization: str = "none"  # CPU fp32: "w8" / "bf16" / "bf16-matmul" / "w8a8" linears (models/low_precision.py)
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)

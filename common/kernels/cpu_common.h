@@ -132,7 +132,7 @@ inline vec vset1(float a) { return a; }
 inline void vstore(float* p, vec v) { *p = v; }
 #endif
 
-// the panel GEMMs' panels (cpu_gemm.cpp, cpu_bf16.cpp): two vectors of output columns
+// the panel GEMMs' panels (cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp): two vectors of output columns
 constexpr int64_t kPanel = 2 * kLanes;
 
 // A panel GEMM tile's end: out[r, col0 + c] = acc[r] * scale + bias + residual[r] for r < T, c < cols
@@ -187,5 +187,10 @@ at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 at::Tensor pack_bf16_pairs(const at::Tensor& w);
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
                      const c10::optional<at::Tensor>& residual);
+
+// cpu_int8.cpp
+at::Tensor pack_int8_quads(const at::Tensor& w);
+at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scale, int64_t n, int64_t block,
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 
 }  // namespace disagg_cpu

@@ -1,5 +1,5 @@
 // Fused CPU fp32 ops for small decode batches (common/models/cpu_fused.py builds and loads this file
-// with cpu_gemv.cpp, cpu_gemm.cpp and cpu_bf16.cpp; cpu_common.h is what they share).
+// with cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp and cpu_int8.cpp; cpu_common.h is what they share).
 //
 // A batch-1 decode forward on CPU is the weights streamed once plus ~2,000 small dispatched torch ops
 // (norm, rotary, KV write, paged gather, SDPA, SiLU-mul): each costs a few microseconds whatever its
@@ -9,7 +9,7 @@
 //   gemv(x [R, K], w [N, K], bias?, residual?)         -> residual + x @ w.T + bias [R, N], for a few
 //     rows R (a decode step's), and stream_sum: cpu_gemv.cpp; pack_panels / gemm_panels, the GEMM of
 //     many rows (prefill chunks) on weights laid out once: cpu_gemm.cpp; pack_bf16_pairs / gemm_bf16,
-//     the bf16 matmul: cpu_bf16.cpp;
+//     the bf16 matmul: cpu_bf16.cpp; pack_int8_quads / gemm_int8, the int8 matmul: cpu_int8.cpp;
 //   decode_attention(qkv [B, (H + 2 KV) d], ...)        -> [B, H d]: what the batched backend's decode
 //     path computes between qkv_proj and o_proj: optional per-head q/k RMSNorm (Qwen3), the half-split
 //     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
@@ -230,13 +230,14 @@ at::Tensor decode_attention(
 //   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
 //   out = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
 // w: the layer's kLayerWeights entries of decode_layers' list, in the order named there. A linear given
-// as panels runs the panel GEMM, as bf16 pairs the bf16 matmul, else the gemv; with a scale its weight
-// is int8 (weight-only w8), else float32 or bf16.
+// as panels runs the panel GEMM, as bf16 pairs the bf16 matmul, as int8 quads the int8 matmul (its input
+// quantized per `block` of k), else the gemv; with a scale its weight is int8 (w8 or w8a8), else float32
+// or bf16.
 constexpr int64_t kLayerWeights = 16;
 at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t first,
                         double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& slots,
-                        const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, double scale) {
+                        const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, double scale, int64_t block) {
   const auto opt = [&](int64_t i) { return w.get(first + i); };
   const auto need = [&](int64_t i) {
     const c10::optional<at::Tensor> t = opt(i);
@@ -245,19 +246,25 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
   };
   const c10::optional<at::Tensor> none;
   // the linear of weight w_i, bias b_i and scale s_i with n outputs: the panel GEMM where the weight is
-  // panels (3-D: pack_panels), the bf16 matmul where it is pairs (4-D: pack_bf16_pairs), else the gemv
-  // (gemv_w8 where it has a scale: int8)
+  // panels (3-D: pack_panels), the bf16 matmul where it is pairs (4-D bf16: pack_bf16_pairs), the int8
+  // matmul where it is quads (4-D uint8: pack_int8_quads), else the gemv (gemv_w8 where it has a scale)
   const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si, int64_t n,
                           const c10::optional<at::Tensor>& residual) {
     const c10::optional<at::Tensor> s = opt(si);
     const at::Tensor weight = need(wi);
     if (weight.dim() == 3) return gemm_panels(in, weight, n, opt(bi), residual, s);
+    if (weight.dim() == 4 && weight.scalar_type() == at::kByte) {
+      TORCH_CHECK(s.has_value(), "decode_layers: int8 quads need their scale");
+      return gemm_int8(in, weight, *s, n, block, opt(bi), residual);
+    }
     if (weight.dim() == 4) return gemm_bf16(in, weight, n, opt(bi), residual);
     return s.has_value() ? gemv_w8(in, weight, *s, opt(bi), residual) : gemv(in, weight, opt(bi), residual);
   };
   const int64_t hidden = x.size(1), width = (heads + 2 * kv_heads) * k_cache.size(-1);
   const at::Tensor down = need(10);  // its in-features: the MLP's width (gate_up has twice as many outputs)
-  const int64_t inter = down.dim() == 4 ? 2 * down.size(1) : down.dim() == 3 ? down.size(1) : down.size(-1);
+  const int64_t inter = down.dim() == 4   ? down.size(1) * down.size(3)  // bf16 pairs or int8 quads of k
+                        : down.dim() == 3 ? down.size(1)
+                                          : down.size(-1);
   const at::Tensor qkv = linear(rms_norm(x, need(0), eps), 2, 3, 12, width, none);
   const at::Tensor attn =
       decode_attention(qkv, cos, sin, opt(4), opt(5), eps, k_cache, v_cache, out_loc, slots, seq_lens, heads, kv_heads, scale);
@@ -271,18 +278,19 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
 // having pushed the interpreter's working set out of the caches). weights: per layer input_norm,
 // post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w, o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the
 // four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, low_precision.py); a linear's
-// weight may be its panels instead (the layout the plan picks at the batch's rows).
+// weight may be its panels instead (the layout the plan picks at the batch's rows). block: the int8
+// matmul's block of k (w8a8; unused by the other layouts).
 at::Tensor decode_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
                          at::TensorList k_caches, at::TensorList v_caches, double eps, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& out_loc, const at::Tensor& slots,
-                         const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, double scale) {
+                         const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, double scale, int64_t block) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerWeights && v_caches.size() == k_caches.size(),
               "decode_layers: ", kLayerWeights, " weights and a K and V cache per layer expected");
   at::Tensor h = x.contiguous();
   for (int64_t l = 0; l < layers; ++l) {
     h = decode_layer(h, weights, l * kLayerWeights, eps, cos, sin, k_caches[l], v_caches[l], out_loc, slots, seq_lens,
-                     heads, kv_heads, scale);
+                     heads, kv_heads, scale, block);
   }
   return h;
 }
@@ -302,6 +310,9 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
         &gemm_panels);
   m.def("pack_bf16_pairs(Tensor w) -> Tensor", &pack_bf16_pairs);
   m.def("gemm_bf16(Tensor x, Tensor pairs, int n, Tensor? bias, Tensor? residual) -> Tensor", &gemm_bf16);
+  m.def("pack_int8_quads(Tensor w) -> Tensor", &pack_int8_quads);
+  m.def("gemm_int8(Tensor x, Tensor quads, Tensor scale, int n, int block, Tensor? bias, Tensor? residual) -> Tensor",
+        &gemm_int8);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "
@@ -309,6 +320,7 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
       &decode_attention);
   m.def(
       "decode_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, float eps, Tensor cos, "
-      "Tensor sin, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, int kv_heads, float scale) -> Tensor",
+      "Tensor sin, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, int kv_heads, float scale, int block=0) "
+      "-> Tensor",
       &decode_layers);
 }

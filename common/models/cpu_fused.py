@@ -1,4 +1,5 @@
-"""Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp, cpu_common.h),
+"""Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp,
+cpu_common.h),
 built on first use on this host, or None.
 
 A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
@@ -42,7 +43,10 @@ import torch
 
 log = logging.getLogger(__name__)
 KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
-SOURCES = [os.path.join(KERNELS, name) for name in ("cpu_fused.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp", "cpu_bf16.cpp")]
+SOURCES = [
+    os.path.join(KERNELS, name)
+    for name in ("cpu_fused.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp", "cpu_bf16.cpp", "cpu_int8.cpp")
+]
 HEADERS = [os.path.join(KERNELS, "cpu_common.h")]
 NAME = "disagg_cpu_fused"
 # -fno-trapping-math: float compares and conversions may be if-converted, so loops with a select (the
@@ -197,6 +201,7 @@ class FusedOps:
         self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (common/models/low_precision.py; gemv takes bf16)
         self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
         self.pack_bf16_pairs, self.gemm_bf16 = ops.pack_bf16_pairs, ops.gemm_bf16  # the bf16-matmul layout
+        self.pack_int8_quads, self.gemm_int8 = ops.pack_int8_quads, ops.gemm_int8  # the w8a8 layout
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -214,20 +219,24 @@ HELD = {
     "w8-panels": lambda lw: lw.low_panels,
     "bf16-panels": lambda lw: lw.low_panels,
     "bf16-matmul": lambda lw: lw.low_panels,  # its bf16 pairs
+    "w8a8": lambda lw: lw.low_panels,  # its int8 quads
 }
 # one stack runs one family of layouts: fp32's, or one low-precision format's (common/models/low_precision.py)
-FAMILIES = ({"rowblock", "panels"}, {"w8", "w8-panels"}, {"bf16", "bf16-panels"}, {"bf16-matmul"})
+FAMILIES = ({"rowblock", "panels"}, {"w8", "w8-panels"}, {"bf16", "bf16-panels"}, {"bf16-matmul"}, {"w8a8"})
 
 
 class FusedLayers:
     """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
     decode batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of every
     layer is at that row count in the rowblock layout (the gemv) or the panels one (the panel GEMM),
-    or every one in w8, in bf16 or in bf16-matmul (the host's table may pick another layout: then the torch
+    or every one in one low-precision format's layouts (the host's table may pick another layout: then the torch
     modules run). The weight list of each mix of layouts is built on first use: the weights stay where
     they are once the runner is built (weight_arena.place runs before the ops are attached)."""
 
     def __init__(self, layers: list[torch.nn.Module], ops: FusedOps):
+        from common.models.low_precision import X_BLOCK
+
+        self.block = X_BLOCK  # the int8 matmul's block of k (w8a8)
         a = layers[0].self_attn
         self.layers, self.ops, self.attn = layers, ops, a
         self.head_dim, self.eps = a.head_dim, layers[0].input_layernorm.eps
@@ -243,8 +252,9 @@ class FusedLayers:
         """decode_layers' list with each linear in `layouts` (one per linear, in self.linears' order):
         per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
         down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
-        w8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored weight,
-        w8-panels / bf16-panels the panels of that, bf16-matmul its bf16 pairs (low_precision.py)."""
+        w8 and w8a8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored
+        weight, w8-panels / bf16-panels the panels of that, bf16-matmul its bf16 pairs, w8a8 its int8 quads
+        (low_precision.py)."""
         if layouts not in self._weights:
             out, it = [], iter(layouts)
             for layer in self.layers:
@@ -290,7 +300,7 @@ class FusedLayers:
         _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
         weights = self.weights(self._serving)
         return self.ops.decode_layers(
-            x, weights, pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale
+            x, weights, pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale, self.block
         )
 
 

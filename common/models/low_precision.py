@@ -1,9 +1,9 @@
-"""Low-precision linears on CPU (`--quantization w8 | bf16 | bf16-matmul`): fewer bytes for a decode step
-to stream, and with bf16-matmul half the instructions of a many-row GEMM.
+"""Low-precision linears on CPU (`--quantization w8 | bf16 | bf16-matmul | w8a8`): fewer bytes for a decode
+step to stream, and with bf16-matmul and w8a8 fewer instructions for a many-row GEMM.
 
 A batch-1 decode step on CPU reads every weight once, so its floor is the weight bytes over the memory
 bandwidth (bench/floor.py): fp32 streams 4 bytes per parameter. Here each linear's [out, in] weight is
-stored in one of three formats; norms, attention, the residual stream and the KV cache stay float32:
+stored in one of four formats; norms, attention, the residual stream and the KV cache stay float32:
 - `w8`: int8 with a float32 scale per output row (its absmax / 127, rounded to nearest): 1 byte,
   weight-only (the linears' inputs float32);
 - `bf16`: the weight rounded to bfloat16 (to nearest even): 2 bytes, weight-only. Widening bf16 to
@@ -14,7 +14,13 @@ stored in one of three formats; norms, attention, the residual stream and the KV
   rounded. What it buys is arithmetic: at the rows of a large decode batch or a prefill chunk a linear
   is bound by multiply-adds, not bytes, and AVX512-BF16's `vdpbf16ps` does two per lane per instruction
   (SmolLM2's linears at 64 rows on a 2-core AMD Zen 4: 36 ms, against 72-75 ms for the fp32 and bf16
-  panels); at one row it streams the bf16 bytes (there ~10% slower than the bf16 gemv in a whole step).
+  panels); at one row it streams the bf16 bytes (there ~10% slower than the bf16 gemv in a whole step);
+- `w8a8`: w8's weights, and each linear's input quantized to int8 as it arrives, per row and block of
+  X_BLOCK k (scale absmax / 127, as Q8_0 and llama.cpp's int8 dot products do): per block the integer
+  products summed exactly in int32 (AVX512-VNNI's `vpdpbusd`: four multiply-adds per lane per
+  instruction), the blocks' sums scaled and added in float32. The model is the fp32 model with its
+  linears' weights and inputs quantized. At one row it streams the int8 bytes with a quarter of the
+  instructions the w8 gemv spends widening them to float.
 With the fused CPU ops w8 and bf16 have two layouts each: the gemv, named as the format (`w8`: `gemv_w8`,
 `bf16`: `gemv` on the bf16 rows; the stored rows streamed and widened in registers once per 4 rows,
 common/kernels/cpu_gemv.cpp), and `w8-panels` / `bf16-panels` (the panel GEMM on panels of the stored
@@ -22,9 +28,10 @@ weights, widening as it loads, w8's scale applied per output: common/kernels/cpu
 times both over the model's linears per row bucket up to GEMV_ROWS on this host (best of ROUNDS
 interleaved rounds, ~1.5 s for SmolLM2; on a 2-core AMD Zen 4 the gemv won at 1-2 rows by 1.6-2.1x, the
 panels from 8 rows for bf16 and from 4 for w8 by 1.1-1.3x) and plans the faster; above GEMV_ROWS the
-panels. bf16-matmul has one layout, named as the format, at every row count: the bf16 matmul on pairs
-of k (common/kernels/cpu_bf16.cpp), whose sums do not depend on the batch's rows; where the CPU lacks
-AVX512-BF16 it widens the weights in registers instead (the bf16 panels' speed, the same sums).
+panels. bf16-matmul and w8a8 have one layout each, named as the format, at every row count: the bf16
+matmul on pairs of k (common/kernels/cpu_bf16.cpp) and the int8 matmul on quads of k
+(common/kernels/cpu_int8.cpp), whose sums do not depend on the batch's rows. Where the CPU lacks
+AVX512-BF16 / VNNI they compute the same sums with wider instructions (the bf16 panels' speed for the first).
 Without the fused ops a float32 copy made for the call feeds one GEMM (its cost shared by the rows).
 `quantize(weights, fmt)` converts the runner's LinearWeights in place (the lm_head too: it is a fifth of
 SmolLM2's bytes; a tied embedding stays fp32 for the lookup), after the fp32 arena is placed; the stored
@@ -32,8 +39,8 @@ weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py)
 tuning: decode batches run the whole-stack fused step in the format's layouts, and the greedy head is
 off (it would read an fp32 copy).
 Accuracy: not token-exact with fp32 by design; tests/test_low_precision.py checks w8's logits against HF
-fp32 and greedy agreement where HF's top-2 gap is wide, bf16 and bf16-matmul token for token against HF
-fp32 with the same rounding of weights (and, for bf16-matmul, of every linear's input), and the quality
+fp32 and greedy agreement where HF's top-2 gap is wide, bf16, bf16-matmul and w8a8 token for token against
+HF fp32 with the same rounding of weights (and of every linear's input for the last two), and the quality
 benchmark compares answers with fp32's.
 """
 
@@ -56,15 +63,17 @@ log = logging.getLogger(__name__)
 # 108 / 134 / 176 in fp32 MKL (2-core AMD EPYC, AVX2, 2026-11-27): the gemv serves every decode batch up to
 # 64 rows
 GEMV_ROWS = 64
-FORMATS = ("w8", "bf16", "bf16-matmul")
+FORMATS = ("w8", "bf16", "bf16-matmul", "w8a8")
 ROUNDS = 3
-BYTES = {"w8": 1, "bf16": 2, "bf16-matmul": 2}
-DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16, "bf16-matmul": torch.bfloat16}
-MATMUL = "bf16-matmul"  # the format (and layout) whose linears round their inputs too
+BYTES = {"w8": 1, "bf16": 2, "bf16-matmul": 2, "w8a8": 1}
+DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16, "bf16-matmul": torch.bfloat16, "w8a8": torch.int8}
+MATMULS = ("bf16-matmul", "w8a8")  # the formats (each its one layout) whose linears quantize their inputs too
+X_BLOCK = 32  # w8a8: k per input scale
 HOW = {  # what each format stores, for the start-up log
     "w8": "int8 with a scale per output row",
     "bf16": "bf16 (activations and KV float32)",
     "bf16-matmul": "bf16 with their inputs rounded to bf16 (sums, the rest and KV float32)",
+    "w8a8": f"int8 with a scale per output row, their inputs int8 per block of {X_BLOCK} (sums exact in int32)",
 }
 
 
@@ -77,11 +86,29 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
+def quantized_input(x: torch.Tensor, block: int = X_BLOCK) -> torch.Tensor:
+    """w8a8's input as its linears compute with it: each row's blocks of `block` k as round(x / s) * s,
+    s = the block's absmax / 127 (1 for an all-zero block); what the int8 matmul does on the fly."""
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    s = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (torch.round(blocks / s).clamp_(-127, 127) * s).reshape(x.shape)
+
+
 def stored(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`weight` in `fmt`: (the stored [out, in] tensor, w8's scale per row or None)."""
-    if fmt == "w8":
+    """`weight` in `fmt`: (the stored [out, in] tensor, the int8 formats' scale per row or None)."""
+    if DTYPES[fmt] == torch.int8:
         return quantize_rows(weight)
     return weight.detach().to(torch.bfloat16), None
+
+
+def matmul(ops, fmt: str, stored: torch.Tensor, scale: torch.Tensor | None):
+    """(`stored` packed for `fmt`'s matmul, its call(x, packed, n, bias, residual))."""
+    if fmt == "w8a8":
+        return ops.pack_int8_quads(stored), lambda x, quads, n, bias, residual: ops.gemm_int8(
+            x, quads, scale, n, X_BLOCK, bias, residual
+        )
+    return ops.pack_bf16_pairs(stored), ops.gemm_bf16
 
 
 def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
@@ -89,8 +116,10 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
     ops `ops`: timed here, see the module's docstring); returns the stored weights' bytes."""
     if fmt not in FORMATS:
         raise ValueError(f"low-precision format must be one of {FORMATS}, got {fmt!r}")
-    if fmt == MATMUL and any(w.in_features % 2 for w in weights):
+    if fmt == "bf16-matmul" and any(w.in_features % 2 for w in weights):
         raise ValueError(f"{fmt}: every linear's in-features must be even (its products go by pairs of k)")
+    if fmt == "w8a8" and any(w.in_features % X_BLOCK for w in weights):
+        raise ValueError(f"{fmt}: every linear's in-features must be a multiple of {X_BLOCK} (its input's blocks)")
     parts = [stored(w.weight, fmt) for w in weights]
     total = sum(q.numel() for q, _ in parts)
     arena = hugepage_empty(-(-total * BYTES[fmt] // 4)).view(DTYPES[fmt])[:total]
@@ -100,21 +129,21 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
         w.low.copy_(q)
         w.low_scale, w.low_run = scale, run
         w.low_panels = None
-        if ops is not None and fmt == MATMUL:
-            w.low_panels, w.gemm = ops.pack_bf16_pairs(w.low), ops.gemm_bf16
+        if ops is not None and fmt in MATMULS:
+            w.low_panels, w.gemm = matmul(ops, fmt, w.low, scale)
         elif ops is not None:
             w.low_panels, w.gemm = ops.pack_panels(w.low), ops.gemm_panels
         start += q.numel()
         w.packed = w.panels = None  # the oneDNN and panel copies' memory back
         w.plan = (fmt,) * len(ROW_BUCKETS)
-    if ops is not None and fmt != MATMUL:
+    if ops is not None and fmt not in MATMULS:
         set_plan(weights, timed_plan(weights, fmt))
     return total * BYTES[fmt]
 
 
 def layouts(fmt: str) -> tuple[str, ...]:
-    """`fmt`'s layouts: the weight-only formats' gemv and panels, bf16-matmul's one."""
-    return (fmt,) if fmt == MATMUL else (fmt, f"{fmt}-panels")
+    """`fmt`'s layouts: the weight-only formats' gemv and panels, the matmul formats' one."""
+    return (fmt,) if fmt in MATMULS else (fmt, f"{fmt}-panels")
 
 
 def set_plan(weights: list[LinearWeight], plan: tuple[str, ...]) -> None:
@@ -157,12 +186,14 @@ def dequantized(w: LinearWeight) -> torch.Tensor:
 
 def run(w: LinearWeight, x2: torch.Tensor, residual: torch.Tensor | None, layout: str | None = None) -> torch.Tensor:
     """[rows, out] = residual + x2 @ dequantized(w).T + bias, in `layout` (LAYOUTS; default: the format's gemv);
-    in bf16-matmul x2 rounded to bf16 first."""
+    in bf16-matmul x2 rounded to bf16 first, in w8a8 quantized (quantized_input)."""
     rows = x2.shape[0]
-    if layout == MATMUL and w.low_panels is not None and w.gemm is not None:
+    if layout in MATMULS and w.low_panels is not None and w.gemm is not None:
         return w.gemm(x2.contiguous(), w.low_panels, w.out_features, w.bias, residual)
-    if layout == MATMUL:  # no fused ops: the rounded input through one GEMM
+    if layout == "bf16-matmul":  # no fused ops: the rounded input through one GEMM
         x2 = x2.to(torch.bfloat16).float()
+    elif layout == "w8a8":
+        x2 = quantized_input(x2)
     elif layout is not None and layout.endswith("-panels") and w.low_panels is not None and w.gemm is not None:
         return w.gemm(x2.contiguous(), w.low_panels, w.out_features, w.bias, residual, w.low_scale)
     elif rows <= GEMV_ROWS:

@@ -37,8 +37,8 @@ from common.models.direct_call import DirectCall
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; measured fine from 1 to 64
 LAYOUTS = ("mkl", "onednn", "rowblock", "panels")
 # the low-precision formats' layouts (common/models/low_precision.py): the weight-only formats' gemv, named
-# as the format, and their panel GEMM; bf16-matmul's one
-LOW_PRECISION_LAYOUTS = ("w8", "w8-panels", "bf16", "bf16-panels", "bf16-matmul")
+# as the format, and their panel GEMM; the matmul formats' one (bf16-matmul, w8a8)
+LOW_PRECISION_LAYOUTS = ("w8", "w8-panels", "bf16", "bf16-panels", "bf16-matmul", "w8a8")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows r use the plan of the first bucket >= r (the last above)
 DEFAULT_PLAN = ("rowblock",) + ("onednn",) * (len(ROW_BUCKETS) - 1)  # before tuning: the AMD host's choice
 GEMV_ROWS = 64  # the fused gemv serves rowblock up to this many rows (decode batches; prefill chunks: the bmm)
@@ -78,8 +78,8 @@ class LinearWeight:
         self.gemv = None  # the fused CPU ops' gemv (cpu_fused.attach), or None: bmm
         self.gemv_w8 = None  # their int8 gemv, for the w8 layout (common/models/low_precision.py)
         self.panels = self.gemm = None  # the panels layout's copy and GEMM (set_panels), or None: F.linear
-        # a low-precision format's weight, w8's scale, the panels (or bf16 pairs) of the weight and the call
-        # (low_precision.py)
+        # a low-precision format's weight, the int8 formats' scale, the panels (or bf16 pairs, int8 quads) of
+        # the weight and the call (low_precision.py)
         self.low = self.low_scale = self.low_panels = self.low_run = None
 
     def relocate(self, weight: torch.Tensor) -> None:

@@ -1,0 +1,249 @@
+// The int8 matmul of the fused CPU ops (`--quantization w8a8`, common/models/low_precision.py; registered
+// in cpu_fused.cpp): int8 weights with a scale per output row, each linear's input quantized to int8 per
+// block of k as it arrives, the integer products summed exactly in int32 per block, and the blocks' sums
+// scaled and added in float32.
+//   pack_int8_quads(w [N, K] int8, K % 4 == 0) -> [ceil(N / P), K / 4, P, 4] uint8: panels of P output
+//     columns (as cpu_gemm.cpp's), k-quad-major: for k = 4i .. 4i + 3 each column's four weights plus 128
+//     (so unsigned: 1 .. 255) in one 32-bit lane; the last panel padded with 128 (zero weights);
+//   gemm_int8(x [R, K] float32, quads, scale [N], N, block, bias?, residual?) -> [R, N]:
+//     residual + (sum over blocks b of sx[r, b] * dot_b(xq[r], wq[c])) * scale[c] + bias[c], where per row r
+//     and block b of `block` k: sx = absmax / 127 (1 where the block is all zero), xq = round(x / sx) to
+//     nearest even, and dot_b the exact integer dot product over the block.
+// vpdpbusd (AVX512-VNNI) multiplies unsigned by signed bytes, four per lane, into int32: the weights are
+// the unsigned side (w + 128), and the 128 * sum(xq) it adds per block is taken off by starting the
+// block's sums at -128 * sum(xq). Per block and output the float step is one fused multiply-add,
+// acc = fma(float(dot_b), sx[r, b], acc), in block order: the integer sums are exact whatever the
+// instructions, so every ISA's form and every tile shape gives the same bits, and a row's result does not
+// depend on the batch. Without VNNI (AVX-512, AVX2) the same sums come from vpmaddwd on the bytes widened
+// to 16 bits in registers; one lane multiplies bytes. Tiles of up to kQuadRows rows by one panel; one or
+// two rows (a decode step) by kQuadStreams panels read side by side.
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "cpu_common.h"
+
+namespace disagg_cpu {
+
+// integer lanes beside vec's float lanes: one 32-bit lane per output column, four bytes of k each
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+using ivec = __m512i;
+inline ivec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline ivec iset1(int32_t a) { return _mm512_set1_epi32(a); }
+inline vec vfloat(ivec a) { return _mm512_cvtepi32_ps(a); }
+// a + per lane the dot product of w's four unsigned bytes and x's four signed bytes
+inline ivec dot4(ivec a, ivec w, ivec x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(a, w, x);
+#else
+  const ivec even = _mm512_and_si512(w, _mm512_set1_epi16(0xff)), odd = _mm512_srli_epi16(w, 8);
+  const ivec xe = _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8), xo = _mm512_srai_epi16(x, 8);
+  return _mm512_add_epi32(a, _mm512_add_epi32(_mm512_madd_epi16(even, xe), _mm512_madd_epi16(odd, xo)));
+#endif
+}
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+using ivec = __m256i;
+inline ivec iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline ivec iset1(int32_t a) { return _mm256_set1_epi32(a); }
+inline vec vfloat(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline ivec dot4(ivec a, ivec w, ivec x) {
+  const ivec even = _mm256_and_si256(w, _mm256_set1_epi16(0xff)), odd = _mm256_srli_epi16(w, 8);
+  const ivec xe = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8), xo = _mm256_srai_epi16(x, 8);
+  return _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(even, xe), _mm256_madd_epi16(odd, xo)));
+}
+#else  // one lane, or AVX-512 without BW: kLanes lanes in an array
+struct ivec {
+  int32_t v[kLanes];
+};
+inline ivec iload(const uint8_t* p) {
+  ivec a;
+  std::memcpy(a.v, p, sizeof(a.v));
+  return a;
+}
+inline ivec iset1(int32_t x) {
+  ivec a;
+  for (int64_t l = 0; l < kLanes; ++l) a.v[l] = x;
+  return a;
+}
+inline vec vfloat(ivec a) {
+  float f[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) f[l] = static_cast<float>(a.v[l]);
+  return vload(f);
+}
+inline ivec dot4(ivec a, ivec w, ivec x) {
+  for (int64_t l = 0; l < kLanes; ++l) {
+    const auto* wb = reinterpret_cast<const uint8_t*>(&w.v[l]);
+    const auto* xb = reinterpret_cast<const int8_t*>(&x.v[l]);
+    for (int b = 0; b < 4; ++b) a.v[l] += static_cast<int32_t>(wb[b]) * xb[b];
+  }
+  return a;
+}
+#endif
+// fma(a, b, c) with one rounding on every form (one lane: std::fma, not a * b + c), so all forms agree
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline vec fma_exact(vec a, vec b, vec c) { return vfma(a, b, c); }
+#else
+inline vec fma_exact(vec a, vec b, vec c) { return std::fma(a, b, c); }
+#endif
+
+// 2T int32 sums + 2T float sums + 2 weight vectors + the broadcast x within the registers: 32 on AVX-512
+// (6 rows), AVX2's 16 (2 rows)
+constexpr int kQuadRows = kLanes == 16 ? 6 : 2;
+constexpr int64_t kQuadChunk = 16 * kQuadRows;  // x rows per pass over a thread's panels
+constexpr int kQuadFewRows = 2;  // up to this many rows the tiles read kQuadStreams panels side by side
+constexpr int kQuadStreams = kLanes == 16 ? 4 : 2;
+
+// x's rows quantized, in groups of kQuadRows (a short group's missing rows: never read), k-major so that a
+// tile broadcasts one row's quad from consecutive words: per group quads [K / 4, kQuadRows] (four int8 in
+// each 32-bit word), scales [K / block, kQuadRows] and starts [K / block, kQuadRows] (-128 * the block's
+// sum of xq)
+struct QuantizedRows {
+  at::Tensor quads, scales, starts;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k, int64_t block) {
+  const int64_t groups = (rows + kQuadRows - 1) / kQuadRows, blocks = k / block;
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  QuantizedRows q{at::empty({groups, k / 4, kQuadRows}, i32), at::empty({groups, blocks, kQuadRows}, at::kFloat),
+                  at::empty({groups, blocks, kQuadRows}, i32)};
+  int8_t* pq = reinterpret_cast<int8_t*>(q.quads.data_ptr<int32_t>());
+  float* ps = q.scales.data_ptr<float>();
+  int32_t* pst = q.starts.data_ptr<int32_t>();
+  parallel_range(0, groups, grain_for(k * kQuadRows), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < kQuadRows && g * kQuadRows + r < rows; ++r) {
+        const float* row = x + (g * kQuadRows + r) * k;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const float* xb = row + b * block;
+          float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+          for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+          const float s = amax > 0.f ? amax / 127.f : 1.f;
+          int32_t sum = 0;
+          for (int64_t i = 0; i < block; ++i) {
+            const float v = std::nearbyint(xb[i] / s);  // |v| <= 127 but where x is not finite
+            const int8_t c = v >= -127.f && v <= 127.f ? static_cast<int8_t>(v) : 0;
+            const int64_t kk = b * block + i;
+            pq[((g * (k / 4) + kk / 4) * kQuadRows + r) * 4 + kk % 4] = c;
+            sum += c;
+          }
+          ps[(g * blocks + b) * kQuadRows + r] = s;
+          pst[(g * blocks + b) * kQuadRows + r] = -128 * sum;
+        }
+      }
+  });
+  return q;
+}
+
+// out[r, col0 + c] for r < T, c < min(S P, n - col0): T rows of a quantized group against S adjacent quad
+// panels, read side by side (as cpu_bf16.cpp's pair_tile); `next`: the panel after, fetched meanwhile
+template <int T, int S = 1>
+inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts, const uint8_t* panel,
+                      const float* scale, const float* bias, const float* residual, float* out, int64_t n,
+                      int64_t k4, int64_t per_block, int64_t col0, const uint8_t* next) {
+  vec acc[T][2 * S];
+  for (int r = 0; r < T; ++r)
+    for (int j = 0; j < 2 * S; ++j) acc[r][j] = vzero();
+  const int64_t stride = k4 * 4 * kPanel;  // one panel's bytes
+  for (int64_t i0 = 0, b = 0; i0 < k4; i0 += per_block, ++b) {
+    ivec sums[T][2 * S];
+    for (int r = 0; r < T; ++r) {
+      const ivec start = iset1(starts[b * kQuadRows + r]);
+      for (int j = 0; j < 2 * S; ++j) sums[r][j] = start;
+    }
+    for (int64_t i = i0; i < i0 + per_block; ++i) {
+      if (next != nullptr) __builtin_prefetch(next + i * 4 * kPanel), __builtin_prefetch(next + i * 4 * kPanel + 64);
+      ivec w[2 * S];
+      for (int s = 0; s < S; ++s) {
+        w[2 * s] = iload(panel + s * stride + i * 4 * kPanel);
+        w[2 * s + 1] = iload(panel + s * stride + i * 4 * kPanel + 4 * kLanes);
+      }
+      for (int r = 0; r < T; ++r) {
+        const ivec xv = iset1(xq[i * kQuadRows + r]);
+        for (int j = 0; j < 2 * S; ++j) sums[r][j] = dot4(sums[r][j], w[j], xv);
+      }
+    }
+    for (int r = 0; r < T; ++r) {
+      const vec s = vset1(sx[b * kQuadRows + r]);
+      for (int j = 0; j < 2 * S; ++j) acc[r][j] = fma_exact(vfloat(sums[r][j]), s, acc[r][j]);
+    }
+  }
+  store_tile(acc, std::min<int64_t>(S * kPanel, n - col0), scale, bias, residual, out, n, col0);
+}
+
+template <int T>
+inline void quad_tile_of(int64_t rows, const int32_t* xq, const float* sx, const int32_t* starts,
+                         const uint8_t* panel, const float* scale, const float* bias, const float* residual,
+                         float* out, int64_t n, int64_t k4, int64_t per_block, int64_t col0, const uint8_t* next) {
+  if constexpr (T > 0) {
+    if (rows == T)
+      return quad_tile<T>(xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, col0, next);
+    quad_tile_of<T - 1>(rows, xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, col0, next);
+  }
+}
+
+at::Tensor pack_int8_quads(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.device().is_cpu() && w.is_contiguous(),
+              "pack_int8_quads: w: contiguous CPU int8 [N, K] expected");
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(k % 4 == 0, "pack_int8_quads: K a multiple of 4 expected, got ", k);
+  at::Tensor out = at::full({panels, k / 4, kPanel, 4}, 128, w.options().dtype(at::kByte));
+  const int8_t* src = w.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  parallel_range(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i)
+          dst[((p * (k / 4) + i / 4) * kPanel + c) * 4 + i % 4] = static_cast<uint8_t>(src[(p * kPanel + c) * k + i] + 128);
+  });
+  return out;
+}
+
+at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scale, int64_t n, int64_t block,
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && quads.dim() == 4, "gemm_int8: x [R, K], quads [N / P, K / 4, P, 4]");
+  check_f32(x, "gemm_int8: x");
+  check_f32(scale, "gemm_int8: scale");
+  TORCH_CHECK(quads.scalar_type() == at::kByte && quads.device().is_cpu() && quads.is_contiguous(),
+              "gemm_int8: quads: contiguous CPU uint8 expected");
+  const int64_t rows = x.size(0), k = x.size(1), k4 = k / 4, count = quads.size(0);
+  TORCH_CHECK(k % 4 == 0 && quads.size(1) == k4 && quads.size(2) == kPanel && quads.size(3) == 4,
+              "gemm_int8: quads of this build's pack_int8_quads, K = x's");
+  TORCH_CHECK(block > 0 && block % 4 == 0 && k % block == 0, "gemm_int8: block a multiple of 4 dividing K, got ", block);
+  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count && scale.numel() == n, "gemm_int8: N does not match");
+  const Addends add = checked_addends(bias, residual, rows, n, "gemm_int8: bias / residual");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k, block);
+  const int32_t* pq = q.quads.data_ptr<int32_t>();
+  const float* psx = q.scales.data_ptr<float>();
+  const int32_t* pst = q.starts.data_ptr<int32_t>();
+  const int64_t blocks = k / block, per_block = block / 4;
+  const uint8_t* pp = quads.data_ptr<uint8_t>();
+  const float *ps = scale.data_ptr<float>(), *pb = add.bias_data(), *pr = add.residual_data();
+  float* po = out.data_ptr<float>();
+  if (rows <= kQuadFewRows) {  // a decode step of a request or two: kQuadStreams panels at a time, each thread
+    parallel_range(0, count, kQuadStreams, [&](int64_t begin, int64_t end) {
+      int64_t p = begin;
+      for (; p + kQuadStreams <= end; p += kQuadStreams)
+        (rows == 1 ? quad_tile<1, kQuadStreams> : quad_tile<kQuadFewRows, kQuadStreams>)(
+            pq, psx, pst, pp + p * k * kPanel, ps, pb, pr, po, n, k4, per_block, p * kPanel, nullptr);
+      for (; p < end; ++p)
+        (rows == 1 ? quad_tile<1> : quad_tile<kQuadFewRows>)(pq, psx, pst, pp + p * k * kPanel, ps, pb, pr, po, n, k4,
+                                                             per_block, p * kPanel, nullptr);
+    });
+    return out;
+  }
+  panel_walk(rows, count, kQuadRows, kQuadChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) {
+    const uint8_t* panel = pp + p * k * kPanel;
+    const int64_t g = r / kQuadRows;  // chunks and tiles start at multiples of kQuadRows
+    quad_tile_of<kQuadRows>(t, pq + g * k4 * kQuadRows, psx + g * blocks * kQuadRows, pst + g * blocks * kQuadRows,
+                            panel, ps, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4, per_block,
+                            p * kPanel, fetch ? panel + k * kPanel : nullptr);
+  });
+  return out;
+}
+
+}  // namespace disagg_cpu
