@@ -20,8 +20,8 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    `--variants` picks the runners, timed in turn within each round: eager (torch ops only, the fused
    CPU ops off), fused (the fused C++ ops of common/models/cpu_fused.py: norms, SiLU-and-mul, the
    decode attention), compiled (`--enable-torch-compile`: batch 1 compiled at warm-up, kept only where
-   warm-up timed it faster: common/models/compiled_layers.py), w8, bf16 and bf16-matmul (fused, with
-   `--quantization w8 | bf16 | bf16-matmul`: int8 or bf16 linears, common/models/low_precision.py; their
+   warm-up timed it faster: common/models/compiled_layers.py), w8, bf16, bf16-matmul and w8a8 (fused,
+   with `--quantization w8 | bf16 | bf16-matmul | w8a8`: int8 or bf16 linears, common/models/low_precision.py; their
    ratios are to the fp32 floor and to their own, the int8 and bf16 floors in the table). `--op-count` first counts each
    runner's dispatched ops per batch-1 decode forward (torch.profiler, deterministic).
 3. ours, the linears alone: every linear of the first runner's model once at one row, in model
@@ -202,7 +202,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--variants",
         default="eager,fused",
-        help="ours: eager, fused, compiled, w8, bf16, bf16-matmul (comma-separated)",
+        help="ours: eager, fused, compiled, w8, bf16, bf16-matmul, w8a8 (comma-separated)",
     )
     parser.add_argument("--op-count", action="store_true", help="print each runner's ops per decode forward")
     args = parser.parse_args(argv)
@@ -291,7 +291,12 @@ def main(argv=None) -> None:
         ratio = [o / f for f, o in zip(cols[1], ms)]
         print(f"| {name}, ms per token | {statistics.median(ms):.1f} | {min(ms):.1f} |")
         print(f"| {name} / floor | {statistics.median(ratio):.2f}x | {min(ratio):.2f}x |")
-    own = {"w8": "int8", "bf16": "bf16", "bf16-matmul": "bf16"}  # a low-precision variant's own floor: its bytes'
+    own = {
+        "w8": "int8",
+        "bf16": "bf16",
+        "bf16-matmul": "bf16",
+        "w8a8": "int8",
+    }  # a low-precision variant's own floor: its bytes'
     for i, name in enumerate(runners):
         per_round = [r[i] for r in paired_rounds]
         print(f"| ours ({name}) / floor, paired steps | {statistics.median(per_round):.2f}x | {min(per_round):.2f}x |")

@@ -1,12 +1,15 @@
 """The fused CPU kernels built for the lesser ISAs this host can run, as hosts with less would build them.
 
 `-march=native` (common/models/cpu_fused.py) compiles one of several forms of every kernel: AVX-512,
-AVX-512 with BF16's `vdpbf16ps` (the bf16 matmul), AVX2 + FMA, or one lane. CI lands on hosts of every
-shape, and each tests only its own form; here each lesser form this host can run (one lane, AVX2, and
-on an AVX-512 host AVX-512 without BF16) is built into a folder of its own, in a subprocess (a library
-registers its ops once per process), and checked: the bf16 matmul gives the same bits as its float32
-definition (per k pair the odd product, then the even one, added in k order), and the gemv and panel
-GEMM on fp32 / bf16 / int8 weights equal the float64 product. ~20 s a build on 2 cores: a drill.
+AVX-512 with BF16's `vdpbf16ps` (the bf16 matmul) and VNNI's `vpdpbusd` (the int8 matmul), AVX2 + FMA,
+or one lane. CI lands on hosts of every shape, and each tests only its own form; here each lesser form
+this host can run (one lane, AVX2, and on an AVX-512 host AVX-512 without BF16 and VNNI) is built into a
+folder of its own, in a subprocess (a library registers its ops once per process), and checked: the
+bf16 matmul gives the same bits as its float32 definition (per k pair the odd product, then the even
+one, added in k order); the int8 matmul the same bits as this host's native build (its integer sums are
+exact, its float steps fused multiply-adds in block order on every form) and the float64 product of the
+quantized input; and the gemv and panel GEMM on fp32 / bf16 / int8 weights equal the float64 product.
+~20-45 s a build on 2 cores: a drill.
 """
 
 from __future__ import annotations
@@ -37,8 +40,33 @@ def lesser_isas() -> list[str]:
     return isas
 
 
+INT8_CASES = ((1, 300, 64, 32), (2, 70, 96, 32), (7, 33, 64, 16), (64, 96, 576, 32), (100, 40, 32, 32))
+
+
+def int8_inputs(rows: int, n: int, k: int):
+    """The int8 matmul's inputs of one case, the same in every process: (x, int8 w, scale, bias, residual)."""
+    import torch
+
+    from common.models import low_precision
+
+    gen = torch.Generator().manual_seed(rows * 100_000 + n * 1000 + k)
+    q, scale = low_precision.quantize_rows(torch.randn(n, k, generator=gen))
+    x, b, r = (torch.randn(*shape, generator=gen) for shape in ((rows, k), (n,), (rows, n)))
+    return x, q, scale, b, r
+
+
+def int8_outputs(ops) -> list:
+    """gemm_int8 on INT8_CASES with `ops`."""
+    outs = []
+    for rows, n, k, block in INT8_CASES:
+        x, q, scale, b, r = int8_inputs(rows, n, k)
+        outs.append(ops.gemm_int8(x, ops.pack_int8_quads(q), scale, n, block, b, r))
+    return outs
+
+
 def check(march: str, folder: str) -> None:
-    """Build the kernels with -march=`march` into `folder`, load them, and check them (raises if wrong)."""
+    """Build the kernels with -march=`march` into `folder`, load them, and check them (raises if wrong);
+    the int8 matmul's outputs are left in folder/int8.pt for the caller to compare with its own build's."""
     import torch
     from torch.utils import cpp_extension
 
@@ -79,10 +107,17 @@ def check(march: str, folder: str) -> None:
             if rows <= 64:
                 gemv = ops.gemv(x, weight, b, r) if s is None else ops.gemv_w8(x, weight, s, b, r)
                 torch.testing.assert_close(gemv.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemv {name}")
+    outs = int8_outputs(ops)
+    for (rows, n, k, block), got in zip(INT8_CASES, outs):
+        x, q, scale, b, r = int8_inputs(rows, n, k)
+        xq = low_precision.quantized_input(x, block).double()
+        ref = r.double() + xq @ (q.double() * scale.double()[:, None]).T + b.double()
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemm_int8 {rows}x{k}")
+    torch.save(outs, os.path.join(folder, "int8.pt"))
 
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_the_kernels_built_for_a_lesser_isa_compute_what_the_native_build_does(march, tmp_path):
+def test_the_kernels_built_for_a_lesser_isa_compute_what_the_native_build_does(march, tmp_path, ops):
     if platform.machine() != "x86_64":
         pytest.skip("the kernels' SIMD forms are x86's")
     if march not in lesser_isas():
@@ -90,3 +125,8 @@ def test_the_kernels_built_for_a_lesser_isa_compute_what_the_native_build_does(m
     code = f"from tests.test_kernel_isas import check; check({march!r}, {str(tmp_path)!r}); print('ok')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    import torch
+
+    theirs = torch.load(tmp_path / "int8.pt")
+    for case, mine, other in zip(INT8_CASES, int8_outputs(ops), theirs):
+        assert torch.equal(mine, other), (march, "gemm_int8 differs from the native build", case)

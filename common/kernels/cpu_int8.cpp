@@ -23,6 +23,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -104,35 +105,65 @@ struct QuantizedRows {
   at::Tensor quads, scales, starts;
 };
 
+// One block of x: s = its absmax / 127 (1 if all zero), qb = round(xb / s) within +-127 (to nearest even;
+// not finite x: unspecified); returns the sum of qb. Plain loops the compiler vectorizes; blocks of 32 on
+// AVX-512 by hand (the compiler's loops cost ~1 ns per element there, half of SmolLM2's linears' time at
+// 64 rows on a 2-core AMD Zen 4)
+inline int32_t quantize_block(const float* __restrict xb, int8_t* __restrict qb, int64_t block, float& s) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (block == 32) {
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    s = amax > 0.f ? amax / 127.f : 1.f;
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const auto q = [&](__m512 v) {
+      const __m512i c = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(v, sv), kNearest));
+      return _mm512_max_epi32(_mm512_min_epi32(c, top), bottom);
+    };
+    const __m512i a = q(lo), b = q(hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(b));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+  }
+#endif
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  s = amax > 0.f ? amax / 127.f : 1.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < block; ++i) {  // vectorized without `omp simd` (with it: not)
+    float v = std::nearbyint(xb[i] / s);
+    v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+    const int32_t c = static_cast<int32_t>(v);
+    qb[i] = static_cast<int8_t>(c);
+    sum += c;
+  }
+  return sum;
+}
+
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k, int64_t block) {
-  const int64_t groups = (rows + kQuadRows - 1) / kQuadRows, blocks = k / block;
+  const int64_t groups = (rows + kQuadRows - 1) / kQuadRows, blocks = k / block, k4 = k / 4;
   const auto i32 = at::TensorOptions().dtype(at::kInt);
-  QuantizedRows q{at::empty({groups, k / 4, kQuadRows}, i32), at::empty({groups, blocks, kQuadRows}, at::kFloat),
+  QuantizedRows q{at::empty({groups, k4, kQuadRows}, i32), at::empty({groups, blocks, kQuadRows}, at::kFloat),
                   at::empty({groups, blocks, kQuadRows}, i32)};
-  int8_t* pq = reinterpret_cast<int8_t*>(q.quads.data_ptr<int32_t>());
+  int32_t* pq = q.quads.data_ptr<int32_t>();
   float* ps = q.scales.data_ptr<float>();
   int32_t* pst = q.starts.data_ptr<int32_t>();
   parallel_range(0, groups, grain_for(k * kQuadRows), [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> words(k4);  // one row's bytes, then spread to the group's k-major words
+    int8_t* bytes = reinterpret_cast<int8_t*>(words.data());
     for (int64_t g = begin; g < end; ++g)
       for (int64_t r = 0; r < kQuadRows && g * kQuadRows + r < rows; ++r) {
         const float* row = x + (g * kQuadRows + r) * k;
         for (int64_t b = 0; b < blocks; ++b) {
-          const float* xb = row + b * block;
-          float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-          for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
-          const float s = amax > 0.f ? amax / 127.f : 1.f;
-          int32_t sum = 0;
-          for (int64_t i = 0; i < block; ++i) {
-            const float v = std::nearbyint(xb[i] / s);  // |v| <= 127 but where x is not finite
-            const int8_t c = v >= -127.f && v <= 127.f ? static_cast<int8_t>(v) : 0;
-            const int64_t kk = b * block + i;
-            pq[((g * (k / 4) + kk / 4) * kQuadRows + r) * 4 + kk % 4] = c;
-            sum += c;
-          }
+          float s;
+          const int32_t sum = quantize_block(row + b * block, bytes + b * block, block, s);
           ps[(g * blocks + b) * kQuadRows + r] = s;
           pst[(g * blocks + b) * kQuadRows + r] = -128 * sum;
         }
+        for (int64_t i = 0; i < k4; ++i) pq[(g * k4 + i) * kQuadRows + r] = words[i];
       }
   });
   return q;
