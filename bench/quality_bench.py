@@ -1,7 +1,7 @@
 """Greedy answers of each engine and weight format against our float32 answers: what a faster dtype costs.
 
     python -m bench.quality_bench [--max-tokens 48]
-        [--engines ours,ours-w8,ours-bf16,ours-bf16-matmul,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4]
+        [--engines ours,ours-w8,ours-bf16,ours-bf16-matmul,ours-w8a8,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4]
 
 The same SmolLM2-135M-Instruct weights in every engine (bench/peers_bench.py starts them), the 50
 chat questions below, greedy (temperature 0), one request at a time through each engine's OpenAI chat
@@ -104,7 +104,8 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m bench.quality_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
     p.add_argument(
-        "--engines", default="ours,ours-w8,ours-bf16,ours-bf16-matmul,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4"
+        "--engines",
+        default="ours,ours-w8,ours-bf16,ours-bf16-matmul,ours-w8a8,vllm,llamacpp-f32,llamacpp-q8,llamacpp-q4",
     )
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--vllm-dtype", default="float32")
