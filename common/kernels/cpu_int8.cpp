@@ -100,9 +100,11 @@ constexpr int kQuadStreams = kLanes == 16 ? 4 : 2;
 // x's rows quantized, in groups of kQuadRows (a short group's missing rows: never read), k-major so that a
 // tile broadcasts one row's quad from consecutive words: per group quads [K / 4, kQuadRows] (four int8 in
 // each 32-bit word), scales [K / block, kQuadRows] and starts [K / block, kQuadRows] (-128 * the block's
-// sum of xq)
+// sum of xq). The calling thread's own buffers, grown as needed and reused: a decode step quantizes 120
+// inputs of SmolLM2's, and three tensors each were a third of its ~600 allocations
 struct QuantizedRows {
-  at::Tensor quads, scales, starts;
+  std::vector<int32_t> quads, starts;
+  std::vector<float> scales;
 };
 
 // One block of x: s = its absmax / 127 (1 if all zero), qb = round(xb / s) within +-127 (to nearest even;
@@ -143,14 +145,15 @@ inline int32_t quantize_block(const float* __restrict xb, int8_t* __restrict qb,
   return sum;
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k, int64_t block) {
+const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int64_t block) {
   const int64_t groups = (rows + kQuadRows - 1) / kQuadRows, blocks = k / block, k4 = k / 4;
-  const auto i32 = at::TensorOptions().dtype(at::kInt);
-  QuantizedRows q{at::empty({groups, k4, kQuadRows}, i32), at::empty({groups, blocks, kQuadRows}, at::kFloat),
-                  at::empty({groups, blocks, kQuadRows}, i32)};
-  int32_t* pq = q.quads.data_ptr<int32_t>();
-  float* ps = q.scales.data_ptr<float>();
-  int32_t* pst = q.starts.data_ptr<int32_t>();
+  thread_local QuantizedRows q;
+  q.quads.resize(groups * k4 * kQuadRows);
+  q.scales.resize(groups * blocks * kQuadRows);
+  q.starts.resize(groups * blocks * kQuadRows);
+  int32_t* pq = q.quads.data();
+  float* ps = q.scales.data();
+  int32_t* pst = q.starts.data();
   parallel_range(0, groups, grain_for(k * kQuadRows), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> words(k4);  // one row's bytes, then spread to the group's k-major words
     int8_t* bytes = reinterpret_cast<int8_t*>(words.data());
@@ -247,10 +250,10 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count && scale.numel() == n, "gemm_int8: N does not match");
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_int8: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
-  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), rows, k, block);
-  const int32_t* pq = q.quads.data_ptr<int32_t>();
-  const float* psx = q.scales.data_ptr<float>();
-  const int32_t* pst = q.starts.data_ptr<int32_t>();
+  const QuantizedRows& q = quantize_rows(x.data_ptr<float>(), rows, k, block);
+  const int32_t* pq = q.quads.data();
+  const float* psx = q.scales.data();
+  const int32_t* pst = q.starts.data();
   const int64_t blocks = k / block, per_block = block / 4;
   const uint8_t* pp = quads.data_ptr<uint8_t>();
   const float *ps = scale.data_ptr<float>(), *pb = add.bias_data(), *pr = add.residual_data();
