@@ -13,6 +13,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace disagg_cpu {
@@ -135,7 +136,7 @@ inline void vstore(float* p, vec v) { *p = v; }
 // the panel GEMMs' panels (cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp): two vectors of output columns
 constexpr int64_t kPanel = 2 * kLanes;
 
-// A panel GEMM tile's end: out[r, col0 + c] = acc[r] * scale + bias + residual[r] for r < T, c < cols
+// A panel GEMM tile's end: out[r, col0 + c] = fma(acc[r], scale, bias) + residual[r] for r < T, c < cols
 // (each of scale [N], bias [N], residual [T rows of N] optional; acc[r]: V vectors of output columns)
 template <int T, int V>
 inline void store_tile(const vec (&acc)[T][V], int64_t cols, const float* scale, const float* bias,
@@ -145,8 +146,10 @@ inline void store_tile(const vec (&acc)[T][V], int64_t cols, const float* scale,
     for (int j = 0; j < V; ++j) vstore(sums + j * kLanes, acc[r][j]);
     for (int64_t c = 0; c < cols; ++c) {
       float v = sums[c];
-      if (scale != nullptr) v *= scale[col0 + c];
-      if (bias != nullptr) v += bias[col0 + c];
+      // the scale and bias in one explicit fused multiply-add: left as v * scale + bias, the compiler
+      // fuses them where the ISA has FMA and not where it lacks it, and the forms' bits would differ
+      if (scale != nullptr) v = std::fma(v, scale[col0 + c], bias != nullptr ? bias[col0 + c] : 0.f);
+      else if (bias != nullptr) v += bias[col0 + c];
       if (residual != nullptr) v += residual[r * n + col0 + c];
       out[r * n + col0 + c] = v;
     }
