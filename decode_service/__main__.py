@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -45,6 +46,8 @@ def main(argv=None) -> None:
     )
     if service.openai is not None:
         logging.info("OpenAI HTTP API on http://%s/v1 (chat/completions, completions, models)", service.openai.address)
+    gc.collect()
+    gc.freeze()  # the start's objects out of the collector's way (docs/architecture.md)
     stop.wait()
     logging.info("decode service stopping")
     service.shutdown(config.shutdown_grace_s)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -34,6 +35,8 @@ def main(argv=None, hooks: PrefillHooks | None = None) -> None:
         logging.shutdown()
         os._exit(0)  # threads the start made end with the process
     logging.info("prefill service serving %s on %s", config.model_path, service.address)
+    gc.collect()
+    gc.freeze()  # the start's objects out of the collector's way (docs/architecture.md)
     stop.wait()
     logging.info("prefill service stopping")
     service.stop(config.shutdown_grace_s)
