@@ -17,8 +17,8 @@
 //     req_to_token), GQA heads h -> kv head h / (H / KV) (HF's repeat_kv order), softmax in fp32.
 //   decode_layers(x, weights, ...)                      -> dense decoder layers' decode step: for each
 //     layer the ops above in the modules' order (two norms, four gemvs, the attention, SiLU-and-mul);
-// Work is split over (request, kv head) with parallel_range (below) once it is large enough to pay for a
-// parallel region; the inner loops are left to the compiler (-O3 -march=native, omp simd reductions).
+// Work is split over (request, kv head), or over query heads where those are few (decode_attention), with
+// parallel_range (cpu_common.h) once it is large enough to pay for a parallel region; the inner loops are left to the compiler (-O3 -march=native, omp simd reductions).
 // Padded lanes may share out_loc 0 (the padding slot, never read for a real request).
 
 #include <ATen/core/Tensor.h>
@@ -161,22 +161,34 @@ at::Tensor decode_attention(
   const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
   const int64_t row = kv_heads * d;  // one slot's K (or V) of one layer
 
-  parallel_range(0, batch * kv_heads, grain_for(s_max * d * (group + 1) * 2), [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(d), q(group * d), acc(group * d), scores;
+  // this token's K (normed, rotated) and V into the pool, per (request, kv head)
+  parallel_range(0, batch * kv_heads, grain_for(4 * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(d);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, seq = pseq[b];
-      const float *src = pqkv + b * width, *c = pcos + b * d, *s = psin + b * d;
-      // this token's K (normed, rotated) and V into the pool
-      const float* k_in = src + (heads + h) * d;
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const float *src = pqkv + b * width, *k_in = src + (heads + h) * d;
       if (kn != nullptr) {
         rms_row(k_in, kn, e, d, tmp.data());
         k_in = tmp.data();
       }
-      rotary(k_in, c, s, d, pk + ploc[b] * row + h * d);
+      rotary(k_in, pcos + b * d, psin + b * d, d, pk + ploc[b] * row + h * d);
       std::copy(src + (heads + kv_heads + h) * d, src + (heads + kv_heads + h + 1) * d, pv + ploc[b] * row + h * d);
-      // the group's queries
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q_in = src + (h * group + g) * d;
+    }
+  });
+  // the attention, per (request, kv head): the group's queries read each slot's K and V once. Where those
+  // are fewer than twice the threads (a request or two of a model with few kv heads), per query head: one
+  // request of SmolLM2 is 3 kv heads, 2 + 1 on 2 threads, against 9 query heads, 5 + 4
+  const int64_t team = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t split = batch * kv_heads < 2 * team ? group : 1, per = group / split;
+  parallel_range(0, batch * kv_heads * split, grain_for(s_max * d * (per + 1) * 2), [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(d), q(per * d), acc(per * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (kv_heads * split), h = task / split % kv_heads, g0 = task % split * per;
+      const int64_t seq = pseq[b];
+      const float *src = pqkv + b * width, *c = pcos + b * d, *s = psin + b * d;
+      // this task's queries: heads h * group + g0 .. + per
+      for (int64_t g = 0; g < per; ++g) {
+        const float* q_in = src + (h * group + g0 + g) * d;
         if (qn != nullptr) {
           rms_row(q_in, qn, e, d, tmp.data());
           q_in = tmp.data();
@@ -184,15 +196,15 @@ at::Tensor decode_attention(
         rotary(q_in, c, s, d, q.data() + g * d);
       }
       // scores over the request's slots, softmax, weighted V
-      scores.resize(group * seq);
+      scores.resize(per * seq);
       const int64_t* sl = pslots + b * s_max;
       for (int64_t j = 0; j < seq; ++j) {
         if (j + kAhead < seq) prefetch_row(pk + sl[j + kAhead] * row + h * d, d);
         const float* key = pk + sl[j] * row + h * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * seq + j] = dot(q.data() + g * d, key, d) * sc;
+        for (int64_t g = 0; g < per; ++g) scores[g * seq + j] = dot(q.data() + g * d, key, d) * sc;
       }
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
+      std::vector<float> inv_sum(per);
+      for (int64_t g = 0; g < per; ++g) {
         float* p = scores.data() + g * seq;
         const float m = *std::max_element(p, p + seq);
         float sum = 0.f;
@@ -207,15 +219,15 @@ at::Tensor decode_attention(
       for (int64_t j = 0; j < seq; ++j) {
         if (j + kAhead < seq) prefetch_row(pv + sl[j + kAhead] * row + h * d, d);
         const float* val = pv + sl[j] * row + h * d;
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < per; ++g) {
           const float p = scores[g * seq + j];
           float* a = acc.data() + g * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) a[i] += p * val[i];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = pout + b * heads * d + (h * group + g) * d;
+      for (int64_t g = 0; g < per; ++g) {
+        float* o = pout + b * heads * d + (h * group + g0 + g) * d;
         const float* a = acc.data() + g * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) o[i] = a[i] * inv_sum[g];
