@@ -19,8 +19,8 @@ stored in one of four formats; norms, attention, the residual stream and the KV 
   X_BLOCK k (scale absmax / 127, as Q8_0 and llama.cpp's int8 dot products do): per block the integer
   products summed exactly in int32 (AVX512-VNNI's `vpdpbusd`: four multiply-adds per lane per
   instruction), the blocks' sums scaled and added in float32. The model is the fp32 model with its
-  linears' weights and inputs quantized. At one row it streams the int8 bytes with a quarter of the
-  instructions the w8 gemv spends widening them to float.
+  linears' weights and inputs quantized. SmolLM2's 120 layer linears on a 2-core AMD Zen 4: 29 ms at 64
+  rows, against 41 for the bf16 matmul and 93 for the w8 gemv; 4.2 at one row (the w8 gemv 3.9).
 With the fused CPU ops w8 and bf16 have two layouts each: the gemv, named as the format (`w8`: `gemv_w8`,
 `bf16`: `gemv` on the bf16 rows; the stored rows streamed and widened in registers once per 4 rows,
 common/kernels/cpu_gemv.cpp), and `w8-panels` / `bf16-panels` (the panel GEMM on panels of the stored
