@@ -6,7 +6,7 @@
 //     columns (as cpu_gemm.cpp's), k-quad-major: for k = 4i .. 4i + 3 each column's four weights plus 128
 //     (so unsigned: 1 .. 255) in one 32-bit lane; the last panel padded with 128 (zero weights);
 //   gemm_int8(x [R, K] float32, quads, scale [N], N, block, bias?, residual?) -> [R, N]:
-//     residual + (sum over blocks b of sx[r, b] * dot_b(xq[r], wq[c])) * scale[c] + bias[c], where per row r
+//     residual + fma(sum over blocks b of sx[r, b] * dot_b(xq[r], wq[c]), scale[c], bias[c]), where per row r
 //     and block b of `block` k: sx = absmax / 127 (1 where the block is all zero), xq = round(x / sx) to
 //     nearest even, and dot_b the exact integer dot product over the block.
 // vpdpbusd (AVX512-VNNI) multiplies unsigned by signed bytes, four per lane, into int32: the weights are
