@@ -110,26 +110,15 @@ at::Tensor pack_bf16_pairs(const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(k % 2 == 0, "pack_bf16_pairs: an even K expected, got ", k);
   at::Tensor out = at::zeros({panels, k / 2, kPanel, 2}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  parallel_range(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
-        for (int64_t i = 0; i < k; ++i) dst[((p * (k / 2) + i / 2) * kPanel + c) * 2 + i % 2] = src[(p * kPanel + c) * k + i];
-  });
+  pack_groups<2>(reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>()),
+                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), n, k, [](uint16_t v) { return v; });
   return out;
 }
 
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
                      const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && pairs.dim() == 4, "gemm_bf16: x [R, K], pairs [N / P, K / 2, P, 2]");
-  check_f32(x, "gemm_bf16: x");
-  TORCH_CHECK(pairs.scalar_type() == at::kBFloat16 && pairs.device().is_cpu() && pairs.is_contiguous(),
-              "gemm_bf16: pairs: contiguous CPU bfloat16 expected");
+  check_groups(x, pairs, n, 2, at::kBFloat16, "gemm_bf16");
   const int64_t rows = x.size(0), k = x.size(1), k2 = k / 2, count = pairs.size(0);
-  TORCH_CHECK(k % 2 == 0 && pairs.size(1) == k2 && pairs.size(2) == kPanel && pairs.size(3) == 2,
-              "gemm_bf16: pairs of this build's pack_bf16_pairs, K = x's");
-  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count, "gemm_bf16: N does not match the pairs");
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_bf16: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* px = x.data_ptr<float>();

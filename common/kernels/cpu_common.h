@@ -174,6 +174,32 @@ void panel_walk(int64_t rows, int64_t count, int64_t tile_rows, int64_t chunk, c
   });
 }
 
+// The panels of groups of k (the bf16 matmul's pairs, the int8 matmul's quads): w [N, K] laid out as
+// [ceil(N / P), K / G, P, G], w[c, i] at ((p (K / G) + i / G) P + c % P) G + i % G for c in panel p,
+// converted by `f`; the last panel's missing columns keep what dst holds (the caller's zero weights)
+template <int64_t G, typename S, typename D, typename F>
+void pack_groups(const S* src, D* dst, int64_t n, int64_t k, const F& f) {
+  parallel_range(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i) dst[((p * (k / G) + i / G) * kPanel + c) * G + i % G] = f(src[(p * kPanel + c) * k + i]);
+  });
+}
+
+// x [R, K] float32 against `packed`, pack_groups' layout of G = `group` (of this build's kPanel) in `dtype`
+// for N = n outputs: the checks both matmuls make
+inline void check_groups(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group, at::ScalarType dtype,
+                         const char* op) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4, op, ": x [R, K] and packed weights [N / P, K / G, P, G] expected");
+  check_f32(x, op);
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.device().is_cpu() && packed.is_contiguous(), op,
+              ": packed weights: contiguous CPU ", c10::toString(dtype), " expected");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % group == 0 && packed.size(1) == k / group && packed.size(2) == kPanel && packed.size(3) == group, op,
+              ": packed weights of this build's packing, K = x's");
+  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == packed.size(0), op, ": N does not match the packed weights");
+}
+
 // cpu_gemv.cpp
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& residual);

@@ -225,29 +225,18 @@ at::Tensor pack_int8_quads(const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(k % 4 == 0, "pack_int8_quads: K a multiple of 4 expected, got ", k);
   at::Tensor out = at::full({panels, k / 4, kPanel, 4}, 128, w.options().dtype(at::kByte));
-  const int8_t* src = w.data_ptr<int8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  parallel_range(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
-        for (int64_t i = 0; i < k; ++i)
-          dst[((p * (k / 4) + i / 4) * kPanel + c) * 4 + i % 4] = static_cast<uint8_t>(src[(p * kPanel + c) * k + i] + 128);
-  });
+  pack_groups<4>(w.data_ptr<int8_t>(), out.data_ptr<uint8_t>(), n, k,
+                 [](int8_t v) { return static_cast<uint8_t>(v + 128); });
   return out;
 }
 
 at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scale, int64_t n, int64_t block,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && quads.dim() == 4, "gemm_int8: x [R, K], quads [N / P, K / 4, P, 4]");
-  check_f32(x, "gemm_int8: x");
+  check_groups(x, quads, n, 4, at::kByte, "gemm_int8");
   check_f32(scale, "gemm_int8: scale");
-  TORCH_CHECK(quads.scalar_type() == at::kByte && quads.device().is_cpu() && quads.is_contiguous(),
-              "gemm_int8: quads: contiguous CPU uint8 expected");
   const int64_t rows = x.size(0), k = x.size(1), k4 = k / 4, count = quads.size(0);
-  TORCH_CHECK(k % 4 == 0 && quads.size(1) == k4 && quads.size(2) == kPanel && quads.size(3) == 4,
-              "gemm_int8: quads of this build's pack_int8_quads, K = x's");
   TORCH_CHECK(block > 0 && block % 4 == 0 && k % block == 0, "gemm_int8: block a multiple of 4 dividing K, got ", block);
-  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == count && scale.numel() == n, "gemm_int8: N does not match");
+  TORCH_CHECK(scale.numel() == n, "gemm_int8: N does not match the scale");
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_int8: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
   const QuantizedRows& q = quantize_rows(x.data_ptr<float>(), rows, k, block);
