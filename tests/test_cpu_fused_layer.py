@@ -216,3 +216,41 @@ def test_the_table_times_the_path_the_forward_takes_and_keys_it(ops, checkpoint,
     weights[3].set_plan(("mkl",) + weights[3].plan[1:])
     assert not fused.serves(x, cos, backend) and bucket_index(2) != 0
     assert fused.serves(torch.zeros(2, runner.config.hidden_size), cos, backend)
+
+
+def test_gather_moves_tensors_of_any_dtype_into_one_aligned_arena():
+    """Each owner's tensor keeps its values, dtype and shape, lands 64-byte aligned in one huge-page arena
+    in order, and the old tensor is no longer held; owners without one are left alone."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(0)
+    values = [
+        torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8, generator=g),
+        None,
+        torch.randn(4, 33, generator=g).to(torch.bfloat16),
+        torch.randn(10, generator=g),
+    ]
+    owners = [SimpleNamespace(t=None if v is None else v.clone()) for v in values]
+    old = [o.t for o in owners]
+    assert weight_arena.gather(owners, "t") == 128 + 320 + 64  # each rounded up to 64 bytes
+    assert owners[1].t is None
+    held = [o.t for o in owners if o.t is not None]
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+    assert held[0].data_ptr() % weight_arena.HUGE_PAGE == 0
+    assert [t.data_ptr() - held[0].data_ptr() for t in held] == [0, 128, 448]
+    for o, v, before in zip(owners, values, old):
+        if v is not None:
+            assert o.t.dtype == v.dtype and torch.equal(o.t, v) and o.t.data_ptr() != before.data_ptr()
+    assert weight_arena.gather([SimpleNamespace(t=None)], "t") == 0
+
+
+def test_the_packed_low_precision_weights_are_in_one_arena(checkpoint):
+    """w8a8's int8 quads (what a decode step streams) sit in one 2 MiB-aligned arena, not on the 4 KiB
+    pages the packing op allocated."""
+    runner = ModelRunner(
+        RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=2, quantization="w8a8")
+    )
+    quads = [w.low_panels for w in linear_weights(runner.model)]
+    assert all(q is not None and q.dtype == torch.uint8 for q in quads)
+    assert len({q.untyped_storage().data_ptr() for q in quads}) == 1
+    assert min(q.data_ptr() for q in quads) % weight_arena.HUGE_PAGE == 0

@@ -35,7 +35,8 @@ AVX512-BF16 / VNNI they compute the same sums with wider instructions (the bf16 
 Without the fused ops a float32 copy made for the call feeds one GEMM (its cost shared by the rows).
 `quantize(weights, fmt)` converts the runner's LinearWeights in place (the lm_head too: it is a fifth of
 SmolLM2's bytes; a tied embedding stays fp32 for the lookup), after the fp32 arena is placed; the stored
-weights get an arena of their own on 2 MiB pages (common/models/weight_arena.py). No fp32 layout
+weights get an arena of their own on 2 MiB pages, and their packed copies (quads, pairs, panels) a second
+one (common/models/weight_arena.py). No fp32 layout
 tuning: decode batches run the whole-stack fused step in the format's layouts, and the greedy head is
 off (it would read an fp32 copy).
 Accuracy: not token-exact with fp32 by design; tests/test_low_precision.py checks w8's logits against HF
@@ -54,7 +55,7 @@ import torch.nn.functional as F
 
 from common.models.packed_linear import LOW_PRECISION_LAYOUTS as LAYOUTS
 from common.models.packed_linear import ROW_BUCKETS, LinearWeight
-from common.models.weight_arena import hugepage_empty
+from common.models.weight_arena import gather, hugepage_empty
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,7 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
         start += q.numel()
         w.packed = w.panels = None  # the oneDNN and panel copies' memory back
         w.plan = (fmt,) * len(ROW_BUCKETS)
+    gather(weights, "low_panels")  # the packed copies on 2 MiB pages too, as the stored weights
     if ops is not None and fmt not in MATMULS:
         set_plan(weights, timed_plan(weights, fmt))
     return total * BYTES[fmt]
