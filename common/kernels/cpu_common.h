@@ -95,6 +95,7 @@ inline vec vload(const c10::BFloat16* p) {  // kLanes bf16 weights, widened to f
 }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
@@ -112,6 +113,7 @@ inline vec vload(const c10::BFloat16* p) {
 }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vset1(float a) { return _mm256_set1_ps(a); }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline float vsum(vec v) {
@@ -128,6 +130,7 @@ inline vec vload(const int8_t* p) { return static_cast<float>(*p); }
 inline vec vload(const c10::BFloat16* p) { return static_cast<float>(*p); }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
+inline vec vmul(vec a, vec b) { return a * b; }
 inline float vsum(vec v) { return v; }
 inline vec vset1(float a) { return a; }
 inline void vstore(float* p, vec v) { *p = v; }
