@@ -103,17 +103,22 @@ class TPGroup:
             if listener is not None:
                 listener.close()  # a no-op once detached
         try:
-            return cls._form(rank, size, host, timeout, key, raw, device, bind_host, local_rank)
+            return cls._form(rank, size, host, timeout, key, raw, device, bind_host, local_rank, held)
         finally:
-            if held is not None:  # formed or failed: nobody else may connect (tp_auth.stop_listening)
+            if held is not None:  # failed before joining: nobody else may connect either (a no-op if done)
                 tp_auth.stop_listening(held)
 
     @classmethod
-    def _form(cls, rank, size, host, timeout, key, raw, device, bind_host, local_rank) -> TPGroup:
-        """Prove the key, then form the groups over the store's connections (every rank's made by now)."""
+    def _form(cls, rank, size, host, timeout, key, raw, device, bind_host, local_rank, held=None) -> TPGroup:
+        """Prove the key, then form the groups over the store's connections (every rank's made by now).
+        `held`: rank 0's duplicate of the listening socket, shut once every rank joined: before the gloo
+        group forms, which no other rank gets past before rank 0 writes its address, so no rank sees a
+        formed group while the port still takes connections (shut after forming, a rank raced it)."""
         secret = key.encode()
         store = tp_auth.AuthStore(raw, secret)
         tp_auth.join(store, rank, size)
+        if held is not None:
+            tp_auth.stop_listening(held)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or host)]
