@@ -174,6 +174,11 @@ def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, 
     torch.testing.assert_close(out, expected.reshape(b, heads * d), **TOL)
     torch.testing.assert_close(pool.k_all, ref_pool.k_all, **TOL)  # the new K (rotated) and V written alike
     torch.testing.assert_close(pool.v_all, ref_pool.v_all, rtol=0, atol=0)
+    # a layer of the same step that takes the torch path (e.g. a partial rotary) gets its metadata then
+    assert fused._pending is not None
+    again = fused.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, fb, attn.scale)
+    assert fused._pending is None
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
 def test_extends_and_trees_keep_the_torch_attention(ops, checkpoint):

@@ -75,16 +75,42 @@ class BatchedBackend(AttentionBackend):
     mask_decodes_up_to = 1  # decodes of 2..N requests get a mask even without padding (torch compile)
     fused = None  # CPU fp32: the fused ops (common/models/cpu_fused.py); decode batches go through them
     fused_decode_now = False  # this forward's decode runs as one fused call per layer (`fused_decode`)
+    _pending = None  # a fused decode's arguments to `_gather_metadata`, until a layer runs the torch path
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         table = self.req_to_token_pool.req_to_token
         device = table.device
-        prefix, extend = forward_batch.prefix_lens_cpu, forward_batch.extend_lens_cpu
         seq = forward_batch.seq_lens_cpu
-        batch, s_max, q_max = len(seq), max(seq), max(extend)
+        batch, s_max, q_max = len(seq), max(seq), max(forward_batch.extend_lens_cpu)
         seq_t = to_device(seq, device, torch.int64)
-        prefix_t = to_device(prefix, device, torch.int64)
         rows = to_device(forward_batch.req_pool_indices_cpu, device, torch.int64)
+        self._batch, self._q_max, self._seq_t = batch, q_max, seq_t
+        k0 = self.kv_pool.k[0]
+        self.fused_decode_now = (
+            self.fused is not None
+            and q_max == 1
+            and forward_batch.tree_mask is None
+            and k0.dtype == torch.float32
+            and k0.device.type == "cpu"
+            and forward_batch.out_cache_loc.dtype == torch.int64
+        )
+        self._pending = None
+        if self.fused_decode_now:
+            # the fused call reads each request's slots up to its length itself: no mask, no gather. The
+            # torch path's metadata waits for a layer that asks (`forward`): after a batch-1 step's weights
+            # streamed past, each torch op here cost ~30 us of cold caches (2-core AMD Zen 4)
+            self._slots_2d = table[rows, :s_max].to(torch.int64)
+            self._pending = (forward_batch, seq_t, rows)
+            return
+        self._gather_metadata(forward_batch, seq_t, rows)
+
+    def _gather_metadata(self, forward_batch: ForwardBatch, seq_t: torch.Tensor, rows: torch.Tensor) -> None:
+        """The torch path's metadata: the flat slot list, the mask, the scratch, the packed rows' order."""
+        table = self.req_to_token_pool.req_to_token
+        device = table.device
+        prefix_t = to_device(forward_batch.prefix_lens_cpu, device, torch.int64)
+        extend, seq = forward_batch.extend_lens_cpu, forward_batch.seq_lens_cpu
+        batch, s_max, q_max = len(seq), max(seq), max(extend)
         k_pos = torch.arange(s_max, device=device)
         in_seq = k_pos[None, :] < seq_t[:, None]  # [B, S]
         self._slots = torch.where(in_seq, table[rows, :s_max], 0).to(torch.int64).view(-1)  # [B*S]
@@ -96,18 +122,9 @@ class BatchedBackend(AttentionBackend):
             self._mask = torch.zeros(allowed.shape, dtype=self.kv_pool.dtype, device=device).masked_fill_(
                 ~allowed, float("-inf")
             )
-        self._batch, self._q_max = batch, q_max
+        if not self.fused_decode_now:
+            self._slots_2d = self._slots.view(batch, s_max)
         k0 = self.kv_pool.k[0]
-        self.fused_decode_now = (
-            self.fused is not None
-            and q_max == 1
-            and forward_batch.tree_mask is None
-            and k0.dtype == torch.float32
-            and k0.device.type == "cpu"
-            and forward_batch.out_cache_loc.dtype == torch.int64
-        )
-        # for the fused call, which reads each request's slots itself (no gather, no mask)
-        self._seq_t, self._slots_2d = seq_t, self._slots.view(batch, s_max)
         # on CPU, faulting in fresh pages each layer costs more than the gather
         if k0.device.type == "cpu" and (self._scratch is None or self._scratch.shape[1] < batch * s_max):
             self._scratch = k0.new_empty((2, batch * s_max) + k0.shape[1:])
@@ -152,6 +169,9 @@ class BatchedBackend(AttentionBackend):
         )  # fmt: skip
 
     def forward(self, q, k, v, layer, forward_batch, scale):
+        if self._pending is not None:  # a fused decode step whose layer runs the torch path
+            self._gather_metadata(*self._pending)
+            self._pending = None
         self.kv_pool.write(layer, forward_batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.k[layer], self.kv_pool.v[layer]
         heads, d = q.shape[1], q.shape[2]
