@@ -12,7 +12,7 @@
 // (AVX-512 without it, AVX2, one lane) the same two FMAs on the weights widened in registers: the same
 // sums, at the bf16 panels' speed. A bf16 x bf16 product is exact in float32, so both paths differ only
 // where vdpbf16ps flushes denormal inputs and outputs to zero. Tiles of up to 12 rows (4 without 32
-// registers) by one panel; one or two rows (a decode step) by kStreams panels read side by side.
+// registers) by one panel; one or two rows (a decode step) by one panel, each thread's panels in turn.
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -26,10 +26,10 @@ namespace disagg_cpu {
 constexpr int kPairRows = kLanes == 16 ? 12 : 4;
 constexpr int64_t kPairChunk = 16 * kPairRows;  // x rows per pass over a thread's panels
 constexpr int64_t kPairBytes = 2 * kPanel * sizeof(uint16_t);  // a panel's weights of one k pair
-constexpr int kFewRows = 2;  // up to this many rows the tiles read kStreams panels side by side
-// 4 on AVX-512: a 1-row pass of SmolLM2's linears 7.8 -> 7.3 ms on a 2-core AMD Zen 4 (2 and 8: no better);
-// 2 where 16 registers hold the accumulators and the widened weights
-constexpr int kStreams = kLanes == 16 ? 4 : 2;
+// up to this many rows a thread's panels go by one at a time, read front to back: with the pairs on 2 MiB
+// pages (weight_arena.gather) a bf16-matmul decode step of SmolLM2 took 11.06 ms against 11.98 with 4
+// panels read side by side, which had been the faster on 4 KiB pages (2-core AMD Zen 4, interleaved)
+constexpr int kFewRows = 2;
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kDotBf16 = true;  // x groups hold the rows' bf16 pairs: [K / 2, kPairRows] of 32 bits
@@ -52,46 +52,38 @@ inline void vload_pairs(const uint16_t* p, vec& even, vec& odd) {
 }
 #endif
 
-// out[r, col0 + c] for r < T, c < min(S P, n - col0): T rows of the x group against S adjacent pair
-// panels, read side by side (S streams: a few rows' step is bound by the weights' bytes, which one
-// sequential stream per thread does not bring in at the host's rate); `next`: the panel after them, fetched
-// into cache meanwhile by the first tile of a run over them (S = 1)
-template <int T, int S = 1>
+// out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of the x group against one pair panel; `next`:
+// the panel after it, fetched into cache meanwhile by the first tile of a run over it
+template <int T>
 inline void pair_tile(const float* x, const uint16_t* panel, const float* bias, const float* residual, float* out,
                       int64_t n, int64_t k2, int64_t col0, const uint16_t* next) {
-  vec acc[T][2 * S];
+  vec acc[T][2];
   for (int r = 0; r < T; ++r)
-    for (int j = 0; j < 2 * S; ++j) acc[r][j] = vzero();
-  const int64_t stride = k2 * 2 * kPanel;  // one panel
+    for (int j = 0; j < 2; ++j) acc[r][j] = vzero();
   for (int64_t i = 0; i < k2; ++i) {
     if (next != nullptr)
       for (int64_t b = 0; b < kPairBytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(next + i * 2 * kPanel) + b);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    __m512bh w[2 * S];
-    for (int s = 0; s < S; ++s) {
-      w[2 * s] = (__m512bh)_mm512_loadu_si512(panel + s * stride + i * 2 * kPanel);
-      w[2 * s + 1] = (__m512bh)_mm512_loadu_si512(panel + s * stride + i * 2 * kPanel + 2 * kLanes);
-    }
+    const __m512bh w[2] = {(__m512bh)_mm512_loadu_si512(panel + i * 2 * kPanel),
+                           (__m512bh)_mm512_loadu_si512(panel + i * 2 * kPanel + 2 * kLanes)};
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(x) + i * kPairRows;
     for (int r = 0; r < T; ++r) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r]));
-      for (int j = 0; j < 2 * S; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
+      for (int j = 0; j < 2; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
     }
 #else
-    vec e[2 * S], o[2 * S];
-    for (int s = 0; s < S; ++s) {
-      vload_pairs(panel + s * stride + i * 2 * kPanel, e[2 * s], o[2 * s]);
-      vload_pairs(panel + s * stride + i * 2 * kPanel + 2 * kLanes, e[2 * s + 1], o[2 * s + 1]);
-    }
+    vec e[2], o[2];
+    vload_pairs(panel + i * 2 * kPanel, e[0], o[0]);
+    vload_pairs(panel + i * 2 * kPanel + 2 * kLanes, e[1], o[1]);
     const float* xe = x + 2 * i * kPairRows;
     const float* xo = xe + kPairRows;
     for (int r = 0; r < T; ++r) {
       const vec ve = vset1(xe[r]), vo = vset1(xo[r]);
-      for (int j = 0; j < 2 * S; ++j) acc[r][j] = vfma(e[j], ve, vfma(o[j], vo, acc[r][j]));
+      for (int j = 0; j < 2; ++j) acc[r][j] = vfma(e[j], ve, vfma(o[j], vo, acc[r][j]));
     }
 #endif
   }
-  store_tile(acc, std::min<int64_t>(S * kPanel, n - col0), nullptr, bias, residual, out, n, col0);
+  store_tile(acc, std::min<int64_t>(kPanel, n - col0), nullptr, bias, residual, out, n, col0);
 }
 
 // a tile of `rows` (<= T) rows against one panel: pair_tile of that many
@@ -146,13 +138,9 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
   const float* pb = add.bias_data();
   const float* pr = add.residual_data();
   float* po = out.data_ptr<float>();
-  if (rows <= kFewRows) {  // a decode step of a request or two: kStreams panels at a time, each thread
-    parallel_range(0, count, kStreams, [&](int64_t begin, int64_t end) {
-      int64_t p = begin;
-      for (; p + kStreams <= end; p += kStreams)
-        (rows == 1 ? pair_tile<1, kStreams> : pair_tile<kFewRows, kStreams>)(
-            pxp, pp + p * k * kPanel, pb, pr, po, n, k2, p * kPanel, nullptr);
-      for (; p < end; ++p)
+  if (rows <= kFewRows) {  // a decode step of a request or two: each thread's panels one after another
+    parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
         (rows == 1 ? pair_tile<1> : pair_tile<kFewRows>)(pxp, pp + p * k * kPanel, pb, pr, po, n, k2, p * kPanel,
                                                          nullptr);
     });
