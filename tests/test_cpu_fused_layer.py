@@ -254,3 +254,18 @@ def test_the_packed_low_precision_weights_are_in_one_arena(checkpoint):
     assert all(q is not None and q.dtype == torch.uint8 for q in quads)
     assert len({q.untyped_storage().data_ptr() for q in quads}) == 1
     assert min(q.data_ptr() for q in quads) % weight_arena.HUGE_PAGE == 0
+
+
+def test_decode_weights_are_held_once_and_checked(ops):
+    """decode_layers takes its weights as one DecodeWeights, built once per mix of layouts: a list that is
+    not 16 entries per layer is refused when it is built, and caches that do not match its layers when called."""
+    with pytest.raises(RuntimeError, match="16 weights per layer"):
+        ops.decode_weights([None] * 15)
+    with pytest.raises(RuntimeError, match="16 weights per layer"):
+        ops.decode_weights([])
+    held = ops.decode_weights([torch.ones(4)] * 32)  # two layers
+    x, one = torch.ones(1, 4), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="a K and V cache per layer"):
+        ops.decode_layers(
+            x, held, [torch.zeros(2, 1, 4)], [torch.zeros(2, 1, 4)], 1e-6, x, x, one, one.view(1, 1), one + 1, 1, 1, 1.0
+        )

@@ -24,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 
@@ -268,13 +269,13 @@ at::Tensor decode_attention(
 // quantized per `block` of k), else the gemv; with a scale its weight is int8 (w8 or w8a8), else float32
 // or bf16.
 constexpr int64_t kLayerWeights = 16;
-at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int64_t first,
+at::Tensor decode_layer(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& w, int64_t first,
                         double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& slots,
                         const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, double scale, int64_t block) {
-  const auto opt = [&](int64_t i) { return w.get(first + i); };
-  const auto need = [&](int64_t i) {
-    const c10::optional<at::Tensor> t = opt(i);
+  const auto opt = [&](int64_t i) -> const c10::optional<at::Tensor>& { return w[first + i]; };
+  const auto need = [&](int64_t i) -> const at::Tensor& {
+    const c10::optional<at::Tensor>& t = opt(i);
     TORCH_CHECK(t.has_value(), "decode_layers: weight ", i, " of a layer is required");
     return *t;
   };
@@ -284,8 +285,8 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
   // matmul where it is quads (4-D uint8: pack_int8_quads), else the gemv (gemv_w8 where it has a scale)
   const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si, int64_t n,
                           const c10::optional<at::Tensor>& residual) {
-    const c10::optional<at::Tensor> s = opt(si);
-    const at::Tensor weight = need(wi);
+    const c10::optional<at::Tensor>& s = opt(si);
+    const at::Tensor& weight = need(wi);
     if (weight.dim() == 3) return gemm_panels(in, weight, n, opt(bi), residual, s);
     if (weight.dim() == 4 && weight.scalar_type() == at::kByte) {
       TORCH_CHECK(s.has_value(), "decode_layers: int8 quads need their scale");
@@ -295,7 +296,7 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
     return s.has_value() ? gemv_w8(in, weight, *s, opt(bi), residual) : gemv(in, weight, opt(bi), residual);
   };
   const int64_t hidden = x.size(1), width = (heads + 2 * kv_heads) * k_cache.size(-1);
-  const at::Tensor down = need(10);  // its in-features: the MLP's width (gate_up has twice as many outputs)
+  const at::Tensor& down = need(10);  // its in-features: the MLP's width (gate_up has twice as many outputs)
   const int64_t inter = down.dim() == 4   ? down.size(1) * down.size(3)  // bf16 pairs or int8 quads of k
                         : down.dim() == 3 ? down.size(1)
                                           : down.size(-1);
@@ -307,24 +308,38 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::List<c10::optional<at::T
   return linear(silu_and_mul(gate_up), 10, 11, 15, hidden, h);
 }
 
+// decode_layers' weights, held once: per layer input_norm, post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w,
+// o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the four linears' int8 scales? (qkv, o, gate_up, down:
+// given with int8 weights, low_precision.py); a linear's weight may be its panels instead (the layout the
+// plan picks at the batch's rows). Built once per mix of layouts (cpu_fused.FusedLayers): a Python list of
+// them, converted on every call, cost ~0.25 ms of a batch-1 step (its objects cold after the weights
+// streamed past: 2-core AMD Zen 4).
+struct DecodeWeights : torch::CustomClassHolder {
+  std::vector<c10::optional<at::Tensor>> w;
+  explicit DecodeWeights(const c10::List<c10::optional<at::Tensor>>& list) {
+    TORCH_CHECK(!list.empty() && static_cast<int64_t>(list.size()) % kLayerWeights == 0,
+                "DecodeWeights: ", kLayerWeights, " weights per layer expected, got ", list.size());
+    w.reserve(list.size());
+    for (const c10::optional<at::Tensor>& t : list) w.push_back(t);
+  }
+  int64_t layers() const { return static_cast<int64_t>(w.size()) / kLayerWeights; }
+};
+
 // Every layer's decode step in turn, in one call: between layers no Python runs (measured on a 2-core
 // AMD EPYC: ~60 us of interpreter per layer when each layer was its own call, the weights' stream
-// having pushed the interpreter's working set out of the caches). weights: per layer input_norm,
-// post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w, o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the
-// four linears' int8 scales? (qkv, o, gate_up, down: given with int8 weights, low_precision.py); a linear's
-// weight may be its panels instead (the layout the plan picks at the batch's rows). block: the int8
-// matmul's block of k (w8a8; unused by the other layouts).
-at::Tensor decode_layers(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights,
+// having pushed the interpreter's working set out of the caches). block: the int8 matmul's block of k
+// (w8a8; unused by the other layouts).
+at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<DecodeWeights>& weights,
                          at::TensorList k_caches, at::TensorList v_caches, double eps, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& out_loc, const at::Tensor& slots,
                          const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, double scale, int64_t block) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerWeights && v_caches.size() == k_caches.size(),
-              "decode_layers: ", kLayerWeights, " weights and a K and V cache per layer expected");
+  const int64_t layers = weights->layers();
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && v_caches.size() == k_caches.size(),
+              "decode_layers: a K and V cache per layer of the weights expected");
   at::Tensor h = x.contiguous();
   for (int64_t l = 0; l < layers; ++l) {
-    h = decode_layer(h, weights, l * kLayerWeights, eps, cos, sin, k_caches[l], v_caches[l], out_loc, slots, seq_lens,
-                     heads, kv_heads, scale, block);
+    h = decode_layer(h, weights->w, l * kLayerWeights, eps, cos, sin, k_caches[l], v_caches[l], out_loc, slots,
+                     seq_lens, heads, kv_heads, scale, block);
   }
   return h;
 }
@@ -352,8 +367,9 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "
       "int kv_heads, float scale) -> Tensor",
       &decode_attention);
+  m.class_<DecodeWeights>("DecodeWeights").def(torch::init<c10::List<c10::optional<at::Tensor>>>());
   m.def(
-      "decode_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, float eps, Tensor cos, "
+      "decode_layers(Tensor x, __torch__.torch.classes.disagg_cpu_fused.DecodeWeights weights, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, float eps, Tensor cos, "
       "Tensor sin, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, int kv_heads, float scale, int block=0) "
       "-> Tensor",
       &decode_layers);

@@ -202,6 +202,7 @@ class FusedOps:
         self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
         self.pack_bf16_pairs, self.gemm_bf16 = ops.pack_bf16_pairs, ops.gemm_bf16  # the bf16-matmul layout
         self.pack_int8_quads, self.gemm_int8 = ops.pack_int8_quads, ops.gemm_int8  # the w8a8 layout
+        self.decode_weights = getattr(torch.classes, NAME).DecodeWeights  # decode_layers' weights, held once
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -239,17 +240,19 @@ class FusedLayers:
         self.block = X_BLOCK  # the int8 matmul's block of k (w8a8)
         a = layers[0].self_attn
         self.layers, self.ops, self.attn = layers, ops, a
+        self._hold = ops.decode_weights
         self.head_dim, self.eps = a.head_dim, layers[0].input_layernorm.eps
         self.linears = [
             lin.weight
             for layer in layers
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         ]
-        self._weights: dict[tuple[str, ...], list] = {}  # per mix of layouts (one per linear)
+        self._weights: dict[tuple[str, ...], object] = {}  # per mix of layouts (one per linear)
         self._serving: tuple[str, ...] | None = None  # the layouts of the step `serves` accepted last
 
-    def weights(self, layouts: tuple[str, ...]) -> list[torch.Tensor | None]:
-        """decode_layers' list with each linear in `layouts` (one per linear, in self.linears' order):
+    def weights(self, layouts: tuple[str, ...]):
+        """decode_layers' weights (a DecodeWeights: the list below, held by the ops once, not converted from
+        Python on every call) with each linear in `layouts` (one per linear, in self.linears' order):
         per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
         down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
         w8 and w8a8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored
@@ -268,7 +271,7 @@ class FusedLayers:
                 out += [None if n is None else n.weight for n in (q_norm, k_norm)]
                 out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
                 out += [lw.low_scale if layout.startswith("w8") else None for lw, layout in zip(lins, mine)]
-            self._weights[layouts] = [None if w is None else w.detach() for w in out]
+            self._weights[layouts] = self._hold([None if w is None else w.detach() for w in out])
         return self._weights[layouts]
 
     def _layouts(self, rows: int) -> tuple[str, ...] | None:
