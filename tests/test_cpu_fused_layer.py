@@ -213,6 +213,10 @@ def test_the_table_times_the_path_the_forward_takes_and_keys_it(ops, checkpoint,
     weights[3].set_panels(runner.cpu_fused)
     weights[3].set_plan(("panels",) + weights[3].plan[1:])
     assert fused.serves(x, cos, backend)
+    weights[3].panels = None  # the copy its layout reads gone, the plan unchanged: seen too (layout_version)
+    assert not fused.serves(x, cos, backend)
+    weights[3].set_panels(runner.cpu_fused)
+    assert fused.serves(x, cos, backend)
     weights[3].set_plan(("mkl",) + weights[3].plan[1:])
     assert not fused.serves(x, cos, backend) and bucket_index(2) != 0
     assert fused.serves(torch.zeros(2, runner.config.hidden_size), cos, backend)

@@ -249,6 +249,9 @@ class FusedLayers:
         ]
         self._weights: dict[tuple[str, ...], object] = {}  # per mix of layouts (one per linear)
         self._serving: tuple[str, ...] | None = None  # the layouts of the step `serves` accepted last
+        # _layouts per row bucket, while no plan or layout copy changed (packed_linear.layout_version): read
+        # afresh, the 121 linears' plans cost ~0.1 ms of a batch-1 step, its objects cold after the weights
+        self._version, self._by_bucket = -1, {}
 
     def weights(self, layouts: tuple[str, ...]):
         """decode_layers' weights (a DecodeWeights: the list below, held by the ops once, not converted from
@@ -274,12 +277,9 @@ class FusedLayers:
             self._weights[layouts] = self._hold([None if w is None else w.detach() for w in out])
         return self._weights[layouts]
 
-    def _layouts(self, rows: int) -> tuple[str, ...] | None:
-        """Every linear's layout at `rows`, where decode_layers computes them all (the gemv or the panel
-        GEMM in fp32, or one low-precision format's layouts); else None."""
-        from common.models.packed_linear import bucket_index
-
-        i = bucket_index(rows)
+    def _layouts(self, i: int) -> tuple[str, ...] | None:
+        """Every linear's layout in row bucket `i`, where decode_layers computes them all (the gemv or the
+        panel GEMM in fp32, or one low-precision format's layouts); else None."""
         layouts = tuple(lw.plan[i] for lw in self.linears)
         if any(set(layouts) <= family for family in FAMILIES) and all(
             HELD[layout](lw) is not None for lw, layout in zip(self.linears, layouts)
@@ -290,12 +290,18 @@ class FusedLayers:
     def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
         """Whether this call computes the step; the layouts it found are kept for the call that follows
         (DecoderLM.run_layers asks, then calls: they are read once per step)."""
-        from common.models.packed_linear import GEMV_ROWS
+        from common.models.packed_linear import GEMV_ROWS, bucket_index, layout_version
 
         rows = x.shape[0]
         if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
             return False
-        self._serving = self._layouts(rows)
+        if layout_version() != self._version:  # set-up, tuning or a test changed a plan or a copy
+            self._version, self._by_bucket = layout_version(), {}
+            self._weights.clear()  # the lists of copies no longer read
+        i = bucket_index(rows)
+        if i not in self._by_bucket:
+            self._by_bucket[i] = self._layouts(i)
+        self._serving = self._by_bucket[i]
         return self._serving is not None
 
     def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:

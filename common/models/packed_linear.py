@@ -63,9 +63,26 @@ def bucket_index(rows: int) -> int:
     return i
 
 
+# what the layouts read (a plan, the weight and its copies): any change to one of them on any LinearWeight
+# bumps layout_version(), which FusedLayers' per-bucket choice of layouts keys on
+_LAYOUT_STATE = frozenset({"plan", "weight", "panels", "low", "low_panels"})
+_layout_version = 0
+
+
+def layout_version() -> int:
+    """How many times a LinearWeight's plan or layout copies changed (set-up, tuning, a test pinning a plan)."""
+    return _layout_version
+
+
 class LinearWeight:
     """One [out, in] weight in every layout; call it like F.linear, with an optional residual added
     to the result (`residual + x @ W.T + bias`). `plan[i]` is the layout for ROW_BUCKETS[i]."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _LAYOUT_STATE:
+            global _layout_version
+            _layout_version += 1
+        object.__setattr__(self, name, value)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight.detach().contiguous()
