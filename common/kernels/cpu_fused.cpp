@@ -18,7 +18,8 @@
 //   decode_layers(x, weights, ...)                      -> dense decoder layers' decode step: for each
 //     layer the ops above in the modules' order (two norms, four gemvs, the attention, SiLU-and-mul);
 // Work is split over (request, kv head), or over query heads where those are few (decode_attention), with
-// parallel_range (cpu_common.h) once it is large enough to pay for a parallel region; the inner loops are left to the compiler (-O3 -march=native, omp simd reductions).
+// parallel_range (cpu_common.h) once it is large enough to pay for a parallel region; the inner loops are
+// cpu_common.h's vectors or left to the compiler (-O3 -march=native, omp simd).
 // Padded lanes may share out_loc 0 (the padding slot, never read for a real request).
 
 #include <ATen/core/Tensor.h>
@@ -38,10 +39,15 @@
 
 namespace disagg_cpu {
 
+// a . b as kLanes partial sums, summed by vsum (a tree on the SIMD forms): the norms' sums of squares and
+// the decode attention's scores. An `omp simd` reduction ended in a sequential sum of its lanes through
+// memory, which was ~2/3 of the attention's time at one request (perf, 2-core AMD Zen 4)
 inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
@@ -77,18 +83,6 @@ inline void rotary(const float* x, const float* cos, const float* sin, int64_t d
   for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
 #pragma omp simd
   for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
-}
-
-// a . b as kLanes partial sums, summed by vsum (a tree on the SIMD forms): the decode attention's scores.
-// `dot`'s `omp simd` reduction ends in a sequential sum of its lanes through memory, which was ~2/3 of the
-// attention's time at one request (perf, 2-core AMD Zen 4)
-inline float vdot(const float* a, const float* b, int64_t n) {
-  vec acc = vzero();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
-  float s = vsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 // the rows a few slots ahead: slots are scattered, so the hardware prefetchers cannot see them coming
@@ -239,7 +233,7 @@ at::Tensor decode_attention(
       for (int64_t j = 0; j < seq; ++j) {
         if (j + kAhead < seq) prefetch_row(pk + sl[j + kAhead] * row + h * d, d);
         const float* key = pk + sl[j] * row + h * d;
-        for (int64_t g = 0; g < per; ++g) scores[g * seq + j] = vdot(q.data() + g * d, key, d) * sc;
+        for (int64_t g = 0; g < per; ++g) scores[g * seq + j] = dot(q.data() + g * d, key, d) * sc;
       }
       for (int64_t g = 0; g < per; ++g) {
         float* p = scores.data() + g * seq;
