@@ -257,3 +257,40 @@ def test_the_wheel_carries_every_kernel_source():
     needed = [os.path.relpath(p, os.path.join(root, "common")) for p in cpu_fused.SOURCES + cpu_fused.HEADERS]
     assert sorted(os.listdir(cpu_fused.KERNELS)) == sorted(os.path.basename(p) for p in needed)
     assert all(any(fnmatch.fnmatch(p, g) for g in globs) for p in needed), (needed, globs)
+
+
+def test_one_rows_gemv_gives_the_same_bits_with_any_stream_count(ops):
+    """The streams per thread at one row only change which weight rows are read side by side: each
+    row's dot product, so the output's bits, stay (odd and even row counts, with a tail past the streams)."""
+    g = torch.Generator().manual_seed(5)
+    before = ops.row_streams()
+    try:
+        for n, k in ((1001, 96), (64, 577), (7, 32)):
+            x, w, b = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            outs = []
+            for streams in cpu_fused.ROW_STREAMS:
+                assert ops.row_streams(streams) == streams
+                outs.append(ops.gemv(x, w, b, None))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), (n, k)
+            torch.testing.assert_close(outs[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        with pytest.raises(RuntimeError, match="1, 2 or 4"):
+            ops.row_streams(3)
+    finally:
+        ops.row_streams(before)
+
+
+def test_the_fastest_stream_count_is_picked_and_set(ops, checkpoint, caplog):
+    """pick_row_streams keeps the count whose best pass is fastest (timings handed in), sets it, and a
+    runner with the fused ops picks one at start and says which."""
+    before = ops.row_streams()
+    try:
+        seconds = {1: [3.0, 2.0, 2.5], 2: [1.5, 9.0, 9.0], 4: [1.8, 1.7, 1.6]}  # 2's best is the best
+        calls = {s: iter(t) for s, t in seconds.items()}
+        assert cpu_fused.pick_row_streams(ops, [], time_pass=lambda s: next(calls[s])) == 2
+        assert ops.row_streams() == 2
+        with caplog.at_level(logging.INFO, logger=cpu_fused.__name__):
+            ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=2))
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gemv at one row")]
+        assert len(lines) == 1 and ops.row_streams() in cpu_fused.ROW_STREAMS
+    finally:
+        ops.row_streams(before)

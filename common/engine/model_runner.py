@@ -96,6 +96,9 @@ class ModelRunner:
         self._threads = threads
         with intra_op.single_threaded():  # loading starts no OpenMP pool on this thread (intra_op.py)
             self._build(args, config)
+        if self.cpu_fused is not None:  # the one-row gemv's streams, timed here (hosts differ): before tuning
+            weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
+            intra_op.on_own_thread(lambda: cpu_fused.pick_row_streams(self.cpu_fused, weights), threads)
         self.linear_table = None
         if args.quantization != "none":  # low precision: no fp32 layouts to time, no greedy head (an fp32 pass)
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())

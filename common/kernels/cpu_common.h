@@ -209,6 +209,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 at::Tensor gemv_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 at::Tensor stream_sum(const at::Tensor& x, int64_t streams);
+int64_t row_streams(int64_t streams);
 
 // cpu_gemm.cpp
 at::Tensor pack_panels(const at::Tensor& w);

@@ -348,6 +348,7 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor", &gemv);
   m.def("gemv_w8(Tensor x, Tensor w, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor", &gemv_w8);
   m.def("stream_sum(Tensor x, int streams) -> Tensor", &stream_sum);
+  m.def("row_streams(int streams=0) -> int", &row_streams);
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
   m.def("gemm_panels(Tensor x, Tensor panels, int n, Tensor? bias, Tensor? residual, Tensor? scale=None) -> Tensor",
         &gemm_panels);

@@ -6,7 +6,8 @@
 //     weight widened to float exactly in registers, so the products and sums are float32's);
 //   gemv_w8(x, w int8 [N, K], scale [N], bias?, residual?) -> the same with w * scale (weight-only
 //     int8, a scale per output row): a quarter of the bytes streamed, widened to float in registers;
-//   stream_sum(x, streams) -> the sum of x, read the same way (bench/floor.py's bandwidth probe).
+//   stream_sum(x, streams) -> the sum of x, read the same way (bench/floor.py's bandwidth probe);
+//   row_streams(n) -> the streams per thread one row's gemv reads (set when n is 1, 2 or 4; 0 asks).
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -22,12 +23,19 @@ namespace disagg_cpu {
 // streams, far apart: rows begin + s * part + j). One stream per thread ran at ~0.89x the bandwidth of
 // a torch.sum over one large buffer on a 2-core AMD EPYC (AVX2); two 0.97-0.99x, four 1.03-1.13x:
 // more independent streams keep more cache-line fills in flight. Two accumulators per (row, stream)
-// hide the FMA latency; R * S <= 4 keeps them in registers. One row takes kRowStreams: on a 2-core AMD
-// Zen 4 (AVX-512) with the weights on 2 MiB pages (weight_arena.py), an fp32 decode step of SmolLM2 took
-// 19.65 ms with one stream against 21.59 with four (faster in 16 interleaved rounds of 16; two: 21.13),
-// a w8 step 6.75 against 7.67 (16 of 16), a bf16 step 10.29 against 11.32 (11 of 12).
+// hide the FMA latency; R * S <= 4 keeps them in registers. One row takes row_streams(), which start-up
+// picks by timing (cpu_fused.pick_row_streams): hosts differ. On a 2-core AMD Zen 4 (AVX-512) with the
+// weights on 2 MiB pages (weight_arena.py), an fp32 decode step of SmolLM2 took 19.65 ms with one stream
+// against 21.59 with four (faster in 16 interleaved rounds of 16; two: 21.13), a w8 step 6.75 against 7.67
+// (16 of 16), a bf16 step 10.29 against 11.32 (11 of 12); the AVX2 host above measured four the faster.
 // W: float, c10::BFloat16, or int8_t with `scale` (each row's dot product times scale[row], before bias and residual).
-constexpr int kRowStreams = kLanes == 16 ? 1 : 4;  // AVX2 keeps the four measured above
+int64_t g_row_streams = 4;  // until start-up picks (set before any step runs)
+
+int64_t row_streams(int64_t streams) {
+  TORCH_CHECK(streams == 0 || streams == 1 || streams == 2 || streams == 4, "row_streams: 1, 2 or 4 (0: ask)");
+  if (streams != 0) g_row_streams = streams;
+  return g_row_streams;
+}
 
 template <int R, int S, typename W>
 void gemv_rows(const float* x, const W* w, const float* scale, const float* bias, const float* residual, float* out,
@@ -177,7 +185,9 @@ at::Tensor gemv_any(const at::Tensor& x, const at::Tensor& w, const W* pw, const
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));
   parallel_range(0, n, grain, [&](int64_t begin, int64_t end) {
     if (rows > 4) return gemv_many<2>(px, rows, pw, ps, pb, pr, po, n, k, begin, end);
-    if (rows == 1) gemv_rows<1, kRowStreams>(px, pw, ps, pb, pr, po, n, k, begin, end);
+    if (rows == 1 && g_row_streams == 1) gemv_rows<1, 1>(px, pw, ps, pb, pr, po, n, k, begin, end);
+    else if (rows == 1 && g_row_streams == 2) gemv_rows<1, 2>(px, pw, ps, pb, pr, po, n, k, begin, end);
+    else if (rows == 1) gemv_rows<1, 4>(px, pw, ps, pb, pr, po, n, k, begin, end);
     else if (rows == 2) gemv_rows<2, 2>(px, pw, ps, pb, pr, po, n, k, begin, end);
     else if (rows == 3) gemv_rows<3, 1>(px, pw, ps, pb, pr, po, n, k, begin, end);
     else gemv_rows<4, 1>(px, pw, ps, pb, pr, po, n, k, begin, end);

@@ -203,6 +203,7 @@ class FusedOps:
         self.pack_bf16_pairs, self.gemm_bf16 = ops.pack_bf16_pairs, ops.gemm_bf16  # the bf16-matmul layout
         self.pack_int8_quads, self.gemm_int8 = ops.pack_int8_quads, ops.gemm_int8  # the w8a8 layout
         self.decode_weights = getattr(torch.classes, NAME).DecodeWeights  # decode_layers' weights, held once
+        self.row_streams = ops.row_streams  # the streams per thread of one row's gemv (pick_row_streams)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -332,6 +333,40 @@ def fusable(layer: torch.nn.Module) -> bool:
         *(getattr(a, n, None) for n in ("q_norm", "k_norm")),
     ]
     return len({n.eps for n in norms if n is not None}) == 1
+
+
+ROW_STREAMS = (1, 2, 4)
+
+
+def pick_row_streams(ops: FusedOps, weights: list, rounds: int = 3, time_pass: Callable | None = None) -> int:
+    """Set the gemv's streams per thread at one row (a batch-1 decode step's linears) to the fastest of
+    ROW_STREAMS on this host, and return it. Hosts differ: on a 2-core AMD Zen 4 with the weights on
+    2 MiB pages one stream was ~10% faster than four, on the AVX2 host of the gemv's comment four beat
+    one. `time_pass(streams)`: seconds of one pass (default: every weight's fp32 gemv at one row, in
+    model order, from memory); the best of `rounds` interleaved rounds decides. Each row's dot product
+    does not depend on the streams, so neither do the results. Run on the computing thread's count."""
+    if time_pass is None:
+        xs = {}
+        for w in weights:
+            xs.setdefault(w.in_features, torch.randn(1, w.in_features))
+
+        def time_pass(streams: int) -> float:
+            ops.row_streams(streams)
+            start = time.perf_counter()
+            for w in weights:
+                ops.gemv(xs[w.in_features], w.weight, None, None)
+            return time.perf_counter() - start
+
+    best = {}
+    with torch.inference_mode():
+        for r in range(rounds):
+            for streams in ROW_STREAMS[:: 1 if r % 2 else -1]:
+                best[streams] = min(best.get(streams, float("inf")), time_pass(streams))
+    chosen = min(best, key=best.get)
+    ops.row_streams(chosen)
+    log.info("gemv at one row: %d stream(s) per thread (ms per pass of the linears: %s)", chosen,
+             ", ".join(f"{s}: {1e3 * best[s]:.2f}" for s in ROW_STREAMS))  # fmt: skip
+    return chosen
 
 
 def load(build: Callable[[], None] = build_extension) -> FusedOps | None:
