@@ -273,3 +273,111 @@ def test_decode_weights_are_held_once_and_checked(ops):
         ops.decode_layers(
             x, held, [torch.zeros(2, 1, 4)], [torch.zeros(2, 1, 4)], 1e-6, x, x, one, one.view(1, 1), one + 1, 1, 1, 1.0
         )
+
+
+def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv_heads=2, d=16, inter=96):
+    """A random stack's DecodeWeights list in one format, and each linear's (weight, scale, outputs) for the
+    op-by-op reference: qkv_proj with a bias and q / k norms (Qwen2's and Qwen3's extras) in every layer."""
+    shapes = (((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter))
+    entries, linears = [], []
+    for _ in range(layers):
+        held = []
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=gen) / k**0.5
+            scale = w.abs().amax(1) / 127
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            held.append(
+                {
+                    "fp32": (w, None),
+                    "bf16": (w.bfloat16(), None),
+                    "w8": (q, scale),
+                    "w8a8": (ops.pack_int8_quads(q), scale),
+                    "bf16-matmul": (ops.pack_bf16_pairs(w.bfloat16()), None),
+                    "panels": (ops.pack_panels(w), None),
+                }[fmt]
+                + (n,)
+            )
+        norm = lambda n: torch.rand(n, generator=gen) + 0.5  # noqa: E731
+        entries += [norm(hidden), norm(hidden), held[0][0], torch.randn(shapes[0][0], generator=gen), norm(d), norm(d)]
+        entries += [held[1][0], None, held[2][0], None, held[3][0], None] + [scale for _, scale, _ in held]
+        linears.append(held)
+    return entries, linears
+
+
+@pytest.fixture
+def threads():
+    """Each OpenMP team of `threads` threads (the suite runs with one, as conftest sets)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
+@pytest.mark.parametrize("rows,team", [(1, 2), (2, 2), (2, 3), (3, 2)])
+def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fmt, rows, team):
+    """decode_layers against its ops called one after another from Python (norms, the linear of each format,
+    the attention, SiLU-and-mul): the same bits out and in the caches. At one or two rows every format
+    but the panel GEMM runs as one parallel region (the threads' shares and barriers); the rest op by op."""
+    threads(team)
+    gen = torch.Generator().manual_seed(rows)
+    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 320, 32, 1e-6
+    entries, linears = _stack(ops, fmt, gen)
+    held = ops.decode_weights(entries)
+    assert held.one_region() == (fmt != "panels")
+    layers = len(linears)
+    caches = [torch.randn(slots_n, kv_heads, d, generator=gen) for _ in range(2 * layers)]
+    # at two rows one thread's attention (the long request's) takes far longer than the other's: a missing
+    # barrier after it shows as an o_proj that read unwritten rows
+    seq_lens = torch.tensor([9, 300, 4][:rows])
+    slots = torch.stack([torch.randperm(slots_n - 1, generator=gen)[:300] + 1 for _ in range(rows)])
+    out_loc = slots[torch.arange(rows), seq_lens - 1].contiguous()
+    x, cos, sin = (torch.randn(rows, n, generator=gen) for n in (64, d, d))
+    k_ref, v_ref = [c.clone() for c in caches[:layers]], [c.clone() for c in caches[layers:]]
+
+    def linear(i, layer, x, residual):
+        w, scale, n = linears[layer][i]
+        bias = entries[layer * 16 + 3] if i == 0 else None
+        if fmt == "w8a8":
+            return ops.gemm_int8(x, w, scale, n, block, bias, residual)
+        if fmt == "bf16-matmul":
+            return ops.gemm_bf16(x, w, n, bias, residual)
+        if fmt == "panels":
+            return ops.gemm_panels(x, w, n, bias, residual)
+        return ops.gemv(x, w, bias, residual) if scale is None else ops.gemv_w8(x, w, scale, bias, residual)
+
+    want = x
+    for layer in range(layers):
+        e = entries[layer * 16 : layer * 16 + 16]
+        qkv = linear(0, layer, ops.rms_norm(want, e[0], eps), None)
+        attn = ops.decode_attention(
+            qkv, cos, sin, e[4], e[5], eps, k_ref[layer], v_ref[layer], out_loc, slots, seq_lens, heads, kv_heads, 0.25
+        )
+        h = linear(1, layer, attn, want)
+        want = linear(3, layer, ops.silu_and_mul(linear(2, layer, ops.rms_norm(h, e[1], eps), None)), h)
+    for _ in range(3):  # a race between the threads' shares would show as bits that differ in some run
+        k, v = [c.clone() for c in caches[:layers]], [c.clone() for c in caches[layers:]]
+        got = ops.decode_layers(x, held, k, v, eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, 0.25, block)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(k + v, k_ref + v_ref))
+
+
+def test_the_one_region_step_refuses_calls_that_do_not_match_its_weights(ops):
+    """The one-region step reads raw pointers: a call whose shapes do not match the weights it holds is refused
+    before any is read."""
+    gen = torch.Generator().manual_seed(0)
+    held = ops.decode_weights(_stack(ops, "w8a8", gen)[0])
+    caches = [torch.zeros(40, 2, 16) for _ in range(3)]
+    one = torch.ones(1, dtype=torch.int64)
+    x, cos = torch.zeros(1, 64), torch.zeros(1, 16)
+    args = (1e-6, cos, cos, one, one.view(1, 1), one, 4, 2, 0.25, 32)
+    assert ops.decode_layers(x, held, caches, caches, *args).shape == (1, 64)
+    with pytest.raises(RuntimeError, match="x \\[R, hidden\\]"):
+        ops.decode_layers(torch.zeros(1, 32), held, caches, caches, *args)
+    with pytest.raises(RuntimeError, match="qkv_proj's outputs"):
+        ops.decode_layers(x, held, caches, caches, *args[:6], 2, 2, 0.25, 32)
+    with pytest.raises(RuntimeError, match="block"):
+        ops.decode_layers(x, held, caches, caches, *args[:9], 24)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.decode_layers(x, held, caches, caches[:2] + [torch.zeros(39, 2, 16)], *args)
+    with pytest.raises(RuntimeError, match="seq_lens out of range"):
+        ops.decode_layers(x, held, caches, caches, *args[:5], one + 1, *args[6:])

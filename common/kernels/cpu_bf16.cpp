@@ -17,6 +17,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <vector>
+
 #include "cpu_common.h"
 
 namespace disagg_cpu {
@@ -29,7 +31,7 @@ constexpr int64_t kPairBytes = 2 * kPanel * sizeof(uint16_t);  // a panel's weig
 // up to this many rows a thread's panels go by one at a time, read front to back: with the pairs on 2 MiB
 // pages (weight_arena.gather) a bf16-matmul decode step of SmolLM2 took 11.06 ms against 11.98 with 4
 // panels read side by side, which had been the faster on 4 KiB pages (2-core AMD Zen 4, interleaved)
-constexpr int kFewRows = 2;
+constexpr int kFewRows = kStepRows;
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kDotBf16 = true;  // x groups hold the rows' bf16 pairs: [K / 2, kPairRows] of 32 bits
@@ -107,6 +109,38 @@ at::Tensor pack_bf16_pairs(const at::Tensor& w) {
   return out;
 }
 
+// x's rows [r0, r1) rounded to bf16 into `packed`, in groups of kPairRows, k-major: with vdpbf16ps each k
+// pair's two bf16 in one 32-bit lane per row ([K / 2, kPairRows] per group), else the rounded floats ([K,
+// kPairRows]); a short group's missing rows: never read
+void round_rows(const float* x, int64_t rows, int64_t k, float* packed) {
+  const int64_t k2 = k / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = r / kPairRows, t = r % kPairRows;
+    const float* row = x + r * k;
+    if constexpr (kDotBf16) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(packed + g * k * kPairRows);
+      for (int64_t i = 0; i < k2; ++i)
+        dst[i * kPairRows + t] = static_cast<uint32_t>(c10::BFloat16(row[2 * i]).x) |
+                                 static_cast<uint32_t>(c10::BFloat16(row[2 * i + 1]).x) << 16;
+    } else {
+      for (int64_t i = 0; i < k; ++i) packed[(g * k + i) * kPairRows + t] = static_cast<float>(c10::BFloat16(row[i]));
+    }
+  }
+}
+
+// panels [begin, end) of a decode step's rows (rows <= kFewRows), x rounded on the calling thread: each
+// thread's panels one after another
+void bf16_part(const float* x, int64_t rows, const uint16_t* pairs, const float* bias, const float* residual,
+               float* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  thread_local std::vector<float> packed;  // the calling thread's, reused
+  packed.resize(k * kPairRows);
+  round_rows(x, rows, k, packed.data());
+  for (int64_t p = begin; p < end; ++p)
+    (rows == 1 ? pair_tile<1> : pair_tile<kFewRows>)(packed.data(), pairs + p * k * kPanel, bias, residual, out, n,
+                                                     k / 2, p * kPanel, nullptr);
+}
+
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
                      const c10::optional<at::Tensor>& residual) {
   check_groups(x, pairs, n, 2, at::kBFloat16, "gemm_bf16");
@@ -114,38 +148,22 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_bf16: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* px = x.data_ptr<float>();
-  // x's rows rounded to bf16, in groups of kPairRows, k-major: with vdpbf16ps each k pair's two bf16 in one
-  // 32-bit lane per row ([K / 2, kPairRows]), else the rounded floats ([K, kPairRows])
-  const int64_t groups = (rows + kPairRows - 1) / kPairRows;
-  at::Tensor packed = at::empty({groups, k, kPairRows}, x.options());  // a short group's missing rows: never read
-  float* pxp = packed.data_ptr<float>();
-  parallel_range(0, groups, grain_for(k * kPairRows), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r = 0; r < kPairRows && g * kPairRows + r < rows; ++r) {
-        const float* row = px + (g * kPairRows + r) * k;
-        if constexpr (kDotBf16) {
-          uint32_t* dst = reinterpret_cast<uint32_t*>(pxp + g * k * kPairRows);
-          for (int64_t i = 0; i < k2; ++i)
-            dst[i * kPairRows + r] = static_cast<uint32_t>(c10::BFloat16(row[2 * i]).x) |
-                                     static_cast<uint32_t>(c10::BFloat16(row[2 * i + 1]).x) << 16;
-        } else {
-          for (int64_t i = 0; i < k; ++i)
-            pxp[(g * k + i) * kPairRows + r] = static_cast<float>(c10::BFloat16(row[i]));
-        }
-      }
-  });
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(pairs.data_ptr<c10::BFloat16>());
   const float* pb = add.bias_data();
   const float* pr = add.residual_data();
   float* po = out.data_ptr<float>();
   if (rows <= kFewRows) {  // a decode step of a request or two: each thread's panels one after another
-    parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p)
-        (rows == 1 ? pair_tile<1> : pair_tile<kFewRows>)(pxp, pp + p * k * kPanel, pb, pr, po, n, k2, p * kPanel,
-                                                         nullptr);
-    });
+    parallel_range(0, count, 1,
+                   [&](int64_t begin, int64_t end) { bf16_part(px, rows, pp, pb, pr, po, n, k, begin, end); });
     return out;
   }
+  const int64_t groups = (rows + kPairRows - 1) / kPairRows;
+  at::Tensor packed = at::empty({groups, k, kPairRows}, x.options());
+  float* pxp = packed.data_ptr<float>();
+  parallel_range(0, groups, grain_for(k * kPairRows), [&](int64_t begin, int64_t end) {
+    const int64_t r0 = begin * kPairRows, r1 = std::min(rows, end * kPairRows);
+    round_rows(px + r0 * k, r1 - r0, k, pxp + begin * k * kPairRows);
+  });
   panel_walk(rows, count, kPairRows, kPairChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) {
     const uint16_t* panel = pp + p * k * kPanel;
     pair_tile_of<kPairRows>(t, pxp + r * k, panel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k2,

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace disagg_cpu {
 
@@ -136,6 +137,53 @@ inline vec vset1(float a) { return a; }
 inline void vstore(float* p, vec v) { *p = v; }
 #endif
 
+// The fused ops' row helpers (cpu_fused.cpp, cpu_step.cpp).
+
+// a . b as kLanes partial sums, summed by vsum (a tree on the SIMD forms): the norms' sums of squares and
+// the decode attention's scores. An `omp simd` reduction ended in a sequential sum of its lanes through
+// memory, which was ~2/3 of the attention's time at one request (perf, 2-core AMD Zen 4)
+inline float dot(const float* a, const float* b, int64_t n) {
+  vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// e^x within ~2 ulp, branch-free so that loops over it vectorize (std::exp does not without
+// -ffast-math): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts), e^r by Cephes' expf
+// polynomial, 2^n built in the exponent bits. x is clamped to [-87.3, 88.3] (2^n stays a normal float).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (|n| < 2^22)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const int32_t bits = (static_cast<int32_t>(n == n ? n : 0.f) + 127) << 23;  // NaN: r carries it
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return (p * r * r + r + 1.f) * scale;
+}
+
+inline void rms_row(const float* x, const float* w, float eps, int64_t d, float* out) {
+  const float inv = 1.f / std::sqrt(dot(x, x, d) / static_cast<float>(d) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// out[i] = silu(gate[i]) * up[i] for i < inter, where up = gate + inter (one row of silu_and_mul)
+inline void silu_row(const float* gate, int64_t inter, float* out) {
+  const float* up = gate + inter;
+#pragma omp simd
+  for (int64_t i = 0; i < inter; ++i) out[i] = gate[i] / (1.f + exp_approx(-gate[i])) * up[i];
+}
+
+
 // the panel GEMMs' panels (cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp): two vectors of output columns
 constexpr int64_t kPanel = 2 * kLanes;
 
@@ -203,7 +251,43 @@ inline void check_groups(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == packed.size(0), op, ": N does not match the packed weights");
 }
 
+// cpu_fused.cpp: the decode attention of a batch (decode_attention's arguments, checked) and its passes
+struct Attention {
+  const float *qkv = nullptr, *cos = nullptr, *sin = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  float *k_cache = nullptr, *v_cache = nullptr, *out = nullptr;
+  const int64_t *out_loc = nullptr, *slots = nullptr, *seq_lens = nullptr;
+  int64_t batch = 0, heads = 0, kv_heads = 0, d = 0, s_max = 0;
+  float eps = 0.f, scale = 0.f;
+  int64_t split(int64_t team) const;  // attend's tasks per (request, kv head) on a team of that many threads
+};
+void write_kv(const Attention& a, int64_t begin, int64_t end);  // tasks: batch * kv_heads
+void attend(const Attention& a, int64_t split, int64_t begin, int64_t end);  // tasks: batch * kv_heads * split
+void check_slots(const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t batch,
+                 int64_t num_slots);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor decode_attention(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
+    double scale);
+
+// [begin, end) of `count` items as thread t's share of a team of `team` (parallel_range's chunks)
+inline void share(int64_t count, int64_t t, int64_t team, int64_t& begin, int64_t& end) {
+  const int64_t chunk = (count + team - 1) / team;
+  begin = std::min(count, t * chunk);
+  end = std::min(count, begin + chunk);
+}
+
+// The linears' bodies on raw data, over [begin, end) of their outputs (the gemv: weight rows; the matmuls:
+// panels), called by their ops over parallel ranges and by decode_layers' one-region step per thread. The
+// matmuls take x [rows <= kStepRows, K] as float32 and round or quantize it on the calling thread.
+constexpr int64_t kStepRows = 2;
+
 // cpu_gemv.cpp
+template <typename W>  // float, c10::BFloat16, int8_t (with scale)
+void gemv_part(const float* x, int64_t rows, const W* w, const float* scale, const float* bias, const float* residual,
+               float* out, int64_t n, int64_t k, int64_t begin, int64_t end);
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& residual);
 at::Tensor gemv_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
@@ -217,11 +301,15 @@ at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                        const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& scale);
 
 // cpu_bf16.cpp
+void bf16_part(const float* x, int64_t rows, const uint16_t* pairs, const float* bias, const float* residual,
+               float* out, int64_t n, int64_t k, int64_t begin, int64_t end);
 at::Tensor pack_bf16_pairs(const at::Tensor& w);
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
                      const c10::optional<at::Tensor>& residual);
 
 // cpu_int8.cpp
+void int8_part(const float* x, int64_t rows, const uint8_t* quads, const float* scale, const float* bias,
+               const float* residual, float* out, int64_t n, int64_t k, int64_t block, int64_t begin, int64_t end);
 at::Tensor pack_int8_quads(const at::Tensor& w);
 at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scale, int64_t n, int64_t block,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);

@@ -170,6 +170,25 @@ at::Tensor stream_sum(const at::Tensor& x, int64_t streams) {
   return at::scalar_tensor(total, x.options());
 }
 
+// weight rows [begin, end) of out [R, N] = residual + (x @ w.T) * scale + bias
+template <typename W>
+void gemv_part(const float* x, int64_t rows, const W* w, const float* scale, const float* bias, const float* residual,
+               float* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
+  if (rows > 4) return gemv_many<2>(x, rows, w, scale, bias, residual, out, n, k, begin, end);
+  if (rows == 1 && g_row_streams == 1) gemv_rows<1, 1>(x, w, scale, bias, residual, out, n, k, begin, end);
+  else if (rows == 1 && g_row_streams == 2) gemv_rows<1, 2>(x, w, scale, bias, residual, out, n, k, begin, end);
+  else if (rows == 1) gemv_rows<1, 4>(x, w, scale, bias, residual, out, n, k, begin, end);
+  else if (rows == 2) gemv_rows<2, 2>(x, w, scale, bias, residual, out, n, k, begin, end);
+  else if (rows == 3) gemv_rows<3, 1>(x, w, scale, bias, residual, out, n, k, begin, end);
+  else gemv_rows<4, 1>(x, w, scale, bias, residual, out, n, k, begin, end);
+}
+template void gemv_part<float>(const float*, int64_t, const float*, const float*, const float*, const float*, float*,
+                               int64_t, int64_t, int64_t, int64_t);
+template void gemv_part<c10::BFloat16>(const float*, int64_t, const c10::BFloat16*, const float*, const float*,
+                                       const float*, float*, int64_t, int64_t, int64_t, int64_t);
+template void gemv_part<int8_t>(const float*, int64_t, const int8_t*, const float*, const float*, const float*, float*,
+                                int64_t, int64_t, int64_t, int64_t);
+
 // out [R, N] = residual + (x @ w.T) * scale + bias, w float or bf16 (scale null) or int8
 template <typename W>
 at::Tensor gemv_any(const at::Tensor& x, const at::Tensor& w, const W* pw, const float* ps,
@@ -183,15 +202,8 @@ at::Tensor gemv_any(const at::Tensor& x, const at::Tensor& w, const W* pw, const
   float* po = out.data_ptr<float>();
   // a grain of weight rows per thread: at least ~64 KiB, so each thread streams contiguous memory
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, k));
-  parallel_range(0, n, grain, [&](int64_t begin, int64_t end) {
-    if (rows > 4) return gemv_many<2>(px, rows, pw, ps, pb, pr, po, n, k, begin, end);
-    if (rows == 1 && g_row_streams == 1) gemv_rows<1, 1>(px, pw, ps, pb, pr, po, n, k, begin, end);
-    else if (rows == 1 && g_row_streams == 2) gemv_rows<1, 2>(px, pw, ps, pb, pr, po, n, k, begin, end);
-    else if (rows == 1) gemv_rows<1, 4>(px, pw, ps, pb, pr, po, n, k, begin, end);
-    else if (rows == 2) gemv_rows<2, 2>(px, pw, ps, pb, pr, po, n, k, begin, end);
-    else if (rows == 3) gemv_rows<3, 1>(px, pw, ps, pb, pr, po, n, k, begin, end);
-    else gemv_rows<4, 1>(px, pw, ps, pb, pr, po, n, k, begin, end);
-  });
+  parallel_range(0, n, grain,
+                 [&](int64_t begin, int64_t end) { gemv_part(px, rows, pw, ps, pb, pr, po, n, k, begin, end); });
   return out;
 }
 

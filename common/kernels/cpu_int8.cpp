@@ -97,7 +97,7 @@ constexpr int64_t kQuadChunk = 16 * kQuadRows;  // x rows per pass over a thread
 // up to this many rows a thread's panels go by one at a time, read front to back: with the quads on 2 MiB
 // pages (weight_arena.gather) a w8a8 decode step of SmolLM2 took 5.92 ms against 6.60 with 4 panels read
 // side by side (2-core AMD Zen 4, interleaved, the one-panel form faster in 17 rounds of 20)
-constexpr int kQuadFewRows = 2;
+constexpr int kQuadFewRows = kStepRows;
 
 // x's rows quantized, in groups of kQuadRows (a short group's missing rows: never read), k-major so that a
 // tile broadcasts one row's quad from consecutive words: per group quads [K / 4, kQuadRows] (four int8 in
@@ -216,6 +216,19 @@ inline void quad_tile_of(int64_t rows, const int32_t* xq, const float* sx, const
   }
 }
 
+// panels [begin, end) of a decode step's rows (rows <= kQuadFewRows), x quantized on the calling thread: each
+// thread's panels one after another
+void int8_part(const float* x, int64_t rows, const uint8_t* quads, const float* scale, const float* bias,
+               const float* residual, float* out, int64_t n, int64_t k, int64_t block, int64_t begin, int64_t end) {
+  if (begin >= end) return;
+  const QuantizedRows& q = quantize_rows(x, rows, k, block);
+  const int64_t k4 = k / 4, per_block = block / 4;
+  for (int64_t p = begin; p < end; ++p)
+    (rows == 1 ? quad_tile<1> : quad_tile<kQuadFewRows>)(q.quads.data(), q.scales.data(), q.starts.data(),
+                                                         quads + p * k * kPanel, scale, bias, residual, out, n, k4,
+                                                         per_block, p * kPanel, nullptr);
+}
+
 at::Tensor pack_int8_quads(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.device().is_cpu() && w.is_contiguous(),
               "pack_int8_quads: w: contiguous CPU int8 [N, K] expected");
@@ -236,22 +249,20 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
   TORCH_CHECK(scale.numel() == n, "gemm_int8: N does not match the scale");
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_int8: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
-  const QuantizedRows& q = quantize_rows(x.data_ptr<float>(), rows, k, block);
+  const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>(), *pb = add.bias_data(), *pr = add.residual_data();
+  const uint8_t* pp = quads.data_ptr<uint8_t>();
+  float* po = out.data_ptr<float>();
+  if (rows <= kQuadFewRows) {  // a decode step of a request or two: each thread's panels one after another
+    parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
+      int8_part(px, rows, pp, ps, pb, pr, po, n, k, block, begin, end);
+    });
+    return out;
+  }
+  const QuantizedRows& q = quantize_rows(px, rows, k, block);
   const int32_t* pq = q.quads.data();
   const float* psx = q.scales.data();
   const int32_t* pst = q.starts.data();
   const int64_t blocks = k / block, per_block = block / 4;
-  const uint8_t* pp = quads.data_ptr<uint8_t>();
-  const float *ps = scale.data_ptr<float>(), *pb = add.bias_data(), *pr = add.residual_data();
-  float* po = out.data_ptr<float>();
-  if (rows <= kQuadFewRows) {  // a decode step of a request or two: each thread's panels one after another
-    parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p)
-        (rows == 1 ? quad_tile<1> : quad_tile<kQuadFewRows>)(pq, psx, pst, pp + p * k * kPanel, ps, pb, pr, po, n, k4,
-                                                             per_block, p * kPanel, nullptr);
-    });
-    return out;
-  }
   panel_walk(rows, count, kQuadRows, kQuadChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) {
     const uint8_t* panel = pp + p * k * kPanel;
     const int64_t g = r / kQuadRows;  // chunks and tiles start at multiples of kQuadRows

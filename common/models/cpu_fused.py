@@ -1,5 +1,5 @@
 """Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp,
-cpu_common.h),
+cpu_step.cpp, cpu_common.h),
 built on first use on this host, or None.
 
 A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 SOURCES = [
     os.path.join(KERNELS, name)
-    for name in ("cpu_fused.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp", "cpu_bf16.cpp", "cpu_int8.cpp")
+    for name in ("cpu_fused.cpp", "cpu_gemv.cpp", "cpu_gemm.cpp", "cpu_bf16.cpp", "cpu_int8.cpp", "cpu_step.cpp")
 ]
 HEADERS = [os.path.join(KERNELS, "cpu_common.h")]
 NAME = "disagg_cpu_fused"
