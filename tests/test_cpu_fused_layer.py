@@ -365,7 +365,13 @@ def test_the_one_region_step_refuses_calls_that_do_not_match_its_weights(ops):
     """The one-region step reads raw pointers: a call whose shapes do not match the weights it holds is refused
     before any is read."""
     gen = torch.Generator().manual_seed(0)
-    held = ops.decode_weights(_stack(ops, "w8a8", gen)[0])
+    entries = _stack(ops, "w8a8", gen)[0]
+    held = ops.decode_weights(entries)
+    assert held.one_region()
+    # weights whose data does not match (a bias or a scale of the wrong size, int8 without its scale, a
+    # non-contiguous norm) are not taken for the one-region step: the ops in turn check them at the call
+    for i, wrong in ((3, torch.zeros(7)), (12, torch.zeros(7)), (13, None), (0, torch.ones(128)[::2])):
+        assert not ops.decode_weights(entries[:i] + [wrong] + entries[i + 1 :]).one_region()
     caches = [torch.zeros(40, 2, 16) for _ in range(3)]
     one = torch.ones(1, dtype=torch.int64)
     x, cos = torch.zeros(1, 64), torch.zeros(1, 16)

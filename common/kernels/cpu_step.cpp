@@ -94,35 +94,35 @@ bool f32_vector(const c10::optional<at::Tensor>& t, int64_t n) {
          t->dim() == 1 && t->numel() == n;
 }
 
-// weight w, bias b and scale s as a Linear the one-region step runs with `outputs` outputs (0: not known
-// here) and `inputs` inputs (0: the same); false where it cannot (another layout, or data that does not match)
+// weight w, bias b and scale s as a Linear the one-region step runs with `outputs` outputs and `inputs`
+// inputs (0: not known here, the call checks them); false where it cannot (another layout, data that does
+// not match)
 bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b,
                const c10::optional<at::Tensor>& s, int64_t outputs, int64_t inputs, Linear& out) {
   if (!w.has_value() || !w->device().is_cpu() || !w->is_contiguous()) return false;
   const at::Tensor& t = *w;
   const at::ScalarType dtype = t.scalar_type();
-  int64_t n = -1;  // as the data says (-1: it does not)
-  if (t.dim() == 2) {
+  int64_t n = 0;  // the outputs, as far as the data says (0: it does not)
+  if (t.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar)) {
     out.kernel = dtype == at::kFloat ? Kernel::gemv_f32 : dtype == at::kBFloat16 ? Kernel::gemv_bf16 : Kernel::gemv_w8;
-    if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kChar) return false;
-    if (s.has_value() != (dtype == at::kChar)) return false;
     n = t.size(0), out.k = t.size(1), out.count = 0;
-  } else if (t.dim() == 4 && t.size(2) == kPanel && (dtype == at::kByte || dtype == at::kBFloat16)) {
-    const int64_t group = dtype == at::kByte ? 4 : 2;
-    if (t.size(3) != group || s.has_value() != (dtype == at::kByte)) return false;
+    if (n == 0) return false;
+  } else if (t.dim() == 4 && t.size(2) == kPanel && (dtype == at::kByte || dtype == at::kBFloat16) &&
+             t.size(3) == (dtype == at::kByte ? 4 : 2)) {
     out.kernel = dtype == at::kByte ? Kernel::int8_quads : Kernel::bf16_pairs;
-    out.count = t.size(0), out.k = t.size(1) * group;
+    out.count = t.size(0), out.k = t.size(1) * t.size(3);
   } else {
     return false;
   }
-  if (s.has_value()) n = s->numel();
-  if (b.has_value()) {
-    if (n >= 0 && b->numel() != n) return false;
-    n = b->numel();
+  if (s.has_value() != (dtype == at::kChar || dtype == at::kByte) || out.k == 0) return false;  // int8: a scale
+  for (const c10::optional<at::Tensor>* v : {&s, &b}) {
+    if (!v->has_value()) continue;
+    if ((n != 0 && (*v)->numel() != n) || (*v)->numel() == 0) return false;
+    n = (*v)->numel();
   }
-  if (n < 0) n = outputs;
-  if (n <= 0 && outputs != 0) return false;
-  if ((outputs != 0 && n != outputs) || (inputs != 0 && out.k != inputs) || (out.count != 0 && n > 0 && (n + kPanel - 1) / kPanel != out.count))
+  if (outputs != 0 && n != 0 && n != outputs) return false;
+  if (outputs != 0) n = outputs;
+  if ((inputs != 0 && out.k != inputs) || (out.count != 0 && n != 0 && (n + kPanel - 1) / kPanel != out.count))
     return false;
   if ((s.has_value() && !f32_vector(s, n)) || (b.has_value() && !f32_vector(b, n))) return false;
   out.w = t.data_ptr();
