@@ -123,8 +123,9 @@ def test_panel_gemm_is_x_at_w_t(ops, rows, n, k):
         ops.gemm_panels(x, panels, n + width, None, None)
 
 
-def _decode_case(lengths, heads, kv_heads, d, seed):
-    """A decode batch over scattered KV slots, each request's prefix KV already in the pool."""
+def _attention_case(lengths, heads, kv_heads, d, seed, new=None):
+    """A batch over scattered KV slots, each request's prefix KV already in the pool: a decode (one new token
+    per request), or an extend of new[b] tokens per request. lengths[b]: the KV length after this step."""
     g = torch.Generator().manual_seed(seed)
     num_slots, layers = 400, 2
     pool = KVPool(num_slots, layers, kv_heads, d, torch.float32)
@@ -133,45 +134,45 @@ def _decode_case(lengths, heads, kv_heads, d, seed):
     r2t = ReqToTokenPool(8, 64)
     free = (torch.randperm(num_slots, generator=g) + 1).tolist()  # slot 0 is padding
     rows = []
-    for n in lengths:  # n = the KV length after this step (prefix n - 1, then the new token)
+    for n in lengths:
         rows.append(r2t.alloc())
         r2t.write(rows[-1], 0, torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32))
-    fb = ForwardBatch.decode(r2t.req_to_token, torch.tensor(rows), [n - 1 for n in lengths], torch.zeros(len(rows)))
-    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * d, generator=g)
+    if new is None:
+        fb = ForwardBatch.decode(r2t.req_to_token, torch.tensor(rows), [n - 1 for n in lengths], torch.zeros(len(rows)))
+    else:
+        tokens = [list(range(5, 5 + q)) for q in new]
+        fb = ForwardBatch.extend(r2t.req_to_token, rows, [n - q for n, q in zip(lengths, new)], tokens)
+    qkv = torch.randn(len(lengths) if new is None else sum(new), (heads + 2 * kv_heads) * d, generator=g)
     return pool, r2t, fb, qkv
 
 
-@pytest.mark.parametrize("lengths", [[20], [1], [7, 33, 1, 18]], ids=["b1", "b1-first", "ragged4"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)], ids=["group1", "group3"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
-def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, d, qk_norm):
-    pool, r2t, fb, qkv = _decode_case(lengths, heads, kv_heads, d, seed=len(lengths) * d + heads)
-    layer, b = 1, len(lengths)
+def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, qk_norm, fused_now: str):
+    """The batch's attention through the fused call and through the torch path (Attention.forward's q/k norm
+    and rotary, then the backend's write, gather and SDPA): outputs and the written K/V agree."""
+    layer, t = 1, qkv.shape[0]
     cos, sin = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, d).cos_sin(fb.positions, torch.float32)
     attn = SimpleNamespace(layer=layer, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, scale=d**-0.5)
     if qk_norm:
         attn.q_norm, attn.k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
         for norm in (attn.q_norm, attn.k_norm):
             norm.weight = torch.nn.Parameter(torch.rand(d) + 0.5, requires_grad=False)
-    # the torch path: Attention.forward's q/k norm and rotary, then the backend's write, gather and SDPA
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
-    q, k, v = q.reshape(b, heads, d), k.reshape(b, kv_heads, d), v.reshape(b, kv_heads, d)
+    q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
     if qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     ref_pool = KVPool(400, 2, kv_heads, d, torch.float32)
     ref_pool.k_all.copy_(pool.k_all), ref_pool.v_all.copy_(pool.v_all)
     ref = BatchedBackend(ref_pool, r2t)
     ref.init_forward_metadata(fb)
-    assert not ref.fused_decode_now
+    assert not ref.fused_decode_now and not ref.fused_extend_now
     expected = ref.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, fb, attn.scale)
 
     fused = BatchedBackend(pool, r2t)
     fused.fused = ops
     fused.init_forward_metadata(fb)
-    assert fused.fused_decode_now
+    assert getattr(fused, fused_now)
     out = fused.fused_decode(qkv, cos, sin, attn, fb)
-    torch.testing.assert_close(out, expected.reshape(b, heads * d), **TOL)
+    torch.testing.assert_close(out, expected.reshape(t, heads * d), **TOL)
     torch.testing.assert_close(pool.k_all, ref_pool.k_all, **TOL)  # the new K (rotated) and V written alike
     torch.testing.assert_close(pool.v_all, ref_pool.v_all, rtol=0, atol=0)
     # a layer of the same step that takes the torch path (e.g. a partial rotary) gets its metadata then
@@ -181,22 +182,51 @@ def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, 
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
-def test_extends_and_trees_keep_the_torch_attention(ops, checkpoint):
-    """Only batches of one query per request without a tree go through the fused attention."""
+@pytest.mark.parametrize("lengths", [[20], [1], [7, 33, 1, 18]], ids=["b1", "b1-first", "ragged4"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)], ids=["group1", "group3"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, d, qk_norm):
+    case = _attention_case(lengths, heads, kv_heads, d, seed=len(lengths) * d + heads)
+    _fused_against_the_torch_path(ops, *case, heads, kv_heads, d, qk_norm, "fused_decode_now")
+
+
+@pytest.mark.parametrize(
+    "lengths,new",
+    [([12], [12]), ([30], [5]), ([9, 40, 3, 17], [9, 2, 3, 11])],
+    ids=["prompt", "after-a-prefix", "ragged4"],
+)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)], ids=["group1", "group3"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_short_extend_attention_matches_the_torch_path(ops, lengths, new, heads, kv_heads, qk_norm):
+    """An extend's new tokens (a prompt, tokens after a cached prefix, a ragged batch of both) through the
+    fused call: each token sees its request's slots up to its own (the causal mask), as SDPA with the mask."""
+    case = _attention_case(lengths, heads, kv_heads, 64, seed=sum(new) + heads, new=new)
+    _fused_against_the_torch_path(ops, *case, heads, kv_heads, 64, qk_norm, "fused_extend_now")
+
+
+def test_long_extends_and_trees_keep_the_torch_attention(ops, checkpoint):
+    """Batches of one query per request without a tree, and extends whose new tokens see at most
+    `fused_extend_slots` keys in all, go through the fused attention; longer extends and trees do not."""
     runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=128, max_running_requests=2))
-    assert runner.cpu_fused is ops and runner.backend.fused is ops
+    backend = runner.backend
+    assert runner.cpu_fused is ops and backend.fused is ops
     table, row = runner.req_to_token_pool.req_to_token, runner.req_to_token_pool.alloc()
     runner.req_to_token_pool.write(row, 0, runner.kv_allocator.alloc(8))
-    runner.backend.init_forward_metadata(ForwardBatch.extend(table, [row], [0], [[5, 6, 7]]))
-    assert not runner.backend.fused_decode_now
+    backend.init_forward_metadata(ForwardBatch.extend(table, [row], [0], [[5, 6, 7]]))
+    assert backend.fused_extend_now and not backend.fused_decode_now
+    assert backend._token_seq.tolist() == [1, 2, 3] and backend._token_req.tolist() == [0, 0, 0]
+    backend.fused_extend_slots = 5  # the 3 tokens see 1 + 2 + 3 keys
+    backend.init_forward_metadata(ForwardBatch.extend(table, [row], [0], [[5, 6, 7]]))
+    assert not backend.fused_extend_now and not backend.fused_decode_now
     one_node = torch.ones(1, 1, 1, dtype=torch.bool)  # a tree of one node: one query, but a tree mask
     tree = ForwardBatch.tree(
         table, torch.tensor([row]), [row], [3], torch.tensor([9]), torch.zeros(1, 1), [0], one_node
     )
-    runner.backend.init_forward_metadata(tree)
-    assert not runner.backend.fused_decode_now
-    runner.backend.init_forward_metadata(ForwardBatch.decode(table, torch.tensor([row]), [3], torch.tensor([9])))
-    assert runner.backend.fused_decode_now
+    backend.init_forward_metadata(tree)
+    assert not backend.fused_decode_now and not backend.fused_extend_now
+    backend.init_forward_metadata(ForwardBatch.decode(table, torch.tensor([row]), [3], torch.tensor([9])))
+    assert backend.fused_decode_now and not backend.fused_extend_now
 
 
 PROMPTS = [[5, 17, 99, 3], [7] * 11, [200, 13]]

@@ -251,26 +251,28 @@ inline void check_groups(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == packed.size(0), op, ": N does not match the packed weights");
 }
 
-// cpu_fused.cpp: the decode attention of a batch (decode_attention's arguments, checked) and its passes
+// cpu_fused.cpp: the attention of a batch's new tokens (decode_attention's arguments, checked) and its passes.
+// Token t (a row of qkv, cos, sin, out_loc and out) attends over the first seq_lens[t] slots of row
+// requests[t] of `slots` (requests null: row t, a decode's one token per request)
 struct Attention {
   const float *qkv = nullptr, *cos = nullptr, *sin = nullptr, *q_norm = nullptr, *k_norm = nullptr;
   float *k_cache = nullptr, *v_cache = nullptr, *out = nullptr;
-  const int64_t *out_loc = nullptr, *slots = nullptr, *seq_lens = nullptr;
-  int64_t batch = 0, heads = 0, kv_heads = 0, d = 0, s_max = 0;
+  const int64_t *out_loc = nullptr, *slots = nullptr, *seq_lens = nullptr, *requests = nullptr;
+  int64_t tokens = 0, heads = 0, kv_heads = 0, d = 0, s_max = 0;
   float eps = 0.f, scale = 0.f;
-  int64_t split(int64_t team) const;  // attend's tasks per (request, kv head) on a team of that many threads
+  int64_t split(int64_t team) const;  // attend's tasks per (token, kv head) on a team of that many threads
 };
-void write_kv(const Attention& a, int64_t begin, int64_t end);  // tasks: batch * kv_heads
-void attend(const Attention& a, int64_t split, int64_t begin, int64_t end);  // tasks: batch * kv_heads * split
-void check_slots(const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t batch,
-                 int64_t num_slots);
+void write_kv(const Attention& a, int64_t begin, int64_t end);  // tasks: tokens * kv_heads
+void attend(const Attention& a, int64_t split, int64_t begin, int64_t end);  // tasks: tokens * kv_heads * split
+void check_slots(const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens,
+                 const c10::optional<at::Tensor>& requests, int64_t tokens, int64_t num_slots);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor decode_attention(
     const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
-    double scale);
+    double scale, const c10::optional<at::Tensor>& requests);
 
 // [begin, end) of `count` items as thread t's share of a team of `team` (parallel_range's chunks)
 inline void share(int64_t count, int64_t t, int64_t team, int64_t& begin, int64_t& end) {

@@ -11,15 +11,17 @@
 //     rows R (a decode step's), and stream_sum: cpu_gemv.cpp; pack_panels / gemm_panels, the GEMM of
 //     many rows (prefill chunks) on weights laid out once: cpu_gemm.cpp; pack_bf16_pairs / gemm_bf16,
 //     the bf16 matmul: cpu_bf16.cpp; pack_int8_quads / gemm_int8, the int8 matmul: cpu_int8.cpp;
-//   decode_attention(qkv [B, (H + 2 KV) d], ...)        -> [B, H d]: what the batched backend's decode
-//     path computes between qkv_proj and o_proj: optional per-head q/k RMSNorm (Qwen3), the half-split
-//     rotary with the signed sin of RotaryEmbedding.cos_sin, K and V written at out_loc, and each
-//     request's query heads attending over its first seq_lens[b] slots (slots [B, S_max], read from
-//     req_to_token), GQA heads h -> kv head h / (H / KV) (HF's repeat_kv order), softmax in fp32.
+//   decode_attention(qkv [T, (H + 2 KV) d], ...)        -> [T, H d]: what the batched backend's path
+//     computes between qkv_proj and o_proj for a decode, or a short extend's T new tokens: optional
+//     per-head q/k RMSNorm (Qwen3), the half-split rotary with the signed sin of RotaryEmbedding.cos_sin,
+//     every token's K and V written at out_loc, then each token's query heads attending over the first
+//     seq_lens[t] slots of its request's row of slots (slots [B, S_max], read from req_to_token; the row:
+//     requests[t], or t in a decode), GQA heads h -> kv head h / (H / KV) (HF's repeat_kv order),
+//     softmax in fp32. In an extend, seq_lens[t] ends at the token's own slot: the causal mask.
 //   decode_layers(x, weights, ...)                      -> dense decoder layers' decode step: for each
 //     layer the ops above in the modules' order (two norms, four linears, the attention, SiLU-and-mul):
 //     cpu_step.cpp;
-// Work is split over (request, kv head), or over query heads where those are few (decode_attention), with
+// Work is split over (token, kv head), or over query heads where those are few (decode_attention), with
 // parallel_range (cpu_common.h) once it is large enough to pay for a parallel region; the inner loops are
 // cpu_common.h's vectors or left to the compiler (-O3 -march=native, omp simd).
 // Padded lanes may share out_loc 0 (the padding slot, never read for a real request).
@@ -112,13 +114,13 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// The decode attention's passes, each over its tasks [begin, end) (decode_attention runs them as two
-// parallel ranges, decode_layers' one-region step as each thread's share)
+// The attention's passes, each over its tasks [begin, end) (decode_attention runs them as two parallel
+// ranges, decode_layers' one-region step as each thread's share)
 void write_kv(const Attention& a, int64_t begin, int64_t end) {
   std::vector<float> tmp(a.d);
   const int64_t d = a.d, width = (a.heads + 2 * a.kv_heads) * d, row = a.kv_heads * d;
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t b = task / a.kv_heads, h = task % a.kv_heads;
+    const int64_t b = task / a.kv_heads, h = task % a.kv_heads;  // b: the token
     const float *src = a.qkv + b * width, *k_in = src + (a.heads + h) * d;
     if (a.k_norm != nullptr) {
       rms_row(k_in, a.k_norm, a.eps, d, tmp.data());
@@ -130,17 +132,17 @@ void write_kv(const Attention& a, int64_t begin, int64_t end) {
   }
 }
 
-// per (request, kv head): the group's queries read each slot's K and V once. Where those are fewer than
-// twice the team's threads (a request or two of a model with few kv heads), per query head: one request of
-// SmolLM2 is 3 kv heads, 2 + 1 on 2 threads, against 9 query heads, 5 + 4
-int64_t Attention::split(int64_t team) const { return batch * kv_heads < 2 * team ? heads / kv_heads : 1; }
+// per (token, kv head): the group's queries read each slot's K and V once. Where those are fewer than
+// twice the team's threads (a decode of a request or two of a model with few kv heads), per query head: one
+// request of SmolLM2 is 3 kv heads, 2 + 1 on 2 threads, against 9 query heads, 5 + 4
+int64_t Attention::split(int64_t team) const { return tokens * kv_heads < 2 * team ? heads / kv_heads : 1; }
 
 void attend(const Attention& a, int64_t split, int64_t begin, int64_t end) {
   const int64_t d = a.d, group = a.heads / a.kv_heads, per = group / split;
   const int64_t width = (a.heads + 2 * a.kv_heads) * d, row = a.kv_heads * d;
   std::vector<float> tmp(d), q(per * d), scores, inv_sum(per);
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t b = task / (a.kv_heads * split), h = task / split % a.kv_heads, g0 = task % split * per;
+    const int64_t b = task / (a.kv_heads * split), h = task / split % a.kv_heads, g0 = task % split * per;  // b: token
     const int64_t seq = a.seq_lens[b];
     const float *src = a.qkv + b * width, *c = a.cos + b * d, *s = a.sin + b * d;
     // this task's queries: heads h * group + g0 .. + per
@@ -154,7 +156,7 @@ void attend(const Attention& a, int64_t split, int64_t begin, int64_t end) {
     }
     // scores over the request's slots, softmax, weighted V
     scores.resize(per * seq);
-    const int64_t* sl = a.slots + b * a.s_max;
+    const int64_t* sl = a.slots + (a.requests != nullptr ? a.requests[b] : b) * a.s_max;
     for (int64_t j = 0; j < seq; ++j) {
       if (j + kAhead < seq) prefetch_row(a.k_cache + sl[j + kAhead] * row + h * d, d);
       const float* key = a.k_cache + sl[j] * row + h * d;
@@ -178,19 +180,28 @@ void attend(const Attention& a, int64_t split, int64_t begin, int64_t end) {
 }
 
 // the slot tensors' checks (decode_attention's, and decode_layers' once per step)
-void check_slots(const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t batch,
-                 int64_t num_slots) {
+void check_slots(const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens,
+                 const c10::optional<at::Tensor>& requests, int64_t tokens, int64_t num_slots) {
   for (auto* t : {&out_loc, &slots, &seq_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "out_loc / slots / seq_lens: contiguous int64 expected");
+                "out_loc / slots / seq_lens / requests: contiguous int64 expected");
   }
-  TORCH_CHECK(out_loc.numel() == batch && seq_lens.numel() == batch && slots.dim() == 2 && slots.size(0) == batch,
-              "out_loc [B], slots [B, S_max], seq_lens [B] expected");
+  TORCH_CHECK(out_loc.numel() == tokens && seq_lens.numel() == tokens && slots.dim() == 2,
+              "out_loc [T], slots [B, S_max], seq_lens [T] expected");
   const int64_t s_max = slots.size(1);
-  const int64_t *ploc = out_loc.data_ptr<int64_t>(), *pseq = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(pseq[b] >= 1 && pseq[b] <= s_max, "seq_lens out of range");
-    TORCH_CHECK(ploc[b] >= 0 && ploc[b] < num_slots, "out_loc out of range");
+  const int64_t *ploc = out_loc.data_ptr<int64_t>(), *pseq = seq_lens.data_ptr<int64_t>(), *preq = nullptr;
+  if (requests.has_value()) {
+    TORCH_CHECK(requests->scalar_type() == at::kLong && requests->is_contiguous() && requests->device().is_cpu() &&
+                    requests->numel() == tokens,
+                "requests: contiguous int64 [T] expected");
+    preq = requests->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(slots.size(0) == tokens, "slots: a row per token expected (or requests)");
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pseq[t] >= 1 && pseq[t] <= s_max, "seq_lens out of range");
+    TORCH_CHECK(ploc[t] >= 0 && ploc[t] < num_slots, "out_loc out of range");
+    TORCH_CHECK(preq == nullptr || (preq[t] >= 0 && preq[t] < slots.size(0)), "requests out of range");
   }
 }
 
@@ -198,7 +209,7 @@ at::Tensor decode_attention(
     const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& q_norm,
     const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
-    double scale) {
+    double scale, const c10::optional<at::Tensor>& requests) {
   for (auto* t : {&qkv, &cos, &sin, &k_cache, &v_cache}) check_f32(*t, "qkv/cos/sin/k_cache/v_cache");
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   const int64_t batch = qkv.size(0), d = k_cache.size(-1);
@@ -208,7 +219,7 @@ at::Tensor decode_attention(
               "k_cache / v_cache: [slots, kv_heads, head_dim] expected");
   TORCH_CHECK(cos.numel() == batch * d && sin.numel() == batch * d, "cos / sin: [B, head_dim] expected");
   TORCH_CHECK(d % 2 == 0, "head_dim must be even");
-  check_slots(out_loc, slots, seq_lens, batch, k_cache.size(0));
+  check_slots(out_loc, slots, seq_lens, requests, batch, k_cache.size(0));
   Attention a;
   if (q_norm.has_value()) {
     check_f32(*q_norm, "q_norm");
@@ -222,7 +233,8 @@ at::Tensor decode_attention(
   a.qkv = qkv.data_ptr<float>(), a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
   a.k_cache = k_cache.data_ptr<float>(), a.v_cache = v_cache.data_ptr<float>(), a.out = out.data_ptr<float>();
   a.out_loc = out_loc.data_ptr<int64_t>(), a.slots = slots.data_ptr<int64_t>(), a.seq_lens = seq_lens.data_ptr<int64_t>();
-  a.batch = batch, a.heads = heads, a.kv_heads = kv_heads, a.d = d, a.s_max = slots.size(1);
+  a.requests = requests.has_value() ? requests->data_ptr<int64_t>() : nullptr;
+  a.tokens = batch, a.heads = heads, a.kv_heads = kv_heads, a.d = d, a.s_max = slots.size(1);
   a.eps = static_cast<float>(eps), a.scale = static_cast<float>(scale);
   // this token's K (normed, rotated) and V into the pool, per (request, kv head); then the attention
   parallel_range(0, batch * kv_heads, grain_for(4 * d), [&](int64_t begin, int64_t end) { write_kv(a, begin, end); });
@@ -254,6 +266,6 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor slots, Tensor seq_lens, int heads, "
-      "int kv_heads, float scale) -> Tensor",
+      "int kv_heads, float scale, Tensor? requests=None) -> Tensor",
       &decode_attention);
 }

@@ -67,7 +67,7 @@ at::Tensor decode_layer(const at::Tensor& x, const std::vector<c10::optional<at:
                                           : down.size(-1);
   const at::Tensor qkv = linear(rms_norm(x, need(0), eps), 2, 3, 12, width, none);
   const at::Tensor attn =
-      decode_attention(qkv, cos, sin, opt(4), opt(5), eps, k_cache, v_cache, out_loc, slots, seq_lens, heads, kv_heads, scale);
+      decode_attention(qkv, cos, sin, opt(4), opt(5), eps, k_cache, v_cache, out_loc, slots, seq_lens, heads, kv_heads, scale, c10::nullopt);
   const at::Tensor h = linear(attn, 6, 7, 13, hidden, x);
   const at::Tensor gate_up = linear(rms_norm(h, need(1), eps), 8, 9, 14, 2 * inter, none);
   return linear(silu_and_mul(gate_up), 10, 11, 15, hidden, h);
@@ -224,10 +224,10 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp barrier
       Attention la = a;
       la.qkv = qkv, la.out = attn, la.k_cache = kc[l], la.v_cache = vc[l], la.q_norm = L.q_norm, la.k_norm = L.k_norm;
-      share(a.batch * a.kv_heads, t, threads, begin, end);
+      share(a.tokens * a.kv_heads, t, threads, begin, end);
       write_kv(la, begin, end);
 #pragma omp barrier
-      share(a.batch * a.kv_heads * split, t, threads, begin, end);
+      share(a.tokens * a.kv_heads * split, t, threads, begin, end);
       attend(la, split, begin, end);
 #pragma omp barrier
       linear_share(L.o, hidden, attn, rows, in, h, block, t, threads);
@@ -291,11 +291,11 @@ at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<DecodeWei
               "decode_layers: a K and V cache per layer of the weights expected");
   if (one_region_takes(*weights, x, k_caches, v_caches, cos, sin, heads, kv_heads, block)) {
     const int64_t rows = x.size(0), d = k_caches[0].size(2);
-    check_slots(out_loc, slots, seq_lens, rows, k_caches[0].size(0));
+    check_slots(out_loc, slots, seq_lens, c10::nullopt, rows, k_caches[0].size(0));
     Attention a;
     a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
     a.out_loc = out_loc.data_ptr<int64_t>(), a.slots = slots.data_ptr<int64_t>(), a.seq_lens = seq_lens.data_ptr<int64_t>();
-    a.batch = rows, a.heads = heads, a.kv_heads = kv_heads, a.d = d, a.s_max = slots.size(1);
+    a.tokens = rows, a.heads = heads, a.kv_heads = kv_heads, a.d = d, a.s_max = slots.size(1);
     a.eps = static_cast<float>(eps), a.scale = static_cast<float>(scale);
     at::Tensor out = at::empty({rows, weights->hidden}, x.options());
     step_in_one_region(weights->layers, x.data_ptr<float>(), rows, weights->hidden, (heads + 2 * kv_heads) * d,

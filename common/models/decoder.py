@@ -77,7 +77,8 @@ class Attention(DirectCall):
         """o_proj(attention(x)), plus `residual` when given."""
         t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        if self.tp is None and getattr(backend, "fused_decode_now", False) and cos.shape[-1] == d:
+        fused = getattr(backend, "fused_decode_now", False) or getattr(backend, "fused_extend_now", False)
+        if self.tp is None and fused and cos.shape[-1] == d:
             out = backend.fused_decode(qkv, cos, sin, self, forward_batch)  # norm, rotary, KV write, attention
             return row_parallel(self.o_proj, out, residual, self.tp)
         qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
