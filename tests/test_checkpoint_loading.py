@@ -95,6 +95,37 @@ def test_rope_frequencies_match_transformers(rope):
 
 
 @pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 512},
+    ],
+    ids=["default", "yarn"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cos_sin_from_the_cpu_table_are_the_computed_ones(rope, dtype):
+    """On CPU cos / sin come from a table of positions, grown past the highest seen: the same bits as
+    computing them for the batch's positions (each element the same float32 ops), in any order, and a
+    negative position refused."""
+    from common.models.rope import RotaryEmbedding
+
+    rotary = RotaryEmbedding(rope, 64, max_positions=2048)
+    for positions in (
+        torch.tensor([7, 0, 4095]),
+        torch.tensor([9000, 3, 5]),
+        torch.arange(300),
+        torch.tensor([], dtype=torch.long),
+    ):
+        cos, sin = rotary.cos_sin(positions, dtype)
+        want_cos, want_sin = rotary._compute(positions, dtype)
+        assert cos.shape == (len(positions), 1, 64) and cos.dtype == dtype
+        assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    assert rotary._tables[dtype][0].shape[0] >= 9001  # grown for 9000
+    with pytest.raises(ValueError, match="negative"):
+        rotary.cos_sin(torch.tensor([-1]), dtype)
+
+
+@pytest.mark.parametrize(
     "change, message",
     [
         (dict(architectures=["MistralForCausalLM"]), "architectures"),
