@@ -206,8 +206,8 @@ def test_short_extend_attention_matches_the_torch_path(ops, lengths, new, heads,
 
 
 def test_long_extends_and_trees_keep_the_torch_attention(ops, checkpoint):
-    """Batches of one query per request without a tree, and extends whose new tokens see at most
-    `fused_extend_slots` keys in all, go through the fused attention; longer extends and trees do not."""
+    """Batches of one query per request without a tree, and extends whose requests' new tokens see at
+    most `fused_extend_slots` keys each, go through the fused attention; longer extends and trees do not."""
     runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=128, max_running_requests=2))
     backend = runner.backend
     assert runner.cpu_fused is ops and backend.fused is ops
@@ -219,6 +219,11 @@ def test_long_extends_and_trees_keep_the_torch_attention(ops, checkpoint):
     backend.fused_extend_slots = 5  # the 3 tokens see 1 + 2 + 3 keys
     backend.init_forward_metadata(ForwardBatch.extend(table, [row], [0], [[5, 6, 7]]))
     assert not backend.fused_extend_now and not backend.fused_decode_now
+    other = runner.req_to_token_pool.alloc()  # two requests of 6 keys each: the bound is per request
+    runner.req_to_token_pool.write(other, 0, runner.kv_allocator.alloc(8))
+    backend.fused_extend_slots = 6
+    backend.init_forward_metadata(ForwardBatch.extend(table, [row, other], [0, 0], [[5, 6, 7], [8, 9, 10]]))
+    assert backend.fused_extend_now and backend._token_req.tolist() == [0, 0, 0, 1, 1, 1]
     one_node = torch.ones(1, 1, 1, dtype=torch.bool)  # a tree of one node: one query, but a tree mask
     tree = ForwardBatch.tree(
         table, torch.tensor([row]), [row], [3], torch.tensor([9]), torch.zeros(1, 1), [0], one_node

@@ -18,8 +18,8 @@ elsewhere (and on torch < 2.5) K/V are repeat_interleave'd, since on CUDA `enabl
 falls back to the math kernel.
 Work and memory grow with the padded box B * Q_max * S_max, so very ragged batches waste compute
 on padding, but there is no Python loop over requests per layer.
-With the fused CPU ops (fp32, common/models/cpu_fused.py) a decode batch, and an extend whose new tokens
-see few keys in all (`fused_extend_slots`), skip all of that: Attention.forward hands qkv_proj's output to
+With the fused CPU ops (fp32, common/models/cpu_fused.py) a decode batch, and an extend whose requests'
+new tokens see few keys each (`fused_extend_slots`), skip all of that: Attention.forward hands qkv_proj's output to
 `fused_decode`, one C++ call per layer that norms and rotates q/k, writes K/V and attends each token over
 its request's slots up to its own (no gather, no mask, no padding work).
 """
@@ -77,10 +77,12 @@ class BatchedBackend(AttentionBackend):
     fused = None  # CPU fp32: the fused ops (common/models/cpu_fused.py); decode batches go through them
     fused_decode_now = False  # this forward's decode runs as one fused call per layer (`fused_decode`)
     fused_extend_now = False  # so does this forward's extend, where it is short (below)
-    # an extend whose new tokens see at most this many key slots in all takes the fused call too (each
-    # token's scores one dot per slot). A SmolLM2 prefill of one request at 16 / 50 / 128 tokens (136 /
-    # 1,275 / 8,256 slots) took 42.6 / 89.9 / 186.9 ms against SDPA's 50.1 / 102.4 / 205.8; at 256 tokens
-    # (32,896) 408.9 against 399.7, at 1024 2371 against 1869 (2-core AMD Zen 4, fp32, interleaved)
+    # an extend in which each request's new tokens see at most this many key slots in all takes the fused
+    # call too (each token's scores one dot per slot; the work grows with each request's slots, SDPA's with
+    # its padded box). A SmolLM2 prefill of one request at 16 / 50 / 128 tokens (136 / 1,275 / 8,256
+    # slots) took 42.6 / 89.9 / 186.9 ms against SDPA's 50.1 / 102.4 / 205.8; at 256 tokens (32,896) 408.9
+    # against 399.7, at 1024 2371 against 1869; 8 prompts of 50 in one batch 481 against 511, 4 of 128
+    # 629 against 644 (2-core AMD Zen 4, fp32, interleaved)
     fused_extend_slots = 10_000
     _token_seq = _token_req = None  # per new token of a fused step: the slots it sees, its request (extends)
     _pending = None  # a fused decode's arguments to `_gather_metadata`, until a layer runs the torch path
@@ -103,10 +105,10 @@ class BatchedBackend(AttentionBackend):
         )
         extend = forward_batch.extend_lens_cpu
         self.fused_decode_now = fused and q_max == 1
-        self.fused_extend_now = (  # the key slots all new tokens see, within the bound
+        self.fused_extend_now = (  # the key slots each request's new tokens see, within the bound
             fused
             and q_max > 1
-            and sum(q * (s - q) + q * (q + 1) // 2 for s, q in zip(seq, extend)) <= self.fused_extend_slots
+            and max(q * (s - q) + q * (q + 1) // 2 for s, q in zip(seq, extend)) <= self.fused_extend_slots
         )
         self._pending = None
         if self.fused_decode_now or self.fused_extend_now:
