@@ -372,6 +372,9 @@ def test_the_one_region_step_refuses_calls_that_do_not_match_its_weights(ops):
     # non-contiguous norm) are not taken for the one-region step: the ops in turn check them at the call
     for i, wrong in ((3, torch.zeros(7)), (12, torch.zeros(7)), (13, None), (0, torch.ones(128)[::2])):
         assert not ops.decode_weights(entries[:i] + [wrong] + entries[i + 1 :]).one_region()
+    # a layer whose MLP is wider than the first's (the step's scratch is sized by the first)
+    wide = _stack(ops, "w8a8", gen, inter=128)[0]
+    assert not ops.decode_weights(entries[:16] + wide[16:32]).one_region()
     caches = [torch.zeros(40, 2, 16) for _ in range(3)]
     one = torch.ones(1, dtype=torch.int64)
     x, cos = torch.zeros(1, 64), torch.zeros(1, 16)

@@ -142,7 +142,7 @@ bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tenso
 struct DecodeWeights : torch::CustomClassHolder {
   std::vector<c10::optional<at::Tensor>> w;
   std::vector<Layer> layers;
-  int64_t hidden = 0;
+  int64_t hidden = 0, inter = 0;  // every layer's: the model's width and its MLP's
   explicit DecodeWeights(const c10::List<c10::optional<at::Tensor>>& list) {
     TORCH_CHECK(!list.empty() && static_cast<int64_t>(list.size()) % kLayerWeights == 0,
                 "DecodeWeights: ", kLayerWeights, " weights per layer expected, got ", list.size());
@@ -151,23 +151,30 @@ struct DecodeWeights : torch::CustomClassHolder {
     const auto& first = w[0];
     hidden = first.has_value() ? first->numel() : 0;
     for (int64_t l = 0; l < count(); ++l) {
-      const auto at = [&](int64_t i) -> const c10::optional<at::Tensor>& { return w[l * kLayerWeights + i]; };
+      const auto entry = [&](int64_t i) -> const c10::optional<at::Tensor>& { return w[l * kLayerWeights + i]; };
       Layer layer;
-      const auto& down = at(10);
-      const int64_t inter = !down.has_value() ? 0 : down->dim() == 2 ? down->size(1) : down->dim() == 4 ? down->size(1) * down->size(3) : 0;
-      bool ok = hidden > 0 && inter > 0 && f32_vector(at(0), hidden) && f32_vector(at(1), hidden);
-      ok = ok && as_linear(at(2), at(3), at(12), 0, hidden, layer.qkv) && as_linear(at(6), at(7), at(13), hidden, 0, layer.o);
-      ok = ok && as_linear(at(8), at(9), at(14), 2 * inter, hidden, layer.gate_up);
-      ok = ok && as_linear(at(10), at(11), at(15), hidden, inter, layer.down);
-      for (int64_t i : {4, 5}) ok = ok && (!at(i).has_value() || f32_vector(at(i), at(i)->numel()));
+      const c10::optional<at::Tensor>& down = entry(10);
+      const int64_t width = !down.has_value()    ? 0
+                            : down->dim() == 2 ? down->size(1)
+                            : down->dim() == 4 ? down->size(1) * down->size(3)
+                                               : 0;  // the MLP's: down_proj's inputs
+      if (l == 0) inter = width;
+      bool ok = hidden > 0 && inter > 0 && width == inter;  // one scratch size serves every layer
+      ok = ok && f32_vector(entry(0), hidden) && f32_vector(entry(1), hidden);
+      ok = ok && as_linear(entry(2), entry(3), entry(12), 0, hidden, layer.qkv);
+      ok = ok && as_linear(entry(6), entry(7), entry(13), hidden, 0, layer.o);
+      ok = ok && as_linear(entry(8), entry(9), entry(14), 2 * inter, hidden, layer.gate_up);
+      ok = ok && as_linear(entry(10), entry(11), entry(15), hidden, inter, layer.down);
+      for (int64_t i : {4, 5}) ok = ok && (!entry(i).has_value() || f32_vector(entry(i), entry(i)->numel()));
       if (!ok) {
         layers.clear();
         return;
       }
-      layer.input_norm = at(0)->data_ptr<float>(), layer.post_norm = at(1)->data_ptr<float>();
-      layer.q_norm = at(4).has_value() ? at(4)->data_ptr<float>() : nullptr;
-      layer.k_norm = at(5).has_value() ? at(5)->data_ptr<float>() : nullptr;
-      layer.q_norm_n = at(4).has_value() ? at(4)->numel() : 0, layer.k_norm_n = at(5).has_value() ? at(5)->numel() : 0;
+      layer.input_norm = entry(0)->data_ptr<float>(), layer.post_norm = entry(1)->data_ptr<float>();
+      layer.q_norm = entry(4).has_value() ? entry(4)->data_ptr<float>() : nullptr;
+      layer.k_norm = entry(5).has_value() ? entry(5)->data_ptr<float>() : nullptr;
+      layer.q_norm_n = entry(4).has_value() ? entry(4)->numel() : 0;
+      layer.k_norm_n = entry(5).has_value() ? entry(5)->numel() : 0;
       layers.push_back(layer);
     }
   }
@@ -201,6 +208,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
                         float eps, at::TensorList k_caches, at::TensorList v_caches, Attention a, int64_t block,
                         float* out) {
   const int64_t inter = layers[0].down.k, heads_d = a.heads * a.d, count = static_cast<int64_t>(layers.size());
+  // (every layer's MLP is that wide: DecodeWeights takes no other for this step)
   thread_local std::vector<float> scratch;  // the calling thread's, reused: what every thread reads
   scratch.resize(rows * (width + heads_d + 2 * hidden + 2 * inter));
   float *qkv = scratch.data(), *attn = qkv + rows * width, *h = attn + rows * heads_d, *tmp = h + rows * hidden;
