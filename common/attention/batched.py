@@ -19,9 +19,9 @@ falls back to the math kernel.
 Work and memory grow with the padded box B * Q_max * S_max, so very ragged batches waste compute
 on padding, but there is no Python loop over requests per layer.
 With the fused CPU ops (fp32, common/models/cpu_fused.py) a decode batch, and an extend whose requests'
-new tokens see few keys each (`fused_extend_slots`), skip all of that: Attention.forward hands qkv_proj's output to
-`fused_decode`, one C++ call per layer that norms and rotates q/k, writes K/V and attends each token over
-its request's slots up to its own (no gather, no mask, no padding work).
+new tokens see few keys each (`fused_extend_slots`), skip all of that: Attention.forward hands
+qkv_proj's output to `fused_decode`, one C++ call per layer that norms and rotates q/k, writes K/V and
+attends each token over its request's slots up to its own (no gather, no mask, no padding work).
 """
 
 from __future__ import annotations
