@@ -94,7 +94,7 @@ class BatchedBackend(AttentionBackend):
         batch, s_max, q_max = len(seq), max(seq), max(forward_batch.extend_lens_cpu)
         seq_t = to_device(seq, device, torch.int64)
         rows = to_device(forward_batch.req_pool_indices_cpu, device, torch.int64)
-        self._batch, self._q_max, self._seq_t = batch, q_max, seq_t
+        self._batch, self._q_max = batch, q_max
         k0 = self.kv_pool.k[0]
         fused = (
             self.fused is not None

@@ -25,6 +25,13 @@ inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_item));
 }
 
+// [begin, end) of `count` items as thread t's share of a team of `team` (parallel_range's chunks)
+inline void share(int64_t count, int64_t t, int64_t team, int64_t& begin, int64_t& end) {
+  const int64_t chunk = (count + team - 1) / team;
+  begin = std::min(count, t * chunk);
+  end = std::min(count, begin + chunk);
+}
+
 // at::parallel_for's split (chunks of at least `grain` items over the calling thread's OpenMP team)
 // without its lazy thread-count set-up: compiled into this library, that set-up keeps a per-thread
 // flag of its own, so its first call on a thread re-read torch's process-wide count (the last
@@ -42,10 +49,9 @@ void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
   }
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
-    const int64_t team_size = omp_get_num_threads();  // what OpenMP gave, which may be fewer than asked
-    const int64_t chunk = (n + team_size - 1) / team_size;
-    const int64_t first = begin + omp_get_thread_num() * chunk;
-    if (first < end) f(first, std::min(end, first + chunk));
+    int64_t first, last;  // of what OpenMP gave, which may be fewer than asked
+    share(n, omp_get_thread_num(), omp_get_num_threads(), first, last);
+    if (first < last) f(begin + first, begin + last);
   }
 }
 
@@ -274,12 +280,6 @@ at::Tensor decode_attention(
     const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale, const c10::optional<at::Tensor>& requests);
 
-// [begin, end) of `count` items as thread t's share of a team of `team` (parallel_range's chunks)
-inline void share(int64_t count, int64_t t, int64_t team, int64_t& begin, int64_t& end) {
-  const int64_t chunk = (count + team - 1) / team;
-  begin = std::min(count, t * chunk);
-  end = std::min(count, begin + chunk);
-}
 
 // The linears' bodies on raw data, over [begin, end) of their outputs (the gemv: weight rows; the matmuls:
 // panels), called by their ops over parallel ranges and by decode_layers' one-region step per thread. The
