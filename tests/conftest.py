@@ -54,6 +54,14 @@ def pytest_unconfigure(config):
     shutil.rmtree(getattr(config, "linear_table_dir", ""), ignore_errors=True)
 
 
+@pytest.fixture
+def threads():
+    """Sets each OpenMP team to `threads(n)` threads (the suite runs with one, as set above); restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ops():
     """The fused CPU ops (common/models/cpu_fused.py), built once; skips where they did not build."""

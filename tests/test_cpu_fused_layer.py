@@ -304,14 +304,6 @@ def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv
     return entries, linears
 
 
-@pytest.fixture
-def threads():
-    """Each OpenMP team of `threads` threads (the suite runs with one, as conftest sets)."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
 @pytest.mark.parametrize("rows,team", [(1, 2), (2, 2), (2, 3), (3, 2)])
 def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fmt, rows, team):

@@ -127,11 +127,11 @@ def _attention_case(lengths, heads, kv_heads, d, seed, new=None):
     """A batch over scattered KV slots, each request's prefix KV already in the pool: a decode (one new token
     per request), or an extend of new[b] tokens per request. lengths[b]: the KV length after this step."""
     g = torch.Generator().manual_seed(seed)
-    num_slots, layers = 400, 2
+    num_slots, layers = max(400, sum(lengths) + 8), 2
     pool = KVPool(num_slots, layers, kv_heads, d, torch.float32)
     pool.k_all.copy_(torch.randn(pool.k_all.shape, generator=g))
     pool.v_all.copy_(torch.randn(pool.v_all.shape, generator=g))
-    r2t = ReqToTokenPool(8, 64)
+    r2t = ReqToTokenPool(8, max(64, *lengths))
     free = (torch.randperm(num_slots, generator=g) + 1).tolist()  # slot 0 is padding
     rows = []
     for n in lengths:
@@ -160,7 +160,7 @@ def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, q
     q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
     if qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    ref_pool = KVPool(400, 2, kv_heads, d, torch.float32)
+    ref_pool = KVPool(pool.num_slots, 2, kv_heads, d, torch.float32)
     ref_pool.k_all.copy_(pool.k_all), ref_pool.v_all.copy_(pool.v_all)
     ref = BatchedBackend(ref_pool, r2t)
     ref.init_forward_metadata(fb)
@@ -182,13 +182,35 @@ def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, q
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("lengths", [[20], [1], [7, 33, 1, 18]], ids=["b1", "b1-first", "ragged4"])
+@pytest.mark.parametrize("lengths", [[20], [1], [7, 33, 1, 18], [700, 45]], ids=["b1", "b1-first", "ragged4", "long"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)], ids=["group1", "group3"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
 def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, d, qk_norm):
+    """Each token's slots in parts (one part up to 32 slots, 16 from 481), merged: 45 slots are two parts,
+    700 sixteen."""
     case = _attention_case(lengths, heads, kv_heads, d, seed=len(lengths) * d + heads)
     _fused_against_the_torch_path(ops, *case, heads, kv_heads, d, qk_norm, "fused_decode_now")
+
+
+def test_a_tokens_attention_has_the_same_bits_in_any_batch_and_team(ops, threads):
+    """A token's slots are cut into parts by its own length alone: its output is the same bits alone or
+    beside other requests, on one thread or three (the merge's order of parts never depends on either)."""
+    heads, kv_heads, d = 9, 3, 64
+    pool, r2t, fb, qkv = _attention_case([700, 45, 5], heads, kv_heads, d, seed=7)
+    cos, sin = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, d).cos_sin(fb.positions, torch.float32)
+    attn = SimpleNamespace(layer=1, num_heads=heads, num_kv_heads=kv_heads, scale=d**-0.5)
+    alone = ForwardBatch.decode(r2t.req_to_token, fb.req_pool_indices[:1], fb.prefix_lens_cpu[:1], torch.zeros(1))
+    outs = []
+    for team, batch in ((1, fb), (3, fb), (1, alone), (3, alone)):
+        threads(team)
+        backend = BatchedBackend(pool, r2t)
+        backend.fused = ops
+        backend.init_forward_metadata(batch)
+        rows = len(batch.seq_lens_cpu)
+        outs.append(backend.fused_decode(qkv[:rows], cos[:rows], sin[:rows], attn, batch)[0])
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 @pytest.mark.parametrize(

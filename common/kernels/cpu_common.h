@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace disagg_cpu {
 
@@ -103,7 +104,28 @@ inline vec vload(const c10::BFloat16* p) {  // kLanes bf16 weights, widened to f
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+// the sum of the lanes: halves, quarters, then pairs (GCC's _mm512_reduce_add_ps, spelled out so that vsums
+// below is the same tree on any compiler)
+inline float vsum(vec v) {
+  const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), _mm512_castps512_ps256(v));
+  __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+// vsums(a)[s] = vsum(a[s]): the same tree for kLanes vectors at once, transposed as it goes
+inline vec vsums(const vec (&a)[kLanes]) {
+  __m512 v[8], w[4], x[2];
+  for (int k = 0; k < 8; ++k)  // lanes i + 8 and i of a[2k] and of a[2k + 1]
+    v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE), _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44));
+  for (int k = 0; k < 4; ++k)  // then i + 4 and i: block i of w[k] is a[4k + i]'s four partial sums
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xDD), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x88));
+  for (int k = 0; k < 2; ++k)  // then i + 2 and i
+    x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4i + m: a[i + 4m]'s
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), y);
+}
 inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -128,6 +150,17 @@ inline float vsum(vec v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+inline vec vsums(const vec (&a)[kLanes]) {  // vsums(a)[s] = vsum(a[s]), transposed as it goes
+  __m256 v[4], w[2];
+  for (int k = 0; k < 4; ++k)  // [a[2k]'s halves summed | a[2k + 1]'s]
+    v[k] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * k], a[2 * k + 1], 0x20), _mm256_permute2f128_ps(a[2 * k], a[2 * k + 1], 0x31));
+  for (int k = 0; k < 2; ++k)  // then lanes i + 2 and i
+    w[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(v[2 * k]), _mm256_castps_pd(v[2 * k + 1]))),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(v[2 * k]), _mm256_castps_pd(v[2 * k + 1]))));
+  const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4i + m: a[i + 2m]'s
+  return _mm256_permutevar8x32_ps(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 #else
 using vec = float;
 constexpr int64_t kLanes = 1;
@@ -139,6 +172,7 @@ inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
 inline vec vmul(vec a, vec b) { return a * b; }
 inline float vsum(vec v) { return v; }
+inline vec vsums(const vec (&a)[kLanes]) { return a[0]; }
 inline vec vset1(float a) { return a; }
 inline void vstore(float* p, vec v) { *p = v; }
 #endif
@@ -262,14 +296,18 @@ inline void check_groups(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // requests[t] of `slots` (requests null: row t, a decode's one token per request)
 struct Attention {
   const float *qkv = nullptr, *cos = nullptr, *sin = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-  float *k_cache = nullptr, *v_cache = nullptr, *out = nullptr;
+  float *k_cache = nullptr, *v_cache = nullptr;
   const int64_t *out_loc = nullptr, *slots = nullptr, *seq_lens = nullptr, *requests = nullptr;
   int64_t tokens = 0, heads = 0, kv_heads = 0, d = 0, s_max = 0;
   float eps = 0.f, scale = 0.f;
-  int64_t split(int64_t team) const;  // attend's tasks per (token, kv head) on a team of that many threads
+  const int64_t* starts = nullptr;  // token b's tasks: [starts[b], starts[b + 1]) (task_starts)
+  float* partial = nullptr;         // partial_floats per task: what attend leaves for merge
 };
 void write_kv(const Attention& a, int64_t begin, int64_t end);  // tasks: tokens * kv_heads
-void attend(const Attention& a, int64_t split, int64_t begin, int64_t end);  // tasks: tokens * kv_heads * split
+std::vector<int64_t> task_starts(const Attention& a);           // attend's tasks per token, as offsets
+int64_t partial_floats(const Attention& a);
+void attend(const Attention& a, int64_t begin, int64_t end);            // tasks [begin, end) of task_starts
+void merge(const Attention& a, int64_t begin, int64_t end, float* out);  // tokens [begin, end) -> out [T, heads d]
 void check_slots(const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens,
                  const c10::optional<at::Tensor>& requests, int64_t tokens, int64_t num_slots);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

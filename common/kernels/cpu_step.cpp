@@ -7,8 +7,8 @@
 //     (float32, bf16 or int8 weights), the int8 matmul or the bf16 matmul. The whole stack is one
 //     OpenMP parallel region: each thread computes its share of each linear's outputs and of the
 //     attention's tasks, with a barrier where the next op reads what all threads wrote (six per layer),
-//     and each thread makes its own copy of what is small (the norms, SiLU-and-mul, the int8 matmul's
-//     quantized input). The data's pointers and sizes are checked once, when DecodeWeights is built.
+//     and each thread makes its own copy of what is small (the norms, the attention's merged parts,
+//     SiLU-and-mul, the int8 matmul's quantized input). The data's pointers and sizes are checked once, when DecodeWeights is built.
 //   op by op: otherwise (more rows, the panel GEMM), each op of cpu_fused.cpp called in turn on tensors.
 // At one row the op-by-op form left the second thread waiting ~45% of a w8a8 step of SmolLM2 (perf, 2-core
 // AMD Zen 4): each of the 120 linears' calls checked its tensors, allocated its output and quantized its
@@ -209,19 +209,21 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
                         float* out) {
   const int64_t inter = layers[0].down.k, heads_d = a.heads * a.d, count = static_cast<int64_t>(layers.size());
   // (every layer's MLP is that wide: DecodeWeights takes no other for this step)
+  const std::vector<int64_t> starts = task_starts(a);
+  const int64_t tasks = starts.back(), partial = tasks * partial_floats(a);
   thread_local std::vector<float> scratch;  // the calling thread's, reused: what every thread reads
-  scratch.resize(rows * (width + heads_d + 2 * hidden + 2 * inter));
-  float *qkv = scratch.data(), *attn = qkv + rows * width, *h = attn + rows * heads_d, *tmp = h + rows * hidden;
-  float* gate_up = tmp + rows * hidden;
+  scratch.resize(rows * (width + 2 * hidden + 2 * inter) + partial);
+  float *qkv = scratch.data(), *h = qkv + rows * width, *tmp = h + rows * hidden, *gate_up = tmp + rows * hidden;
+  a.starts = starts.data(), a.partial = gate_up + rows * 2 * inter;
   std::vector<float*> kc(count), vc(count);
   for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr<float>(), vc[l] = v_caches[l].data_ptr<float>();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const int64_t split = a.split(team);
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-    thread_local std::vector<float> mine;  // this thread's normed rows, then its SiLU-and-mul rows
+    thread_local std::vector<float> mine, attn;  // this thread's normed rows, then its SiLU-and-mul rows; attention
     mine.resize(rows * std::max(hidden, inter));
+    attn.resize(rows * heads_d);
     int64_t begin, end;
     for (int64_t l = 0; l < count; ++l) {
       const Layer& L = layers[l];
@@ -231,14 +233,15 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
       linear_share(L.qkv, width, mine.data(), rows, nullptr, qkv, block, t, threads);
 #pragma omp barrier
       Attention la = a;
-      la.qkv = qkv, la.out = attn, la.k_cache = kc[l], la.v_cache = vc[l], la.q_norm = L.q_norm, la.k_norm = L.k_norm;
+      la.qkv = qkv, la.k_cache = kc[l], la.v_cache = vc[l], la.q_norm = L.q_norm, la.k_norm = L.k_norm;
       share(a.tokens * a.kv_heads, t, threads, begin, end);
       write_kv(la, begin, end);
 #pragma omp barrier
-      share(a.tokens * a.kv_heads * split, t, threads, begin, end);
-      attend(la, split, begin, end);
+      share(tasks, t, threads, begin, end);
+      attend(la, begin, end);
 #pragma omp barrier
-      linear_share(L.o, hidden, attn, rows, in, h, block, t, threads);
+      merge(la, 0, rows, attn.data());
+      linear_share(L.o, hidden, attn.data(), rows, in, h, block, t, threads);
 #pragma omp barrier
       for (int64_t r = 0; r < rows; ++r) rms_row(h + r * hidden, L.post_norm, eps, hidden, mine.data() + r * hidden);
       linear_share(L.gate_up, 2 * inter, mine.data(), rows, nullptr, gate_up, block, t, threads);
