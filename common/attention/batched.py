@@ -79,11 +79,11 @@ class BatchedBackend(AttentionBackend):
     fused_extend_now = False  # so does this forward's extend, where it is short (below)
     # an extend in which each request's new tokens see at most this many key slots in all takes the fused
     # call too (each token's scores one dot per slot; the work grows with each request's slots, SDPA's with
-    # its padded box). A SmolLM2 prefill of one request at 16 / 50 / 128 tokens (136 / 1,275 / 8,256
-    # slots) took 42.6 / 89.9 / 186.9 ms against SDPA's 50.1 / 102.4 / 205.8; at 256 tokens (32,896) 408.9
-    # against 399.7, at 1024 2371 against 1869; 8 prompts of 50 in one batch 481 against 511, 4 of 128
-    # 629 against 644 (2-core AMD Zen 4, fp32, interleaved)
-    fused_extend_slots = 10_000
+    # its padded box). A SmolLM2 prefill of one request, fused against SDPA (2-core AMD Zen 4, fp32,
+    # interleaved): 50 / 128 / 256 tokens 92.9 / 194.5 / 378.0 ms against 105.0 / 210.9 / 387.2; 512 tokens
+    # (131,328 slots) 807.2 against 806.5; 1,024 1942.7 / 1952.0 against 1801.8 / 2220.5 in two runs, 2,048
+    # 5930 against 4659
+    fused_extend_slots = 131_072
     _token_seq = _token_req = None  # per new token of a fused step: the slots it sees, its request (extends)
     _pending = None  # a fused decode's arguments to `_gather_metadata`, until a layer runs the torch path
 
