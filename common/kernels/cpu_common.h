@@ -302,6 +302,7 @@ struct Attention {
   float eps = 0.f, scale = 0.f;
   const int64_t* starts = nullptr;  // token b's tasks: [starts[b], starts[b + 1]) (task_starts)
   float* partial = nullptr;         // partial_floats per task: what attend leaves for merge
+  bool write_own = false;  // attend's last part of each token writes its K and V first (a decode: no other reads them)
 };
 void write_kv(const Attention& a, int64_t begin, int64_t end);  // tasks: tokens * kv_heads
 std::vector<int64_t> task_starts(const Attention& a);           // attend's tasks per token, as offsets

@@ -204,6 +204,7 @@ void attend(const Attention& a, int64_t begin, int64_t end) {
     const int64_t parts = a.starts[b + 1] - a.starts[b], part = task - a.starts[b], seq = a.seq_lens[b];
     const int64_t j0 = part * seq / parts, n = (part + 1) * seq / parts - j0;
     const float *src = a.qkv + b * width, *c = a.cos + b * d, *s = a.sin + b * d;
+    if (a.write_own && part == parts - 1) write_kv(a, b * a.kv_heads, (b + 1) * a.kv_heads);  // its last slot
     for (int64_t h = 0; h < heads; ++h) {  // the queries
       const float* q_in = src + h * d;
       if (a.q_norm != nullptr) {
