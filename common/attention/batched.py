@@ -80,10 +80,9 @@ class BatchedBackend(AttentionBackend):
     # an extend in which each request's new tokens see at most this many key slots in all takes the fused
     # call too (each token's scores one dot per slot; the work grows with each request's slots, SDPA's with
     # its padded box). A SmolLM2 prefill of one request, fused against SDPA (2-core AMD Zen 4, fp32,
-    # interleaved): 50 / 128 / 256 tokens 92.9 / 194.5 / 378.0 ms against 105.0 / 210.9 / 387.2; 512 tokens
-    # (131,328 slots) 807.2 against 806.5; 1,024 1942.7 / 1952.0 against 1801.8 / 2220.5 in two runs, 2,048
-    # 5930 against 4659
-    fused_extend_slots = 131_072
+    # interleaved): 50 / 128 / 256 / 512 tokens 80.2 / 168.4 / 323.3 / 676.7 ms against 91.2 / 192.0 / 352.9 /
+    # 746.1; 1,024 1595.8 / 1674.6 against 1663.2 / 1687.6 in two runs; 2,048 4251.6 against 4379.9
+    fused_extend_slots = 2048 * 2049 // 2  # a 2,048-token prompt
     _token_seq = _token_req = None  # per new token of a fused step: the slots it sees, its request (extends)
     _pending = None  # a fused decode's arguments to `_gather_metadata`, until a layer runs the torch path
 

@@ -305,7 +305,7 @@ struct Attention {
   bool write_own = false;  // attend's last part of each token writes its K and V first (a decode: no other reads them)
 };
 void write_kv(const Attention& a, int64_t begin, int64_t end);  // tasks: tokens * kv_heads
-std::vector<int64_t> task_starts(const Attention& a);           // attend's tasks per token, as offsets
+std::vector<int64_t> task_starts(const Attention& a);           // attend's tasks per token (parts), as offsets
 int64_t partial_floats(const Attention& a);
 void attend(const Attention& a, int64_t begin, int64_t end);            // tasks [begin, end) of task_starts
 void merge(const Attention& a, int64_t begin, int64_t end, float* out);  // tokens [begin, end) -> out [T, heads d]

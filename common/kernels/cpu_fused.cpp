@@ -151,10 +151,11 @@ void write_kv(const Attention& a, int64_t begin, int64_t end) {
 }
 
 // The attention's tasks: per token, one part of its slots, every query head over them. Each slot's row
-// of K (all kv heads) and then of V is read once, a block of kLanes slots at a time: where slots are
-// consecutive, one stream through memory. A part's result (each head's largest score, sum of exponentials
-// and unnormalized weighted V) is merged with the token's other parts by `merge`. The parts of a token
-// depend on its own slot count only, never on the batch or the team, so its bits do too.
+// of K (all kv heads) and then of V is read once, kLanes slots at a time. A part's result (each head's
+// largest score, sum of exponentials and unnormalized weighted V) is merged with the token's other parts by
+// `merge`. A decode token's parts depend on its own slot count only, never on the batch or the team, so its
+// bits do too; an extend's tokens are one part each (they are tasks enough, and parts would keep results in
+// proportion to tokens times parts).
 // One request of SmolLM2 (3 kv heads, w8a8, 2-core AMD Zen 4): 5.1 / 9.4 / 23.5 ms a step at 64 / 1,024 /
 // 4,096 slots when the work was split over its 9 query heads, each reading its kv head's K and V from memory
 constexpr int64_t kPartSlots = 32, kMaxParts = 16;
@@ -162,7 +163,7 @@ inline int64_t parts_of(int64_t seq) { return std::min(kMaxParts, (seq + kPartSl
 
 std::vector<int64_t> task_starts(const Attention& a) {
   std::vector<int64_t> starts(a.tokens + 1, 0);
-  for (int64_t b = 0; b < a.tokens; ++b) starts[b + 1] = starts[b] + parts_of(a.seq_lens[b]);
+  for (int64_t b = 0; b < a.tokens; ++b) starts[b + 1] = starts[b] + (a.requests != nullptr ? 1 : parts_of(a.seq_lens[b]));
   return starts;
 }
 
@@ -330,7 +331,8 @@ at::Tensor decode_attention(
   // this token's K (normed, rotated) and V into the pool, per (request, kv head); then the attention
   parallel_range(0, batch * kv_heads, grain_for(4 * d), [&](int64_t begin, int64_t end) { write_kv(a, begin, end); });
   const std::vector<int64_t> starts = task_starts(a);
-  std::vector<float> partial(starts.back() * partial_floats(a));
+  thread_local std::vector<float> partial;  // the calling thread's, reused (attend writes all that merge reads)
+  partial.resize(starts.back() * partial_floats(a));
   a.starts = starts.data(), a.partial = partial.data();
   parallel_range(0, starts.back(), 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
   parallel_range(0, batch, grain_for(heads * d * kMaxParts),
