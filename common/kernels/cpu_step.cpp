@@ -8,7 +8,8 @@
 //     OpenMP parallel region: each thread computes its share of each linear's outputs and of the
 //     attention's tasks, with a barrier where the next op reads what all threads wrote (five per layer),
 //     and each thread makes its own copy of what is small (the norms, the attention's merged parts,
-//     SiLU-and-mul, the int8 matmul's quantized input). The data's pointers and sizes are checked once, when DecodeWeights is built.
+//     SiLU-and-mul, the int8 matmul's quantized input). The data's pointers and sizes are checked once,
+//     when DecodeWeights is built.
 //   op by op: otherwise (more rows, the panel GEMM), each op of cpu_fused.cpp called in turn on tensors.
 // At one row the op-by-op form left the second thread waiting ~45% of a w8a8 step of SmolLM2 (perf, 2-core
 // AMD Zen 4): each of the 120 linears' calls checked its tensors, allocated its output and quantized its
