@@ -216,10 +216,10 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   scratch.resize(rows * (width + 2 * hidden + 2 * inter) + partial);
   float *qkv = scratch.data(), *h = qkv + rows * width, *tmp = h + rows * hidden, *gate_up = tmp + rows * hidden;
   a.starts = starts.data(), a.partial = gate_up + rows * 2 * inter;
-  // a decode: each token's new K and V are read by its own last part only, which writes them first (one barrier
-  // a layer fewer: 4.95 against 5.03 ms a step at 64 slots, 7.74 against 7.94 at 1,024, faster in 8 of 12
-  // interleaved rounds each; w8a8 SmolLM2, 2-core Zen 4)
-  a.write_own = a.requests == nullptr;
+  // a decode (this step's only kind): each token's new K and V are read by its own last part only, which writes
+  // them first (no pass and barrier of their own: 4.95 against 5.03 ms a step at 64 slots, 7.74 against 7.94 at
+  // 1,024, faster in 8 of 12 interleaved rounds each; w8a8 SmolLM2, 2-core Zen 4)
+  a.write_own = true;
   std::vector<float*> kc(count), vc(count);
   for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr<float>(), vc[l] = v_caches[l].data_ptr<float>();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
@@ -239,11 +239,6 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp barrier
       Attention la = a;
       la.qkv = qkv, la.k_cache = kc[l], la.v_cache = vc[l], la.q_norm = L.q_norm, la.k_norm = L.k_norm;
-      if (!la.write_own) {
-        share(a.tokens * a.kv_heads, t, threads, begin, end);
-        write_kv(la, begin, end);
-#pragma omp barrier
-      }
       share(tasks, t, threads, begin, end);
       attend(la, begin, end);
 #pragma omp barrier
