@@ -21,6 +21,7 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 
 from common import api_keys
 from common.attention import CHOICES as ATTENTION_CHOICES
+from common.engine.kv_pool import KV_CACHE_DTYPES
 from common.models.linear_tuning import CHOICES as LAYOUT_CHOICES
 from common.models.linear_tuning import GREEDY_CHOICES
 
@@ -103,6 +104,14 @@ class ModelFlags(FlagGroup, title="model"):
         "input quantized to int8 per block of 32 (integer products summed exactly): AVX512-VNNI's dot product, "
         "int8's bytes at one row and a quarter of fp32's instructions at many; none is token-exact with fp32",
         choices=["none", "w8", "bf16", "bf16-matmul", "w8a8"],
+    )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "KV cache dtype: auto = the model's; bfloat16 = CPU float32 models keep K and V rounded to bf16 (half "
+        "the bytes a long context's decode step reads and twice the slots per byte; attention still sums in "
+        "float32; not token-exact with float32). Give both services the same value: the shm and Mooncake "
+        "handoffs write prefill's bytes into decode's pool as they are",
+        choices=list(KV_CACHE_DTYPES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")
     disable_cpu_fused: bool = flag(

@@ -93,10 +93,11 @@ def runners(
     linear_layout: str = "auto",
     torch_compile_max_bs: int = 0,
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ):
     spec = spec or SpecArgs()
     kw = dict(spec=spec, device=device, dtype=dtype, attention_backend=attention_backend, greedy_head=greedy_head)
-    kw.update(linear_layout=linear_layout, quantization=quantization)
+    kw.update(linear_layout=linear_layout, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     prefill = ModelRunner(RunnerArgs(path, max_total_tokens=1024, max_running_requests=8, **kw))
     decode = ModelRunner(
         RunnerArgs(

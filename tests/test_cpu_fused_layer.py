@@ -306,10 +306,12 @@ def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
 @pytest.mark.parametrize("rows,team", [(1, 2), (2, 2), (2, 3), (3, 2)])
-def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fmt, rows, team):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fmt, rows, team, kv_dtype):
     """decode_layers against its ops called one after another from Python (norms, the linear of each format,
-    the attention, SiLU-and-mul): the same bits out and in the caches. At one or two rows every format
-    but the panel GEMM runs as one parallel region (the threads' shares and barriers); the rest op by op."""
+    the attention, SiLU-and-mul): the same bits out and in the caches (float32 or bf16: --kv-cache-dtype). At
+    one or two rows every format but the panel GEMM runs as one parallel region (the threads' shares and
+    barriers); the rest op by op."""
     threads(team)
     gen = torch.Generator().manual_seed(rows)
     heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 320, 32, 1e-6
@@ -317,7 +319,7 @@ def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fm
     held = ops.decode_weights(entries)
     assert held.one_region() == (fmt != "panels")
     layers = len(linears)
-    caches = [torch.randn(slots_n, kv_heads, d, generator=gen) for _ in range(2 * layers)]
+    caches = [torch.randn(slots_n, kv_heads, d, generator=gen).to(kv_dtype) for _ in range(2 * layers)]
     # at two rows one thread's attention (the long request's) takes far longer than the other's: a missing
     # barrier after it shows as an o_proj that read unwritten rows
     seq_lens = torch.tensor([9, 300, 4][:rows])

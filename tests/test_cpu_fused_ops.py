@@ -123,12 +123,13 @@ def test_panel_gemm_is_x_at_w_t(ops, rows, n, k):
         ops.gemm_panels(x, panels, n + width, None, None)
 
 
-def _attention_case(lengths, heads, kv_heads, d, seed, new=None):
-    """A batch over scattered KV slots, each request's prefix KV already in the pool: a decode (one new token
-    per request), or an extend of new[b] tokens per request. lengths[b]: the KV length after this step."""
+def _attention_case(lengths, heads, kv_heads, d, seed, new=None, kv_dtype=torch.float32):
+    """A batch over scattered KV slots, each request's prefix KV already in the pool (of `kv_dtype`): a decode
+    (one new token per request), or an extend of new[b] tokens per request. lengths[b]: the KV length after
+    this step."""
     g = torch.Generator().manual_seed(seed)
     num_slots, layers = max(400, sum(lengths) + 8), 2
-    pool = KVPool(num_slots, layers, kv_heads, d, torch.float32)
+    pool = KVPool(num_slots, layers, kv_heads, d, kv_dtype)
     pool.k_all.copy_(torch.randn(pool.k_all.shape, generator=g))
     pool.v_all.copy_(torch.randn(pool.v_all.shape, generator=g))
     r2t = ReqToTokenPool(8, max(64, *lengths))
@@ -148,7 +149,9 @@ def _attention_case(lengths, heads, kv_heads, d, seed, new=None):
 
 def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, qk_norm, fused_now: str):
     """The batch's attention through the fused call and through the torch path (Attention.forward's q/k norm
-    and rotary, then the backend's write, gather and SDPA): outputs and the written K/V agree."""
+    and rotary, then the backend's write, gather and SDPA): outputs and the written K/V agree. A bf16 pool:
+    both paths round the new K and V to it and widen every K and V they read (a rotated K may round the
+    other way where the two paths' float32 rotations differ in the last bit)."""
     layer, t = 1, qkv.shape[0]
     cos, sin = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, d).cos_sin(fb.positions, torch.float32)
     attn = SimpleNamespace(layer=layer, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, scale=d**-0.5)
@@ -160,20 +163,22 @@ def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, q
     q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
     if qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    ref_pool = KVPool(pool.num_slots, 2, kv_heads, d, torch.float32)
+    ref_pool = KVPool(pool.num_slots, 2, kv_heads, d, pool.dtype)
     ref_pool.k_all.copy_(pool.k_all), ref_pool.v_all.copy_(pool.v_all)
     ref = BatchedBackend(ref_pool, r2t)
+    ref.query_dtype = torch.float32  # as ModelRunner sets it: the mask in the queries' dtype
     ref.init_forward_metadata(fb)
     assert not ref.fused_decode_now and not ref.fused_extend_now
     expected = ref.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, fb, attn.scale)
 
     fused = BatchedBackend(pool, r2t)
-    fused.fused = ops
+    fused.fused, fused.query_dtype = ops, torch.float32
     fused.init_forward_metadata(fb)
     assert getattr(fused, fused_now)
     out = fused.fused_decode(qkv, cos, sin, attn, fb)
     torch.testing.assert_close(out, expected.reshape(t, heads * d), **TOL)
-    torch.testing.assert_close(pool.k_all, ref_pool.k_all, **TOL)  # the new K (rotated) and V written alike
+    k_tol = TOL if pool.dtype == torch.float32 else dict(rtol=2**-8, atol=0)  # one bf16 step at most
+    torch.testing.assert_close(pool.k_all, ref_pool.k_all, **k_tol)  # the new K (rotated) and V written alike
     torch.testing.assert_close(pool.v_all, ref_pool.v_all, rtol=0, atol=0)
     # a layer of the same step that takes the torch path (e.g. a partial rotary) gets its metadata then
     assert fused._pending is not None
@@ -186,10 +191,11 @@ def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, q
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)], ids=["group1", "group3"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
-def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, d, qk_norm):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, d, qk_norm, kv_dtype):
     """Each token's slots in parts (one part up to 32 slots, 16 from 481), merged: 45 slots are two parts,
-    700 sixteen."""
-    case = _attention_case(lengths, heads, kv_heads, d, seed=len(lengths) * d + heads)
+    700 sixteen. K and V in float32 or in bf16 (--kv-cache-dtype)."""
+    case = _attention_case(lengths, heads, kv_heads, d, seed=len(lengths) * d + heads, kv_dtype=kv_dtype)
     _fused_against_the_torch_path(ops, *case, heads, kv_heads, d, qk_norm, "fused_decode_now")
 
 
@@ -220,10 +226,11 @@ def test_a_tokens_attention_has_the_same_bits_in_any_batch_and_team(ops, threads
 )
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)], ids=["group1", "group3"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
-def test_short_extend_attention_matches_the_torch_path(ops, lengths, new, heads, kv_heads, qk_norm):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+def test_short_extend_attention_matches_the_torch_path(ops, lengths, new, heads, kv_heads, qk_norm, kv_dtype):
     """An extend's new tokens (a prompt, tokens after a cached prefix, a ragged batch of both) through the
     fused call: each token sees its request's slots up to its own (the causal mask), as SDPA with the mask."""
-    case = _attention_case(lengths, heads, kv_heads, 64, seed=sum(new) + heads, new=new)
+    case = _attention_case(lengths, heads, kv_heads, 64, seed=sum(new) + heads, new=new, kv_dtype=kv_dtype)
     _fused_against_the_torch_path(ops, *case, heads, kv_heads, 64, qk_norm, "fused_extend_now")
 
 

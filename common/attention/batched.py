@@ -74,6 +74,7 @@ def fold_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale) -
 class BatchedBackend(AttentionBackend):
     _scratch = None  # CPU: [2, rows, kv_heads, d] gathered K/V, reused by every layer, grown as needed
     mask_decodes_up_to = 1  # decodes of 2..N requests get a mask even without padding (torch compile)
+    query_dtype = None  # the model's, where the pool's differs (--kv-cache-dtype): the mask's dtype
     fused = None  # CPU fp32: the fused ops (common/models/cpu_fused.py); decode batches go through them
     fused_decode_now = False  # this forward's decode runs as one fused call per layer (`fused_decode`)
     fused_extend_now = False  # so does this forward's extend, where it is short (below)
@@ -98,7 +99,7 @@ class BatchedBackend(AttentionBackend):
         fused = (
             self.fused is not None
             and forward_batch.tree_mask is None
-            and k0.dtype == torch.float32
+            and k0.dtype in (torch.float32, torch.bfloat16)  # a float32 model's (--kv-cache-dtype)
             and k0.device.type == "cpu"
             and forward_batch.out_cache_loc.dtype == torch.int64
         )
@@ -139,7 +140,8 @@ class BatchedBackend(AttentionBackend):
             self._mask = None  # decode with no padding (batch 1 always): every key is visible
         else:  # additive, built once here (SDPA would convert a bool mask in every layer)
             allowed = self._allowed(forward_batch, prefix_t, in_seq, k_pos, q_max)
-            self._mask = torch.zeros(allowed.shape, dtype=self.kv_pool.dtype, device=device).masked_fill_(
+            dtype = self.query_dtype or self.kv_pool.dtype  # the queries' (the pool's may be narrower)
+            self._mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
                 ~allowed, float("-inf")
             )
         if not self.fused_decode_now:

@@ -31,6 +31,22 @@ def slots_for_budget(
     return n
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
+
+def resolve_kv_dtype(choice: str, model_dtype: torch.dtype, device: torch.device, latent: bool) -> torch.dtype:
+    """The pool's dtype for --kv-cache-dtype `choice`: auto = the model's; bfloat16 = a float32 model on CPU
+    keeps K and V rounded to bf16 (half the bytes a long context's decode step reads; the attention still
+    computes in float32, each value widened exactly)."""
+    if choice not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {choice!r}")
+    if choice == "auto" or model_dtype == torch.bfloat16:
+        return model_dtype
+    if device.type != "cpu" or model_dtype != torch.float32 or latent:
+        raise ValueError("--kv-cache-dtype bfloat16 is for a float32 model on CPU with grouped-query attention")
+    return torch.bfloat16
+
+
 GATHER_BYTES = 16 << 20  # gather_many: the largest copy of one index_select
 
 

@@ -14,7 +14,7 @@ import torch
 from common.attention import create_backend, resolve_backend
 from common.engine.cuda_graph_runner import CudaGraphRunner
 from common.engine.draft_runner import DraftRunner, SpecArgs
-from common.engine.kv_pool import KVPool, slots_for_budget
+from common.engine.kv_pool import KVPool, resolve_kv_dtype, slots_for_budget
 from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
 from common.forward import intra_op
@@ -43,6 +43,7 @@ class RunnerArgs:
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     greedy_head: str = "auto"  # CPU fp32: greedy tokens through a bf16 pass where measured faster (greedy_head.py)
     quantization: str = "none"  # CPU fp32: "w8" / "bf16" / "bf16-matmul" / "w8a8" linears (models/low_precision.py)
+    kv_cache_dtype: str = "auto"  # the KV pool's: auto = the model's; "bfloat16" (CPU fp32) halves its bytes
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
@@ -72,6 +73,7 @@ class RunnerArgs:
             linear_layout=config.linear_layout,
             greedy_head=config.greedy_head,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
             cpu_fused=not config.disable_cpu_fused,
             cuda_fused=not config.disable_cuda_fused,
             ep_size=config.ep_size,
@@ -145,11 +147,12 @@ class ModelRunner:
             compiled_layers.check_usable(self.device, self.attention_backend, args.tp.size, args.static_decode_buffers)
             max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
             self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device, cfg.mla is not None)
         num_slots = args.max_total_tokens or slots_for_budget(
-            args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, cfg.v_dim
+            args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.kv_dtype, cfg.v_dim
         )
         self.kv_pool = KVPool(
-            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, args.kv_allocate, cfg.v_dim
+            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, self.kv_dtype, self.device, args.kv_allocate, cfg.v_dim
         )
         self.kv_allocator = SlotAllocator(num_slots, name="KV slots")
         # rows also cover the draft positions a speculative request writes past its context
@@ -157,6 +160,7 @@ class ModelRunner:
             args.max_running_requests, self.context_length + args.spec.extra_slots, self.device
         )
         self.backend = create_backend(self.attention_backend, self.kv_pool, self.req_to_token_pool)
+        self.backend.query_dtype = self.dtype
         if self.model.compiled_layers is not None:  # one graph per bucket: decodes of 2+ requests have a mask
             self.backend.mask_decodes_up_to = self.model.compiled_layers.max_bs
         self.draft = DraftRunner(args.spec, self) if args.spec.algorithm else None

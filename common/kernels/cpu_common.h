@@ -182,12 +182,13 @@ inline void vstore(float* p, vec v) { *p = v; }
 // a . b as kLanes partial sums, summed by vsum (a tree on the SIMD forms): the norms' sums of squares and
 // the decode attention's scores. An `omp simd` reduction ended in a sequential sum of its lanes through
 // memory, which was ~2/3 of the attention's time at one request (perf, 2-core AMD Zen 4)
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename B>  // float, or c10::BFloat16 (widened exactly)
+inline float dot(const float* a, const B* b, int64_t n) {
   vec acc = vzero();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
   float s = vsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
@@ -296,7 +297,8 @@ inline void check_groups(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // requests[t] of `slots` (requests null: row t, a decode's one token per request)
 struct Attention {
   const float *qkv = nullptr, *cos = nullptr, *sin = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-  float *k_cache = nullptr, *v_cache = nullptr;
+  void *k_cache = nullptr, *v_cache = nullptr;  // float, or c10::BFloat16 where kv_bf16 (written rounded to nearest)
+  bool kv_bf16 = false;
   const int64_t *out_loc = nullptr, *slots = nullptr, *seq_lens = nullptr, *requests = nullptr;
   int64_t tokens = 0, heads = 0, kv_heads = 0, d = 0, s_max = 0;
   float eps = 0.f, scale = 0.f;
@@ -309,6 +311,7 @@ std::vector<int64_t> task_starts(const Attention& a);           // attend's task
 int64_t partial_floats(const Attention& a);
 void attend(const Attention& a, int64_t begin, int64_t end);            // tasks [begin, end) of task_starts
 void merge(const Attention& a, int64_t begin, int64_t end, float* out);  // tokens [begin, end) -> out [T, heads d]
+bool check_kv_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* op);  // bf16?
 void check_slots(const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens,
                  const c10::optional<at::Tensor>& requests, int64_t tokens, int64_t num_slots);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -56,8 +56,8 @@ inline void rotary(const float* x, const float* cos, const float* sin, int64_t d
 // each vector of V loaded once for the G heads, whose sums are independent chains (one head's alone waited
 // on its own multiply-adds every slot); each element's sum in the slots' order, as its own loop would add
 constexpr int64_t kChunk = 4, kHeadsAtOnce = 4;
-template <int G>
-inline void add_rows(const float* p, int64_t ld, const float* base, const int64_t* slots, int64_t stride, int64_t n,
+template <int G, typename T>
+inline void add_rows(const float* p, int64_t ld, const T* base, const int64_t* slots, int64_t stride, int64_t n,
                      int64_t d, float* o) {
   int64_t i0 = 0;
   for (; i0 + kChunk * kLanes <= d; i0 += kChunk * kLanes) {
@@ -65,7 +65,7 @@ inline void add_rows(const float* p, int64_t ld, const float* base, const int64_
     for (int g = 0; g < G; ++g)
       for (int64_t c = 0; c < kChunk; ++c) acc[g][c] = vload(o + g * d + i0 + c * kLanes);
     for (int64_t j = 0; j < n; ++j) {
-      const float* v = base + slots[j] * stride + i0;
+      const T* v = base + slots[j] * stride + i0;
       vec vj[kChunk];
       for (int64_t c = 0; c < kChunk; ++c) vj[c] = vload(v + c * kLanes);
       for (int g = 0; g < G; ++g) {
@@ -79,14 +79,15 @@ inline void add_rows(const float* p, int64_t ld, const float* base, const int64_
   for (; i0 < d; ++i0) {  // what a head size not a multiple of kChunk vectors leaves
     for (int g = 0; g < G; ++g) {
       float acc = o[g * d + i0];
-      for (int64_t j = 0; j < n; ++j) acc = std::fma(p[g * ld + j], base[slots[j] * stride + i0], acc);
+      for (int64_t j = 0; j < n; ++j) acc = std::fma(p[g * ld + j], static_cast<float>(base[slots[j] * stride + i0]), acc);
       o[g * d + i0] = acc;
     }
   }
 }
 
 // add_rows for `heads` query heads (any count) sharing a kv head, at most kHeadsAtOnce at a time
-inline void add_rows_of(const float* p, int64_t ld, int64_t heads, const float* base, const int64_t* slots,
+template <typename T>
+inline void add_rows_of(const float* p, int64_t ld, int64_t heads, const T* base, const int64_t* slots,
                         int64_t stride, int64_t n, int64_t d, float* o) {
   for (int64_t g = 0; g < heads; g += kHeadsAtOnce) {
     const float* pg = p + g * ld;
@@ -134,9 +135,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 // The attention's passes, each over its tasks [begin, end) (decode_attention runs them as two parallel
 // ranges, decode_layers' one-region step as each thread's share)
-void write_kv(const Attention& a, int64_t begin, int64_t end) {
-  std::vector<float> tmp(a.d);
+// (T: the caches' element type; a bf16 cache takes each value rounded to nearest even, as torch's .to does)
+template <typename T>
+void write_kv_as(const Attention& a, int64_t begin, int64_t end) {
+  std::vector<float> tmp(a.d), k_out(a.d);
   const int64_t d = a.d, width = (a.heads + 2 * a.kv_heads) * d, row = a.kv_heads * d;
+  T *k_cache = static_cast<T*>(a.k_cache), *v_cache = static_cast<T*>(a.v_cache);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / a.kv_heads, h = task % a.kv_heads;  // b: the token
     const float *src = a.qkv + b * width, *k_in = src + (a.heads + h) * d;
@@ -144,10 +148,15 @@ void write_kv(const Attention& a, int64_t begin, int64_t end) {
       rms_row(k_in, a.k_norm, a.eps, d, tmp.data());
       k_in = tmp.data();
     }
-    rotary(k_in, a.cos + b * d, a.sin + b * d, d, a.k_cache + a.out_loc[b] * row + h * d);
-    std::copy(src + (a.heads + a.kv_heads + h) * d, src + (a.heads + a.kv_heads + h + 1) * d,
-              a.v_cache + a.out_loc[b] * row + h * d);
+    rotary(k_in, a.cos + b * d, a.sin + b * d, d, k_out.data());
+    const float* v_in = src + (a.heads + a.kv_heads + h) * d;
+    T *k_dst = k_cache + a.out_loc[b] * row + h * d, *v_dst = v_cache + a.out_loc[b] * row + h * d;
+    for (int64_t i = 0; i < d; ++i) k_dst[i] = static_cast<T>(k_out[i]), v_dst[i] = static_cast<T>(v_in[i]);
   }
+}
+
+void write_kv(const Attention& a, int64_t begin, int64_t end) {
+  a.kv_bf16 ? write_kv_as<c10::BFloat16>(a, begin, end) : write_kv_as<float>(a, begin, end);
 }
 
 // The attention's tasks: per token, one part of its slots, every query head over them. Each slot's row
@@ -171,12 +180,13 @@ int64_t partial_floats(const Attention& a) { return a.heads * (a.d + 2); }
 
 // s[g ld + j] = dot(q_g, k_j) * scale for g < group, j < n (k_j = k + slots[j] stride), kLanes slots at a
 // time: each query's kLanes dot products side by side, summed by vsums in vsum's order (dot's bits)
-inline void scores_of(const float* q, int64_t group, const float* k, const int64_t* slots, int64_t stride, int64_t n,
+template <typename T>
+inline void scores_of(const float* q, int64_t group, const T* k, const int64_t* slots, int64_t stride, int64_t n,
                       int64_t d, float scale, float* s, int64_t ld) {
   int64_t j = 0;
   if (d % kLanes == 0) {
     for (; j + kLanes <= n; j += kLanes) {
-      const float* rows[kLanes];
+      const T* rows[kLanes];
       for (int64_t r = 0; r < kLanes; ++r) rows[r] = k + slots[j + r] * stride;
       for (int64_t g = 0; g < group; ++g) {
         vec acc[kLanes];
@@ -190,12 +200,14 @@ inline void scores_of(const float* q, int64_t group, const float* k, const int64
     }
   }
   for (; j < n; ++j) {
-    const float* key = k + slots[j] * stride;
+    const T* key = k + slots[j] * stride;
     for (int64_t g = 0; g < group; ++g) s[g * ld + j] = dot(q + g * d, key, d) * scale;
   }
 }
 
-void attend(const Attention& a, int64_t begin, int64_t end) {
+template <typename T>
+void attend_as(const Attention& a, int64_t begin, int64_t end) {
+  const T *k_cache = static_cast<const T*>(a.k_cache), *v_cache = static_cast<const T*>(a.v_cache);
   const int64_t d = a.d, heads = a.heads, group = heads / a.kv_heads, row = a.kv_heads * d;
   const int64_t width = (heads + 2 * a.kv_heads) * d, size = partial_floats(a);
   std::vector<float> tmp(d), q(heads * d), scores;
@@ -219,7 +231,7 @@ void attend(const Attention& a, int64_t begin, int64_t end) {
     for (int64_t j = 0; j < n; j += kLanes) {  // scores: query head h = kv head h / group's g
       const int64_t m = std::min(kLanes, n - j);
       for (int64_t h = 0; h < a.kv_heads; ++h)
-        scores_of(q.data() + h * group * d, group, a.k_cache + h * d, sl + j, row, m, d, a.scale,
+        scores_of(q.data() + h * group * d, group, k_cache + h * d, sl + j, row, m, d, a.scale,
                   scores.data() + h * group * n + j, n);
     }
     float* out = a.partial + task * size;  // [heads d] weighted V, [heads] largest score, [heads] sum
@@ -238,9 +250,13 @@ void attend(const Attention& a, int64_t begin, int64_t end) {
     for (int64_t j = 0; j < n; j += kLanes) {  // unnormalized weighted V
       const int64_t m = std::min(kLanes, n - j);
       for (int64_t h = 0; h < a.kv_heads; ++h)
-        add_rows_of(scores.data() + h * group * n + j, n, group, a.v_cache + h * d, sl + j, row, m, d, out + h * group * d);
+        add_rows_of(scores.data() + h * group * n + j, n, group, v_cache + h * d, sl + j, row, m, d, out + h * group * d);
     }
   }
+}
+
+void attend(const Attention& a, int64_t begin, int64_t end) {
+  a.kv_bf16 ? attend_as<c10::BFloat16>(a, begin, end) : attend_as<float>(a, begin, end);
 }
 
 // tokens [begin, end) of out [tokens, heads d]: each query head's parts merged, each scaled by e^(its largest
@@ -269,6 +285,16 @@ void merge(const Attention& a, int64_t begin, int64_t end, float* out) {
       for (int64_t i = 0; i < d; ++i) dst[i] = acc[i] * inv;
     }
   }
+}
+
+// a K and a V cache of one dtype, contiguous on the CPU: true where it is bf16, false where float32
+bool check_kv_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* op) {
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->device().is_cpu() && c->is_contiguous() && c->scalar_type() == k_cache.scalar_type() &&
+                    (c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16),
+                op, ": contiguous CPU K and V caches, both float32 or both bfloat16, expected");
+  }
+  return k_cache.scalar_type() == at::kBFloat16;
 }
 
 // the slot tensors' checks (decode_attention's, and decode_layers' once per step)
@@ -302,7 +328,8 @@ at::Tensor decode_attention(
     const c10::optional<at::Tensor>& k_norm, double eps, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale, const c10::optional<at::Tensor>& requests) {
-  for (auto* t : {&qkv, &cos, &sin, &k_cache, &v_cache}) check_f32(*t, "qkv/cos/sin/k_cache/v_cache");
+  for (auto* t : {&qkv, &cos, &sin}) check_f32(*t, "qkv/cos/sin");
+  const bool kv_bf16 = check_kv_caches(k_cache, v_cache, "decode_attention");
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   const int64_t batch = qkv.size(0), d = k_cache.size(-1);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * d,
@@ -323,7 +350,7 @@ at::Tensor decode_attention(
   }
   at::Tensor out = at::empty({batch, heads * d}, qkv.options());
   a.qkv = qkv.data_ptr<float>(), a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
-  a.k_cache = k_cache.data_ptr<float>(), a.v_cache = v_cache.data_ptr<float>();
+  a.k_cache = k_cache.data_ptr(), a.v_cache = v_cache.data_ptr(), a.kv_bf16 = kv_bf16;
   a.out_loc = out_loc.data_ptr<int64_t>(), a.slots = slots.data_ptr<int64_t>(), a.seq_lens = seq_lens.data_ptr<int64_t>();
   a.requests = requests.has_value() ? requests->data_ptr<int64_t>() : nullptr;
   a.tokens = batch, a.heads = heads, a.kv_heads = kv_heads, a.d = d, a.s_max = slots.size(1);

@@ -220,8 +220,8 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   // them first (no pass and barrier of their own: 4.95 against 5.03 ms a step at 64 slots, 7.74 against 7.94 at
   // 1,024, faster in 8 of 12 interleaved rounds each; w8a8 SmolLM2, 2-core Zen 4)
   a.write_own = true;
-  std::vector<float*> kc(count), vc(count);
-  for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr<float>(), vc[l] = v_caches[l].data_ptr<float>();
+  std::vector<void*> kc(count), vc(count);
+  for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr(), vc[l] = v_caches[l].data_ptr();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
 #pragma omp parallel num_threads(team)
   {
@@ -270,9 +270,10 @@ bool one_region_takes(const DecodeWeights& weights, const at::Tensor& x, at::Ten
   TORCH_CHECK(k0.dim() == 3 && k0.size(1) == kv_heads && k0.size(2) % 2 == 0,
               "decode_layers: caches [slots, kv_heads, head_dim] expected, head_dim even");
   for (size_t l = 0; l < k_caches.size(); ++l) {
+    check_kv_caches(k_caches[l], v_caches[l], "decode_layers");
     for (const at::Tensor* c : {&k_caches[l], &v_caches[l]}) {
-      check_f32(*c, "decode_layers: k_caches / v_caches");
-      TORCH_CHECK(c->sizes() == k0.sizes(), "decode_layers: every cache of one shape expected");
+      TORCH_CHECK(c->sizes() == k0.sizes() && c->scalar_type() == k0.scalar_type(),
+                  "decode_layers: every cache of one shape and dtype expected");
     }
   }
   const int64_t d = k0.size(2), width = (heads + 2 * kv_heads) * d;
@@ -308,6 +309,7 @@ at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<DecodeWei
     Attention a;
     a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
     a.out_loc = out_loc.data_ptr<int64_t>(), a.slots = slots.data_ptr<int64_t>(), a.seq_lens = seq_lens.data_ptr<int64_t>();
+    a.kv_bf16 = k_caches[0].scalar_type() == at::kBFloat16;
     a.tokens = rows, a.heads = heads, a.kv_heads = kv_heads, a.d = d, a.s_max = slots.size(1);
     a.eps = static_cast<float>(eps), a.scale = static_cast<float>(scale);
     at::Tensor out = at::empty({rows, weights->hidden}, x.options());

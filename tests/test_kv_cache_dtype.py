@@ -1,0 +1,98 @@
+"""`--kv-cache-dtype bfloat16` (CPU float32 models, common/engine/kv_pool.py): K and V rounded to bf16 as they
+are written, widened exactly as they are read. The served pair is token for token HF float32 generate
+whose cache rounds every K and V it stores to bf16 (after the rotary, as ours does) and hands back the
+rounded values, for the current token too; the pool holds twice the slots per byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from common.engine.kv_pool import bytes_per_slot, resolve_kv_dtype
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.sampling import SamplingParams
+from tests.decode_harness import Pair
+from tests.oracle import hf_model
+from tests.test_cpu_fused_layer import _count
+from tests.test_low_precision import _hf_rounded
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 47)), [3], list(range(60, 80))]
+NEW = 24
+
+
+class Bf16Cache(DynamicCache):
+    """HF's cache with every K and V it stores rounded to bf16 (and back to float32)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rounded = (t.to(torch.bfloat16).float() for t in (key_states, value_states))
+        return super().update(*rounded, layer_idx, *args, **kwargs)
+
+
+def _hf_tokens(model, prompt: list[int], cache: DynamicCache | None) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
+            cache=cache,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "name,fmt", [("llama", "none"), ("qwen2-tied", "none"), ("qwen3", "none"), ("llama", "w8a8")]
+)
+def test_served_tokens_equal_hf_fp32_with_its_kv_rounded_to_bf16(checkpoint, ops, name, fmt):
+    """Both services' pools in bf16 (the handoff carries bf16 KV), decode steps of 1-4 rows in the
+    whole-stack step (its attention reading bf16 rows), prefill's extends through the fused attention:
+    every answer is HF's with the rounding cache (with w8a8: HF with w8a8's rounding too). Not vacuous:
+    at least one answer or its logits differ from HF's without the rounding."""
+    path = checkpoint(name)
+    pair = Pair(path, quantization=fmt, kv_cache_dtype="bfloat16")
+    pools = [pair.link.worker.runner.kv_pool, pair.worker.runner.kv_pool]
+    assert all(pool.k_all.dtype == pool.v_all.dtype == torch.bfloat16 for pool in pools)
+    counting = _count(pair.worker.runner)
+    try:
+        for i, p in enumerate(PROMPTS):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        pair.wait([str(i) for i in range(len(PROMPTS))])
+        assert counting.calls > 0
+    finally:
+        pair.close()
+    hf = hf_model(path) if fmt == "none" else _hf_rounded(path, fmt)
+    moved = 0.0
+    for i, p in enumerate(PROMPTS):
+        ours = pair.out.tokens[str(i)]
+        assert ours == _hf_tokens(hf, p, Bf16Cache()), (name, i)
+        with torch.inference_mode():  # the same tokens read with and without the rounding
+            ids = torch.tensor([p + ours])
+            rounded = hf(ids, cache=Bf16Cache()).logits[0]
+            moved = max(moved, float((rounded - hf(ids).logits[0]).abs().max()))
+    assert moved > 1e-4, moved
+
+
+def test_a_bf16_pool_holds_twice_the_slots_of_the_same_bytes(checkpoint):
+    path = checkpoint("llama")
+    budget = 4 << 20
+    full, half = (
+        ModelRunner(RunnerArgs(path, kv_budget_bytes=budget, max_running_requests=2, kv_cache_dtype=kv))
+        for kv in ("auto", "bfloat16")
+    )
+    assert full.kv_pool.dtype == torch.float32 and half.kv_pool.dtype == torch.bfloat16
+    assert half.kv_pool.nbytes <= budget and full.kv_pool.nbytes <= budget
+    assert half.kv_allocator.size in (2 * full.kv_allocator.size, 2 * full.kv_allocator.size + 1)
+    cfg = half.model.config
+    assert bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16) * 2 == bytes_per_slot(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32
+    )
+
+
+def test_the_kv_cache_dtype_is_refused_where_it_does_not_apply():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_dtype("auto", torch.float32, cpu, latent=False) == torch.float32
+    assert resolve_kv_dtype("bfloat16", torch.float32, cpu, latent=False) == torch.bfloat16
+    assert resolve_kv_dtype("bfloat16", torch.bfloat16, cuda, latent=False) == torch.bfloat16  # already the model's
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_kv_dtype("fp8", torch.float32, cpu, latent=False)
+    for dtype, device, latent in ((torch.float32, cuda, False), (torch.float16, cpu, False), (torch.float32, cpu, True)):
+        with pytest.raises(ValueError, match="float32 model on CPU with grouped-query attention"):
+            resolve_kv_dtype("bfloat16", dtype, device, latent=latent)
