@@ -150,8 +150,9 @@ def _attention_case(lengths, heads, kv_heads, d, seed, new=None, kv_dtype=torch.
 def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, qk_norm, fused_now: str):
     """The batch's attention through the fused call and through the torch path (Attention.forward's q/k norm
     and rotary, then the backend's write, gather and SDPA): outputs and the written K/V agree. A bf16 pool:
-    both paths round the new K and V to it and widen every K and V they read (a rotated K may round the
-    other way where the two paths' float32 rotations differ in the last bit)."""
+    both paths round the new K and V to it and widen every K and V they read; a rotated K may round the
+    other way where the two paths' float32 rotations differ in the last bit, so the torch path is handed
+    the fused call's K."""
     layer, t = 1, qkv.shape[0]
     cos, sin = RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, d).cos_sin(fb.positions, torch.float32)
     attn = SimpleNamespace(layer=layer, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, scale=d**-0.5)
@@ -165,24 +166,30 @@ def _fused_against_the_torch_path(ops, pool, r2t, fb, qkv, heads, kv_heads, d, q
         q, k = attn.q_norm(q), attn.k_norm(k)
     ref_pool = KVPool(pool.num_slots, 2, kv_heads, d, pool.dtype)
     ref_pool.k_all.copy_(pool.k_all), ref_pool.v_all.copy_(pool.v_all)
-    ref = BatchedBackend(ref_pool, r2t)
-    ref.query_dtype = torch.float32  # as ModelRunner sets it: the mask in the queries' dtype
-    ref.init_forward_metadata(fb)
-    assert not ref.fused_decode_now and not ref.fused_extend_now
-    expected = ref.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, fb, attn.scale)
-
     fused = BatchedBackend(pool, r2t)
     fused.fused, fused.query_dtype = ops, torch.float32
     fused.init_forward_metadata(fb)
     assert getattr(fused, fused_now)
     out = fused.fused_decode(qkv, cos, sin, attn, fb)
+
+    k_rot = apply_rotary(k, cos, sin)
+    written = pool.k[layer][fb.out_cache_loc]  # the new K, rotated, as the fused call stored it
+    if pool.dtype == torch.float32:
+        torch.testing.assert_close(written, k_rot, **TOL)
+    else:  # rounded to nearest: within one bf16 step of torch's rounding of its own rotation
+        torch.testing.assert_close(written.float(), k_rot.to(pool.dtype).float(), rtol=2**-7, atol=0)
+        k_rot = written.float()  # then both paths attend over the same keys
+    ref = BatchedBackend(ref_pool, r2t)
+    ref.query_dtype = torch.float32  # as ModelRunner sets it: the mask in the queries' dtype
+    ref.init_forward_metadata(fb)
+    assert not ref.fused_decode_now and not ref.fused_extend_now
+    expected = ref.forward(apply_rotary(q, cos, sin), k_rot, v, layer, fb, attn.scale)
     torch.testing.assert_close(out, expected.reshape(t, heads * d), **TOL)
-    k_tol = TOL if pool.dtype == torch.float32 else dict(rtol=2**-8, atol=0)  # one bf16 step at most
-    torch.testing.assert_close(pool.k_all, ref_pool.k_all, **k_tol)  # the new K (rotated) and V written alike
+    torch.testing.assert_close(pool.k_all, ref_pool.k_all, **TOL)  # the new K and V written alike, nothing else
     torch.testing.assert_close(pool.v_all, ref_pool.v_all, rtol=0, atol=0)
     # a layer of the same step that takes the torch path (e.g. a partial rotary) gets its metadata then
     assert fused._pending is not None
-    again = fused.forward(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, layer, fb, attn.scale)
+    again = fused.forward(apply_rotary(q, cos, sin), k_rot, v, layer, fb, attn.scale)
     assert fused._pending is None
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
