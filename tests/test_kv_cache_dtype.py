@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from common.engine.draft_runner import SpecArgs
 from common.engine.kv_pool import bytes_per_slot, resolve_kv_dtype
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
+from common.tools.eagle_checkpoint import build as build_head
 from tests.decode_harness import Pair
 from tests.oracle import hf_model
 from tests.test_cpu_fused_layer import _count
@@ -68,6 +70,27 @@ def test_served_tokens_equal_hf_fp32_with_its_kv_rounded_to_bf16(checkpoint, ops
             rounded = hf(ids, cache=Bf16Cache()).logits[0]
             moved = max(moved, float((rounded - hf(ids).logits[0]).abs().max()))
     assert moved > 1e-4, moved
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(1, 3, 4), (2, 3, 6)], ids=["chain", "tree"])
+def test_eagle_over_a_bf16_pool_equals_hf_with_its_kv_rounded(checkpoint, tmp_path, topk, steps, nodes):
+    """EAGLE (a random head: drafts mostly rejected, the verify's extends over the bf16 pool through the torch
+    attention with its tree mask) commits HF's tokens with the rounding cache; its own head's pool stays the
+    model's dtype."""
+    path = checkpoint("llama")
+    spec = SpecArgs("EAGLE", build_head(path, "EAGLE", str(tmp_path)), steps, topk, nodes)
+    pair = Pair(path, spec=spec, kv_cache_dtype="bfloat16")
+    runner = pair.worker.runner
+    assert runner.kv_pool.dtype == torch.bfloat16 and runner.draft.kv_pool.dtype == torch.float32
+    try:
+        for i, p in enumerate(PROMPTS):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        pair.wait([str(i) for i in range(len(PROMPTS))])
+    finally:
+        pair.close()
+    hf = hf_model(path)
+    for i, p in enumerate(PROMPTS):
+        assert pair.out.tokens[str(i)] == _hf_tokens(hf, p, Bf16Cache()), i
 
 
 def test_a_bf16_pool_holds_twice_the_slots_of_the_same_bytes(checkpoint):
