@@ -40,9 +40,7 @@ def _hf_tokens(model, prompt: list[int], cache: DynamicCache | None) -> list[int
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize(
-    "name,fmt", [("llama", "none"), ("qwen2-tied", "none"), ("qwen3", "none"), ("llama", "w8a8")]
-)
+@pytest.mark.parametrize("name,fmt", [("llama", "none"), ("qwen2-tied", "none"), ("qwen3", "none"), ("llama", "w8a8")])
 def test_served_tokens_equal_hf_fp32_with_its_kv_rounded_to_bf16(checkpoint, ops, name, fmt):
     """Both services' pools in bf16 (the handoff carries bf16 KV), decode steps of 1-4 rows in the
     whole-stack step (its attention reading bf16 rows), prefill's extends through the fused attention:
@@ -116,6 +114,10 @@ def test_the_kv_cache_dtype_is_refused_where_it_does_not_apply():
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, cuda, latent=False) == torch.bfloat16  # already the model's
     with pytest.raises(ValueError, match="must be one of"):
         resolve_kv_dtype("fp8", torch.float32, cpu, latent=False)
-    for dtype, device, latent in ((torch.float32, cuda, False), (torch.float16, cpu, False), (torch.float32, cpu, True)):
+    for dtype, device, latent in (
+        (torch.float32, cuda, False),
+        (torch.float16, cpu, False),
+        (torch.float32, cpu, True),
+    ):
         with pytest.raises(ValueError, match="float32 model on CPU with grouped-query attention"):
             resolve_kv_dtype("bfloat16", dtype, device, latent=latent)

@@ -141,9 +141,7 @@ class BatchedBackend(AttentionBackend):
         else:  # additive, built once here (SDPA would convert a bool mask in every layer)
             allowed = self._allowed(forward_batch, prefix_t, in_seq, k_pos, q_max)
             dtype = self.query_dtype or self.kv_pool.dtype  # the queries' (the pool's may be narrower)
-            self._mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
-                ~allowed, float("-inf")
-            )
+            self._mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
         if not self.fused_decode_now:
             self._slots_2d = self._slots.view(batch, s_max)
         k0 = self.kv_pool.k[0]
