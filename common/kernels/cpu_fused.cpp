@@ -14,10 +14,11 @@
 //   decode_attention(qkv [T, (H + 2 KV) d], ...)        -> [T, H d]: what the batched backend's path
 //     computes between qkv_proj and o_proj for a decode, or a short extend's T new tokens: optional
 //     per-head q/k RMSNorm (Qwen3), the half-split rotary with the signed sin of RotaryEmbedding.cos_sin,
-//     every token's K and V written at out_loc, then each token's query heads attending over the first
-//     seq_lens[t] slots of its request's row of slots (slots [B, S_max], read from req_to_token; the row:
-//     requests[t], or t in a decode), GQA heads h -> kv head h / (H / KV) (HF's repeat_kv order),
-//     softmax in fp32. In an extend, seq_lens[t] ends at the token's own slot: the causal mask.
+//     every token's K and V written at out_loc (the caches float32, or bf16: --kv-cache-dtype, each value
+//     rounded to nearest as it is written, widened exactly as it is read), then each token's query heads
+//     attending over the first seq_lens[t] slots of its request's row of slots (slots [B, S_max], read from
+//     req_to_token; the row: requests[t], or t in a decode), GQA heads h -> kv head h / (H / KV) (HF's
+//     repeat_kv order), softmax in fp32. In an extend, seq_lens[t] ends at the token's own slot: the causal mask.
 //   decode_layers(x, weights, ...)                      -> dense decoder layers' decode step: for each
 //     layer the ops above in the modules' order (two norms, four linears, the attention, SiLU-and-mul):
 //     cpu_step.cpp;
@@ -79,7 +80,8 @@ inline void add_rows(const float* p, int64_t ld, const T* base, const int64_t* s
   for (; i0 < d; ++i0) {  // what a head size not a multiple of kChunk vectors leaves
     for (int g = 0; g < G; ++g) {
       float acc = o[g * d + i0];
-      for (int64_t j = 0; j < n; ++j) acc = std::fma(p[g * ld + j], static_cast<float>(base[slots[j] * stride + i0]), acc);
+      for (int64_t j = 0; j < n; ++j)
+        acc = std::fma(p[g * ld + j], static_cast<float>(base[slots[j] * stride + i0]), acc);
       o[g * d + i0] = acc;
     }
   }
@@ -290,8 +292,9 @@ void merge(const Attention& a, int64_t begin, int64_t end, float* out) {
 // An extend over bf16 caches: each request's slots (up to its longest token's length) widened once into
 // float32 rows of the calling thread's reused buffers, and `a` pointed at them (`slots`: each request's
 // rows there). Every new token then reads float32 rows: widening a bf16 row for each token that reads it
-// made a 2,000-token SmolLM2 prefill 10% slower than over float32 caches (w8a8, 2-core Zen 4), the rows being
-// in cache and the extend bound by its arithmetic. The same values, so the same bits.
+// made a 2,000-token SmolLM2 prefill 10% slower than over float32 caches (2826 against 3120 ms, w8a8, 2-core
+// Zen 4), the rows being in cache and the extend bound by its arithmetic; widened once, 2918 against 3073 (bf16
+// faster in 4 of 10 interleaved rounds). The same values, so the same bits.
 void widen_requests(Attention& a, int64_t requests, std::vector<int64_t>& slots) {
   const int64_t row = a.kv_heads * a.d;
   std::vector<int64_t> first(requests + 1, 0);
@@ -313,7 +316,8 @@ void widen_requests(Attention& a, int64_t requests, std::vector<int64_t>& slots)
     for (int64_t i = begin; i < end; ++i) {
       const c10::BFloat16 *ki = k + source[i] * row, *vi = v + source[i] * row;
       int64_t e = 0;
-      for (; e + kLanes <= row; e += kLanes) vstore(wk + i * row + e, vload(ki + e)), vstore(wv + i * row + e, vload(vi + e));
+      for (; e + kLanes <= row; e += kLanes)
+        vstore(wk + i * row + e, vload(ki + e)), vstore(wv + i * row + e, vload(vi + e));
       for (; e < row; ++e) wk[i * row + e] = static_cast<float>(ki[e]), wv[i * row + e] = static_cast<float>(vi[e]);
     }
   });
