@@ -38,6 +38,8 @@ def _expand(arg: str) -> str:
         .replace("${DECODE_TP_SIZE:-1}", "1")
         .replace("${PREFILL_TP_SIZE:-1}", "1")
         .replace("${TORCH_THREADS:-0}", "0")
+        .replace("${QUANTIZATION:-none}", "none")
+        .replace("${KV_CACHE_DTYPE:-auto}", "auto")
     )
 
 
@@ -77,7 +79,8 @@ def test_services_come_back_and_prefill_scales(form):
 
 def test_the_cpu_form_is_the_gpu_form_without_gpus():
     """compose.cpu.yaml: the same services, volumes, ports, probes and restart policies; only the GPU
-    reservations, the device, the sizes, the image tag and the build go their own way."""
+    reservations, the device, the sizes, the image tag, the build and the CPU-only flags (threads, weights,
+    KV: one value on both services, float32 by default) go their own way."""
     gpu, cpu = _compose()["services"], _compose("compose.cpu.yaml")["services"]
     assert set(cpu) == set(gpu)
     for name in gpu:
@@ -97,12 +100,17 @@ def test_the_cpu_form_is_the_gpu_form_without_gpus():
             gc, cc = g.pop("command"), c.pop("command")
             assert cc[cc.index("--device") + 1] == "cpu" and gc[gc.index("--device") + 1] == "cuda"
             flags = lambda cmd: [a for a in cmd if a.startswith("--")]  # noqa: E731
-            assert [f for f in flags(cc) if f != "--torch-threads"] == flags(gc), name
+            cpu_only = ("--torch-threads", "--quantization", "--kv-cache-dtype")  # CPU threads, weights and KV
+            assert [f for f in flags(cc) if f not in cpu_only] == flags(gc), name
         assert c == g, name
+    for flag in ("--quantization", "--kv-cache-dtype"):  # one value for both (shm refuses KV of another width)
+        p_cmd, d_cmd = cpu["prefill"]["command"], cpu["decode"]["command"]
+        assert p_cmd[p_cmd.index(flag) + 1] == d_cmd[d_cmd.index(flag) + 1], flag
     args = [_expand(a) for a in cpu["prefill"]["command"]]
     p = prefill_parser().parse_args(args[3:])
     d = decode_parser().parse_args([_expand(a) for a in cpu["decode"]["command"]][3:])
     assert p.device == d.device == "cpu" and p.dtype == d.dtype == "auto" and p.torch_threads == d.torch_threads == 0
+    assert p.quantization == d.quantization == "none" and p.kv_cache_dtype == d.kv_cache_dtype == "auto"  # exact
     assert d.prefill_addr == f"dns:///prefill:{p.port}"
 
 
