@@ -44,8 +44,8 @@ def _hf_tokens(model, prompt: list[int], cache: DynamicCache | None) -> list[int
 def test_served_tokens_equal_hf_fp32_with_its_kv_rounded_to_bf16(checkpoint, ops, name, fmt):
     """Both services' pools in bf16 (the handoff carries bf16 KV), decode steps of 1-4 rows in the
     whole-stack step (its attention reading bf16 rows), prefill's extends through the fused attention:
-    every answer is HF's with the rounding cache (with w8a8: HF with w8a8's rounding too). Not vacuous:
-    at least one answer or its logits differ from HF's without the rounding."""
+    every answer is HF's with the rounding cache (with w8a8: HF with w8a8's rounding too). Not vacuous: the
+    rounding moves HF's logits (and with float32 pools 3 of these 4 cases fail)."""
     path = checkpoint(name)
     pair = Pair(path, quantization=fmt, kv_cache_dtype="bfloat16")
     pools = [pair.link.worker.runner.kv_pool, pair.worker.runner.kv_pool]
