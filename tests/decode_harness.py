@@ -159,6 +159,14 @@ class Pair:
     def submit(self, rid, prompt, params):
         self.scheduler.submit(rid, prompt, params, self.out)
 
+    def run(self, prompts, params) -> dict:
+        """Submit each prompt as request str(i) (`params`: one SamplingParams, or one per prompt), wait for all;
+        the output tokens by request id."""
+        for i, p in enumerate(prompts):
+            self.submit(str(i), p, params[i] if isinstance(params, list) else params)
+        self.wait([str(i) for i in range(len(prompts))])
+        return self.out.tokens
+
     def wait(self, rids, timeout: float = 60.0) -> None:
         deadline = time.time() + timeout
         while not all(r in self.out.reasons for r in rids):

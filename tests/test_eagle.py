@@ -67,10 +67,7 @@ def _spec(head: str, algorithm: str) -> SpecArgs:
 
 
 def _run(pair: Pair, prompts, params) -> dict:
-    for i, p in enumerate(prompts):
-        pair.submit(str(i), p, params[i] if isinstance(params, list) else params)
-    pair.wait([str(i) for i in range(len(prompts))])
-    return pair.out.tokens
+    return pair.run(prompts, params)
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])

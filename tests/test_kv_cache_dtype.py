@@ -31,6 +31,14 @@ class Bf16Cache(DynamicCache):
         return super().update(*rounded, layer_idx, *args, **kwargs)
 
 
+def _served(pair: Pair) -> dict:
+    """PROMPTS through the pair, greedy, NEW tokens each; closed after (its pools' integrity checked)."""
+    try:
+        return pair.run(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    finally:
+        pair.close()
+
+
 def _hf_tokens(model, prompt: list[int], cache: DynamicCache | None) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
@@ -51,17 +59,12 @@ def test_served_tokens_equal_hf_fp32_with_its_kv_rounded_to_bf16(checkpoint, ops
     pools = [pair.link.worker.runner.kv_pool, pair.worker.runner.kv_pool]
     assert all(pool.k_all.dtype == pool.v_all.dtype == torch.bfloat16 for pool in pools)
     counting = _count(pair.worker.runner)
-    try:
-        for i, p in enumerate(PROMPTS):
-            pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        pair.wait([str(i) for i in range(len(PROMPTS))])
-        assert counting.calls > 0
-    finally:
-        pair.close()
+    out = _served(pair)
+    assert counting.calls > 0
     hf = hf_model(path) if fmt == "none" else _hf_rounded(path, fmt)
     moved = 0.0
     for i, p in enumerate(PROMPTS):
-        ours = pair.out.tokens[str(i)]
+        ours = out[str(i)]
         assert ours == _hf_tokens(hf, p, Bf16Cache()), (name, i)
         with torch.inference_mode():  # the same tokens read with and without the rounding
             ids = torch.tensor([p + ours])
@@ -80,15 +83,10 @@ def test_eagle_over_a_bf16_pool_equals_hf_with_its_kv_rounded(checkpoint, tmp_pa
     pair = Pair(path, spec=spec, kv_cache_dtype="bfloat16")
     runner = pair.worker.runner
     assert runner.kv_pool.dtype == torch.bfloat16 and runner.draft.kv_pool.dtype == torch.float32
-    try:
-        for i, p in enumerate(PROMPTS):
-            pair.submit(str(i), p, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        pair.wait([str(i) for i in range(len(PROMPTS))])
-    finally:
-        pair.close()
+    out = _served(pair)
     hf = hf_model(path)
     for i, p in enumerate(PROMPTS):
-        assert pair.out.tokens[str(i)] == _hf_tokens(hf, p, Bf16Cache()), i
+        assert out[str(i)] == _hf_tokens(hf, p, Bf16Cache()), i
 
 
 def test_a_bf16_pool_holds_twice_the_slots_of_the_same_bytes(checkpoint):

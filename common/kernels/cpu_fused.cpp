@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -140,7 +141,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // (T: the caches' element type; a bf16 cache takes each value rounded to nearest even, as torch's .to does)
 template <typename T>
 void write_kv_as(const Attention& a, int64_t begin, int64_t end) {
-  std::vector<float> tmp(a.d), k_out(a.d);
+  std::vector<float> tmp(a.d), k_out(std::is_same_v<T, float> ? 0 : a.d);
   const int64_t d = a.d, width = (a.heads + 2 * a.kv_heads) * d, row = a.kv_heads * d;
   T *k_cache = static_cast<T*>(a.k_cache), *v_cache = static_cast<T*>(a.v_cache);
   for (int64_t task = begin; task < end; ++task) {
@@ -150,10 +151,15 @@ void write_kv_as(const Attention& a, int64_t begin, int64_t end) {
       rms_row(k_in, a.k_norm, a.eps, d, tmp.data());
       k_in = tmp.data();
     }
-    rotary(k_in, a.cos + b * d, a.sin + b * d, d, k_out.data());
     const float* v_in = src + (a.heads + a.kv_heads + h) * d;
     T *k_dst = k_cache + a.out_loc[b] * row + h * d, *v_dst = v_cache + a.out_loc[b] * row + h * d;
-    for (int64_t i = 0; i < d; ++i) k_dst[i] = static_cast<T>(k_out[i]), v_dst[i] = static_cast<T>(v_in[i]);
+    if constexpr (std::is_same_v<T, float>) {  // straight into the cache
+      rotary(k_in, a.cos + b * d, a.sin + b * d, d, k_dst);
+      std::copy(v_in, v_in + d, v_dst);
+    } else {
+      rotary(k_in, a.cos + b * d, a.sin + b * d, d, k_out.data());
+      for (int64_t i = 0; i < d; ++i) k_dst[i] = static_cast<T>(k_out[i]), v_dst[i] = static_cast<T>(v_in[i]);
+    }
   }
 }
 
