@@ -10,7 +10,7 @@ import torch
 
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.forward.forward_batch import ForwardBatch
-from common.models import cpu_fused, weight_arena
+from common.models import cpu_fused, low_precision, weight_arena
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, linear_weights
 from tests.oracle import hf_greedy
 from tests.test_cpu_fused_ops import NEW, PROMPTS, _greedy
@@ -284,14 +284,14 @@ def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv
         held = []
         for n, k in shapes:
             w = torch.randn(n, k, generator=gen) / k**0.5
-            scale = w.abs().amax(1) / 127
-            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            q, scale = low_precision.quantize_rows(w)
+            qb, block_scale = low_precision.quantize_blocks(w)
             held.append(
                 {
                     "fp32": (w, None),
                     "bf16": (w.bfloat16(), None),
                     "w8": (q, scale),
-                    "w8a8": (ops.pack_int8_quads(q), scale),
+                    "w8a8": (ops.pack_int8_quads(qb), ops.pack_int8_scales(block_scale)),
                     "bf16-matmul": (ops.pack_bf16_pairs(w.bfloat16()), None),
                     "panels": (ops.pack_panels(w), None),
                 }[fmt]

@@ -43,14 +43,15 @@ def lesser_isas() -> list[str]:
 INT8_CASES = ((1, 300, 64, 32), (2, 70, 96, 32), (7, 33, 64, 16), (64, 96, 576, 32), (100, 40, 32, 32))
 
 
-def int8_inputs(rows: int, n: int, k: int):
-    """The int8 matmul's inputs of one case, the same in every process: (x, int8 w, scale, bias, residual)."""
+def int8_inputs(rows: int, n: int, k: int, block: int):
+    """The int8 matmul's inputs of one case, the same in every process: (x, int8 w, its scale per row and block,
+    bias, residual)."""
     import torch
 
     from common.models import low_precision
 
     gen = torch.Generator().manual_seed(rows * 100_000 + n * 1000 + k)
-    q, scale = low_precision.quantize_rows(torch.randn(n, k, generator=gen))
+    q, scale = low_precision.quantize_blocks(torch.randn(n, k, generator=gen), block)
     x, b, r = (torch.randn(*shape, generator=gen) for shape in ((rows, k), (n,), (rows, n)))
     return x, q, scale, b, r
 
@@ -59,8 +60,8 @@ def int8_outputs(ops) -> list:
     """gemm_int8 on INT8_CASES with `ops`."""
     outs = []
     for rows, n, k, block in INT8_CASES:
-        x, q, scale, b, r = int8_inputs(rows, n, k)
-        outs.append(ops.gemm_int8(x, ops.pack_int8_quads(q), scale, n, block, b, r))
+        x, q, scale, b, r = int8_inputs(rows, n, k, block)
+        outs.append(ops.gemm_int8(x, ops.pack_int8_quads(q), ops.pack_int8_scales(scale), n, block, b, r))
     return outs
 
 
@@ -140,9 +141,9 @@ def check(march: str, folder: str) -> None:
     check_bf16_kv_attention(ops, march)
     outs = int8_outputs(ops)
     for (rows, n, k, block), got in zip(INT8_CASES, outs):
-        x, q, scale, b, r = int8_inputs(rows, n, k)
+        x, q, scale, b, r = int8_inputs(rows, n, k, block)
         xq = low_precision.quantized_input(x, block).double()
-        ref = r.double() + xq @ (q.double() * scale.double()[:, None]).T + b.double()
+        ref = r.double() + xq @ low_precision.dequantize(q, scale).double().T + b.double()
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemm_int8 {rows}x{k}")
     torch.save(outs, os.path.join(folder, "int8.pt"))
 

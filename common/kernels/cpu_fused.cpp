@@ -10,7 +10,8 @@
 //   gemv(x [R, K], w [N, K], bias?, residual?)         -> residual + x @ w.T + bias [R, N], for a few
 //     rows R (a decode step's), and stream_sum: cpu_gemv.cpp; pack_panels / gemm_panels, the GEMM of
 //     many rows (prefill chunks) on weights laid out once: cpu_gemm.cpp; pack_bf16_pairs / gemm_bf16,
-//     the bf16 matmul: cpu_bf16.cpp; pack_int8_quads / gemm_int8, the int8 matmul: cpu_int8.cpp;
+//     the bf16 matmul: cpu_bf16.cpp; pack_int8_quads / pack_int8_scales / gemm_int8, the int8 matmul:
+//     cpu_int8.cpp;
 //   decode_attention(qkv [T, (H + 2 KV) d], ...)        -> [T, H d]: what the batched backend's path
 //     computes between qkv_proj and o_proj for a decode, or a short extend's T new tokens: optional
 //     per-head q/k RMSNorm (Qwen3), the half-split rotary with the signed sin of RotaryEmbedding.cos_sin,
@@ -429,7 +430,8 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("pack_bf16_pairs(Tensor w) -> Tensor", &pack_bf16_pairs);
   m.def("gemm_bf16(Tensor x, Tensor pairs, int n, Tensor? bias, Tensor? residual) -> Tensor", &gemm_bf16);
   m.def("pack_int8_quads(Tensor w) -> Tensor", &pack_int8_quads);
-  m.def("gemm_int8(Tensor x, Tensor quads, Tensor scale, int n, int block, Tensor? bias, Tensor? residual) -> Tensor",
+  m.def("pack_int8_scales(Tensor scale) -> Tensor", &pack_int8_scales);
+  m.def("gemm_int8(Tensor x, Tensor quads, Tensor scales, int n, int block, Tensor? bias, Tensor? residual) -> Tensor",
         &gemm_int8);
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "

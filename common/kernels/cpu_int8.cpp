@@ -1,25 +1,28 @@
 // The int8 matmul of the fused CPU ops (`--quantization w8a8`, common/models/low_precision.py; registered
-// in cpu_fused.cpp): int8 weights with a scale per output row, each linear's input quantized to int8 per
-// block of k as it arrives, the integer products summed exactly in int32 per block, and the blocks' sums
-// scaled and added in float32.
+// in cpu_fused.cpp): int8 weights with a bf16 scale per output row and block of k, each linear's input
+// quantized to int8 per block of k as it arrives, the integer products summed exactly in int32 per block,
+// and the blocks' sums scaled and added in float32.
 //   pack_int8_quads(w [N, K] int8, K % 4 == 0) -> [ceil(N / P), K / 4, P, 4] uint8: panels of P output
 //     columns (as cpu_gemm.cpp's), k-quad-major: for k = 4i .. 4i + 3 each column's four weights plus 128
 //     (so unsigned: 1 .. 255) in one 32-bit lane; the last panel padded with 128 (zero weights);
-//   gemm_int8(x [R, K] float32, quads, scale [N], N, block, bias?, residual?) -> [R, N]:
-//     residual + fma(sum over blocks b of sx[r, b] * dot_b(xq[r], wq[c]), scale[c], bias[c]), where per row r
-//     and block b of `block` k: sx = absmax / 127 (1 where the block is all zero), xq = round(x / sx) to
-//     nearest even, and dot_b the exact integer dot product over the block.
+//   pack_int8_scales(scale [N, B] bf16) -> [ceil(N / P), B, P] bf16: the scales of each panel's columns,
+//     block-major (the last panel padded with zeros);
+//   gemm_int8(x [R, K] float32, quads, scales, N, block, bias?, residual?) -> [R, N], B = K / block:
+//     residual + bias[c] + sum over blocks b of fma(dot_b(xq[r], wq[c]), sx[r, b] * scale[c, b]), where per
+//     row r and block b of `block` k: sx = absmax / 127 (1 where the block is all zero), xq = round(x / sx)
+//     to nearest even, and dot_b the exact integer dot product over the block.
 // vpdpbusd (AVX512-VNNI) multiplies unsigned by signed bytes, four per lane, into int32: the weights are
 // the unsigned side (w + 128), and the 128 * sum(xq) it adds per block is taken off by starting the
-// block's sums at -128 * sum(xq). Per block and output the float step is one fused multiply-add,
-// acc = fma(float(dot_b), sx[r, b], acc), in block order: the integer sums are exact whatever the
-// instructions, so every ISA's form and every tile shape gives the same bits, and a row's result does not
-// depend on the batch. Without VNNI (AVX-512, AVX2) the same sums come from vpmaddwd on the bytes widened
-// to 16 bits in registers; one lane multiplies bytes. Tiles of up to kQuadRows rows by one panel; one or
-// two rows (a decode step) by one panel, each thread's panels in turn.
+// block's sums at -128 * sum(xq). Per block and output the float step is a product and one fused
+// multiply-add, acc = fma(float(dot_b), sx[r, b] * scale[c, b], acc), in block order: the integer sums are
+// exact whatever the instructions, so every ISA's form and every tile shape gives the same bits, and a row's
+// result does not depend on the batch. Without VNNI (AVX-512, AVX2) the same sums come from vpmaddwd on the
+// bytes widened to 16 bits in registers; one lane multiplies bytes. Tiles of up to kQuadRows rows by one
+// panel; one or two rows (a decode step) by one panel, each thread's panels in turn.
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 
 #include <cmath>
 #include <cstring>
@@ -176,9 +179,10 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int6
 
 // out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of a quantized group against one quad panel;
 // `next`: the panel after, fetched meanwhile
+// (`scale`: the panel's [B, P] scales)
 template <int T>
 inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts, const uint8_t* panel,
-                      const float* scale, const float* bias, const float* residual, float* out, int64_t n,
+                      const c10::BFloat16* scale, const float* bias, const float* residual, float* out, int64_t n,
                       int64_t k4, int64_t per_block, int64_t col0, const uint8_t* next) {
   vec acc[T][2];
   for (int r = 0; r < T; ++r)
@@ -197,17 +201,18 @@ inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts,
         for (int j = 0; j < 2; ++j) sums[r][j] = dot4(sums[r][j], w[j], xv);
       }
     }
+    const vec ws[2] = {vload(scale + b * kPanel), vload(scale + b * kPanel + kLanes)};
     for (int r = 0; r < T; ++r) {
       const vec s = vset1(sx[b * kQuadRows + r]);
-      for (int j = 0; j < 2; ++j) acc[r][j] = fma_exact(vfloat(sums[r][j]), s, acc[r][j]);
+      for (int j = 0; j < 2; ++j) acc[r][j] = fma_exact(vfloat(sums[r][j]), vmul(s, ws[j]), acc[r][j]);
     }
   }
-  store_tile(acc, std::min<int64_t>(kPanel, n - col0), scale, bias, residual, out, n, col0);
+  store_tile(acc, std::min<int64_t>(kPanel, n - col0), nullptr, bias, residual, out, n, col0);
 }
 
 template <int T>
 inline void quad_tile_of(int64_t rows, const int32_t* xq, const float* sx, const int32_t* starts,
-                         const uint8_t* panel, const float* scale, const float* bias, const float* residual,
+                         const uint8_t* panel, const c10::BFloat16* scale, const float* bias, const float* residual,
                          float* out, int64_t n, int64_t k4, int64_t per_block, int64_t col0, const uint8_t* next) {
   if constexpr (T > 0) {
     if (rows == T)
@@ -218,15 +223,15 @@ inline void quad_tile_of(int64_t rows, const int32_t* xq, const float* sx, const
 
 // panels [begin, end) of a decode step's rows (rows <= kQuadFewRows), x quantized on the calling thread: each
 // thread's panels one after another
-void int8_part(const float* x, int64_t rows, const uint8_t* quads, const float* scale, const float* bias,
+void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, const float* bias,
                const float* residual, float* out, int64_t n, int64_t k, int64_t block, int64_t begin, int64_t end) {
   if (begin >= end) return;
   const QuantizedRows& q = quantize_rows(x, rows, k, block);
-  const int64_t k4 = k / 4, per_block = block / 4;
+  const int64_t k4 = k / 4, per_block = block / 4, blocks = k / block;
   for (int64_t p = begin; p < end; ++p)
     (rows == 1 ? quad_tile<1> : quad_tile<kQuadFewRows>)(q.quads.data(), q.scales.data(), q.starts.data(),
-                                                         quads + p * k * kPanel, scale, bias, residual, out, n, k4,
-                                                         per_block, p * kPanel, nullptr);
+                                                         quads + p * k * kPanel, scales + p * blocks * kPanel, bias,
+                                                         residual, out, n, k4, per_block, p * kPanel, nullptr);
 }
 
 at::Tensor pack_int8_quads(const at::Tensor& w) {
@@ -240,16 +245,32 @@ at::Tensor pack_int8_quads(const at::Tensor& w) {
   return out;
 }
 
-at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scale, int64_t n, int64_t block,
+at::Tensor pack_int8_scales(const at::Tensor& scale) {
+  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kBFloat16 && scale.device().is_cpu() &&
+                  scale.is_contiguous() && scale.size(0) > 0,
+              "pack_int8_scales: scale: contiguous CPU bf16 [N, blocks] expected");
+  const int64_t n = scale.size(0), blocks = scale.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels, blocks, kPanel}, scale.options());
+  const c10::BFloat16* src = scale.data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t b = 0; b < blocks; ++b) dst[((c / kPanel) * blocks + b) * kPanel + c % kPanel] = src[c * blocks + b];
+  return out;
+}
+
+at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scales, int64_t n, int64_t block,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   check_groups(x, quads, n, 4, at::kByte, "gemm_int8");
-  check_f32(scale, "gemm_int8: scale");
   const int64_t rows = x.size(0), k = x.size(1), k4 = k / 4, count = quads.size(0);
   TORCH_CHECK(block > 0 && block % 4 == 0 && k % block == 0, "gemm_int8: block a multiple of 4 dividing K, got ", block);
-  TORCH_CHECK(scale.numel() == n, "gemm_int8: N does not match the scale");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kBFloat16 && scales.device().is_cpu() &&
+                  scales.is_contiguous() && scales.size(0) == count && scales.size(1) == k / block &&
+                  scales.size(2) == kPanel,
+              "gemm_int8: scales: pack_int8_scales' contiguous bf16 [N / P, K / block, P] expected");
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_int8: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
-  const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>(), *pb = add.bias_data(), *pr = add.residual_data();
+  const float *px = x.data_ptr<float>(), *pb = add.bias_data(), *pr = add.residual_data();
+  const c10::BFloat16* ps = scales.data_ptr<c10::BFloat16>();
   const uint8_t* pp = quads.data_ptr<uint8_t>();
   float* po = out.data_ptr<float>();
   if (rows <= kQuadFewRows) {  // a decode step of a request or two: each thread's panels one after another
@@ -267,7 +288,7 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
     const uint8_t* panel = pp + p * k * kPanel;
     const int64_t g = r / kQuadRows;  // chunks and tiles start at multiples of kQuadRows
     quad_tile_of<kQuadRows>(t, pq + g * k4 * kQuadRows, psx + g * blocks * kQuadRows, pst + g * blocks * kQuadRows,
-                            panel, ps, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4, per_block,
+                            panel, ps + p * blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4, per_block,
                             p * kPanel, fetch ? panel + k * kPanel : nullptr);
   });
   return out;

@@ -81,8 +81,9 @@ enum class Kernel { gemv_f32, gemv_bf16, gemv_w8, int8_quads, bf16_pairs };
 struct Linear {
   Kernel kernel = Kernel::gemv_f32;
   const void* w = nullptr;
-  const float *scale = nullptr, *bias = nullptr;
-  int64_t n = 0, k = 0, count = 0;
+  const float *scale = nullptr, *bias = nullptr;  // scale: gemv_w8's per output row
+  const c10::BFloat16* scales = nullptr;           // int8_quads': pack_int8_scales' per column and block
+  int64_t n = 0, k = 0, count = 0, blocks = 0;     // blocks: int8_quads' blocks of k
 };
 struct Layer {
   const float *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
@@ -116,8 +117,12 @@ bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tenso
     return false;
   }
   if (s.has_value() != (dtype == at::kChar || dtype == at::kByte) || out.k == 0) return false;  // int8: a scale
+  const bool quads = out.kernel == Kernel::int8_quads;  // its scales: [count, blocks, kPanel] bf16
+  if (quads && (s->dim() != 3 || s->scalar_type() != at::kBFloat16 || !s->device().is_cpu() || !s->is_contiguous() ||
+                s->size(0) != out.count || s->size(2) != kPanel || s->size(1) == 0 || out.k % s->size(1) != 0))
+    return false;
   for (const c10::optional<at::Tensor>* v : {&s, &b}) {
-    if (!v->has_value()) continue;
+    if (!v->has_value() || (quads && v == &s)) continue;
     if ((n != 0 && (*v)->numel() != n) || (*v)->numel() == 0) return false;
     n = (*v)->numel();
   }
@@ -125,9 +130,11 @@ bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tenso
   if (outputs != 0) n = outputs;
   if ((inputs != 0 && out.k != inputs) || (out.count != 0 && n != 0 && (n + kPanel - 1) / kPanel != out.count))
     return false;
-  if ((s.has_value() && !f32_vector(s, n)) || (b.has_value() && !f32_vector(b, n))) return false;
+  if ((s.has_value() && !quads && !f32_vector(s, n)) || (b.has_value() && !f32_vector(b, n))) return false;
   out.w = t.data_ptr();
-  out.scale = s.has_value() ? s->data_ptr<float>() : nullptr;
+  out.scale = s.has_value() && !quads ? s->data_ptr<float>() : nullptr;
+  out.scales = quads ? s->data_ptr<c10::BFloat16>() : nullptr;
+  out.blocks = quads ? s->size(1) : 0;
   out.bias = b.has_value() ? b->data_ptr<float>() : nullptr;
   out.n = n;
   return true;
@@ -196,7 +203,7 @@ void linear_share(const Linear& L, int64_t n, const float* x, int64_t rows, cons
     case Kernel::gemv_w8:
       return gemv_part(x, rows, static_cast<const int8_t*>(L.w), L.scale, L.bias, residual, out, n, L.k, begin, end);
     case Kernel::int8_quads:
-      return int8_part(x, rows, static_cast<const uint8_t*>(L.w), L.scale, L.bias, residual, out, n, L.k, block, begin,
+      return int8_part(x, rows, static_cast<const uint8_t*>(L.w), L.scales, L.bias, residual, out, n, L.k, block, begin,
                        end);
     case Kernel::bf16_pairs:
       return bf16_part(x, rows, static_cast<const uint16_t*>(L.w), L.bias, residual, out, n, L.k, begin, end);
@@ -286,8 +293,9 @@ bool one_region_takes(const DecodeWeights& weights, const at::Tensor& x, at::Ten
     TORCH_CHECK(L.q_norm == nullptr || L.q_norm_n == d, "decode_layers: q_norm [head_dim] expected");
     TORCH_CHECK(L.k_norm == nullptr || L.k_norm_n == d, "decode_layers: k_norm [head_dim] expected");
     for (const Linear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down})
-      TORCH_CHECK(lin->kernel != Kernel::int8_quads || (block > 0 && block % 4 == 0 && lin->k % block == 0),
-                  "decode_layers: the int8 matmul's block must be a multiple of 4 dividing K, got ", block);
+      TORCH_CHECK(lin->kernel != Kernel::int8_quads || (block > 0 && block % 4 == 0 && lin->k == block * lin->blocks),
+                  "decode_layers: the int8 matmul's block must be a multiple of 4, K over its scales' blocks, got ",
+                  block);
   }
   return true;
 }

@@ -202,6 +202,7 @@ class FusedOps:
         self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
         self.pack_bf16_pairs, self.gemm_bf16 = ops.pack_bf16_pairs, ops.gemm_bf16  # the bf16-matmul layout
         self.pack_int8_quads, self.gemm_int8 = ops.pack_int8_quads, ops.gemm_int8  # the w8a8 layout
+        self.pack_int8_scales = ops.pack_int8_scales  # and its scales
         self.decode_weights = getattr(torch.classes, NAME).DecodeWeights  # decode_layers' weights, held once
         self.row_streams = ops.row_streams  # the streams per thread of one row's gemv (pick_row_streams)
 
@@ -222,6 +223,13 @@ HELD = {
     "bf16-panels": lambda lw: lw.low_panels,
     "bf16-matmul": lambda lw: lw.low_panels,  # its bf16 pairs
     "w8a8": lambda lw: lw.low_panels,  # its int8 quads
+}
+# the int8 scales decode_layers takes with a linear in each int8 layout: per output row, or w8a8's per column
+# and block of k laid out as its quads (pack_int8_scales)
+SCALES = {
+    "w8": lambda lw: lw.low_scale,
+    "w8-panels": lambda lw: lw.low_scale,
+    "w8a8": lambda lw: lw.low_panel_scales,
 }
 # one stack runs one family of layouts: fp32's, or one low-precision format's (common/models/low_precision.py)
 FAMILIES = ({"rowblock", "panels"}, {"w8", "w8-panels"}, {"bf16", "bf16-panels"}, {"bf16-matmul"}, {"w8a8"})
@@ -258,7 +266,7 @@ class FusedLayers:
         """decode_layers' weights (a DecodeWeights: the list below, held by the ops once, not converted from
         Python on every call) with each linear in `layouts` (one per linear, in self.linears' order):
         per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
-        down_w, down_b (None where the layer has none), and the four linears' int8 scales (None but in
+        down_w, down_b (None where the layer has none), and the four linears' int8 scales (SCALES; None but in
         w8 and w8a8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored
         weight, w8-panels / bf16-panels the panels of that, bf16-matmul its bf16 pairs, w8a8 its int8 quads
         (low_precision.py)."""
@@ -274,7 +282,7 @@ class FusedLayers:
                 out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, w[0], qkv.bias]
                 out += [None if n is None else n.weight for n in (q_norm, k_norm)]
                 out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
-                out += [lw.low_scale if layout.startswith("w8") else None for lw, layout in zip(lins, mine)]
+                out += [SCALES.get(layout, lambda lw: None)(lw) for lw, layout in zip(lins, mine)]
             self._weights[layouts] = self._hold([None if w is None else w.detach() for w in out])
         return self._weights[layouts]
 

@@ -96,8 +96,8 @@ class LinearWeight:
         self.gemv_w8 = None  # their int8 gemv, for the w8 layout (common/models/low_precision.py)
         self.panels = self.gemm = None  # the panels layout's copy and GEMM (set_panels), or None: F.linear
         # a low-precision format's weight, the int8 formats' scale, the panels (or bf16 pairs, int8 quads) of
-        # the weight and the call (low_precision.py)
-        self.low = self.low_scale = self.low_panels = self.low_run = None
+        # the weight, w8a8's scales laid out as its quads and the call (low_precision.py)
+        self.low = self.low_scale = self.low_panels = self.low_panel_scales = self.low_run = None
 
     def relocate(self, weight: torch.Tensor) -> None:
         """Serve from `weight` (the same values elsewhere: common/models/weight_arena.py)."""
