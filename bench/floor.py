@@ -10,7 +10,8 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    thread (how their gemv reads weights; torch.sum's one stream per thread read ~0.9x of four on a
    2-core AMD EPYC), best of 3 passes: bytes / seconds. The floor = the model's parameter bytes (a tied
    lm_head counted once) / that bandwidth; the table adds the floors of the same weights in bf16 and in
-   weight-only int8 (a float32 scale per output row), the vectors staying fp32.
+   weight-only int8 (a float32 scale per output row) and in w8a8's int8 (a bf16 scale per row and block
+   of 32), the vectors staying fp32.
 2. ours: a ModelRunner (`--linear-layout`, default auto: the host's table) decoding one request
    at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts),
    the runners' forwards interleaved step by step (order rotated), with each runner's median
@@ -92,14 +93,15 @@ def fastest_read(buffer: torch.Tensor, threads: int) -> tuple[str, object]:
 def weight_bytes(model: torch.nn.Module, dtype: str = "fp32") -> int:
     """Bytes of the model's weights, each tensor once (a tied lm_head is the embedding): its parameters
     and, for ours, the packed linears' weights (no longer parameters); `dtype`: as stored in fp32, or
-    the matrices in bf16, or in int8 with a float32 scale per output row (weight-only int8), the
-    vectors (norms, biases) staying fp32."""
+    the matrices in bf16, or in int8 with a float32 scale per output row (weight-only int8: `int8`) or a
+    bf16 scale per row and block of 32 (w8a8: `int8-blocks`), the vectors (norms, biases) staying fp32."""
     seen: dict[int, int] = {}
     for p in [*model.parameters(), *(w.weight for w in linear_weights(model))]:
         if dtype == "fp32" or p.dim() < 2:
             seen[p.data_ptr()] = p.numel() * 4
         else:
-            seen[p.data_ptr()] = p.numel() * (2 if dtype == "bf16" else 1) + (p.shape[0] * 4 if dtype == "int8" else 0)
+            scales = {"int8": p.shape[0] * 4, "int8-blocks": p.numel() // low_precision.X_BLOCK * 2}.get(dtype, 0)
+            seen[p.data_ptr()] = p.numel() * (2 if dtype == "bf16" else 1) + scales
     return sum(seen.values())
 
 
@@ -245,7 +247,7 @@ def main(argv=None) -> None:
         hf.generation_config.eos_token_id = None
     weighed = hf if hf is not None else next(iter(runners.values())).model
     nbytes = weight_bytes(weighed)
-    by_dtype = {dtype: weight_bytes(weighed, dtype) for dtype in ("bf16", "int8")}
+    by_dtype = {dtype: weight_bytes(weighed, dtype) for dtype in ("bf16", "int8", "int8-blocks")}
     # random (all-equal pages a host may merge: KSM), on 2 MiB pages as our weights are (weight_arena.py)
     buffer = hugepage_empty(args.buffer_mib * 2**20 // 4).uniform_()
     _, read = fastest_read(buffer, args.threads)
@@ -295,7 +297,7 @@ def main(argv=None) -> None:
         "w8": "int8",
         "bf16": "bf16",
         "bf16-matmul": "bf16",
-        "w8a8": "int8",
+        "w8a8": "int8-blocks",
     }  # a low-precision variant's own floor: its bytes'
     for i, name in enumerate(runners):
         per_round = [r[i] for r in paired_rounds]
