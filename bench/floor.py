@@ -100,7 +100,7 @@ def weight_bytes(model: torch.nn.Module, dtype: str = "fp32") -> int:
         if dtype == "fp32" or p.dim() < 2:
             seen[p.data_ptr()] = p.numel() * 4
         else:
-            scales = {"int8": p.shape[0] * 4, "int8-blocks": p.numel() // low_precision.X_BLOCK * 2}.get(dtype, 0)
+            scales = {"int8": p.shape[0] * 4, "int8-blocks": p.numel() // low_precision.W_BLOCK * 2}.get(dtype, 0)
             seen[p.data_ptr()] = p.numel() * (2 if dtype == "bf16" else 1) + scales
     return sum(seen.values())
 

@@ -314,7 +314,7 @@ def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fm
     barriers); the rest op by op."""
     threads(team)
     gen = torch.Generator().manual_seed(rows)
-    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 320, 32, 1e-6
+    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 320, low_precision.X_BLOCK, 1e-6
     entries, linears = _stack(ops, fmt, gen)
     held = ops.decode_weights(entries)
     assert held.one_region() == (fmt != "panels")

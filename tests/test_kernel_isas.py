@@ -40,10 +40,17 @@ def lesser_isas() -> list[str]:
     return isas
 
 
-INT8_CASES = ((1, 300, 64, 32), (2, 70, 96, 32), (7, 33, 64, 16), (64, 96, 576, 32), (100, 40, 32, 32))
+# (rows, n, k, x's block, the weights' block)
+INT8_CASES = (
+    (1, 300, 64, 16, 32),
+    (2, 70, 96, 32, 32),
+    (7, 33, 64, 16, 64),
+    (64, 96, 576, 16, 32),
+    (100, 40, 32, 32, 32),
+)
 
 
-def int8_inputs(rows: int, n: int, k: int, block: int):
+def int8_inputs(rows: int, n: int, k: int, w_block: int):
     """The int8 matmul's inputs of one case, the same in every process: (x, int8 w, its scale per row and block,
     bias, residual)."""
     import torch
@@ -51,7 +58,7 @@ def int8_inputs(rows: int, n: int, k: int, block: int):
     from common.models import low_precision
 
     gen = torch.Generator().manual_seed(rows * 100_000 + n * 1000 + k)
-    q, scale = low_precision.quantize_blocks(torch.randn(n, k, generator=gen), block)
+    q, scale = low_precision.quantize_blocks(torch.randn(n, k, generator=gen), w_block)
     x, b, r = (torch.randn(*shape, generator=gen) for shape in ((rows, k), (n,), (rows, n)))
     return x, q, scale, b, r
 
@@ -59,8 +66,8 @@ def int8_inputs(rows: int, n: int, k: int, block: int):
 def int8_outputs(ops) -> list:
     """gemm_int8 on INT8_CASES with `ops`."""
     outs = []
-    for rows, n, k, block in INT8_CASES:
-        x, q, scale, b, r = int8_inputs(rows, n, k, block)
+    for rows, n, k, block, w_block in INT8_CASES:
+        x, q, scale, b, r = int8_inputs(rows, n, k, w_block)
         outs.append(ops.gemm_int8(x, ops.pack_int8_quads(q), ops.pack_int8_scales(scale), n, block, b, r))
     return outs
 
@@ -140,8 +147,8 @@ def check(march: str, folder: str) -> None:
                 torch.testing.assert_close(gemv.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemv {name}")
     check_bf16_kv_attention(ops, march)
     outs = int8_outputs(ops)
-    for (rows, n, k, block), got in zip(INT8_CASES, outs):
-        x, q, scale, b, r = int8_inputs(rows, n, k, block)
+    for (rows, n, k, block, w_block), got in zip(INT8_CASES, outs):
+        x, q, scale, b, r = int8_inputs(rows, n, k, w_block)
         xq = low_precision.quantized_input(x, block).double()
         ref = r.double() + xq @ low_precision.dequantize(q, scale).double().T + b.double()
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemm_int8 {rows}x{k}")

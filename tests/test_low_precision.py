@@ -101,20 +101,25 @@ def test_gemm_bf16_is_the_product_of_the_rounded_input_and_does_not_depend_on_th
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, 64, 100])
-@pytest.mark.parametrize("n,k,block", [(96, 576, 32), (33, 64, 16), (70, 4, 4), (300, 64, 64), (40, 96, 96)])
-def test_gemm_int8_is_the_product_of_the_quantized_input_and_does_not_depend_on_the_batch(ops, rows, n, k, block):
+@pytest.mark.parametrize(
+    "n,k,block,w_block",
+    [(96, 576, 16, 32), (96, 576, 32, 32), (33, 64, 16, 64), (70, 4, 4, 4), (300, 64, 64, 64), (40, 96, 32, 96)],
+)
+def test_gemm_int8_is_the_product_of_the_quantized_input_and_does_not_depend_on_the_batch(
+    ops, rows, n, k, block, w_block
+):
     """The int8 matmul (w8a8): the float64 product of x quantized per block and the dequantized weight
     (its integer sums exact, the float steps within float32's error); far from the unquantized x's
     product (the quantization is applied); each row's bits alone equal its bits in the batch; a zero
     block of x contributes nothing (its scale 1, not 0 / 0)."""
     torch.manual_seed(rows * 1000 + n + k)
-    q, scale = low_precision.quantize_blocks(torch.randn(n, k), block)
+    q, scale = low_precision.quantize_blocks(torch.randn(n, k), w_block)
     x, b, r = torch.randn(rows, k), torch.randn(n), torch.randn(rows, n)
     if k > block:
         x[0, :block] = 0
     quads, scales = ops.pack_int8_quads(q), ops.pack_int8_scales(scale)
     assert quads.dtype == torch.uint8 and tuple(quads.shape[1:]) == (k // 4, quads.shape[2], 4)
-    assert scales.dtype == torch.bfloat16 and tuple(scales.shape) == (quads.shape[0], k // block, quads.shape[2])
+    assert scales.dtype == torch.bfloat16 and tuple(scales.shape) == (quads.shape[0], k // w_block, quads.shape[2])
     got = ops.gemm_int8(x, quads, scales, n, block, b, r)
     exact = low_precision.dequantize(q, scale).double()
     want = r.double() + low_precision.quantized_input(x, block).double() @ exact.T + b.double()
@@ -131,8 +136,13 @@ def test_gemm_int8_is_the_product_of_the_quantized_input_and_does_not_depend_on_
         ops.pack_int8_quads(q.float())
     with pytest.raises(RuntimeError, match="block"):
         ops.gemm_int8(x, quads, scales, n, 3, b, r)
+    if k % (2 * w_block) == 0:
+        with pytest.raises(RuntimeError, match="a multiple of the block"):  # x's blocks must not straddle the scales'
+            ops.gemm_int8(x, quads, scales, n, 2 * w_block, b, r)
     with pytest.raises(RuntimeError, match="scales"):  # the scales of other blocks, or of other columns
-        ops.gemm_int8(x, quads, ops.pack_int8_scales(scale[:, :-1].contiguous()), n, block, b, r)
+        ops.gemm_int8(
+            x, quads, ops.pack_int8_scales(torch.ones(n, k // block + 1, dtype=torch.bfloat16)), n, block, b, r
+        )
     with pytest.raises(RuntimeError, match="scales"):
         ops.gemm_int8(x, quads, scales.float(), n, block, b, r)
     with pytest.raises(RuntimeError, match="bf16"):

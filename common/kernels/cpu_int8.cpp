@@ -1,20 +1,21 @@
 // The int8 matmul of the fused CPU ops (`--quantization w8a8`, common/models/low_precision.py; registered
 // in cpu_fused.cpp): int8 weights with a bf16 scale per output row and block of k, each linear's input
-// quantized to int8 per block of k as it arrives, the integer products summed exactly in int32 per block,
-// and the blocks' sums scaled and added in float32.
+// quantized to int8 per (smaller or equal) block of k as it arrives, the integer products summed exactly in
+// int32 per input block, and the blocks' sums scaled and added in float32.
 //   pack_int8_quads(w [N, K] int8, K % 4 == 0) -> [ceil(N / P), K / 4, P, 4] uint8: panels of P output
 //     columns (as cpu_gemm.cpp's), k-quad-major: for k = 4i .. 4i + 3 each column's four weights plus 128
 //     (so unsigned: 1 .. 255) in one 32-bit lane; the last panel padded with 128 (zero weights);
 //   pack_int8_scales(scale [N, B] bf16) -> [ceil(N / P), B, P] bf16: the scales of each panel's columns,
 //     block-major (the last panel padded with zeros);
-//   gemm_int8(x [R, K] float32, quads, scales, N, block, bias?, residual?) -> [R, N], B = K / block:
-//     residual + bias[c] + sum over blocks b of fma(dot_b(xq[r], wq[c]), sx[r, b] * scale[c, b]), where per
-//     row r and block b of `block` k: sx = absmax / 127 (1 where the block is all zero), xq = round(x / sx)
-//     to nearest even, and dot_b the exact integer dot product over the block.
+//   gemm_int8(x [R, K] float32, quads, scales, N, block, bias?, residual?) -> [R, N], the scales' blocks of
+//     K / B k each a multiple of `block`: residual + bias[c] + sum over x's blocks b of
+//     fma(dot_b(xq[r], wq[c]), sx[r, b] * scale[c, b'], acc), b' the scales' block holding b, where per row r
+//     and block b of `block` k: sx = absmax / 127 (1 where the block is all zero), xq = round(x / sx) to
+//     nearest even, and dot_b the exact integer dot product over the block.
 // vpdpbusd (AVX512-VNNI) multiplies unsigned by signed bytes, four per lane, into int32: the weights are
 // the unsigned side (w + 128), and the 128 * sum(xq) it adds per block is taken off by starting the
 // block's sums at -128 * sum(xq). Per block and output the float step is a product and one fused
-// multiply-add, acc = fma(float(dot_b), sx[r, b] * scale[c, b], acc), in block order: the integer sums are
+// multiply-add, acc = fma(float(dot_b), sx[r, b] * scale[c, b'], acc), in block order: the integer sums are
 // exact whatever the instructions, so every ISA's form and every tile shape gives the same bits, and a row's
 // result does not depend on the batch. Without VNNI (AVX-512, AVX2) the same sums come from vpmaddwd on the
 // bytes widened to 16 bits in registers; one lane multiplies bytes. Tiles of up to kQuadRows rows by one
@@ -118,8 +119,8 @@ struct QuantizedRows {
 // 64 rows on a 2-core AMD Zen 4)
 inline int32_t quantize_block(const float* __restrict xb, int8_t* __restrict qb, int64_t block, float& s) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (block == 32) {
-    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+  if (block == 16 || block == 32) {  // one or two vectors (16: the second all zero, which changes nothing)
+    const __m512 lo = _mm512_loadu_ps(xb), hi = block == 32 ? _mm512_loadu_ps(xb + 16) : _mm512_setzero_ps();
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     s = amax > 0.f ? amax / 127.f : 1.f;
     const __m512 sv = _mm512_set1_ps(s);
@@ -131,7 +132,7 @@ inline int32_t quantize_block(const float* __restrict xb, int8_t* __restrict qb,
     };
     const __m512i a = q(lo), b = q(hi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(a));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(b));
+    if (block == 32) _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(b));
     return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
   }
 #endif
@@ -179,11 +180,11 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int6
 
 // out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of a quantized group against one quad panel;
 // `next`: the panel after, fetched meanwhile
-// (`scale`: the panel's [B, P] scales)
+// (`scale`: the panel's [B, P] scales, each for `ratio` of x's blocks)
 template <int T>
 inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts, const uint8_t* panel,
                       const c10::BFloat16* scale, const float* bias, const float* residual, float* out, int64_t n,
-                      int64_t k4, int64_t per_block, int64_t col0, const uint8_t* next) {
+                      int64_t k4, int64_t per_block, int64_t ratio, int64_t col0, const uint8_t* next) {
   vec acc[T][2];
   for (int r = 0; r < T; ++r)
     for (int j = 0; j < 2; ++j) acc[r][j] = vzero();
@@ -201,7 +202,8 @@ inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts,
         for (int j = 0; j < 2; ++j) sums[r][j] = dot4(sums[r][j], w[j], xv);
       }
     }
-    const vec ws[2] = {vload(scale + b * kPanel), vload(scale + b * kPanel + kLanes)};
+    const c10::BFloat16* sb = scale + (ratio == 1 ? b : ratio == 2 ? b >> 1 : b / ratio) * kPanel;
+    const vec ws[2] = {vload(sb), vload(sb + kLanes)};
     for (int r = 0; r < T; ++r) {
       const vec s = vset1(sx[b * kQuadRows + r]);
       for (int j = 0; j < 2; ++j) acc[r][j] = fma_exact(vfloat(sums[r][j]), vmul(s, ws[j]), acc[r][j]);
@@ -213,25 +215,29 @@ inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts,
 template <int T>
 inline void quad_tile_of(int64_t rows, const int32_t* xq, const float* sx, const int32_t* starts,
                          const uint8_t* panel, const c10::BFloat16* scale, const float* bias, const float* residual,
-                         float* out, int64_t n, int64_t k4, int64_t per_block, int64_t col0, const uint8_t* next) {
+                         float* out, int64_t n, int64_t k4, int64_t per_block, int64_t ratio, int64_t col0,
+                         const uint8_t* next) {
   if constexpr (T > 0) {
     if (rows == T)
-      return quad_tile<T>(xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, col0, next);
-    quad_tile_of<T - 1>(rows, xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, col0, next);
+      return quad_tile<T>(xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, ratio, col0, next);
+    quad_tile_of<T - 1>(rows, xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, ratio, col0,
+                        next);
   }
 }
 
 // panels [begin, end) of a decode step's rows (rows <= kQuadFewRows), x quantized on the calling thread: each
 // thread's panels one after another
-void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, const float* bias,
-               const float* residual, float* out, int64_t n, int64_t k, int64_t block, int64_t begin, int64_t end) {
+void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, int64_t scale_blocks,
+               const float* bias, const float* residual, float* out, int64_t n, int64_t k, int64_t block,
+               int64_t begin, int64_t end) {
   if (begin >= end) return;
   const QuantizedRows& q = quantize_rows(x, rows, k, block);
-  const int64_t k4 = k / 4, per_block = block / 4, blocks = k / block;
+  const int64_t k4 = k / 4, per_block = block / 4, ratio = k / scale_blocks / block;
   for (int64_t p = begin; p < end; ++p)
     (rows == 1 ? quad_tile<1> : quad_tile<kQuadFewRows>)(q.quads.data(), q.scales.data(), q.starts.data(),
-                                                         quads + p * k * kPanel, scales + p * blocks * kPanel, bias,
-                                                         residual, out, n, k4, per_block, p * kPanel, nullptr);
+                                                         quads + p * k * kPanel, scales + p * scale_blocks * kPanel,
+                                                         bias, residual, out, n, k4, per_block, ratio, p * kPanel,
+                                                         nullptr);
 }
 
 at::Tensor pack_int8_quads(const at::Tensor& w) {
@@ -264,9 +270,11 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
   const int64_t rows = x.size(0), k = x.size(1), k4 = k / 4, count = quads.size(0);
   TORCH_CHECK(block > 0 && block % 4 == 0 && k % block == 0, "gemm_int8: block a multiple of 4 dividing K, got ", block);
   TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kBFloat16 && scales.device().is_cpu() &&
-                  scales.is_contiguous() && scales.size(0) == count && scales.size(1) == k / block &&
-                  scales.size(2) == kPanel,
-              "gemm_int8: scales: pack_int8_scales' contiguous bf16 [N / P, K / block, P] expected");
+                  scales.is_contiguous() && scales.size(0) == count && scales.size(1) > 0 &&
+                  k % scales.size(1) == 0 && (k / scales.size(1)) % block == 0 && scales.size(2) == kPanel,
+              "gemm_int8: scales: pack_int8_scales' contiguous bf16 [N / P, B, P] expected, K / B a multiple of "
+              "the block");
+  const int64_t scale_blocks = scales.size(1), ratio = k / scale_blocks / block;
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_int8: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
   const float *px = x.data_ptr<float>(), *pb = add.bias_data(), *pr = add.residual_data();
@@ -275,7 +283,7 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
   float* po = out.data_ptr<float>();
   if (rows <= kQuadFewRows) {  // a decode step of a request or two: each thread's panels one after another
     parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
-      int8_part(px, rows, pp, ps, pb, pr, po, n, k, block, begin, end);
+      int8_part(px, rows, pp, ps, scale_blocks, pb, pr, po, n, k, block, begin, end);
     });
     return out;
   }
@@ -288,7 +296,8 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
     const uint8_t* panel = pp + p * k * kPanel;
     const int64_t g = r / kQuadRows;  // chunks and tiles start at multiples of kQuadRows
     quad_tile_of<kQuadRows>(t, pq + g * k4 * kQuadRows, psx + g * blocks * kQuadRows, pst + g * blocks * kQuadRows,
-                            panel, ps + p * blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4, per_block,
+                            panel, ps + p * scale_blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4,
+                            per_block, ratio,
                             p * kPanel, fetch ? panel + k * kPanel : nullptr);
   });
   return out;

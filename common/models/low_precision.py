@@ -72,12 +72,13 @@ ROUNDS = 3
 BYTES = {"w8": 1, "bf16": 2, "bf16-matmul": 2, "w8a8": 1}
 DTYPES = {"w8": torch.int8, "bf16": torch.bfloat16, "bf16-matmul": torch.bfloat16, "w8a8": torch.int8}
 MATMULS = ("bf16-matmul", "w8a8")  # the formats (each its one layout) whose linears quantize their inputs too
-X_BLOCK = 32  # w8a8: k per input scale
+X_BLOCK = 16  # w8a8: k per input scale
+W_BLOCK = 32  # w8a8: k per weight scale (a multiple of X_BLOCK)
 HOW = {  # what each format stores, for the start-up log
     "w8": "int8 with a scale per output row",
     "bf16": "bf16 (activations and KV float32)",
     "bf16-matmul": "bf16 with their inputs rounded to bf16 (sums, the rest and KV float32)",
-    "w8a8": f"int8 with a bf16 scale per row and block of {X_BLOCK}, their inputs int8 per block of {X_BLOCK} "
+    "w8a8": f"int8 with a bf16 scale per row and block of {W_BLOCK}, their inputs int8 per block of {X_BLOCK} "
     "(sums exact in int32)",
 }
 
@@ -91,7 +92,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
-def quantize_blocks(weight: torch.Tensor, block: int = X_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(weight: torch.Tensor, block: int = W_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [out, in], bf16 scale [out, in / block]): each row's blocks of `block` as round(w / s), s = the
     block's absmax / 127 rounded up to a bf16 (so that |w| / s <= 127: the bf16 scale adds no error of its
     own; 0 blocks: s = 1)."""
@@ -142,8 +143,8 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
         raise ValueError(f"low-precision format must be one of {FORMATS}, got {fmt!r}")
     if fmt == "bf16-matmul" and any(w.in_features % 2 for w in weights):
         raise ValueError(f"{fmt}: every linear's in-features must be even (its products go by pairs of k)")
-    if fmt == "w8a8" and any(w.in_features % X_BLOCK for w in weights):
-        raise ValueError(f"{fmt}: every linear's in-features must be a multiple of {X_BLOCK} (its input's blocks)")
+    if fmt == "w8a8" and any(w.in_features % W_BLOCK for w in weights):
+        raise ValueError(f"{fmt}: every linear's in-features must be a multiple of {W_BLOCK} (its weights' blocks)")
     parts = [stored(w.weight, fmt) for w in weights]
     total = sum(q.numel() for q, _ in parts)
     arena = hugepage_empty(-(-total * BYTES[fmt] // 4)).view(DTYPES[fmt])[:total]
