@@ -101,7 +101,7 @@ class ModelFlags(FlagGroup, title="model"):
         "activations float32): half of them; bf16-matmul = bf16 linears whose inputs are rounded to bf16 too "
         "(products bf16 x bf16, sums float32; the rest and KV float32): AVX512-BF16's dot product, half "
         "the time of a many-row GEMM (large decode batches, prefill); w8a8 = int8 weights with a bf16 scale per row "
-        "and block of 32 k (as llama.cpp's Q8_0), each linear's input quantized to int8 per block of 32 (integer "
+        "and block of 32 k (as llama.cpp's Q8_0), each linear's input quantized to int8 per block of 16 (integer "
         "products summed exactly): AVX512-VNNI's dot product, "
         "int8's bytes at one row and a quarter of fp32's instructions at many; none is token-exact with fp32",
         choices=["none", "w8", "bf16", "bf16-matmul", "w8a8"],

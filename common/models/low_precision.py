@@ -15,15 +15,19 @@ stored in one of four formats; norms, attention, the residual stream and the KV 
   is bound by multiply-adds, not bytes, and AVX512-BF16's `vdpbf16ps` does two per lane per instruction
   (SmolLM2's linears at 64 rows on a 2-core AMD Zen 4: 36 ms, against 72-75 ms for the fp32 and bf16
   panels); at one row it streams the bf16 bytes (there ~10% slower than the bf16 gemv in a whole step);
-- `w8a8`: int8 weights with a bf16 scale per row and block of X_BLOCK k (the block's absmax / 127 rounded
-  up to a bf16, as Q8_0 scales each block of 32), and each linear's input quantized to int8 as it arrives,
-  per row and block of X_BLOCK k (scale absmax / 127, as llama.cpp's int8 dot products do): per block the
-  integer products summed exactly in int32 (AVX512-VNNI's `vpdpbusd`: four multiply-adds per lane per
-  instruction), each block's sum scaled by the input's and the weight's scales and added in float32. A
-  scale per block rather than per row (w8's) halves the distance from fp32 (below): one large weight
-  coarsens its own 32 weights, not its row's 576. The model is the fp32 model with its
-  linears' weights and inputs quantized. SmolLM2's 120 layer linears on a 2-core AMD Zen 4: 29 ms at 64
-  rows, against 41 for the bf16 matmul and 93 for the w8 gemv; 4.2 at one row (the w8 gemv 3.9).
+- `w8a8`: int8 weights with a bf16 scale per row and block of W_BLOCK k (the block's absmax / 127 rounded
+  up to a bf16; Q8_0 scales each block of 32 too), and each linear's input quantized to int8 as it
+  arrives, per row and block of X_BLOCK k (scale absmax / 127; llama.cpp quantizes activations per 32):
+  per input block the integer products summed exactly in int32 (AVX512-VNNI's `vpdpbusd`: four
+  multiply-adds per lane per instruction), each block's sum scaled by the input's and the weights' scales
+  and added in float32. The model is the fp32 model with its linears' weights and inputs quantized.
+  SmolLM2, teacher-forced along our fp32 answers to bench/quality_bench.py's 50 questions (48 tokens; in
+  process, 2-core AMD Zen 4), the share of positions whose greedy token is fp32's and the mean KL from
+  fp32: a scale per row and inputs per 32 (this format before) 95.0% / 6.9e-3; per block of 32 and inputs
+  per 32 (Q8_0's linears) 96.5% / 4.3e-3; per 32 and inputs per 16 (now) 97.2% / 3.1e-3. Per 16 costs
+  its linears ~5% at one row and ~20% at 64 against per 32. SmolLM2's 120 layer linears, per row and
+  inputs per 32: 29 ms at 64 rows, against 41 for the bf16 matmul and 93 for the w8 gemv; 4.2 at one row
+  (the w8 gemv 3.9).
 With the fused CPU ops w8 and bf16 have two layouts each: the gemv, named as the format (`w8`: `gemv_w8`,
 `bf16`: `gemv` on the bf16 rows; the stored rows streamed and widened in registers once per 4 rows,
 common/kernels/cpu_gemv.cpp), and `w8-panels` / `bf16-panels` (the panel GEMM on panels of the stored
