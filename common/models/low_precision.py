@@ -142,7 +142,7 @@ def pack_matmul(ops, fmt: str, w: LinearWeight) -> None:
 
 def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
     """Convert `weights` to `fmt` in place (one arena for all) and plan their layouts (with the fused CPU
-    ops `ops`: timed here, see the module's docstring); returns the stored weights' bytes."""
+    ops `ops`: timed here, see the module's docstring); returns the stored weights' bytes, scales included."""
     if fmt not in FORMATS:
         raise ValueError(f"low-precision format must be one of {FORMATS}, got {fmt!r}")
     if fmt == "bf16-matmul" and any(w.in_features % 2 for w in weights):
@@ -169,7 +169,7 @@ def quantize(weights: list[LinearWeight], fmt: str, ops=None) -> int:
         gather(weights, attr)
     if ops is not None and fmt not in MATMULS:
         set_plan(weights, timed_plan(weights, fmt))
-    return total * BYTES[fmt]
+    return total * BYTES[fmt] + sum(s.numel() * s.element_size() for _, s in parts if s is not None)
 
 
 def layouts(fmt: str) -> tuple[str, ...]:
