@@ -184,8 +184,9 @@ def test_a_low_precision_linear_runs_both_paths_as_its_dequantized_weight(ops, f
     lw.gemv, lw.gemv_w8 = ops.gemv, ops.gemv_w8
     lw.set_panels(ops)  # as the fused ops' attach leaves it: quantize drops the copy
     fp32 = lw.weight.clone()
-    assert low_precision.quantize([lw], fmt, ops) == 64 * 64 * low_precision.BYTES[fmt]
-    assert low_precision.quantize([plain], fmt) == 64 * 64 * low_precision.BYTES[fmt]  # no fused ops
+    scales = {"w8": 64 * 4, "w8a8": 64 * 64 // low_precision.W_BLOCK * 2}.get(fmt, 0)  # per row / per block, bf16
+    assert low_precision.quantize([lw], fmt, ops) == 64 * 64 * low_precision.BYTES[fmt] + scales
+    assert low_precision.quantize([plain], fmt) == 64 * 64 * low_precision.BYTES[fmt] + scales  # no fused ops
     assert lw.packed is None and lw.panels is None
     mine = low_precision.layouts(fmt)
     assert set(lw.plan) <= set(mine) and lw.plan[-1] == mine[-1]
