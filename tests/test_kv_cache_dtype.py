@@ -52,8 +52,9 @@ def _hf_tokens(model, prompt: list[int], cache: DynamicCache | None) -> list[int
 def test_served_tokens_equal_hf_fp32_with_its_kv_rounded_to_bf16(checkpoint, ops, name, fmt):
     """Both services' pools in bf16 (the handoff carries bf16 KV), decode steps of 1-4 rows in the
     whole-stack step (its attention reading bf16 rows), prefill's extends through the fused attention:
-    every answer is HF's with the rounding cache (with w8a8: HF with w8a8's rounding too). Not vacuous: the
-    rounding moves HF's logits (and with float32 pools 3 of these 4 cases fail)."""
+    every answer is HF's with the rounding cache (with w8a8: HF with w8a8's rounding too, a prompt whose
+    oracle meets an input rounding tie left out, at most one). Not vacuous: the rounding moves HF's logits
+    (and with float32 pools 3 of these 4 cases fail)."""
     path = checkpoint(name)
     pair = Pair(path, quantization=fmt, kv_cache_dtype="bfloat16")
     pools = [pair.link.worker.runner.kv_pool, pair.worker.runner.kv_pool]
@@ -62,15 +63,20 @@ def test_served_tokens_equal_hf_fp32_with_its_kv_rounded_to_bf16(checkpoint, ops
     out = _served(pair)
     assert counting.calls > 0
     hf = hf_model(path) if fmt == "none" else _hf_rounded(path, fmt)
-    moved = 0.0
+    moved, decided = 0.0, 0
     for i, p in enumerate(PROMPTS):
-        ours = out[str(i)]
-        assert ours == _hf_tokens(hf, p, Bf16Cache()), (name, i)
+        ours, ties = out[str(i)], getattr(hf, "ties", 0)
+        want = _hf_tokens(hf, p, Bf16Cache())
+        if getattr(hf, "ties", 0) > ties:  # w8a8's oracle met an input rounding tie (test_low_precision._ties)
+            continue
+        decided += 1
+        assert ours == want, (name, i)
         with torch.inference_mode():  # the same tokens read with and without the rounding
             ids = torch.tensor([p + ours])
             rounded = hf(ids, cache=Bf16Cache()).logits[0]
             moved = max(moved, float((rounded - hf(ids).logits[0]).abs().max()))
     assert moved > 1e-4, moved
+    assert decided >= len(PROMPTS) - 1, "the oracle's input rounding met a tie in more than one prompt"
 
 
 @pytest.mark.parametrize("topk,steps,nodes", [(1, 3, 4), (2, 3, 6)], ids=["chain", "tree"])
