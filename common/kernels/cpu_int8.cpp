@@ -178,9 +178,8 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int6
   return q;
 }
 
-// out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of a quantized group against one quad panel;
-// `next`: the panel after, fetched meanwhile
-// (`scale`: the panel's [B, P] scales, each for `ratio` of x's blocks)
+// out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of a quantized group against one quad panel and
+// its [B, P] scales (`scale`: each for `ratio` of x's blocks); `next`: the panel after, fetched meanwhile
 template <int T>
 inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts, const uint8_t* panel,
                       const c10::BFloat16* scale, const float* bias, const float* residual, float* out, int64_t n,
@@ -272,8 +271,8 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
   TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kBFloat16 && scales.device().is_cpu() &&
                   scales.is_contiguous() && scales.size(0) == count && scales.size(1) > 0 &&
                   k % scales.size(1) == 0 && (k / scales.size(1)) % block == 0 && scales.size(2) == kPanel,
-              "gemm_int8: scales: pack_int8_scales' contiguous bf16 [N / P, B, P] expected, K / B a multiple of "
-              "the block");
+              "gemm_int8: scales: pack_int8_scales' contiguous bf16 [N / P, B, P] expected, K / B a multiple "
+              "of the block");
   const int64_t scale_blocks = scales.size(1), ratio = k / scale_blocks / block;
   const Addends add = checked_addends(bias, residual, rows, n, "gemm_int8: bias / residual");
   at::Tensor out = at::empty({rows, n}, x.options());
@@ -296,9 +295,8 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
     const uint8_t* panel = pp + p * k * kPanel;
     const int64_t g = r / kQuadRows;  // chunks and tiles start at multiples of kQuadRows
     quad_tile_of<kQuadRows>(t, pq + g * k4 * kQuadRows, psx + g * blocks * kQuadRows, pst + g * blocks * kQuadRows,
-                            panel, ps + p * scale_blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4,
-                            per_block, ratio,
-                            p * kPanel, fetch ? panel + k * kPanel : nullptr);
+                            panel, ps + p * scale_blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n,
+                            po + r * n, n, k4, per_block, ratio, p * kPanel, fetch ? panel + k * kPanel : nullptr);
   });
   return out;
 }

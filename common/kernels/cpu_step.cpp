@@ -203,8 +203,8 @@ void linear_share(const Linear& L, int64_t n, const float* x, int64_t rows, cons
     case Kernel::gemv_w8:
       return gemv_part(x, rows, static_cast<const int8_t*>(L.w), L.scale, L.bias, residual, out, n, L.k, begin, end);
     case Kernel::int8_quads:
-      return int8_part(x, rows, static_cast<const uint8_t*>(L.w), L.scales, L.blocks, L.bias, residual, out, n, L.k, block, begin,
-                       end);
+      return int8_part(x, rows, static_cast<const uint8_t*>(L.w), L.scales, L.blocks, L.bias, residual, out, n, L.k,
+                       block, begin, end);
     case Kernel::bf16_pairs:
       return bf16_part(x, rows, static_cast<const uint16_t*>(L.w), L.bias, residual, out, n, L.k, begin, end);
   }
@@ -293,9 +293,10 @@ bool one_region_takes(const DecodeWeights& weights, const at::Tensor& x, at::Ten
     TORCH_CHECK(L.q_norm == nullptr || L.q_norm_n == d, "decode_layers: q_norm [head_dim] expected");
     TORCH_CHECK(L.k_norm == nullptr || L.k_norm_n == d, "decode_layers: k_norm [head_dim] expected");
     for (const Linear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down})
-      TORCH_CHECK(lin->kernel != Kernel::int8_quads || (block > 0 && block % 4 == 0 && (lin->k / lin->blocks) % block == 0),
-                  "decode_layers: the int8 matmul's block must be a multiple of 4 dividing its scales' blocks of k, got ",
-                  block);
+      TORCH_CHECK(
+          lin->kernel != Kernel::int8_quads || (block > 0 && block % 4 == 0 && (lin->k / lin->blocks) % block == 0),
+          "decode_layers: the int8 matmul's block must be a multiple of 4 dividing its scales' blocks of k, got ",
+          block);
   }
   return true;
 }
