@@ -120,7 +120,8 @@ def quantized_input(x: torch.Tensor, block: int = X_BLOCK) -> torch.Tensor:
 
 
 def stored(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`weight` in `fmt`: (the stored [out, in] tensor, the int8 formats' scale per row or None)."""
+    """`weight` in `fmt`: (the stored [out, in] tensor, w8's scale per row [out], w8a8's per row and block
+    [out, in / W_BLOCK], or None)."""
     if fmt == "w8a8":
         return quantize_blocks(weight)
     if DTYPES[fmt] == torch.int8:
