@@ -43,6 +43,7 @@ def lesser_isas() -> list[str]:
 # (rows, n, k, x's block, the weights' block)
 INT8_CASES = (
     (1, 300, 64, 16, 32),
+    (1, 100, 576, 16, 32),  # a partial last panel beside a whole one (one row: two streams)
     (2, 70, 96, 32, 32),
     (7, 33, 64, 16, 64),
     (64, 96, 576, 16, 32),

@@ -19,7 +19,7 @@
 // exact whatever the instructions, so every ISA's form and every tile shape gives the same bits, and a row's
 // result does not depend on the batch. Without VNNI (AVX-512, AVX2) the same sums come from vpmaddwd on the
 // bytes widened to 16 bits in registers; one lane multiplies bytes. Tiles of up to kQuadRows rows by one
-// panel; one or two rows (a decode step) by one panel, each thread's panels in turn.
+// panel; two rows (a decode step) by one panel, each thread's panels in turn; one row by two panels.
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -178,65 +178,106 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int6
   return q;
 }
 
-// out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of a quantized group against one quad panel and
-// its [B, P] scales (`scale`: each for `ratio` of x's blocks); `next`: the panel after, fetched meanwhile
-template <int T>
-inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts, const uint8_t* panel,
-                      const c10::BFloat16* scale, const float* bias, const float* residual, float* out, int64_t n,
-                      int64_t k4, int64_t per_block, int64_t ratio, int64_t col0, const uint8_t* next) {
-  vec acc[T][2];
+// out[r, col0[p] + c] for r < T, p < S, c < min(P, n - col0[p]): T rows of a quantized group against S quad
+// panels side by side and their [B, P] scales (`scale[p]`: each for `ratio` of x's blocks of `per_block`
+// quads); `next`: the panel after (S = 1), fetched meanwhile. PB, R > 0: per_block and ratio known when
+// compiled. Each panel's sums and their order do not depend on S, so neither do its bits.
+template <int T, int S, int PB = 0, int R = 0>
+inline void quad_tile(const int32_t* xq, const float* sx, const int32_t* starts, const uint8_t* const* panel,
+                      const c10::BFloat16* const* scale, const int64_t* col0, const float* bias, const float* residual,
+                      float* out, int64_t n, int64_t k4, int64_t per_block, int64_t ratio, const uint8_t* next) {
+  if constexpr (PB > 0) per_block = PB;
+  if constexpr (R > 0) ratio = R;
+  constexpr int V = 2 * S;  // column vectors: panel p's are 2p and 2p + 1
+  vec acc[T][V];
   for (int r = 0; r < T; ++r)
-    for (int j = 0; j < 2; ++j) acc[r][j] = vzero();
-  for (int64_t i0 = 0, b = 0; i0 < k4; i0 += per_block, ++b) {
-    ivec sums[T][2];
-    for (int r = 0; r < T; ++r) {
-      const ivec start = iset1(starts[b * kQuadRows + r]);
-      for (int j = 0; j < 2; ++j) sums[r][j] = start;
-    }
-    for (int64_t i = i0; i < i0 + per_block; ++i) {
-      if (next != nullptr) __builtin_prefetch(next + i * 4 * kPanel), __builtin_prefetch(next + i * 4 * kPanel + 64);
-      const ivec w[2] = {iload(panel + i * 4 * kPanel), iload(panel + i * 4 * kPanel + 4 * kLanes)};
+    for (int j = 0; j < V; ++j) acc[r][j] = vzero();
+  for (int64_t i0 = 0, b = 0, wb = 0; i0 < k4; i0 += per_block * ratio, ++wb) {
+    vec ws[V];  // weight block wb's scales, for its `ratio` x blocks
+    for (int j = 0; j < V; ++j) ws[j] = vload(scale[j / 2] + wb * kPanel + (j % 2) * kLanes);
+    for (int64_t i1 = i0; i1 < i0 + per_block * ratio; i1 += per_block, ++b) {
+      ivec sums[T][V];
       for (int r = 0; r < T; ++r) {
-        const ivec xv = iset1(xq[i * kQuadRows + r]);
-        for (int j = 0; j < 2; ++j) sums[r][j] = dot4(sums[r][j], w[j], xv);
+        const ivec start = iset1(starts[b * kQuadRows + r]);
+        for (int j = 0; j < V; ++j) sums[r][j] = start;
+      }
+      for (int64_t i = i1; i < i1 + per_block; ++i) {
+        if (next != nullptr) __builtin_prefetch(next + i * 4 * kPanel), __builtin_prefetch(next + i * 4 * kPanel + 64);
+        ivec w[V];
+        for (int j = 0; j < V; ++j) w[j] = iload(panel[j / 2] + i * 4 * kPanel + (j % 2) * 4 * kLanes);
+        for (int r = 0; r < T; ++r) {
+          const ivec xv = iset1(xq[i * kQuadRows + r]);
+          for (int j = 0; j < V; ++j) sums[r][j] = dot4(sums[r][j], w[j], xv);
+        }
+      }
+      for (int r = 0; r < T; ++r) {
+        const vec s = vset1(sx[b * kQuadRows + r]);
+        for (int j = 0; j < V; ++j) acc[r][j] = fma_exact(vfloat(sums[r][j]), vmul(s, ws[j]), acc[r][j]);
       }
     }
-    const c10::BFloat16* sb = scale + (ratio == 1 ? b : ratio == 2 ? b >> 1 : b / ratio) * kPanel;
-    const vec ws[2] = {vload(sb), vload(sb + kLanes)};
-    for (int r = 0; r < T; ++r) {
-      const vec s = vset1(sx[b * kQuadRows + r]);
-      for (int j = 0; j < 2; ++j) acc[r][j] = fma_exact(vfloat(sums[r][j]), vmul(s, ws[j]), acc[r][j]);
-    }
   }
-  store_tile(acc, std::min<int64_t>(kPanel, n - col0), nullptr, bias, residual, out, n, col0);
+  for (int p = 0; p < S; ++p) {
+    vec mine[T][2];
+    for (int r = 0; r < T; ++r) mine[r][0] = acc[r][2 * p], mine[r][1] = acc[r][2 * p + 1];
+    store_tile(mine, std::min<int64_t>(kPanel, n - col0[p]), nullptr, bias, residual, out, n, col0[p]);
+  }
 }
 
-template <int T>
+template <int T, int PB = 0, int R = 0>
 inline void quad_tile_of(int64_t rows, const int32_t* xq, const float* sx, const int32_t* starts,
                          const uint8_t* panel, const c10::BFloat16* scale, const float* bias, const float* residual,
                          float* out, int64_t n, int64_t k4, int64_t per_block, int64_t ratio, int64_t col0,
                          const uint8_t* next) {
   if constexpr (T > 0) {
     if (rows == T)
-      return quad_tile<T>(xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, ratio, col0, next);
-    quad_tile_of<T - 1>(rows, xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, ratio, col0,
-                        next);
+      return quad_tile<T, 1, PB, R>(xq, sx, starts, &panel, &scale, &col0, bias, residual, out, n, k4, per_block,
+                                    ratio, next);
+    quad_tile_of<T - 1, PB, R>(rows, xq, sx, starts, panel, scale, bias, residual, out, n, k4, per_block, ratio, col0,
+                               next);
   }
 }
 
-// panels [begin, end) of a decode step's rows (rows <= kQuadFewRows), x quantized on the calling thread: each
-// thread's panels one after another
+// w8a8's blocks (low_precision.py: inputs per 16 k, weights per 32), whose loops are unrolled when compiled:
+// a w8a8 decode step of SmolLM2 at one row took 6.48 ms against 6.63 with the loops' lengths known only when
+// run (2-core AMD Zen 4 at ~33 GB/s, one process, interleaved, faster in 202 of 300 steps)
+constexpr int kDefaultPerBlock = 4, kDefaultRatio = 2;
+inline bool default_blocks(int64_t per_block, int64_t ratio) {
+  return per_block == kDefaultPerBlock && ratio == kDefaultRatio;
+}
+
+// panels [begin, end) of a decode step's rows (rows <= kQuadFewRows), x quantized on the calling thread. Two
+// rows: each panel in turn. One row: the two halves of the range side by side (two streams of weights on
+// the thread, the odd panel last). A w8a8 decode step of SmolLM2 at one row took 4.13 ms with two streams
+// against 4.25 with one while the host read ~61 GB/s (faster in 218 of 300 steps), the same within noise at
+// ~33 GB/s (2-core AMD Zen 4, one process, interleaved); four streams were slower (6.09 against 5.67 ms).
 void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, int64_t scale_blocks,
                const float* bias, const float* residual, float* out, int64_t n, int64_t k, int64_t block,
                int64_t begin, int64_t end) {
   if (begin >= end) return;
   const QuantizedRows& q = quantize_rows(x, rows, k, block);
   const int64_t k4 = k / 4, per_block = block / 4, ratio = k / scale_blocks / block;
-  for (int64_t p = begin; p < end; ++p)
-    (rows == 1 ? quad_tile<1> : quad_tile<kQuadFewRows>)(q.quads.data(), q.scales.data(), q.starts.data(),
-                                                         quads + p * k * kPanel, scales + p * scale_blocks * kPanel,
-                                                         bias, residual, out, n, k4, per_block, ratio, p * kPanel,
-                                                         nullptr);
+  const bool fixed = default_blocks(per_block, ratio);
+  const auto run = [&](auto tile, const int64_t* ps, int count) {
+    const uint8_t* panel[2];
+    const c10::BFloat16* scale[2];
+    int64_t col0[2];
+    for (int i = 0; i < count; ++i) {
+      panel[i] = quads + ps[i] * k * kPanel, scale[i] = scales + ps[i] * scale_blocks * kPanel;
+      col0[i] = ps[i] * kPanel;
+    }
+    tile(q.quads.data(), q.scales.data(), q.starts.data(), panel, scale, col0, bias, residual, out, n, k4, per_block,
+         ratio, nullptr);
+  };
+  const auto one = rows == 1 ? (fixed ? quad_tile<1, 1, kDefaultPerBlock, kDefaultRatio> : quad_tile<1, 1>)
+                             : (fixed ? quad_tile<kQuadFewRows, 1, kDefaultPerBlock, kDefaultRatio>
+                                      : quad_tile<kQuadFewRows, 1>);
+  const int64_t half = rows == 1 ? (end - begin) / 2 : 0;
+  const auto two = fixed ? quad_tile<1, 2, kDefaultPerBlock, kDefaultRatio> : quad_tile<1, 2>;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t ps[2] = {begin + i, begin + half + i};
+    run(two, ps, 2);
+  }
+  for (int64_t p = begin + 2 * half; p < end; ++p) run(one, &p, 1);
 }
 
 at::Tensor pack_int8_quads(const at::Tensor& w) {
@@ -291,12 +332,14 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
   const float* psx = q.scales.data();
   const int32_t* pst = q.starts.data();
   const int64_t blocks = k / block, per_block = block / 4;
+  const auto tile = default_blocks(per_block, ratio) ? quad_tile_of<kQuadRows, kDefaultPerBlock, kDefaultRatio>
+                                                     : quad_tile_of<kQuadRows>;
   panel_walk(rows, count, kQuadRows, kQuadChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) {
     const uint8_t* panel = pp + p * k * kPanel;
     const int64_t g = r / kQuadRows;  // chunks and tiles start at multiples of kQuadRows
-    quad_tile_of<kQuadRows>(t, pq + g * k4 * kQuadRows, psx + g * blocks * kQuadRows, pst + g * blocks * kQuadRows,
-                            panel, ps + p * scale_blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n,
-                            po + r * n, n, k4, per_block, ratio, p * kPanel, fetch ? panel + k * kPanel : nullptr);
+    tile(t, pq + g * k4 * kQuadRows, psx + g * blocks * kQuadRows, pst + g * blocks * kQuadRows, panel,
+         ps + p * scale_blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4, per_block, ratio,
+         p * kPanel, fetch ? panel + k * kPanel : nullptr);
   });
   return out;
 }
