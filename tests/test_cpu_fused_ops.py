@@ -49,6 +49,43 @@ def test_silu_and_mul_over_the_float_range(ops):
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(g).view(1, -1), rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 49152), (2, 49152), (3, 40000), (64, 4099), (5, 17), (1, 1), (4, 33000)])
+def test_argmax_rows_is_torch_argmax(ops, rows, n):
+    """The greedy token of logits rows: torch.argmax's index, bit for bit, where each row's largest value is
+    held by several columns (the first wins, across lanes and threads' parts), at the ends, at -inf or +inf
+    throughout, and where a row has NaNs (the first NaN wins, as in torch); cpu_fused.argmax takes the op for
+    CPU float32 rows and leaves others to torch."""
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.randn(rows, n, generator=g)
+    cases = [x.clone()]
+    tied = x.clone()
+    for r in range(rows):  # the largest value at three columns, the last in the other half of the row
+        cols = torch.randint(0, n, (3,), generator=g).tolist() + [n - 1 - r % n]
+        tied[r, cols] = 9.0
+    cases.append(tied)
+    ends = x.clone()
+    ends[:, -1] = 9.0  # the last column (a tail past the last full vector)
+    ends[0, 0] = 9.0  # and the first
+    cases.append(ends)
+    cases += [torch.full((rows, n), float("-inf")), torch.full((rows, n), float("inf"))]
+    nans = tied.clone()
+    for r in range(rows):  # a NaN late in the row, another after it; row 0 only a NaN at its last column
+        c = n - 1 if r == 0 else min(n - 1, n // 2 + r)
+        nans[r, c] = float("nan")
+        nans[r, min(n - 1, c + 3)] = float("nan")
+    cases.append(nans)
+    for case in cases:
+        want = torch.argmax(case, dim=-1)
+        assert torch.equal(ops.argmax_rows(case), want)
+        assert torch.equal(cpu_fused.argmax(case), want)
+    with pytest.raises(RuntimeError, match="N > 0"):
+        ops.argmax_rows(torch.zeros(rows, 0))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(x.double())
+    assert torch.equal(cpu_fused.argmax(x.double()), torch.argmax(x, dim=-1))  # torch's, for what the op refuses
+    assert torch.equal(cpu_fused.argmax(x.t().contiguous().t()), torch.argmax(x, dim=-1))
+
+
 @pytest.mark.parametrize(
     "rows,n,k,bias,residual",
     [

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.forward.forward_batch import ForwardBatch
-from common.models import moe
+from common.models import cpu_fused, moe
 from common.models.config import ModelConfig
 from common.models.direct_call import DirectCall
 from common.models.rope import RotaryEmbedding, apply_rotary
@@ -222,7 +222,7 @@ class DecoderLM(nn.Module):
         """The argmax of the logits of the given rows of hidden states [R] (int64)."""
         if self.greedy_head is not None and self.greedy_head.used_for(hidden.shape[0]):
             return self.greedy_head.tokens(hidden)
-        return torch.argmax(self.compute_logits(hidden), dim=-1)
+        return cpu_fused.argmax(self.compute_logits(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the given rows of hidden states."""
