@@ -147,6 +147,13 @@ def check(march: str, folder: str) -> None:
                 gemv = ops.gemv(x, weight, b, r) if s is None else ops.gemv_w8(x, weight, s, b, r)
                 torch.testing.assert_close(gemv.double(), ref, rtol=1e-5, atol=1e-4, msg=f"{march} gemv {name}")
     check_bf16_kv_attention(ops, march)
+    for rows, n in ((1, 49152), (3, 40), (2, 7)):  # argmax_rows: torch.argmax's index, ties and NaNs included
+        x = torch.randn(rows, n)
+        x[:, n // 3] = x[:, -1] = 9.0
+        nans = x.clone()
+        nans[:, n // 2] = nans[:, -2] = float("nan")
+        for case in (x, nans, torch.full((rows, n), float("-inf"))):
+            assert torch.equal(ops.argmax_rows(case), torch.argmax(case, dim=-1)), (march, "argmax_rows", rows, n)
     outs = int8_outputs(ops)
     for (rows, n, k, block, w_block), got in zip(INT8_CASES, outs):
         x, q, scale, b, r = int8_inputs(rows, n, k, w_block)
