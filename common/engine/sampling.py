@@ -17,7 +17,6 @@ from common.engine.grammar import check_constraint, constraint_of
 from common.engine.logprobs import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS, LogprobRows
 from common.engine.penalties import MAX_LOGIT_BIAS, LogitProcessors, has_processors
 from common.forward.host_copy import to_device
-from common.models import cpu_fused
 
 _MASK64 = (1 << 64) - 1
 MAX_N = 128  # OpenAI's bound on n
@@ -230,6 +229,8 @@ class SamplingBatch:
         Rows below their min_new_tokens never get EOS (`eos_token_ids`, the model's) or a stop id (as
         HF's MinNewTokensLengthLogitsProcessor does for EOS)."""
         logits = self.hold_back_stops(logits, output_indices, eos_token_ids)
+        from common.models import cpu_fused  # model code, imported where a forward ran (the scheduler imports none)
+
         tokens = cpu_fused.argmax(logits)
         for rows, filters in ((self.plain, False), (self.filtered, True)):
             if rows:
