@@ -4,7 +4,8 @@
 //     largest value, or of its first NaN where it has one.
 // torch's took ~21 us per SmolLM2 row (49,152 logits) on a 2-core AMD Zen 4: 1.35 ms of a 64-request decode
 // step, and 42 us at one row (79 us after the step's weights streamed past). Here each thread scans a share
-// of the rows, or of one row's columns where there are fewer rows than threads, kLanes columns at a time.
+// of the rows, or of one row's columns where there are fewer rows than threads: 16 columns at a time with
+// AVX-512, one at a time on other builds (the ISA drill holds them to torch's indices).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,13 +19,13 @@
 
 namespace disagg_cpu {
 
-// The best of x[0, n) (n > 0) as (value, its first index), a NaN counting as the largest; `first`: the index
-// of x[0]. Where a block holds a NaN the plain loop finds the first one.
+// a part of a row's best: its value and the first index holding it, a NaN counting as the largest
 struct Best {
   float value;
   int64_t index;
 };
 
+// the best of x[0, n) (n > 0), `first` the index of x[0]: one at a time, stopping at the first NaN
 inline Best plain_best(const float* x, int64_t n, int64_t first) {
   Best b{x[0], first};
   for (int64_t i = 0; i < n && !std::isnan(b.value); ++i)
@@ -32,6 +33,8 @@ inline Best plain_best(const float* x, int64_t n, int64_t first) {
   return b;
 }
 
+// the same, 16 at a time with AVX-512: each lane's first largest, then the first lane holding the largest;
+// where a NaN shows, plain_best finds the first one
 inline Best best_of(const float* x, int64_t n, int64_t first) {
 #if defined(__AVX512F__)
   if (n >= 16) {
