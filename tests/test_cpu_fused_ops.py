@@ -50,7 +50,7 @@ def test_silu_and_mul_over_the_float_range(ops):
 
 
 @pytest.mark.parametrize("rows,n", [(1, 49152), (2, 49152), (3, 40000), (64, 4099), (5, 17), (1, 1), (4, 33000)])
-def test_argmax_rows_is_torch_argmax(ops, rows, n):
+def test_argmax_rows_is_torch_argmax(ops, rows, n, monkeypatch):
     """The greedy token of logits rows: torch.argmax's index, bit for bit, where each row's largest value is
     held by several columns (the first wins, across lanes and threads' parts), at the ends, at -inf or +inf
     throughout, and where a row has NaNs (the first NaN wins, as in torch); cpu_fused.argmax takes the op for
@@ -82,8 +82,14 @@ def test_argmax_rows_is_torch_argmax(ops, rows, n):
         ops.argmax_rows(torch.zeros(rows, 0))
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_rows(x.double())
+    calls = []
+    monkeypatch.setattr(ops, "argmax_rows", lambda t: calls.append(t) or torch.argmax(t, dim=-1))
+    cpu_fused.argmax(x)
+    assert len(calls) == 1  # the op, for CPU float32 rows
     assert torch.equal(cpu_fused.argmax(x.double()), torch.argmax(x, dim=-1))  # torch's, for what the op refuses
-    assert torch.equal(cpu_fused.argmax(x.t().contiguous().t()), torch.argmax(x, dim=-1))
+    strided = torch.stack([x, x], -1)[..., 0]  # x, every other float of a buffer
+    assert torch.equal(cpu_fused.argmax(strided), torch.argmax(x, dim=-1))
+    assert len(calls) == 1 + strided.is_contiguous()  # a [1, 1] view is contiguous whatever its strides
 
 
 @pytest.mark.parametrize(
