@@ -19,7 +19,7 @@ from common.attention import create_backend
 from common.engine.cuda_graph_runner import CudaGraphRunner
 from common.engine.kv_pool import KVPool
 from common.forward.forward_batch import ForwardBatch
-from common.models import packed_linear
+from common.models import cpu_fused, packed_linear
 from common.models.eagle import DraftHead, load_draft_config, load_draft_head
 from common.models.nextn import NextNHead
 from common.models.rope import RotaryEmbedding
@@ -176,7 +176,7 @@ class DraftRunner:
         """The head's most likely next token [T] (a target id): the argmax of its logits (no softmax)."""
         if self.config.algorithm != "EAGLE3" and self.vocab_lm_head is None:  # the target's lm_head itself
             return self.target.model.greedy_tokens(hidden)  # (its greedy head, where it has one)
-        return self.to_target_vocab(self.logits(hidden).argmax(dim=-1))
+        return self.to_target_vocab(cpu_fused.argmax(self.logits(hidden)))
 
     @torch.inference_mode()
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
