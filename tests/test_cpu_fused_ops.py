@@ -393,6 +393,41 @@ def test_one_rows_gemv_gives_the_same_bits_with_any_stream_count(ops):
         ops.row_streams(before)
 
 
+def test_one_rows_int8_matmul_gives_the_same_bits_with_either_stream_count_and_picks_the_faster(
+    ops, checkpoint, caplog
+):
+    """w8a8's int8 matmul at one row with its panels one at a time or two side by side: the same bits (odd and
+    even panel counts, a partial last panel); pick_int8_streams keeps the faster count (timings handed in)
+    and a w8a8 runner with the fused ops picks one at start and says which."""
+    from common.models import low_precision
+
+    before = ops.int8_streams()
+    try:
+        for n, k in ((100, 576), (96, 64), (300, 64), (32, 32)):
+            q, scale = low_precision.quantize_blocks(torch.randn(n, k))
+            quads, scales = ops.pack_int8_quads(q), ops.pack_int8_scales(scale)
+            x, b = torch.randn(1, k), torch.randn(n)
+            outs = []
+            for streams in cpu_fused.INT8_STREAMS:
+                assert ops.int8_streams(streams) == streams
+                outs.append(ops.gemm_int8(x, quads, scales, n, low_precision.X_BLOCK, b, None))
+            assert torch.equal(outs[0], outs[1]), (n, k)
+        with pytest.raises(RuntimeError, match="1 or 2"):
+            ops.int8_streams(4)
+        seconds = {1: [3.0, 1.0, 2.5], 2: [1.5, 2.0, 1.2]}  # 1's best is the best
+        calls = {s: iter(t) for s, t in seconds.items()}
+        assert cpu_fused.pick_int8_streams(ops, [], time_pass=lambda s: next(calls[s])) == 1
+        assert ops.int8_streams() == 1
+        with caplog.at_level(logging.INFO, logger=cpu_fused.__name__):
+            ModelRunner(
+                RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=2, quantization="w8a8")
+            )
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("int8 matmul at one row")]
+        assert len(lines) == 1 and ops.int8_streams() in cpu_fused.INT8_STREAMS
+    finally:
+        ops.int8_streams(before)
+
+
 def test_the_fastest_stream_count_is_picked_and_set(ops, checkpoint, caplog):
     """pick_row_streams keeps the count whose best pass is fastest (timings handed in), sets it, and a
     runner with the fused ops picks one at start and says which."""

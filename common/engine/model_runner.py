@@ -108,6 +108,8 @@ class ModelRunner:
                 lambda: low_precision.quantize(weights, args.quantization, self.cpu_fused), threads
             )
             self.model.greedy_head = None
+            if args.quantization == "w8a8" and self.cpu_fused is not None:  # its one-row streams (hosts differ)
+                intra_op.on_own_thread(lambda: cpu_fused.pick_int8_streams(self.cpu_fused, weights), threads)
             how = low_precision.HOW[args.quantization]
             log.info("%s: %d linears as %s (%.0f MB)", args.quantization, len(weights), how, nbytes / 1e6)
         elif self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it

@@ -355,6 +355,7 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
 void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, int64_t scale_blocks,
                const float* bias, const float* residual, float* out, int64_t n, int64_t k, int64_t block,
                int64_t begin, int64_t end);
+int64_t int8_streams(int64_t streams);
 at::Tensor pack_int8_quads(const at::Tensor& w);
 at::Tensor pack_int8_scales(const at::Tensor& scale);
 at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scales, int64_t n, int64_t block,

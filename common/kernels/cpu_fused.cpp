@@ -431,6 +431,7 @@ TORCH_LIBRARY(disagg_cpu_fused, m) {
   m.def("gemm_bf16(Tensor x, Tensor pairs, int n, Tensor? bias, Tensor? residual) -> Tensor", &gemm_bf16);
   m.def("pack_int8_quads(Tensor w) -> Tensor", &pack_int8_quads);
   m.def("pack_int8_scales(Tensor scale) -> Tensor", &pack_int8_scales);
+  m.def("int8_streams(int streams=0) -> int", &int8_streams);
   m.def("gemm_int8(Tensor x, Tensor quads, Tensor scales, int n, int block, Tensor? bias, Tensor? residual) -> Tensor",
         &gemm_int8);
   m.def(

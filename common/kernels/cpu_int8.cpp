@@ -245,11 +245,21 @@ inline bool default_blocks(int64_t per_block, int64_t ratio) {
   return per_block == kDefaultPerBlock && ratio == kDefaultRatio;
 }
 
-// panels [begin, end) of a decode step's rows (rows <= kQuadFewRows), x quantized on the calling thread. Two
-// rows: each panel in turn. One row: the two halves of the range side by side (two streams of weights on
-// the thread, the odd panel last). A w8a8 decode step of SmolLM2 at one row took 4.13 ms with two streams
+// Panels side by side at one row, 1 or 2 (int8_streams), which start-up picks by timing
+// (cpu_fused.pick_int8_streams): hosts differ. A w8a8 decode step of SmolLM2 at one row took 4.13 ms with two
 // against 4.25 with one while the host read ~61 GB/s (faster in 218 of 300 steps), the same within noise at
-// ~33 GB/s (2-core AMD Zen 4, one process, interleaved); four streams were slower (6.09 against 5.67 ms).
+// ~33 GB/s (2-core AMD Zen 4, one process, interleaved); four were slower (6.09 against 5.67 ms).
+int64_t g_int8_streams = 2;  // until start-up picks
+
+int64_t int8_streams(int64_t streams) {
+  TORCH_CHECK(streams == 0 || streams == 1 || streams == 2, "int8_streams: 1 or 2 (0: ask)");
+  if (streams != 0) g_int8_streams = streams;
+  return g_int8_streams;
+}
+
+// panels [begin, end) of a decode step's rows (rows <= kQuadFewRows), x quantized on the calling thread. Two
+// rows: each panel in turn. One row with two streams: the two halves of the range side by side (the odd
+// panel last); with one, each panel in turn.
 void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, int64_t scale_blocks,
                const float* bias, const float* residual, float* out, int64_t n, int64_t k, int64_t block,
                int64_t begin, int64_t end) {
@@ -271,7 +281,7 @@ void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BF
   const auto one = rows == 1 ? (fixed ? quad_tile<1, 1, kDefaultPerBlock, kDefaultRatio> : quad_tile<1, 1>)
                              : (fixed ? quad_tile<kQuadFewRows, 1, kDefaultPerBlock, kDefaultRatio>
                                       : quad_tile<kQuadFewRows, 1>);
-  const int64_t half = rows == 1 ? (end - begin) / 2 : 0;
+  const int64_t half = rows == 1 && g_int8_streams == 2 ? (end - begin) / 2 : 0;
   const auto two = fixed ? quad_tile<1, 2, kDefaultPerBlock, kDefaultRatio> : quad_tile<1, 2>;
   for (int64_t i = 0; i < half; ++i) {
     const int64_t ps[2] = {begin + i, begin + half + i};

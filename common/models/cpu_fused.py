@@ -213,6 +213,7 @@ class FusedOps:
         self.pack_int8_scales = ops.pack_int8_scales  # and its scales
         self.decode_weights = getattr(torch.classes, NAME).DecodeWeights  # decode_layers' weights, held once
         self.row_streams = ops.row_streams  # the streams per thread of one row's gemv (pick_row_streams)
+        self.int8_streams = ops.int8_streams  # and of the int8 matmul's (pick_int8_streams)
         self.argmax_rows = ops.argmax_rows  # torch.argmax(x, dim=-1) of float32 rows (`argmax`)
 
     @staticmethod
@@ -353,6 +354,37 @@ def fusable(layer: torch.nn.Module) -> bool:
 
 
 ROW_STREAMS = (1, 2, 4)
+INT8_STREAMS = (1, 2)
+
+
+def _fastest(set_streams: Callable[[int], int], choices: tuple[int, ...], time_pass: Callable[[int], float],
+             rounds: int, what: str) -> int:  # fmt: skip
+    """Set the count among `choices` whose best pass (time_pass(streams): seconds) is fastest over `rounds`
+    interleaved rounds, log it, and return it."""
+    best = {}
+    with torch.inference_mode():
+        for r in range(rounds):
+            for streams in choices[:: 1 if r % 2 else -1]:
+                best[streams] = min(best.get(streams, float("inf")), time_pass(streams))
+    chosen = min(best, key=best.get)
+    set_streams(chosen)
+    log.info("%s at one row: %d stream(s) per thread (ms per pass of the linears: %s)", what, chosen,
+             ", ".join(f"{s}: {1e3 * best[s]:.2f}" for s in choices))  # fmt: skip
+    return chosen
+
+
+def _one_row_pass(set_streams: Callable[[int], int], weights: list, run: Callable) -> Callable[[int], float]:
+    """time_pass for _fastest: every weight's run(x, w) at one row, in model order, from memory."""
+    xs = {w.in_features: torch.randn(1, w.in_features) for w in weights}
+
+    def time_pass(streams: int) -> float:
+        set_streams(streams)
+        start = time.perf_counter()
+        for w in weights:
+            run(xs[w.in_features], w)
+        return time.perf_counter() - start
+
+    return time_pass
 
 
 def pick_row_streams(ops: FusedOps, weights: list, rounds: int = 3, time_pass: Callable | None = None) -> int:
@@ -363,27 +395,19 @@ def pick_row_streams(ops: FusedOps, weights: list, rounds: int = 3, time_pass: C
     model order, from memory); the best of `rounds` interleaved rounds decides. Each row's dot product
     does not depend on the streams, so neither do the results. Run on the computing thread's count."""
     if time_pass is None:
-        xs = {}
-        for w in weights:
-            xs.setdefault(w.in_features, torch.randn(1, w.in_features))
+        time_pass = _one_row_pass(ops.row_streams, weights, lambda x, w: ops.gemv(x, w.weight, None, None))
+    return _fastest(ops.row_streams, ROW_STREAMS, time_pass, rounds, "gemv")
 
-        def time_pass(streams: int) -> float:
-            ops.row_streams(streams)
-            start = time.perf_counter()
-            for w in weights:
-                ops.gemv(xs[w.in_features], w.weight, None, None)
-            return time.perf_counter() - start
 
-    best = {}
-    with torch.inference_mode():
-        for r in range(rounds):
-            for streams in ROW_STREAMS[:: 1 if r % 2 else -1]:
-                best[streams] = min(best.get(streams, float("inf")), time_pass(streams))
-    chosen = min(best, key=best.get)
-    ops.row_streams(chosen)
-    log.info("gemv at one row: %d stream(s) per thread (ms per pass of the linears: %s)", chosen,
-             ", ".join(f"{s}: {1e3 * best[s]:.2f}" for s in ROW_STREAMS))  # fmt: skip
-    return chosen
+def pick_int8_streams(ops: FusedOps, weights: list, rounds: int = 3, time_pass: Callable | None = None) -> int:
+    """The same for w8a8's int8 matmul (INT8_STREAMS: its panels side by side at one row, cpu_int8.cpp):
+    `weights` quantized and packed (low_precision.quantize); the default pass is each one's matmul at one
+    row. A column's sums do not depend on the streams, so neither do the results."""
+    if time_pass is None:
+        time_pass = _one_row_pass(
+            ops.int8_streams, weights, lambda x, w: w.gemm(x, w.low_panels, w.out_features, None, None)
+        )
+    return _fastest(ops.int8_streams, INT8_STREAMS, time_pass, rounds, "int8 matmul")
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
