@@ -1,30 +1,34 @@
-"""A dense decoder stack's decode step as one fused call (cpu_fused.FusedLayers, `decode_layers`) against
-the modules' own path, and the CPU linears' weight arena (common/models/weight_arena.py)."""
+"""A dense decoder stack's decode step as one fused call (cpu_step.FusedLayers, `decode_layers`, and
+`decode_logits` with the final norm, the lm_head and the argmax) against the modules' own path and the ops
+called in turn."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.forward.forward_batch import ForwardBatch
-from common.models import cpu_fused, low_precision, weight_arena
+from common.models import cpu_fused, cpu_step, low_precision
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, linear_weights
 from tests.oracle import hf_greedy
 from tests.test_cpu_fused_ops import NEW, PROMPTS, _greedy
 
 
 class Counting:
-    """The ops with `decode_layers` calls counted."""
+    """The ops with `decode_layers` and `decode_logits` calls counted (calls: both; heads: decode_logits')."""
 
     def __init__(self, ops):
-        self.ops, self.calls = ops, 0
+        self.ops, self.calls, self.heads = ops, 0, 0
 
     def decode_layers(self, *args):
         self.calls += 1
         return self.ops.decode_layers(*args)
+
+    def decode_logits(self, *args):
+        self.calls += 1
+        self.heads += 1
+        return self.ops.decode_logits(*args)
 
 
 def _count(runner) -> Counting:
@@ -54,7 +58,7 @@ def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch, bat
     forced = "panels" if layouts == "panels" else "rowblock"
     runner = ModelRunner(RunnerArgs(checkpoint(arch), max_total_tokens=96, max_running_requests=batch,
                                     linear_layout=forced))  # fmt: skip
-    assert isinstance(runner.model.fused_layers, cpu_fused.FusedLayers)
+    assert isinstance(runner.model.fused_layers, cpu_step.FusedLayers)
     if layouts == "mixed":
         for layer in runner.model.model.layers:
             for lw in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight):
@@ -89,14 +93,14 @@ def test_only_all_dense_stacks_fuse(ops, checkpoint):
 
     runner = ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=1))
     layer = runner.model.model.layers[0]
-    assert cpu_fused.fusable(layer)
+    assert cpu_step.fusable(layer)
     layer.input_layernorm = torch.nn.Identity()  # EAGLE's head layer
-    assert not cpu_fused.fusable(layer)
+    assert not cpu_step.fusable(layer)
     assert issubclass(Eagle3Layer, DecoderLayer)  # a subclass with its own forward: never fused
     eagle3 = Eagle3Layer.__new__(Eagle3Layer)
     torch.nn.Module.__init__(eagle3)
     eagle3.self_attn, eagle3.mlp = layer.self_attn, layer.mlp
-    assert not cpu_fused.fusable(eagle3)
+    assert not cpu_step.fusable(eagle3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -105,7 +109,7 @@ def test_greedy_through_the_fused_layer_matches_hf(ops, checkpoint, arch):
     runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4, linear_layout="rowblock"))
     counting = _count(runner)
     assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
-    assert counting.calls > 0  # batches of 1-3 decode rows went through it
+    assert counting.heads > 0  # batches of 1-3 decode rows went through it, the final norm and lm_head too
 
 
 def test_layers_whose_linears_use_another_layout_keep_the_modules(ops, checkpoint):
@@ -116,50 +120,6 @@ def test_layers_whose_linears_use_another_layout_keep_the_modules(ops, checkpoin
     counting = _count(runner)
     assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
     assert counting.calls == 0
-
-
-def test_the_linears_live_in_one_aligned_arena(checkpoint):
-    """Every linear weight of the runner (the tied lm_head too) is a view of one 2 MiB-aligned buffer in
-    model order, the tied embedding reads the same memory (nothing held twice), and tokens stay HF's."""
-    path = checkpoint("qwen2-tied")
-    runner = ModelRunner(RunnerArgs(path, max_total_tokens=256, max_running_requests=4))
-    weights = linear_weights(runner.model)
-    storages = {w.weight.untyped_storage().data_ptr() for w in weights}
-    assert len(storages) == 1
-    starts = sorted(w.weight.data_ptr() for w in weights)
-    assert starts[0] % weight_arena.HUGE_PAGE == 0
-    ends = sorted(w.weight.data_ptr() + w.weight.numel() * 4 for w in weights)
-    assert starts[1:] == ends[:-1]  # back to back
-    assert runner.model.model.embed_tokens.weight.data_ptr() == runner.model._lm_head_cpu.weight.data_ptr()
-    for w in weights:
-        assert w.blocks.data_ptr() == w.weight.data_ptr()  # the rowblock view follows the weight
-    assert _greedy(runner) == [hf_greedy(path, p, NEW) for p in PROMPTS]
-
-
-def test_hugepage_empty_is_aligned_and_advised():
-    t = weight_arena.hugepage_empty(3 * weight_arena.HUGE_PAGE // 4 + 5)
-    assert t.data_ptr() % weight_arena.HUGE_PAGE == 0 and t.numel() == 3 * weight_arena.HUGE_PAGE // 4 + 5
-    t.fill_(1.0)
-    assert float(t.sum()) == t.numel()
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read()
-    except OSError:
-        pytest.skip("no transparent huge pages on this host")
-    if "[never]" not in thp:
-        assert weight_arena._advise_huge(t.data_ptr(), weight_arena.HUGE_PAGE)
-
-
-def test_a_refused_madvise_is_said_once(monkeypatch, caplog):
-    """Where THP is off (madvise refused) the arena still works, on 4 KiB pages, and one log line says so."""
-    monkeypatch.setattr(weight_arena, "_advise_huge", lambda address, length: False)
-    monkeypatch.setattr(weight_arena, "_refusal_logged", False)
-    with caplog.at_level(logging.INFO, logger=weight_arena.__name__):
-        for _ in range(2):
-            t = weight_arena.hugepage_empty(1000)
-            assert t.data_ptr() % weight_arena.HUGE_PAGE == 0
-    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(lines) == 1 and "4 KiB pages" in lines[0]
 
 
 class _CountedGemv:
@@ -222,44 +182,6 @@ def test_the_table_times_the_path_the_forward_takes_and_keys_it(ops, checkpoint,
     assert fused.serves(torch.zeros(2, runner.config.hidden_size), cos, backend)
 
 
-def test_gather_moves_tensors_of_any_dtype_into_one_aligned_arena():
-    """Each owner's tensor keeps its values, dtype and shape, lands 64-byte aligned in one huge-page arena
-    in order, and the old tensor is no longer held; owners without one are left alone."""
-    from types import SimpleNamespace
-
-    g = torch.Generator().manual_seed(0)
-    values = [
-        torch.randint(0, 256, (3, 5, 7), dtype=torch.uint8, generator=g),
-        None,
-        torch.randn(4, 33, generator=g).to(torch.bfloat16),
-        torch.randn(10, generator=g),
-    ]
-    owners = [SimpleNamespace(t=None if v is None else v.clone()) for v in values]
-    old = [o.t for o in owners]
-    assert weight_arena.gather(owners, "t") == 128 + 320 + 64  # each rounded up to 64 bytes
-    assert owners[1].t is None
-    held = [o.t for o in owners if o.t is not None]
-    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
-    assert held[0].data_ptr() % weight_arena.HUGE_PAGE == 0
-    assert [t.data_ptr() - held[0].data_ptr() for t in held] == [0, 128, 448]
-    for o, v, before in zip(owners, values, old):
-        if v is not None:
-            assert o.t.dtype == v.dtype and torch.equal(o.t, v) and o.t.data_ptr() != before.data_ptr()
-    assert weight_arena.gather([SimpleNamespace(t=None)], "t") == 0
-
-
-def test_the_packed_low_precision_weights_are_in_one_arena(checkpoint):
-    """w8a8's int8 quads (what a decode step streams) sit in one 2 MiB-aligned arena, not on the 4 KiB
-    pages the packing op allocated."""
-    runner = ModelRunner(
-        RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=2, quantization="w8a8")
-    )
-    quads = [w.low_panels for w in linear_weights(runner.model)]
-    assert all(q is not None and q.dtype == torch.uint8 for q in quads)
-    assert len({q.untyped_storage().data_ptr() for q in quads}) == 1
-    assert min(q.data_ptr() for q in quads) % weight_arena.HUGE_PAGE == 0
-
-
 def test_decode_weights_are_held_once_and_checked(ops):
     """decode_layers takes its weights as one DecodeWeights, built once per mix of layouts: a list that is
     not 16 entries per layer is refused when it is built, and caches that do not match its layers when called."""
@@ -314,7 +236,7 @@ def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fm
     barriers); the rest op by op."""
     threads(team)
     gen = torch.Generator().manual_seed(rows)
-    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 320, low_precision.X_BLOCK, 1e-6
+    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 1024, low_precision.X_BLOCK, 1e-6
     entries, linears = _stack(ops, fmt, gen)
     held = ops.decode_weights(entries)
     assert held.one_region() == (fmt != "panels")
@@ -323,7 +245,9 @@ def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fm
     # at two rows one thread's attention (the long request's) takes far longer than the other's: a missing
     # barrier after it shows as an o_proj that read unwritten rows
     seq_lens = torch.tensor([9, 300, 4][:rows])
-    slots = torch.stack([torch.randperm(slots_n - 1, generator=gen)[:300] + 1 for _ in range(rows)])
+    # each request its own slots, as the pool gives them: a slot one request writes while another reads it is a
+    # race the step need not order
+    slots = (torch.randperm(slots_n - 1, generator=gen)[: 300 * rows] + 1).view(rows, 300)
     out_loc = slots[torch.arange(rows), seq_lens - 1].contiguous()
     x, cos, sin = (torch.randn(rows, n, generator=gen) for n in (64, d, d))
     k_ref, v_ref = [c.clone() for c in caches[:layers]], [c.clone() for c in caches[layers:]]
@@ -384,3 +308,122 @@ def test_the_one_region_step_refuses_calls_that_do_not_match_its_weights(ops):
         ops.decode_layers(x, held, caches, caches[:2] + [torch.zeros(39, 2, 16)], *args)
     with pytest.raises(RuntimeError, match="seq_lens out of range"):
         ops.decode_layers(x, held, caches, caches, *args[:5], one + 1, *args[6:])
+
+
+def _head(ops, fmt: str, gen: torch.Generator, vocab: int, hidden=64):
+    """A random lm_head in one format (weight, scale) and its final norm's weight: the rows of its second half
+    copy the first half's, so every logit there ties with one in the first half (another thread's share)."""
+    w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5
+    w[vocab - vocab // 2 :] = w[: vocab // 2]
+    q, scale = low_precision.quantize_rows(w)
+    qb, block_scale = low_precision.quantize_blocks(w)
+    held = {
+        "fp32": (w, None),
+        "bf16": (w.bfloat16(), None),
+        "w8": (q, scale),
+        "w8a8": (ops.pack_int8_quads(qb), ops.pack_int8_scales(block_scale)),
+        "bf16-matmul": (ops.pack_bf16_pairs(w.bfloat16()), None),
+        "panels": (ops.pack_panels(w), None),
+    }[fmt]
+    return held, torch.rand(hidden, generator=gen) + 0.5
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
+@pytest.mark.parametrize("rows,team", [(1, 2), (2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("vocab", [200, 16])
+def test_decode_logits_gives_the_bits_of_decode_layers_then_its_head(ops, threads, fmt, rows, team, vocab):
+    """decode_logits against decode_layers, then the final norm, the lm_head in the same format and torch.argmax
+    called in turn: the same normed rows, logits, tokens and caches. In the one-region form (one or two rows,
+    every format but the panel GEMM) each thread finds the best of its share of the logits: the ties across
+    shares (the head's halves are equal) must go to the first, and a vocabulary of one panel leaves a thread
+    with no share of the lm_head."""
+    threads(team)
+    gen = torch.Generator().manual_seed(7 * rows + vocab)
+    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 128, low_precision.X_BLOCK, 1e-6
+    entries, _ = _stack(ops, fmt, gen)
+    (w, scale), norm = _head(ops, fmt, gen, vocab)
+    held = ops.decode_weights(entries)
+    with pytest.raises(RuntimeError, match="no head"):
+        ops.decode_logits(torch.zeros(rows, 64), held, [], [], eps, *[torch.zeros(1)] * 5, 4, 2, 0.25, block, True)
+    held.set_head(norm, w, scale, vocab)
+    caches = [torch.randn(slots_n, kv_heads, d, generator=gen) for _ in range(6)]
+    seq_lens = torch.tensor([9, 40, 4][:rows])
+    slots = (torch.randperm(slots_n - 1, generator=gen)[: 40 * rows] + 1).view(rows, 40)  # each request its own
+    out_loc = slots[torch.arange(rows), seq_lens - 1].contiguous()
+    x, cos, sin = (torch.randn(rows, n, generator=gen) for n in (64, d, d))
+    args = (eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, 0.25, block)
+    k_ref, v_ref = [c.clone() for c in caches[:3]], [c.clone() for c in caches[3:]]
+    want_normed = ops.rms_norm(ops.decode_layers(x, held, k_ref, v_ref, *args), norm, eps)
+    if fmt == "w8a8":
+        want_logits = ops.gemm_int8(want_normed, w, scale, vocab, block, None, None)
+    elif fmt == "bf16-matmul":
+        want_logits = ops.gemm_bf16(want_normed, w, vocab, None, None)
+    elif fmt == "panels":
+        want_logits = ops.gemm_panels(want_normed, w, vocab, None, None)
+    else:
+        want_logits = (
+            ops.gemv(want_normed, w, None, None) if scale is None else ops.gemv_w8(want_normed, w, scale, None, None)
+        )
+    want_tokens = want_logits.argmax(dim=-1)
+    if vocab > 16:
+        assert (want_tokens < vocab // 2).all()  # the first of each tie
+    for greedy in (True, False, True):  # a race between the threads' shares would show in some run
+        k, v = [c.clone() for c in caches[:3]], [c.clone() for c in caches[3:]]
+        normed, logits, tokens = ops.decode_logits(x, held, k, v, *args, greedy)
+        assert torch.equal(normed, want_normed), (normed - want_normed).abs().max(dim=1)
+        assert torch.equal(logits, want_logits)
+        assert torch.equal(tokens, want_tokens) if greedy else tokens.numel() == 0
+        assert all(torch.equal(a, b) for a, b in zip(k + v, k_ref + v_ref))
+
+
+@pytest.mark.parametrize("team", [2, 3])
+def test_decode_logits_argmax_takes_the_first_nan_of_any_threads_share(ops, threads, team):
+    """torch.argmax's rule for NaN logits (the first NaN wins) across the threads' shares of the lm_head."""
+    threads(team)
+    gen = torch.Generator().manual_seed(team)
+    entries, _ = _stack(ops, "fp32", gen)
+    (w, _), norm = _head(ops, "fp32", gen, 200)
+    held = ops.decode_weights(entries)
+    caches = [torch.randn(16, 2, 16, generator=gen) for _ in range(6)]
+    one = torch.ones(1, dtype=torch.int64)
+    x, cos, sin = (torch.randn(1, n, generator=gen) for n in (64, 16, 16))
+    args = (1e-6, cos, sin, one, one.view(1, 1), one, 4, 2, 0.25, 32, True)
+    for nan_rows, want in (([190], 190), ([150, 190], 150), ([3, 190], 3)):
+        head = w.clone()
+        head[nan_rows] = float("nan")
+        held.set_head(norm, head, None, 200)
+        tokens = ops.decode_logits(x, held, [c.clone() for c in caches[:3]], [c.clone() for c in caches[3:]], *args)[2]
+        assert tokens.tolist() == [want]
+    with pytest.raises(RuntimeError, match="norm weight"):
+        held.set_head(torch.ones(32), w, None, 200)
+
+
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
+def test_a_decode_steps_head_runs_in_the_layers_call_with_the_same_tokens_and_logits(ops, checkpoint, quantization):
+    """A runner's decode step takes the final norm, the lm_head and the argmax in the layers' call
+    (FusedLayers.logits): the greedy tokens and the logits are those of the step without it (the hidden through
+    the final norm and the lm_head's own call), and its normed hidden is returned as the step's hidden."""
+    path = checkpoint("llama")
+    runner = ModelRunner(
+        RunnerArgs(
+            path, max_total_tokens=64, max_running_requests=2, linear_layout="rowblock", quantization=quantization
+        )
+    )
+    counting = _count(runner)
+    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
+    rows = [pool.alloc(), pool.alloc()]
+    for row, prompt in zip(rows, ([5, 17, 99, 3], [7, 7, 2])):
+        pool.write(row, 0, runner.kv_allocator.alloc(len(prompt) + 1))
+        runner.forward(ForwardBatch.extend(table, [row], [0], [prompt]))
+    fb = lambda: ForwardBatch.decode(table, torch.tensor(rows), [4, 3], torch.tensor([11, 12]))  # noqa: E731
+    tokens, hidden = runner.forward(fb(), greedy=True)
+    logits, _ = runner.forward(fb(), greedy=False)
+    assert counting.heads == 2
+    runner.model.fused_layers.lm_head = None  # the same step, its head after the layers' call
+    runner.model.fused_layers._version = -1
+    with torch.inference_mode():
+        want_hidden = runner.model(fb(), runner.backend)
+        want_logits = runner.model.compute_logits(want_hidden)
+    assert counting.heads == 2
+    assert torch.equal(hidden, want_hidden) and torch.equal(logits, want_logits)
+    assert torch.equal(tokens, want_logits.argmax(dim=-1))

@@ -103,6 +103,26 @@ def check_bf16_kv_attention(ops, march: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(*written)), (march, "bf16 KV write", name)
 
 
+def check_decode_logits(ops, march: str) -> None:
+    """decode_logits' one-region head at one and two rows: each thread's best of its share of the logits (the
+    scan this build compiled), the threads' bests combined: torch.argmax of its logits, ties across shares."""
+    import torch
+
+    from tests.test_cpu_fused_layer import _head, _stack
+
+    gen = torch.Generator().manual_seed(1)
+    held = ops.decode_weights(_stack(ops, "fp32", gen)[0])
+    (w, _), norm = _head(ops, "fp32", gen, 1000)
+    held.set_head(norm, w, None, 1000)
+    for rows in (1, 2):
+        caches = [torch.randn(8, 2, 16, generator=gen) for _ in range(6)]
+        slots = torch.arange(1, 1 + 3 * rows).view(rows, 3)
+        x, cos, sin = (torch.randn(rows, n, generator=gen) for n in (64, 16, 16))
+        args = (1e-6, cos, sin, slots[:, -1].contiguous(), slots, torch.full((rows,), 3), 4, 2, 0.25, 32, True)
+        _, logits, tokens = ops.decode_logits(x, held, caches[:3], caches[3:], *args)
+        assert torch.equal(tokens, logits.argmax(dim=-1)) and (tokens < 500).all(), (march, "decode_logits", rows)
+
+
 def check(march: str, folder: str) -> None:
     """Build the kernels with -march=`march` into `folder`, load them, and check them (raises if wrong);
     the int8 matmul's outputs are left in folder/int8.pt for the caller to compare with its own build's."""
@@ -154,6 +174,7 @@ def check(march: str, folder: str) -> None:
         nans[:, n // 2] = nans[:, -2] = float("nan")
         for case in (x, nans, torch.full((rows, n), float("-inf"))):
             assert torch.equal(ops.argmax_rows(case), torch.argmax(case, dim=-1)), (march, "argmax_rows", rows, n)
+    check_decode_logits(ops, march)
     outs = int8_outputs(ops)
     for (rows, n, k, block, w_block), got in zip(INT8_CASES, outs):
         x, q, scale, b, r = int8_inputs(rows, n, k, w_block)

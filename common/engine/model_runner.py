@@ -276,10 +276,9 @@ class ModelRunner:
         """(logits or greedy tokens of the logits rows, the hidden or the captured layers' features)."""
         if self.expert_load is not None:  # which rows are padding (slot 0): a replayed graph's counts skip them
             self.expert_load.slots = forward_batch.out_cache_loc
-        if capture:
-            hidden, features = self.model(forward_batch, self.backend, capture=capture)
-        else:
-            hidden = features = self.model(forward_batch, self.backend)
+        if not capture:
+            return self.model.forward_logits(forward_batch, self.backend, greedy)
+        hidden, features = self.model(forward_batch, self.backend, capture=capture)
         rows = hidden[forward_batch.logits_indices]
         return (self.model.greedy_tokens(rows) if greedy else self.model.compute_logits(rows)), features
 

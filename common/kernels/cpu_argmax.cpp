@@ -19,12 +19,6 @@
 
 namespace disagg_cpu {
 
-// a part of a row's best: its value and the first index holding it, a NaN counting as the largest
-struct Best {
-  float value;
-  int64_t index;
-};
-
 // the best of x[0, n) (n > 0), `first` the index of x[0]: one at a time, stopping at the first NaN
 inline Best plain_best(const float* x, int64_t n, int64_t first) {
   Best b{x[0], first};
@@ -35,7 +29,7 @@ inline Best plain_best(const float* x, int64_t n, int64_t first) {
 
 // the same, 16 at a time with AVX-512: each lane's first largest, then the first lane holding the largest;
 // where a NaN shows, plain_best finds the first one
-inline Best best_of(const float* x, int64_t n, int64_t first) {
+Best best_of(const float* x, int64_t n, int64_t first) {
 #if defined(__AVX512F__)
   if (n >= 16) {
     const __m512i step = _mm512_set1_epi32(16);
@@ -64,9 +58,10 @@ inline Best best_of(const float* x, int64_t n, int64_t first) {
   return plain_best(x, n, first);
 }
 
-// b or c, whichever comes first in a scan that met b's part before c's
-inline Best better(const Best& b, const Best& c) {
-  if (std::isnan(b.value)) return b;
+// b or c, whichever comes first in a scan that met b's part before c's (an empty part: neither)
+Best better(const Best& b, const Best& c) {
+  if (c.index < 0) return b;
+  if (b.index < 0 || std::isnan(b.value)) return b.index < 0 ? c : b;
   return std::isnan(c.value) || c.value > b.value ? c : b;
 }
 

@@ -361,4 +361,14 @@ at::Tensor pack_int8_scales(const at::Tensor& scale);
 at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Tensor& scales, int64_t n, int64_t block,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 
+// cpu_argmax.cpp: a part of a row's best, its value and the first index holding it (a NaN counts as the largest;
+// index -1: an empty part)
+struct Best {
+  float value;
+  int64_t index;
+};
+Best best_of(const float* x, int64_t n, int64_t first);  // x[0, n), n > 0, `first` the index of x[0]
+Best better(const Best& b, const Best& c);               // b's part met before c's in the scan
+at::Tensor argmax_rows(const at::Tensor& x);
+
 }  // namespace disagg_cpu

@@ -2,6 +2,8 @@
 // with cpu_fused.cpp and the kernels' sources by common/models/cpu_fused.py):
 //   DecodeWeights(list)                      -> the stack's weights, held once per mix of layouts
 //   decode_layers(x [R, D], weights, ...)    -> every layer's decode step in turn, for R rows
+//   decode_logits(x [R, D], weights, ...)    -> the same, then the final norm and the lm_head the weights hold
+//     (DecodeWeights.set_head), and with `greedy` each row's argmax: the whole step's model in one region
 // It runs in one of two forms, with the same bits:
 //   one region: at up to kStepRows rows (a decode step of a request or two) where every linear is a gemv
 //     (float32, bf16 or int8 weights), the int8 matmul or the bf16 matmul. The whole stack is one
@@ -19,6 +21,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <tuple>
 #include <vector>
 
 #include "cpu_common.h"
@@ -27,14 +31,28 @@ namespace disagg_cpu {
 
 constexpr int64_t kLayerWeights = 16;
 
+// A linear op by op, for any rows: the panel GEMM where the weight is panels (3-D: pack_panels), the bf16
+// matmul where it is pairs (4-D bf16: pack_bf16_pairs), the int8 matmul where it is quads (4-D uint8:
+// pack_int8_quads; its input quantized per `block` of k), else the gemv (gemv_w8 where it has a scale); n: its
+// outputs
+at::Tensor run_linear(const at::Tensor& in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      const c10::optional<at::Tensor>& scale, int64_t n, int64_t block,
+                      const c10::optional<at::Tensor>& residual) {
+  if (weight.dim() == 3) return gemm_panels(in, weight, n, bias, residual, scale);
+  if (weight.dim() == 4 && weight.scalar_type() == at::kByte) {
+    TORCH_CHECK(scale.has_value(), "decode_layers: int8 quads need their scale");
+    return gemm_int8(in, weight, *scale, n, block, bias, residual);
+  }
+  if (weight.dim() == 4) return gemm_bf16(in, weight, n, bias, residual);
+  return scale.has_value() ? gemv_w8(in, weight, *scale, bias, residual) : gemv(in, weight, bias, residual);
+}
+
 // A dense decoder layer's decode step for a few rows (a Llama / Qwen2 / Qwen3 layer whose linears
 // run as the gemv or the panel GEMM), as the torch modules compute it:
 //   h = x + o_proj(decode_attention(qkv_proj(rms_norm(x))))
 //   out = h + down_proj(silu_and_mul(gate_up_proj(rms_norm(h))))
-// w: the layer's kLayerWeights entries of decode_layers' list, in the order named there. A linear given
-// as panels runs the panel GEMM, as bf16 pairs the bf16 matmul, as int8 quads the int8 matmul (its input
-// quantized per `block` of k), else the gemv; with a scale its weight is int8 (w8 or w8a8), else float32
-// or bf16.
+// w: the layer's kLayerWeights entries of decode_layers' list, in the order named there; with a scale a
+// linear's weight is int8 (w8 or w8a8), else float32 or bf16 (run_linear).
 at::Tensor decode_layer(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& w, int64_t first,
                         double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& slots,
@@ -46,20 +64,10 @@ at::Tensor decode_layer(const at::Tensor& x, const std::vector<c10::optional<at:
     return *t;
   };
   const c10::optional<at::Tensor> none;
-  // the linear of weight w_i, bias b_i and scale s_i with n outputs: the panel GEMM where the weight is
-  // panels (3-D: pack_panels), the bf16 matmul where it is pairs (4-D bf16: pack_bf16_pairs), the int8
-  // matmul where it is quads (4-D uint8: pack_int8_quads), else the gemv (gemv_w8 where it has a scale)
+  // the linear of weight w_i, bias b_i and scale s_i with n outputs
   const auto linear = [&](const at::Tensor& in, int64_t wi, int64_t bi, int64_t si, int64_t n,
                           const c10::optional<at::Tensor>& residual) {
-    const c10::optional<at::Tensor>& s = opt(si);
-    const at::Tensor& weight = need(wi);
-    if (weight.dim() == 3) return gemm_panels(in, weight, n, opt(bi), residual, s);
-    if (weight.dim() == 4 && weight.scalar_type() == at::kByte) {
-      TORCH_CHECK(s.has_value(), "decode_layers: int8 quads need their scale");
-      return gemm_int8(in, weight, *s, n, block, opt(bi), residual);
-    }
-    if (weight.dim() == 4) return gemm_bf16(in, weight, n, opt(bi), residual);
-    return s.has_value() ? gemv_w8(in, weight, *s, opt(bi), residual) : gemv(in, weight, opt(bi), residual);
+    return run_linear(in, need(wi), opt(bi), opt(si), n, block, residual);
   };
   const int64_t hidden = x.size(1), width = (heads + 2 * kv_heads) * k_cache.size(-1);
   const at::Tensor& down = need(10);  // its in-features: the MLP's width (gate_up has twice as many outputs)
@@ -89,6 +97,10 @@ struct Layer {
   const float *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
   int64_t q_norm_n = 0, k_norm_n = 0;  // their sizes (a head's, checked by the call)
   Linear qkv, o, gate_up, down;
+};
+struct Head {  // after the last layer: the final norm, then the lm_head's logits
+  const float* norm = nullptr;
+  Linear lm;
 };
 
 bool f32_vector(const c10::optional<at::Tensor>& t, int64_t n) {
@@ -148,8 +160,10 @@ bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tenso
 // streamed past: 2-core AMD Zen 4). Where every layer's data is what the one-region step runs, `layers`
 // holds it as pointers (the tensors, held in `w`, keep it alive); else it is empty.
 struct DecodeWeights : torch::CustomClassHolder {
-  std::vector<c10::optional<at::Tensor>> w;
+  std::vector<c10::optional<at::Tensor>> w, head_w;  // head_w: set_head's norm, weight and scale?
   std::vector<Layer> layers;
+  c10::optional<Head> head;  // head_w as pointers, where the one-region step runs it
+  int64_t head_n = 0;        // the head's outputs (the vocabulary)
   int64_t hidden = 0, inter = 0;  // every layer's: the model's width and its MLP's
   explicit DecodeWeights(const c10::List<c10::optional<at::Tensor>>& list) {
     TORCH_CHECK(!list.empty() && static_cast<int64_t>(list.size()) % kLayerWeights == 0,
@@ -187,6 +201,19 @@ struct DecodeWeights : torch::CustomClassHolder {
     }
   }
   int64_t count() const { return static_cast<int64_t>(w.size()) / kLayerWeights; }
+  // The final norm's weight and the lm_head (weight, int8 scale?, `vocab` outputs, in any layout decode_layer
+  // runs) for decode_logits; `head` holds them where the one-region step runs them too
+  void set_head(const at::Tensor& norm, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                int64_t vocab) {
+    TORCH_CHECK(f32_vector(norm, hidden) && vocab > 0,
+                "DecodeWeights.set_head: a contiguous float32 norm weight of the layers' width and a vocabulary");
+    head.reset();
+    head_w = {norm, weight, scale}, head_n = vocab;
+    Head h;
+    if (layers.empty() || !as_linear(weight, c10::nullopt, scale, vocab, hidden, h.lm)) return;
+    h.norm = norm.data_ptr<float>();
+    head = h;
+  }
 };
 
 // thread t of `team`: its share of linear L's outputs (n of them) for x [rows, L.k]
@@ -210,11 +237,26 @@ void linear_share(const Linear& L, int64_t n, const float* x, int64_t rows, cons
   }
 }
 
-// The one-region step (see the top): x [rows, hidden] through every layer into out; `a`: the attention's
-// batch-wide data (the layers' caches, norms, qkv and output set per layer here)
+// thread t of `team`: the columns [c0, c1) of linear L's n outputs that linear_share gives it
+void share_columns(const Linear& L, int64_t n, int64_t t, int64_t team, int64_t& c0, int64_t& c1) {
+  share(L.count != 0 ? L.count : n, t, team, c0, c1);
+  if (L.count != 0) c0 = std::min(c0 * kPanel, n), c1 = std::min(c1 * kPanel, n);
+}
+
+// What the one-region step writes after the last layer, where decode_logits asks: the normed rows [rows,
+// hidden], their logits [rows, vocab] and, where `tokens` is given, each row's argmax
+struct HeadOut {
+  const Head* head = nullptr;
+  float *normed = nullptr, *logits = nullptr;
+  int64_t* tokens = nullptr;
+};
+
+// The one-region step (see the top): x [rows, hidden] through every layer into out, then `ho`'s head where
+// it has one; `a`: the attention's batch-wide data (the layers' caches, norms, qkv and output set per layer
+// here)
 void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_t rows, int64_t hidden, int64_t width,
                         float eps, at::TensorList k_caches, at::TensorList v_caches, Attention a, int64_t block,
-                        float* out) {
+                        float* out, const HeadOut& ho) {
   const int64_t inter = layers[0].down.k, heads_d = a.heads * a.d, count = static_cast<int64_t>(layers.size());
   // (every layer's MLP is that wide: DecodeWeights takes no other for this step)
   const std::vector<int64_t> starts = task_starts(a);
@@ -230,6 +272,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   std::vector<void*> kc(count), vc(count);
   for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr(), vc[l] = v_caches[l].data_ptr();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
+  std::vector<Best> found(rows * team);  // the head's argmax: each thread's best of its columns, per row
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
@@ -258,6 +301,26 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
       for (int64_t r = 0; r < rows; ++r) silu_row(gate_up + r * 2 * inter, inter, mine.data() + r * inter);
       linear_share(L.down, hidden, mine.data(), rows, h, next, block, t, threads);
 #pragma omp barrier
+    }
+    if (ho.head != nullptr) {  // the last layer wrote `out`; each thread norms its own copy of it
+      const Linear& lm = ho.head->lm;
+      for (int64_t r = 0; r < rows; ++r) rms_row(out + r * hidden, ho.head->norm, eps, hidden, mine.data() + r * hidden);
+      if (t == 0) std::copy(mine.data(), mine.data() + rows * hidden, ho.normed);
+      linear_share(lm, lm.n, mine.data(), rows, nullptr, ho.logits, block, t, threads);
+      if (ho.tokens != nullptr) {  // the best of this thread's columns, while they are in its cache
+        int64_t c0, c1;
+        share_columns(lm, lm.n, t, threads, c0, c1);
+        for (int64_t r = 0; r < rows; ++r)
+          found[r * threads + t] = c0 < c1 ? best_of(ho.logits + r * lm.n + c0, c1 - c0, c0) : Best{0.f, -1};
+#pragma omp barrier
+        if (t == 0) {  // the threads' columns in order: the first of equals is the lowest thread's
+          for (int64_t r = 0; r < rows; ++r) {
+            Best b = found[r * threads];
+            for (int64_t u = 1; u < threads; ++u) b = better(b, found[r * threads + u]);
+            ho.tokens[r] = b.index;
+          }
+        }
+      }
     }
   }
 }
@@ -301,6 +364,21 @@ bool one_region_takes(const DecodeWeights& weights, const at::Tensor& x, at::Ten
   return true;
 }
 
+// The attention's batch-wide data of a one-region step (its per-layer fields are set in the step)
+Attention step_attention(const at::Tensor& x, at::TensorList k_caches, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads,
+                         int64_t kv_heads, double eps, double scale) {
+  const int64_t rows = x.size(0);
+  check_slots(out_loc, slots, seq_lens, c10::nullopt, rows, k_caches[0].size(0));
+  Attention a;
+  a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
+  a.out_loc = out_loc.data_ptr<int64_t>(), a.slots = slots.data_ptr<int64_t>(), a.seq_lens = seq_lens.data_ptr<int64_t>();
+  a.kv_bf16 = k_caches[0].scalar_type() == at::kBFloat16;
+  a.tokens = rows, a.heads = heads, a.kv_heads = kv_heads, a.d = k_caches[0].size(2), a.s_max = slots.size(1);
+  a.eps = static_cast<float>(eps), a.scale = static_cast<float>(scale);
+  return a;
+}
+
 // Every layer's decode step in turn, in one call: between layers no Python runs (measured on a 2-core
 // AMD EPYC: ~60 us of interpreter per layer when each layer was its own call, the weights' stream
 // having pushed the interpreter's working set out of the caches). block: the int8 matmul's block of k
@@ -313,17 +391,10 @@ at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<DecodeWei
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && v_caches.size() == k_caches.size(),
               "decode_layers: a K and V cache per layer of the weights expected");
   if (one_region_takes(*weights, x, k_caches, v_caches, cos, sin, heads, kv_heads, block)) {
-    const int64_t rows = x.size(0), d = k_caches[0].size(2);
-    check_slots(out_loc, slots, seq_lens, c10::nullopt, rows, k_caches[0].size(0));
-    Attention a;
-    a.cos = cos.data_ptr<float>(), a.sin = sin.data_ptr<float>();
-    a.out_loc = out_loc.data_ptr<int64_t>(), a.slots = slots.data_ptr<int64_t>(), a.seq_lens = seq_lens.data_ptr<int64_t>();
-    a.kv_bf16 = k_caches[0].scalar_type() == at::kBFloat16;
-    a.tokens = rows, a.heads = heads, a.kv_heads = kv_heads, a.d = d, a.s_max = slots.size(1);
-    a.eps = static_cast<float>(eps), a.scale = static_cast<float>(scale);
-    at::Tensor out = at::empty({rows, weights->hidden}, x.options());
-    step_in_one_region(weights->layers, x.data_ptr<float>(), rows, weights->hidden, (heads + 2 * kv_heads) * d,
-                       static_cast<float>(eps), k_caches, v_caches, a, block, out.data_ptr<float>());
+    const Attention a = step_attention(x, k_caches, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, eps, scale);
+    at::Tensor out = at::empty({x.size(0), weights->hidden}, x.options());
+    step_in_one_region(weights->layers, x.data_ptr<float>(), x.size(0), weights->hidden, (heads + 2 * kv_heads) * a.d,
+                       static_cast<float>(eps), k_caches, v_caches, a, block, out.data_ptr<float>(), HeadOut{});
     return out;
   }
   at::Tensor h = x.contiguous();
@@ -334,6 +405,44 @@ at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<DecodeWei
   return h;
 }
 
+// decode_layers' step, then the final norm and the lm_head the weights hold (set_head): (the normed rows
+// [R, D], their logits [R, vocab], with `greedy` each row's argmax [R] (torch.argmax's: the first of the
+// largest, or the first NaN), else an empty tensor). In the one-region form the head runs in the same
+// region, each thread finding the best of its own share of the logits; op by op, after the layers' ops. At
+// one row of a w8a8 SmolLM2 the final norm, the lm_head's call and the argmax, each a call of its own, cost
+// ~0.14 ms after the step's weights streamed past (2-core AMD Zen 4).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_logits(
+    const at::Tensor& x, const c10::intrusive_ptr<DecodeWeights>& weights, at::TensorList k_caches,
+    at::TensorList v_caches, double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& out_loc,
+    const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, double scale, int64_t block,
+    bool greedy) {
+  TORCH_CHECK(!weights->head_w.empty(), "decode_logits: the weights hold no head (set_head)");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == weights->count() && v_caches.size() == k_caches.size(),
+              "decode_logits: a K and V cache per layer of the weights expected");
+  const int64_t rows = x.size(0), hidden = weights->hidden, vocab = weights->head_n;
+  const Head* head = weights->head.has_value() ? &*weights->head : nullptr;
+  if (head == nullptr || !one_region_takes(*weights, x, k_caches, v_caches, cos, sin, heads, kv_heads, block)) {
+    const at::Tensor h = decode_layers(x, weights, k_caches, v_caches, eps, cos, sin, out_loc, slots, seq_lens, heads,
+                                       kv_heads, scale, block);
+    const std::vector<c10::optional<at::Tensor>>& hw = weights->head_w;  // norm, weight, scale?
+    at::Tensor normed = rms_norm(h, *hw[0], eps);
+    at::Tensor logits = run_linear(normed, *hw[1], c10::nullopt, hw[2], vocab, block, c10::nullopt);
+    return {normed, logits, greedy ? argmax_rows(logits) : at::empty({0}, x.options().dtype(at::kLong))};
+  }
+  TORCH_CHECK(head->lm.kernel != Kernel::int8_quads || (head->lm.k / head->lm.blocks) % block == 0,
+              "decode_logits: the int8 matmul's block must divide the lm_head's scales' blocks of k, got ", block);
+  const Attention a = step_attention(x, k_caches, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, eps, scale);
+  at::Tensor last = at::empty({rows, hidden}, x.options()), normed = at::empty({rows, hidden}, x.options());
+  at::Tensor logits = at::empty({rows, vocab}, x.options());
+  at::Tensor tokens = at::empty({greedy ? rows : 0}, x.options().dtype(at::kLong));
+  HeadOut ho;
+  ho.head = head, ho.normed = normed.data_ptr<float>(), ho.logits = logits.data_ptr<float>();
+  ho.tokens = greedy ? tokens.data_ptr<int64_t>() : nullptr;
+  step_in_one_region(weights->layers, x.data_ptr<float>(), rows, hidden, (heads + 2 * kv_heads) * a.d,
+                     static_cast<float>(eps), k_caches, v_caches, a, block, last.data_ptr<float>(), ho);
+  return {normed, logits, tokens};
+}
+
 }  // namespace disagg_cpu
 
 using namespace disagg_cpu;
@@ -341,10 +450,16 @@ using namespace disagg_cpu;
 TORCH_LIBRARY_FRAGMENT(disagg_cpu_fused, m) {
   m.class_<DecodeWeights>("DecodeWeights")
       .def(torch::init<c10::List<c10::optional<at::Tensor>>>())
-      .def("one_region", [](const c10::intrusive_ptr<DecodeWeights>& self) { return !self->layers.empty(); });
+      .def("one_region", [](const c10::intrusive_ptr<DecodeWeights>& self) { return !self->layers.empty(); })
+      .def("set_head", &DecodeWeights::set_head);
   m.def(
       "decode_layers(Tensor x, __torch__.torch.classes.disagg_cpu_fused.DecodeWeights weights, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, float eps, Tensor cos, Tensor sin, Tensor out_loc, Tensor slots, Tensor seq_lens, "
       "int heads, int kv_heads, float scale, int block=0) -> Tensor",
       &decode_layers);
+  m.def(
+      "decode_logits(Tensor x, __torch__.torch.classes.disagg_cpu_fused.DecodeWeights weights, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, float eps, Tensor cos, Tensor sin, Tensor out_loc, Tensor slots, Tensor seq_lens, "
+      "int heads, int kv_heads, float scale, int block, bool greedy) -> (Tensor, Tensor, Tensor)",
+      &decode_logits);
 }

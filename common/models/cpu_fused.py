@@ -206,6 +206,7 @@ class FusedOps:
         ops = getattr(torch.ops, NAME)
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
         self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
+        self.decode_logits = ops.decode_logits  # decode_layers, then the final norm and the lm_head (and argmax)
         self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (common/models/low_precision.py; gemv takes bf16)
         self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
         self.pack_bf16_pairs, self.gemm_bf16 = ops.pack_bf16_pairs, ops.gemm_bf16  # the bf16-matmul layout
@@ -220,137 +221,6 @@ class FusedOps:
     def takes(x: torch.Tensor) -> bool:
         """Whether rms_norm / silu_and_mul take x: fp32, contiguous."""
         return x.dtype == torch.float32 and x.is_contiguous()
-
-
-# what decode_layers takes for a linear in each layout it runs: the weight the gemv streams, or the panels
-# the panel GEMM reads (None where the linear has no such copy: then the step runs the torch modules)
-HELD = {
-    "rowblock": lambda lw: lw.weight,
-    "panels": lambda lw: lw.panels,
-    "w8": lambda lw: lw.low,
-    "bf16": lambda lw: lw.low,
-    "w8-panels": lambda lw: lw.low_panels,
-    "bf16-panels": lambda lw: lw.low_panels,
-    "bf16-matmul": lambda lw: lw.low_panels,  # its bf16 pairs
-    "w8a8": lambda lw: lw.low_panels,  # its int8 quads
-}
-# the int8 scales decode_layers takes with a linear in each int8 layout: per output row, or w8a8's per column
-# and block of k laid out as its quads (pack_int8_scales)
-SCALES = {
-    "w8": lambda lw: lw.low_scale,
-    "w8-panels": lambda lw: lw.low_scale,
-    "w8a8": lambda lw: lw.low_panel_scales,
-}
-# one stack runs one family of layouts: fp32's, or one low-precision format's (common/models/low_precision.py)
-FAMILIES = ({"rowblock", "panels"}, {"w8", "w8-panels"}, {"bf16", "bf16-panels"}, {"bf16-matmul"}, {"w8a8"})
-
-
-class FusedLayers:
-    """A dense decoder stack's decode step as one `decode_layers` call (DecoderLM.fused_layers): for
-    decode batches the backend runs fused, of at most GEMV_ROWS rows, while every linear of every
-    layer is at that row count in the rowblock layout (the gemv) or the panels one (the panel GEMM),
-    or every one in one low-precision format's layouts (the host's table may pick another layout: then the torch
-    modules run). The weight list of each mix of layouts is built on first use: the weights stay where
-    they are once the runner is built (weight_arena.place runs before the ops are attached)."""
-
-    def __init__(self, layers: list[torch.nn.Module], ops: FusedOps):
-        from common.models.low_precision import X_BLOCK
-
-        self.block = X_BLOCK  # the int8 matmul's block of k (w8a8)
-        a = layers[0].self_attn
-        self.layers, self.ops, self.attn = layers, ops, a
-        self._hold = ops.decode_weights
-        self.head_dim, self.eps = a.head_dim, layers[0].input_layernorm.eps
-        self.linears = [
-            lin.weight
-            for layer in layers
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        ]
-        self._weights: dict[tuple[str, ...], object] = {}  # per mix of layouts (one per linear)
-        self._serving: tuple[str, ...] | None = None  # the layouts of the step `serves` accepted last
-        # _layouts per row bucket, while no plan or layout copy changed (packed_linear.layout_version): read
-        # afresh, the 121 linears' plans cost ~0.1 ms of a batch-1 step, its objects cold after the weights
-        self._version, self._by_bucket = -1, {}
-
-    def weights(self, layouts: tuple[str, ...]):
-        """decode_layers' weights (a DecodeWeights: the list below, held by the ops once, not converted from
-        Python on every call) with each linear in `layouts` (one per linear, in self.linears' order):
-        per layer input_norm, post_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, gate_up_w, gate_up_b,
-        down_w, down_b (None where the layer has none), and the four linears' int8 scales (SCALES; None but in
-        w8 and w8a8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored
-        weight, w8-panels / bf16-panels the panels of that, bf16-matmul its bf16 pairs, w8a8 its int8 quads
-        (low_precision.py)."""
-        if layouts not in self._weights:
-            out, it = [], iter(layouts)
-            for layer in self.layers:
-                a, m = layer.self_attn, layer.mlp
-                lins = [lin.weight for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-                qkv, o, gate_up, down = lins
-                mine = [next(it) for _ in lins]
-                q_norm, k_norm = (getattr(a, n, None) for n in ("q_norm", "k_norm"))
-                w = [HELD[layout](lw) for lw, layout in zip(lins, mine)]
-                out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, w[0], qkv.bias]
-                out += [None if n is None else n.weight for n in (q_norm, k_norm)]
-                out += [w[1], o.bias, w[2], gate_up.bias, w[3], down.bias]
-                out += [SCALES.get(layout, lambda lw: None)(lw) for lw, layout in zip(lins, mine)]
-            self._weights[layouts] = self._hold([None if w is None else w.detach() for w in out])
-        return self._weights[layouts]
-
-    def _layouts(self, i: int) -> tuple[str, ...] | None:
-        """Every linear's layout in row bucket `i`, where decode_layers computes them all (the gemv or the
-        panel GEMM in fp32, or one low-precision format's layouts); else None."""
-        layouts = tuple(lw.plan[i] for lw in self.linears)
-        if any(set(layouts) <= family for family in FAMILIES) and all(
-            HELD[layout](lw) is not None for lw, layout in zip(self.linears, layouts)
-        ):
-            return layouts
-        return None
-
-    def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
-        """Whether this call computes the step; the layouts it found are kept for the call that follows
-        (DecoderLM.run_layers asks, then calls: they are read once per step)."""
-        from common.models.packed_linear import GEMV_ROWS, bucket_index, layout_version
-
-        rows = x.shape[0]
-        if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
-            return False
-        if layout_version() != self._version:  # set-up, tuning or a test changed a plan or a copy
-            self._version, self._by_bucket = layout_version(), {}
-            self._weights.clear()  # the lists of copies no longer read
-        i = bucket_index(rows)
-        if i not in self._by_bucket:
-            self._by_bucket[i] = self._layouts(i)
-        self._serving = self._by_bucket[i]
-        return self._serving is not None
-
-    def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
-        pool = backend.kv_pool
-        _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
-        weights = self.weights(self._serving)
-        return self.ops.decode_layers(
-            x, weights, pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale, self.block
-        )
-
-
-def fusable(layer: torch.nn.Module) -> bool:
-    """A layer `decode_layers` computes: a plain DecoderLayer with both RMSNorms, grouped-query
-    attention and the dense MLP, packed linears, one RMSNorm epsilon throughout, no tensor parallelism."""
-    from common.models.decoder import MLP, Attention, DecoderLayer, RMSNorm
-    from common.models.packed_linear import PackedLinear
-
-    a, m = layer.self_attn, layer.mlp
-    if type(layer) is not DecoderLayer or type(a) is not Attention or type(m) is not MLP or a.tp or m.tp:
-        return False  # EAGLE3's layer and MoE / latent attention layers: their own forwards
-    if not isinstance(layer.input_layernorm, RMSNorm) or not isinstance(layer.post_attention_layernorm, RMSNorm):
-        return False  # EAGLE's head layer: no input norm
-    if not all(isinstance(lin, PackedLinear) for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)):
-        return False
-    norms = [
-        layer.input_layernorm,
-        layer.post_attention_layernorm,
-        *(getattr(a, n, None) for n in ("q_norm", "k_norm")),
-    ]
-    return len({n.eps for n in norms if n is not None}) == 1
 
 
 ROW_STREAMS = (1, 2, 4)
@@ -453,7 +323,8 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
     all dense FusedLayers (the whole stack's decode step as one call), and its linear weights the gemv
     of their rowblock layout, or with None take them away; returns how many modules (norms, MLPs, the
     stack, the backend) got them."""
-    from common.models.decoder import give_fused_ops
+    from common.models.cpu_step import FusedLayers, fusable
+    from common.models.decoder import RMSNorm, give_fused_ops
     from common.models.packed_linear import DEFAULT_PLAN, linear_weights
 
     for weight in linear_weights(model):  # the rowblock layout's few-row steps (lm_head too)
@@ -468,7 +339,11 @@ def attach(model: torch.nn.Module, backend, ops: FusedOps | None) -> int:
             a = [layer.self_attn for layer in layers]
             shapes = {(x.num_heads, x.num_kv_heads, x.head_dim, x.scale) for x in a}
             whole = len(shapes) == 1 and len({layer.input_layernorm.eps for layer in layers}) == 1
-        model.fused_layers = FusedLayers(layers, ops) if whole and ops is not None else None
+        head = None
+        norm, lm_head = getattr(getattr(model, "model", None), "norm", None), getattr(model, "_lm_head_cpu", None)
+        if whole and lm_head is not None and getattr(model, "tp", None) is None and type(norm) is RMSNorm:
+            head = (norm, lm_head) if norm.eps == layers[0].input_layernorm.eps else None  # decode_logits: one eps
+        model.fused_layers = FusedLayers(layers, ops, head) if whole and ops is not None else None
         n += model.fused_layers is not None
     if hasattr(backend, "fused_pool_args"):  # the batched backend (the triton one takes the CUDA ops)
         backend.fused = ops

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.forward.forward_batch import ForwardBatch
+from common.forward.forward_batch import ForwardBatch, ForwardMode
 from common.models import cpu_fused, moe
 from common.models.config import ModelConfig
 from common.models.direct_call import DirectCall
@@ -181,19 +181,47 @@ class DecoderLM(nn.Module):
     def forward(self, forward_batch: ForwardBatch, backend, capture: tuple[int, ...] = ()):
         """Run all tokens of the batch; returns final normed hidden states [T, hidden]. With `capture`
         (layer ids), returns (normed hidden, the outputs of those layers concatenated [T, len * hidden])."""
-        backend.init_forward_metadata(forward_batch)
-        x = self.model.embed_tokens(forward_batch.input_ids)
-        cos, sin = self.rotary.cos_sin(forward_batch.positions, x.dtype)
+        x, cos, sin = self._inputs(forward_batch, backend)
         if not capture:
-            compiled = self.compiled_layers
-            run = compiled if compiled is not None and compiled.used_for(forward_batch) else self.run_layers
-            return self.model.norm(run(x, cos, sin, forward_batch, backend))
+            return self.model.norm(self._layers(x, cos, sin, forward_batch, backend))
         captured = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, forward_batch, backend)
             if i in capture:
                 captured[i] = x
         return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
+
+    def forward_logits(self, forward_batch: ForwardBatch, backend, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, then its logits rows (forward_batch.logits_indices) through the lm_head: (with `greedy`
+        their greedy tokens [R], else their float32 logits [R, V]; the normed hidden [T, H]). A decode step
+        whose stack and lm_head the fused ops serve runs the final norm, the lm_head and the argmax in the
+        layers' call (FusedLayers.logits): after a batch-1 step's weights streamed past, each of them as a call of
+        its own cost 20-75 us (2-core AMD Zen 4)."""
+        x, cos, sin = self._inputs(forward_batch, backend)
+        fused, head = self.fused_layers, self.greedy_head
+        if (
+            fused is not None
+            and forward_batch.mode is ForwardMode.DECODE  # every row gets logits
+            and not (greedy and head is not None and head.used_for(x.shape[0]))
+            and hasattr(fused, "logits")  # CPU's FusedLayers (CUDA's FusedStack runs the layers only)
+            and fused.serves(x, cos, backend)
+            and fused.serves_head
+        ):
+            return fused.logits(x, cos, sin, forward_batch, backend, greedy)
+        hidden = self.model.norm(self._layers(x, cos, sin, forward_batch, backend))
+        rows = hidden[forward_batch.logits_indices]
+        return (self.greedy_tokens(rows) if greedy else self.compute_logits(rows)), hidden
+
+    def _inputs(self, forward_batch: ForwardBatch, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's metadata given to the backend; its tokens' embeddings and rotary cos / sin."""
+        backend.init_forward_metadata(forward_batch)
+        x = self.model.embed_tokens(forward_batch.input_ids)
+        return (x, *self.rotary.cos_sin(forward_batch.positions, x.dtype))
+
+    def _layers(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
+        compiled = self.compiled_layers
+        run = compiled if compiled is not None and compiled.used_for(forward_batch) else self.run_layers
+        return run(x, cos, sin, forward_batch, backend)
 
     def run_layers(self, x, cos, sin, forward_batch: ForwardBatch, backend) -> torch.Tensor:
         fused = self.fused_layers
