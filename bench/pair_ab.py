@@ -4,7 +4,8 @@
 
 A and B are two checkouts of this repo (e.g. `git worktree add ../old-checkout <commit>`), or one
 checkout twice with different flags (`--a . --b-decode-flags="--enable-torch-compile"`, or for both
-services `--a . --b-flags="--disaggregation-transfer-backend shm"`).
+services `--a . --b-flags="--disaggregation-transfer-backend shm"`) or environment
+(`--b-decode-env="GOMP_SPINCOUNT=10000"`).
 Each runs its own prefill and decode services (bench/serving_bench.py: `start_pair`), and the
 rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by 10-20%)
 hits both alike. Per run: decode tok/s (as serving_bench), the mean wait between a request's
@@ -43,6 +44,8 @@ def main(argv=None) -> None:
     parser.add_argument("--b-decode-flags", default="", help="extra flags of B's decode service")
     parser.add_argument("--a-flags", default="", help="extra flags of both of A's services")
     parser.add_argument("--b-flags", default="", help="extra flags of both of B's services")
+    parser.add_argument("--a-decode-env", default="", help="extra environment of A's decode service: NAME=VALUE ...")
+    parser.add_argument("--b-decode-env", default="", help="extra environment of B's decode service: NAME=VALUE ...")
     args = parser.parse_args(argv)
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (a gap and a later ITL)")
@@ -50,11 +53,12 @@ def main(argv=None) -> None:
     tokens = args.batch * (len(prompt) + args.new_tokens) + 64
     pairs, results = [], {"A": [], "B": []}
     try:
-        for tree, flags, both in (
-            (args.a, args.a_decode_flags, args.a_flags),
-            (args.b, args.b_decode_flags, args.b_flags),
+        for tree, flags, both, env in (
+            (args.a, args.a_decode_flags, args.a_flags, args.a_decode_env),
+            (args.b, args.b_decode_flags, args.b_flags, args.b_decode_env),
         ):
             both = tuple(shlex.split(both))
+            env = dict(item.split("=", 1) for item in shlex.split(env))
             pairs.append(
                 serving_bench.start_pair(
                     path,
@@ -64,6 +68,7 @@ def main(argv=None) -> None:
                     decode_flags=both + tuple(shlex.split(flags)),
                     prefill_flags=both,
                     tree=os.path.abspath(tree),
+                    decode_env=env,
                 )
             )
         for address, _ in pairs:
@@ -82,9 +87,9 @@ def main(argv=None) -> None:
     for name, rows in results.items():
         tok_s, gap, later = (statistics.median(c) for c in zip(*rows))
         tree, flags = (
-            (args.a, f"{args.a_flags} {args.a_decode_flags}")
+            (args.a, f"{args.a_flags} {args.a_decode_flags} {args.a_decode_env}")
             if name == "A"
-            else (args.b, f"{args.b_flags} {args.b_decode_flags}")
+            else (args.b, f"{args.b_flags} {args.b_decode_flags} {args.b_decode_env}")
         )
         print(f"{name} ({tree} {flags.strip()}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms")
 

@@ -174,10 +174,12 @@ def start_pair(
     prefill_flags: tuple = (),
     replicas: int = 1,
     tree: str | None = None,
+    decode_env: dict | None = None,
 ) -> tuple[str, list[subprocess.Popen]]:
     """`replicas` prefill services and a decode service in front of them, as subprocesses on
     loopback; (the decode address, the processes: decode first). `tree`: run the services of that
-    checkout of this repo (another commit) instead of this one."""
+    checkout of this repo (another commit) instead of this one; `decode_env`: more environment for the
+    decode service (e.g. GOMP_SPINCOUNT)."""
     from common.tools.procs import free_port, wait_serving
 
     ports, dp = [free_port() for _ in range(replicas)], free_port()
@@ -213,7 +215,7 @@ def start_pair(
             ",".join(f"127.0.0.1:{pp}" for pp in ports),
             *decode_flags,
         ],
-        env=env,
+        env=env | (decode_env or {}),
         cwd=tree,
         stderr=subprocess.DEVNULL,
     )

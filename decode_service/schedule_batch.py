@@ -83,9 +83,10 @@ class ScheduleBatch:
         self.kv_committed_lens = to_device(self.kv_committed_lens_cpu, self.device)
 
     def bump(self) -> None:
-        """Every request committed one more token (new tensors; never in place)."""
+        """Every request committed one more token (new tensors; never in place; on CPU one serves both)."""
+        same = self.kv_committed_lens is self.kv_committed_lens_cpu
         self.kv_committed_lens_cpu = self.kv_committed_lens_cpu + 1
-        self.kv_committed_lens = self.kv_committed_lens + 1
+        self.kv_committed_lens = self.kv_committed_lens_cpu if same else self.kv_committed_lens + 1
 
     def filter_unfinished(self, ending: frozenset[int] = frozenset()) -> ScheduleBatch:
         """The batch less its finished requests, those retracted meanwhile (no longer RUNNING) and those

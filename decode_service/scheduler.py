@@ -131,6 +131,7 @@ class DecodeScheduler:
         hooks = getattr(worker, "hooks", None)
         self.growth = KvGrowth(self.books, worker, kv_reservation, kv_grow_tokens, hooks, metrics)
         self.running_batch = ScheduleBatch.empty(self.info.device)
+        self._no_prebuilt = ScheduleBatch.empty(self.info.device)  # never changed: a merge makes new batches
         self.last_launched: LaunchedStep | None = None
         self.step_count = 0
         self.fatal_error: Exception | None = None
@@ -316,6 +317,8 @@ class DecodeScheduler:
 
     def get_new_prebuilt_batch(self) -> ScheduleBatch:
         """Write handed-over KV, map rows, seed FutureMap rows; stream first tokens. No forward."""
+        if not self.prebuilt:  # most steps: no tensors made (each torch op costs 10-25 us after a step's forward)
+            return self._no_prebuilt
         reqs = self.prebuilt
         self.prebuilt = []
         live, committed = [], []
