@@ -103,6 +103,29 @@ def check_bf16_kv_attention(ops, march: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(*written)), (march, "bf16 KV write", name)
 
 
+def check_decode_attention(ops, march: str) -> None:
+    """decode_attention against softmax(q K^T scale) V in float64, at lengths whose parts end in a block of
+    fewer slots than the build's lanes (the scores' padded last block) and at one slot."""
+    import torch
+
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, d, n = 9, 3, 64, 300
+    seq = torch.tensor([200, 37, 5, 1])
+    t = len(seq)
+    k, v = (torch.randn(n + 1, kv_heads, d, generator=gen) for _ in range(2))
+    rows = torch.stack([torch.randperm(n, generator=gen)[:200] + 1 for _ in range(t)])
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+    out_loc = rows[torch.arange(t), seq - 1].contiguous()
+    args = (k, v, out_loc, rows, seq, heads, kv_heads, 0.125, None)
+    got = ops.decode_attention(qkv, torch.ones(t, d), torch.zeros(t, d), None, None, 1e-6, *args)
+    for b in range(t):  # the op wrote the token's own K and V (identity rotary) before reading them
+        keys, values = (c[rows[b, : seq[b]]].double().repeat_interleave(heads // kv_heads, 1) for c in (k, v))
+        q = qkv[b, : heads * d].double().view(heads, d)
+        probs = torch.softmax(torch.einsum("hd,shd->hs", q, keys) * 0.125, dim=-1)
+        want = torch.einsum("hs,shd->hd", probs, values).flatten()
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5, msg=f"{march} attention {seq[b]}")
+
+
 def check_decode_logits(ops, march: str) -> None:
     """decode_logits' one-region head at one and two rows: each thread's best of its share of the logits (the
     scan this build compiled), the threads' bests combined: torch.argmax of its logits, ties across shares."""
@@ -174,6 +197,7 @@ def check(march: str, folder: str) -> None:
         nans[:, n // 2] = nans[:, -2] = float("nan")
         for case in (x, nans, torch.full((rows, n), float("-inf"))):
             assert torch.equal(ops.argmax_rows(case), torch.argmax(case, dim=-1)), (march, "argmax_rows", rows, n)
+    check_decode_attention(ops, march)
     check_decode_logits(ops, march)
     outs = int8_outputs(ops)
     for (rows, n, k, block, w_block), got in zip(INT8_CASES, outs):
