@@ -160,7 +160,10 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int6
   int32_t* pq = q.quads.data();
   float* ps = q.scales.data();
   int32_t* pst = q.starts.data();
-  parallel_range(0, groups, grain_for(k * kQuadRows), [&](int64_t begin, int64_t end) {
+  // a quantized element (its block's largest, rounding, packing, the group's transposed words) weighs as ~16
+  // elements touched: 64 rows then went on two threads, a w8a8 decode step of SmolLM2 4% shorter (65.3 against
+  // 68.7 ms, faster in 32 of 37 interleaved steps), 16 rows 1.4% (26 of 37; 2-core AMD Zen 4)
+  parallel_range(0, groups, grain_for(16 * k * kQuadRows), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> words(k4);  // one row's bytes, then spread to the group's k-major words
     int8_t* bytes = reinterpret_cast<int8_t*>(words.data());
     for (int64_t g = begin; g < end; ++g)
