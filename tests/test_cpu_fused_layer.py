@@ -427,3 +427,27 @@ def test_a_decode_steps_head_runs_in_the_layers_call_with_the_same_tokens_and_lo
     assert counting.heads == 2
     assert torch.equal(hidden, want_hidden) and torch.equal(logits, want_logits)
     assert torch.equal(tokens, want_logits.argmax(dim=-1))
+
+
+def test_where_the_greedy_head_serves_a_greedy_step_the_layers_call_leaves_the_lm_head_to_it(ops, checkpoint):
+    """fp32 with --greedy-head on: on a host with bf16 GEMMs its bf16 pass finds a greedy batch's tokens, so the
+    layers' call stops before the lm_head (decode_layers); a step that needs logits takes them in the call
+    (decode_logits). Either way the tokens are the logits' argmax."""
+    from common.models import greedy_head
+
+    runner = ModelRunner(
+        RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=1, linear_layout="rowblock",
+                   greedy_head="on")
+    )  # fmt: skip
+    counting = _count(runner)
+    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
+    row = pool.alloc()
+    pool.write(row, 0, runner.kv_allocator.alloc(5))
+    runner.forward(ForwardBatch.extend(table, [row], [0], [[5, 17, 99, 3]]))
+    fb = lambda: ForwardBatch.decode(table, torch.tensor([row]), [4], torch.tensor([11]))  # noqa: E731
+    tokens, _ = runner.forward(fb(), greedy=True)
+    logits, _ = runner.forward(fb(), greedy=False)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    serves = runner.model.greedy_head is not None
+    assert serves == greedy_head.available()
+    assert counting.calls == 2 and counting.heads == (1 if serves else 2)

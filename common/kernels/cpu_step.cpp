@@ -272,7 +272,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   std::vector<void*> kc(count), vc(count);
   for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr(), vc[l] = v_caches[l].data_ptr();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
-  std::vector<Best> found(rows * team);  // the head's argmax: each thread's best of its columns, per row
+  std::vector<Best> found(ho.tokens != nullptr ? rows * team : 0);  // the argmax: each thread's best, per row
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
