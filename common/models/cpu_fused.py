@@ -7,8 +7,9 @@ A batch-1 CPU decode step is its weights streamed once; in torch ops it also spe
 each RMSNorm and SiLU-and-mul as one op, a decode batch's q/k norm + rotary + KV write + paged
 attention as one call per layer, the rowblock layout's GEMV for up to 4 rows (a few sequential
 weight streams per thread), and a dense decoder's whole stack for such a step as one call
-(`FusedLayers`). `attach` wires them in: RMSNorm, MLP, the linear weights, the decoder's layers, the
-batched backend; the target's and the EAGLE head's.
+(`cpu_step.FusedLayers`, with the final norm, the lm_head and the argmax). `attach` wires them in:
+RMSNorm, MLP, the linear weights, the decoder's layers, the batched backend; the target's and the EAGLE
+head's.
 
 The build runs once per host, torch and source: `torch.utils.cpp_extension.load` with CFLAGS,
 cached under ~/.cache/disagg-serve/cpu-fused/<key> (the key hashes the CPU's flags, torch's version,

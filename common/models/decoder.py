@@ -163,7 +163,7 @@ class DecoderLM(nn.Module):
     tp = None  # a TPGroup once split: the embedding and lm_head hold a vocabulary shard
     greedy_head = None  # CPU fp32: greedy tokens through a bf16 pass (common/models/greedy_head.py)
     compiled_layers = None  # CPU, opt-in: small decode batches through torch.compile (compiled_layers.py)
-    fused_layers = None  # CPU fp32, dense: a decode step's layers as one call (cpu_fused.FusedLayers); CUDA: the
+    fused_layers = None  # CPU fp32, dense: a decode step's layers as one call (cpu_step.FusedLayers); CUDA: the
     # layers with each residual add folded into the next norm (cuda_fused.FusedStack)
 
     def __init__(self, cfg: ModelConfig):
