@@ -197,6 +197,31 @@ def test_decode_weights_are_held_once_and_checked(ops):
         )
 
 
+def _in_format(ops, fmt: str, w: torch.Tensor) -> tuple:
+    """A float32 weight [N, K] as `fmt` holds it for the ops: (weight, int8 scale or None)."""
+    if fmt in ("w8", "w8a8"):
+        q, scale = (low_precision.quantize_rows if fmt == "w8" else low_precision.quantize_blocks)(w)
+        return (q, scale) if fmt == "w8" else (ops.pack_int8_quads(q), ops.pack_int8_scales(scale))
+    held = {
+        "fp32": w,
+        "bf16": w.bfloat16(),
+        "bf16-matmul": ops.pack_bf16_pairs(w.bfloat16()),
+        "panels": ops.pack_panels(w),
+    }
+    return held[fmt], None
+
+
+def _linear(ops, fmt: str, x, w, scale, n: int, bias=None, residual=None):
+    """x through a weight `_in_format` made, by the op of its format (w8a8 at low_precision.X_BLOCK)."""
+    if fmt == "w8a8":
+        return ops.gemm_int8(x, w, scale, n, low_precision.X_BLOCK, bias, residual)
+    if fmt == "bf16-matmul":
+        return ops.gemm_bf16(x, w, n, bias, residual)
+    if fmt == "panels":
+        return ops.gemm_panels(x, w, n, bias, residual)
+    return ops.gemv(x, w, bias, residual) if scale is None else ops.gemv_w8(x, w, scale, bias, residual)
+
+
 def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv_heads=2, d=16, inter=96):
     """A random stack's DecodeWeights list in one format, and each linear's (weight, scale, outputs) for the
     op-by-op reference: qkv_proj with a bias and q / k norms (Qwen2's and Qwen3's extras) in every layer."""
@@ -205,20 +230,7 @@ def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv
     for _ in range(layers):
         held = []
         for n, k in shapes:
-            w = torch.randn(n, k, generator=gen) / k**0.5
-            q, scale = low_precision.quantize_rows(w)
-            qb, block_scale = low_precision.quantize_blocks(w)
-            held.append(
-                {
-                    "fp32": (w, None),
-                    "bf16": (w.bfloat16(), None),
-                    "w8": (q, scale),
-                    "w8a8": (ops.pack_int8_quads(qb), ops.pack_int8_scales(block_scale)),
-                    "bf16-matmul": (ops.pack_bf16_pairs(w.bfloat16()), None),
-                    "panels": (ops.pack_panels(w), None),
-                }[fmt]
-                + (n,)
-            )
+            held.append(_in_format(ops, fmt, torch.randn(n, k, generator=gen) / k**0.5) + (n,))
         norm = lambda n: torch.rand(n, generator=gen) + 0.5  # noqa: E731
         entries += [norm(hidden), norm(hidden), held[0][0], torch.randn(shapes[0][0], generator=gen), norm(d), norm(d)]
         entries += [held[1][0], None, held[2][0], None, held[3][0], None] + [scale for _, scale, _ in held]
@@ -254,14 +266,7 @@ def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fm
 
     def linear(i, layer, x, residual):
         w, scale, n = linears[layer][i]
-        bias = entries[layer * 16 + 3] if i == 0 else None
-        if fmt == "w8a8":
-            return ops.gemm_int8(x, w, scale, n, block, bias, residual)
-        if fmt == "bf16-matmul":
-            return ops.gemm_bf16(x, w, n, bias, residual)
-        if fmt == "panels":
-            return ops.gemm_panels(x, w, n, bias, residual)
-        return ops.gemv(x, w, bias, residual) if scale is None else ops.gemv_w8(x, w, scale, bias, residual)
+        return _linear(ops, fmt, x, w, scale, n, entries[layer * 16 + 3] if i == 0 else None, residual)
 
     want = x
     for layer in range(layers):
@@ -315,17 +320,7 @@ def _head(ops, fmt: str, gen: torch.Generator, vocab: int, hidden=64):
     copy the first half's, so every logit there ties with one in the first half (another thread's share)."""
     w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5
     w[vocab - vocab // 2 :] = w[: vocab // 2]
-    q, scale = low_precision.quantize_rows(w)
-    qb, block_scale = low_precision.quantize_blocks(w)
-    held = {
-        "fp32": (w, None),
-        "bf16": (w.bfloat16(), None),
-        "w8": (q, scale),
-        "w8a8": (ops.pack_int8_quads(qb), ops.pack_int8_scales(block_scale)),
-        "bf16-matmul": (ops.pack_bf16_pairs(w.bfloat16()), None),
-        "panels": (ops.pack_panels(w), None),
-    }[fmt]
-    return held, torch.rand(hidden, generator=gen) + 0.5
+    return _in_format(ops, fmt, w), torch.rand(hidden, generator=gen) + 0.5
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
@@ -354,16 +349,7 @@ def test_decode_logits_gives_the_bits_of_decode_layers_then_its_head(ops, thread
     args = (eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, 0.25, block)
     k_ref, v_ref = [c.clone() for c in caches[:3]], [c.clone() for c in caches[3:]]
     want_normed = ops.rms_norm(ops.decode_layers(x, held, k_ref, v_ref, *args), norm, eps)
-    if fmt == "w8a8":
-        want_logits = ops.gemm_int8(want_normed, w, scale, vocab, block, None, None)
-    elif fmt == "bf16-matmul":
-        want_logits = ops.gemm_bf16(want_normed, w, vocab, None, None)
-    elif fmt == "panels":
-        want_logits = ops.gemm_panels(want_normed, w, vocab, None, None)
-    else:
-        want_logits = (
-            ops.gemv(want_normed, w, None, None) if scale is None else ops.gemv_w8(want_normed, w, scale, None, None)
-        )
+    want_logits = _linear(ops, fmt, want_normed, w, scale, vocab)
     want_tokens = want_logits.argmax(dim=-1)
     if vocab > 16:
         assert (want_tokens < vocab // 2).all()  # the first of each tie
