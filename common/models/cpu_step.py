@@ -129,23 +129,35 @@ class FusedLayers:
         return self._serving is not None and self._serving[-1] is not None
 
     def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
-        pool = backend.kv_pool
-        _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
-        weights = self.weights(self._serving)
-        return self.ops.decode_layers(
-            x, weights, pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads, kv_heads, scale, self.block
-        )
+        return self.ops.decode_layers(*self._args(x, cos, sin, forward_batch, backend))
 
     def logits(self, x, cos, sin, forward_batch, backend, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The step through the final norm and the lm_head, where `serves_head`: (with `greedy` each row's
         argmax [R], else the float32 logits [R, V]; the normed hidden [R, H])."""
+        normed, logits, tokens = self.ops.decode_logits(*self._args(x, cos, sin, forward_batch, backend), greedy)
+        return (tokens if greedy else logits), normed
+
+    def _args(self, x, cos, sin, forward_batch, backend) -> tuple:
+        """decode_layers' arguments (decode_logits' but `greedy`) for the step `serves` accepted last."""
         pool = backend.kv_pool
         _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
-        normed, logits, tokens = self.ops.decode_logits(
-            x, self.weights(self._serving), pool.k, pool.v, self.eps, cos, sin, out_loc, slots, seq_lens, heads,
-            kv_heads, scale, self.block, greedy,
-        )  # fmt: skip
-        return (tokens if greedy else logits), normed
+        weights = self.weights(self._serving)
+        return (
+            x,
+            weights,
+            pool.k,
+            pool.v,
+            self.eps,
+            cos,
+            sin,
+            out_loc,
+            slots,
+            seq_lens,
+            heads,
+            kv_heads,
+            scale,
+            self.block,
+        )
 
 
 def fusable(layer: torch.nn.Module) -> bool:
