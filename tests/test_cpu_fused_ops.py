@@ -249,6 +249,20 @@ def test_decode_attention_matches_the_torch_path(ops, lengths, heads, kv_heads, 
     _fused_against_the_torch_path(ops, *case, heads, kv_heads, d, qk_norm, "fused_decode_now")
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,d", [(8, 1, 64), (10, 2, 40), (6, 3, 24), (8, 8, 64)], ids=["group8", "group5-d40", "d24", "rows2k"]
+)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+def test_decode_attention_takes_any_group_and_head_size(ops, heads, kv_heads, d, kv_dtype):
+    """The scores take a kv head's query heads four at a time (two on AVX2), the rest after: 8 is two fours, 5 a
+    four and a one; a head size the build's vectors do not divide (40, 24 on AVX-512) goes one dot at a time. A
+    3,000-slot token's parts of 187 slots are longer than the rows read ahead of the passes (kTouchBytes) where
+    a slot holds 2 KB of K and 2 KB of V (8 kv heads of 64)."""
+    for lengths in ([7, 33, 1, 18], [3000]):
+        case = _attention_case(lengths, heads, kv_heads, d, seed=heads * d + len(lengths), kv_dtype=kv_dtype)
+        _fused_against_the_torch_path(ops, *case, heads, kv_heads, d, False, "fused_decode_now")
+
+
 def test_a_tokens_attention_has_the_same_bits_in_any_batch_and_team(ops, threads):
     """A token's slots are cut into parts by its own length alone: its output is the same bits alone or
     beside other requests, on one thread or three (the merge's order of parts never depends on either)."""

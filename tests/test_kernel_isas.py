@@ -105,25 +105,33 @@ def check_bf16_kv_attention(ops, march: str) -> None:
 
 def check_decode_attention(ops, march: str) -> None:
     """decode_attention against softmax(q K^T scale) V in float64, at lengths whose parts end in a block of
-    fewer slots than the build's lanes (the scores' padded last block) and at one slot."""
+    fewer slots than the build's lanes (the scores' padded last block) and at one slot; query heads per kv head
+    in the scores' fours (twos on AVX2) and a remainder, head sizes the build's vectors divide and not, and a
+    part longer than the rows the op reads ahead (kTouchBytes)."""
     import torch
 
     gen = torch.Generator().manual_seed(4)
-    heads, kv_heads, d, n = 9, 3, 64, 300
-    seq = torch.tensor([200, 37, 5, 1])
-    t = len(seq)
-    k, v = (torch.randn(n + 1, kv_heads, d, generator=gen) for _ in range(2))
-    rows = torch.stack([torch.randperm(n, generator=gen)[:200] + 1 for _ in range(t)])
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
-    out_loc = rows[torch.arange(t), seq - 1].contiguous()
-    args = (k, v, out_loc, rows, seq, heads, kv_heads, 0.125, None)
-    got = ops.decode_attention(qkv, torch.ones(t, d), torch.zeros(t, d), None, None, 1e-6, *args)
-    for b in range(t):  # the op wrote the token's own K and V (identity rotary) before reading them
-        keys, values = (c[rows[b, : seq[b]]].double().repeat_interleave(heads // kv_heads, 1) for c in (k, v))
-        q = qkv[b, : heads * d].double().view(heads, d)
-        probs = torch.softmax(torch.einsum("hd,shd->hs", q, keys) * 0.125, dim=-1)
-        want = torch.einsum("hs,shd->hd", probs, values).flatten()
-        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5, msg=f"{march} attention {seq[b]}")
+    for heads, kv_heads, d, lengths in (
+        (9, 3, 64, [200, 37, 5, 1]),
+        (10, 2, 40, [37, 5]),
+        (6, 3, 24, [37, 1]),
+        (8, 8, 64, [3000]),
+    ):
+        seq, n = torch.tensor(lengths), max(lengths) + 100
+        t = len(seq)
+        k, v = (torch.randn(n + 1, kv_heads, d, generator=gen) for _ in range(2))
+        rows = torch.stack([torch.randperm(n, generator=gen)[: max(lengths)] + 1 for _ in range(t)])
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+        out_loc = rows[torch.arange(t), seq - 1].contiguous()
+        args = (k, v, out_loc, rows, seq, heads, kv_heads, 0.125, None)
+        got = ops.decode_attention(qkv, torch.ones(t, d), torch.zeros(t, d), None, None, 1e-6, *args)
+        for b in range(t):  # the op wrote the token's own K and V (identity rotary) before reading them
+            keys, values = (c[rows[b, : seq[b]]].double().repeat_interleave(heads // kv_heads, 1) for c in (k, v))
+            q = qkv[b, : heads * d].double().view(heads, d)
+            probs = torch.softmax(torch.einsum("hd,shd->hs", q, keys) * 0.125, dim=-1)
+            want = torch.einsum("hs,shd->hd", probs, values).flatten()
+            msg = f"{march} attention {heads}/{kv_heads} heads of {d}, {seq[b]} slots"
+            torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5, msg=msg)
 
 
 def check_decode_logits(ops, march: str) -> None:

@@ -112,13 +112,16 @@ inline float vsum(vec v) {
   q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-// vsums(a)[s] = vsum(a[s]): the same tree for kLanes vectors at once, transposed as it goes
-inline vec vsums(const vec (&a)[kLanes]) {
-  __m512 v[8], w[4], x[2];
-  for (int k = 0; k < 8; ++k)  // lanes i + 8 and i of a[2k] and of a[2k + 1]
-    v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE), _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44));
-  for (int k = 0; k < 4; ++k)  // then i + 4 and i: block i of w[k] is a[4k + i]'s four partial sums
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xDD), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x88));
+// vsums(a)[s] = vsum(a[s]): the same tree for kLanes vectors at once, transposed as it goes. In two steps,
+// so that a caller can reduce each four vectors as it makes them: vsums4 takes a[4c .. 4c + 3] to their
+// partial sums (block i of the result: a[4c + i]'s four), vsums_of the kLanes / 4 of those to the lanes' sums
+inline vec vsums4(vec a0, vec a1, vec a2, vec a3) {
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0xEE), _mm512_shuffle_f32x4(a0, a1, 0x44));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0xEE), _mm512_shuffle_f32x4(a2, a3, 0x44));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0xDD), _mm512_shuffle_f32x4(v0, v1, 0x88));  // i + 4 and i
+}
+inline vec vsums_of(const vec (&w)[kLanes / 4]) {
+  __m512 x[2];
   for (int k = 0; k < 2; ++k)  // then i + 2 and i
     x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))),
                          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(w[2 * k]), _mm512_castps_pd(w[2 * k + 1]))));
@@ -150,13 +153,14 @@ inline float vsum(vec v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-inline vec vsums(const vec (&a)[kLanes]) {  // vsums(a)[s] = vsum(a[s]), transposed as it goes
-  __m256 v[4], w[2];
-  for (int k = 0; k < 4; ++k)  // [a[2k]'s halves summed | a[2k + 1]'s]
-    v[k] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * k], a[2 * k + 1], 0x20), _mm256_permute2f128_ps(a[2 * k], a[2 * k + 1], 0x31));
-  for (int k = 0; k < 2; ++k)  // then lanes i + 2 and i
-    w[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(v[2 * k]), _mm256_castps_pd(v[2 * k + 1]))),
-                         _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(v[2 * k]), _mm256_castps_pd(v[2 * k + 1]))));
+// vsums in two steps, as the AVX-512 one: a[4c .. 4c + 3] to their pairs of partial sums, then those to the sums
+inline vec vsums4(vec a0, vec a1, vec a2, vec a3) {
+  const __m256 v0 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+  const __m256 v1 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(v0), _mm256_castps_pd(v1))),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(v0), _mm256_castps_pd(v1))));  // i + 2, i
+}
+inline vec vsums_of(const vec (&w)[kLanes / 4]) {
   const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));  // lane 4i + m: a[i + 2m]'s
   return _mm256_permutevar8x32_ps(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -175,6 +179,13 @@ inline float vsum(vec v) { return v; }
 inline vec vsums(const vec (&a)[kLanes]) { return a[0]; }
 inline vec vset1(float a) { return a; }
 inline void vstore(float* p, vec v) { *p = v; }
+#endif
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline vec vsums(const vec (&a)[kLanes]) {
+  vec w[kLanes / 4];
+  for (int c = 0; c < kLanes / 4; ++c) w[c] = vsums4(a[4 * c], a[4 * c + 1], a[4 * c + 2], a[4 * c + 3]);
+  return vsums_of(w);
+}
 #endif
 
 // The fused ops' row helpers (cpu_fused.cpp, cpu_step.cpp).

@@ -38,7 +38,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -187,42 +189,103 @@ std::vector<int64_t> task_starts(const Attention& a) {
 
 int64_t partial_floats(const Attention& a) { return a.heads * (a.d + 2); }
 
-// s[g ld + j] = dot(q_g, k_j) * scale for g < group, j < n (k_j = k + slots[j] stride), kLanes slots at a
-// time: each query's kLanes dot products side by side, summed by vsums in vsum's order (dot's bits). A last
-// block of fewer slots repeats its last row in the lanes past n and keeps only its own: a part of ~28 slots
-// (kPartSlots) left 12 to one dot at a time, ~40% of a 64-request w8a8 decode step of SmolLM2 in the
-// attention (perf, 2-core AMD Zen 4)
-template <typename T>
-inline void scores_of(const float* q, int64_t group, const T* k, const int64_t* slots, int64_t stride, int64_t n,
-                      int64_t d, float scale, float* s, int64_t ld) {
-  int64_t j = 0;
-  if (d % kLanes == 0) {
-    for (; j < n; j += kLanes) {
-      const int64_t m = std::min(kLanes, n - j);
-      const T* rows[kLanes];
-      for (int64_t r = 0; r < kLanes; ++r) rows[r] = k + slots[j + std::min(r, m - 1)] * stride;
-      for (int64_t g = 0; g < group; ++g) {
-        vec acc[kLanes];
-        for (int64_t r = 0; r < kLanes; ++r) acc[r] = vzero();
-        for (int64_t i = 0; i < d; i += kLanes) {
-          const vec qi = vload(q + g * d + i);
-          for (int64_t r = 0; r < kLanes; ++r) acc[r] = vfma(qi, vload(rows[r] + i), acc[r]);
-        }
-        const vec out = vmul(vsums(acc), vset1(scale));
-        if (m == kLanes) {
-          vstore(s + g * ld + j, out);
-        } else {
-          float lanes[kLanes];
-          vstore(lanes, out);
-          std::copy(lanes, lanes + m, s + g * ld + j);
-        }
-      }
+// w[g Q] = vsums4 of dot(q_g, k_r)'s kLanes products for g < G query heads and four rows k_r = rows[r] + offset
+// (Q = kLanes / 4 such vectors make each head's block of scores): each vector of K loaded once for the G heads
+template <int G, typename T>
+inline void chunk_sums(const float* q, const T* const* rows, int64_t offset, int64_t d, vec* w) {
+  vec acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < 4; ++r) acc[g][r] = vzero();
+  for (int64_t i = 0; i < d; i += kLanes) {
+    vec k[4];
+    for (int r = 0; r < 4; ++r) k[r] = vload(rows[r] + offset + i);
+    for (int g = 0; g < G; ++g) {
+      const vec qi = vload(q + g * d + i);
+      for (int r = 0; r < 4; ++r) acc[g][r] = vfma(qi, k[r], acc[g][r]);
     }
   }
-  for (; j < n; ++j) {
-    const T* key = k + slots[j] * stride;
-    for (int64_t g = 0; g < group; ++g) s[g * ld + j] = dot(q + g * d, key, d) * scale;
+  for (int g = 0; g < G; ++g) w[g * (kLanes / 4)] = vsums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+}
+
+// the query heads chunk_sums takes at once: its G x 4 sums and four rows' vectors in registers
+constexpr int kScoreHeads = kLanes >= 16 ? 4 : 2;
+
+// s[h ld + j] = dot(q_h, k_j[h / group]) * scale for the heads query heads (kv heads x group), j < n (k_j =
+// k + slots[j] stride, the slot's row of every kv head), n <= kLanes, the lanes past n holding copies of the
+// last score (the last row read again). Four rows at a time, each read whole (every kv head's part, as it lies)
+// before the next four, their sums to vsums4 and, once all are done, to vsums_of: vsums' tree, so each score
+// has dot's bits. One dot at a time where the vectors cannot take the head size.
+// On a 16-request w8a8 SmolLM2 step (2-core AMD Zen 4), reading one kv head's part of 16 rows at a time, its
+// sums in registers and the 16 row pointers on the stack, took ~60% of the attention
+template <typename T>
+inline void scores_of(const float* q, int64_t kv_heads, int64_t group, const T* k, const int64_t* slots,
+                      int64_t stride, int64_t n, int64_t d, float scale, float* s, int64_t ld) {
+  const int64_t heads = kv_heads * group;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  if (d % kLanes == 0) {
+    constexpr int64_t Q = kLanes / 4;
+    thread_local std::vector<vec> w;  // [heads][Q]: each head's four rows' partial sums
+    w.resize(heads * Q);
+    const T* rows[kLanes];
+    for (int64_t r = 0; r < kLanes; ++r) rows[r] = k + slots[std::min(r, n - 1)] * stride;
+    for (int64_t c = 0; c < Q; ++c)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t g = 0; g < group; g += kScoreHeads) {
+          const float* qg = q + (h * group + g) * d;
+          vec* wg = w.data() + (h * group + g) * Q + c;
+          switch (std::min<int64_t>(kScoreHeads, group - g)) {
+            case 1: chunk_sums<1>(qg, rows + 4 * c, h * d, d, wg); break;
+            case 2: chunk_sums<2>(qg, rows + 4 * c, h * d, d, wg); break;
+            case 3: chunk_sums<3>(qg, rows + 4 * c, h * d, d, wg); break;
+            default: chunk_sums<kScoreHeads>(qg, rows + 4 * c, h * d, d, wg); break;
+          }
+        }
+    for (int64_t h = 0; h < heads; ++h) {
+      vec wh[Q];
+      std::copy(w.data() + h * Q, w.data() + (h + 1) * Q, wh);
+      vstore(s + h * ld, vmul(vsums_of(wh), vset1(scale)));
+    }
+    return;
   }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < heads; ++h) s[h * ld + j] = dot(q + h * d, k + slots[j] * stride + h / group * d, d) * scale;
+  for (int64_t h = 0; h < heads; ++h) std::fill(s + h * ld + n, s + h * ld + kLanes, s[h * ld + n - 1]);
+}
+
+// p[j] = e^(p[j] - max p) for j < n and 0 past n up to ld (a whole number of vectors; p's lanes past n copy
+// p[n - 1], so they leave the max alone); returns (max, sum of p), the sum in vectors, then vsum's tree
+inline std::pair<float, float> softmax_numerators(float* p, int64_t n, int64_t ld) {
+  float top = p[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t j = 0; j < ld; ++j) top = std::max(top, p[j]);
+#pragma omp simd
+  for (int64_t j = 0; j < ld; ++j) p[j] = exp_approx(p[j] - top);
+  std::fill(p + n, p + ld, 0.f);
+  vec acc = vzero();
+  for (int64_t j = 0; j < ld; j += kLanes) acc = vadd(acc, vload(p + j));
+  return {top, vsum(acc)};
+}
+
+// Reads the n rows (row elements each) at slots once, front to back, before a pass uses them. A part's passes read
+// each kv head's 256 B of 16 rows in turn, a pattern the hardware's prefetchers do not follow; rows read whole
+// and in order stream in together. Reading a part's K and V rows first made decode_attention 15-25% faster
+// at 1-64 requests and 100-4,000 slots of SmolLM2 (w8a8 step's shapes, float32 and bf16 caches, 2-core AMD
+// Zen 4); software prefetches of the same lines did nothing there. Up to kTouchBytes a part (K and V): the
+// rows must still be in the core's cache when the passes come to them
+constexpr int64_t kTouchBytes = 256 * 1024;
+template <typename T>
+inline void touch_rows(const T* base, const int64_t* slots, int64_t n, int64_t row) {
+  vec acc = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* r = base + slots[j] * row;
+    int64_t i = 0;
+    for (; i + kLanes <= row; i += kLanes) acc = vadd(acc, vload(r + i));
+    for (; i < row; ++i) acc = vadd(acc, vset1(static_cast<float>(r[i])));
+  }
+  float sink[kLanes];
+  vstore(sink, acc);
+  asm volatile("" : : "r"(sink) : "memory");  // the loads are the point: kept
 }
 
 template <typename T>
@@ -247,30 +310,22 @@ void attend_as(const Attention& a, int64_t begin, int64_t end) {
       rotary(q_in, c, s, d, q.data() + h * d);
     }
     const int64_t* sl = a.slots + (a.requests != nullptr ? a.requests[b] : b) * a.s_max + j0;
-    scores.resize(heads * n);
-    for (int64_t j = 0; j < n; j += kLanes) {  // scores: query head h = kv head h / group's g
-      const int64_t m = std::min(kLanes, n - j);
-      for (int64_t h = 0; h < a.kv_heads; ++h)
-        scores_of(q.data() + h * group * d, group, k_cache + h * d, sl + j, row, m, d, a.scale,
-                  scores.data() + h * group * n + j, n);
-    }
+    const int64_t touched = std::min(n, kTouchBytes / (2 * row * static_cast<int64_t>(sizeof(T))));
+    touch_rows(k_cache, sl, touched, row);
+    touch_rows(v_cache, sl, touched, row);
+    const int64_t ld = (n + kLanes - 1) / kLanes * kLanes;  // each head's scores: n, then copies to a vector's end
+    scores.resize(heads * ld);
+    for (int64_t j = 0; j < n; j += kLanes)  // scores: query head h = kv head h / group's g
+      scores_of(q.data(), a.kv_heads, group, k_cache, sl + j, row, std::min(kLanes, n - j), d, a.scale,
+                scores.data() + j, ld);
     float* out = a.partial + task * size;  // [heads d] weighted V, [heads] largest score, [heads] sum
-    for (int64_t h = 0; h < heads; ++h) {  // softmax numerators
-      float* p = scores.data() + h * n;
-      const float top = *std::max_element(p, p + n);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = exp_approx(p[j] - top);
-        sum += p[j];
-      }
-      out[heads * d + h] = top, out[heads * d + heads + h] = sum;
-    }
+    for (int64_t h = 0; h < heads; ++h)  // softmax numerators
+      std::tie(out[heads * d + h], out[heads * d + heads + h]) = softmax_numerators(scores.data() + h * ld, n, ld);
     std::fill(out, out + heads * d, 0.f);
     for (int64_t j = 0; j < n; j += kLanes) {  // unnormalized weighted V
       const int64_t m = std::min(kLanes, n - j);
       for (int64_t h = 0; h < a.kv_heads; ++h)
-        add_rows_of(scores.data() + h * group * n + j, n, group, v_cache + h * d, sl + j, row, m, d, out + h * group * d);
+        add_rows_of(scores.data() + h * group * ld + j, ld, group, v_cache + h * d, sl + j, row, m, d, out + h * group * d);
     }
   }
 }
