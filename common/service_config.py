@@ -108,10 +108,12 @@ class ModelFlags(FlagGroup, title="model"):
     )
     kv_cache_dtype: str = flag(
         "auto",
-        "KV cache dtype: auto = the model's; bfloat16 = CPU float32 models keep K and V rounded to bf16 (half "
-        "the bytes a long context's decode step reads and twice the slots per byte; attention still sums in "
-        "float32; not token-exact with float32). Give both services the same value: the shm and Mooncake "
-        "handoffs write prefill's bytes into decode's pool as they are",
+        "KV cache dtype: bfloat16 = CPU float32 models keep K and V rounded to bf16 (half the bytes a decode step's "
+        "attention reads and twice the slots per byte; attention still sums in float32; not token-exact with "
+        "float32); float32 = a float32 model's KV in float32; auto = the model's, except bfloat16 for a CPU "
+        "float32 model with a --quantization other than none (its answers measured as close to float32's, its "
+        "steps shorter). Give both services the same value and --quantization: the shm and Mooncake handoffs "
+        "write prefill's bytes into decode's pool as they are (and refuse a slot of another size)",
         choices=list(KV_CACHE_DTYPES),
     )
     torch_threads: int = flag(0, "torch intra-op threads (0 = torch default)")

@@ -125,3 +125,25 @@ def test_the_kv_cache_dtype_is_refused_where_it_does_not_apply():
     ):
         with pytest.raises(ValueError, match="float32 model on CPU with grouped-query attention"):
             resolve_kv_dtype("bfloat16", dtype, device, latent=latent)
+        # auto with a low-precision format: bf16 only where bfloat16 applies, else the model's
+        assert resolve_kv_dtype("auto", dtype, device, latent=latent, quantized=True) == dtype
+    assert resolve_kv_dtype("auto", torch.float32, cpu, latent=False, quantized=True) == torch.bfloat16
+    assert resolve_kv_dtype("float32", torch.float32, cpu, latent=False, quantized=True) == torch.float32
+    assert resolve_kv_dtype("float32", torch.float32, cuda, latent=True) == torch.float32
+    with pytest.raises(ValueError, match="float32 is for a float32 model"):
+        resolve_kv_dtype("float32", torch.bfloat16, cuda, latent=False)
+
+
+def test_a_low_precision_format_keeps_its_kv_in_bf16_unless_told_float32(checkpoint):
+    """--quantization w8a8 with --kv-cache-dtype auto: a bf16 pool (twice the slots of the same bytes), and
+    float32 when asked; without a format auto stays the model's float32."""
+    path = checkpoint("llama")
+
+    def runner(fmt, kv):
+        args = RunnerArgs(path, kv_budget_bytes=4 << 20, max_running_requests=2, quantization=fmt, kv_cache_dtype=kv)
+        return ModelRunner(args)
+
+    low, kept, plain = runner("w8a8", "auto"), runner("w8a8", "float32"), runner("none", "auto")
+    assert low.kv_pool.dtype == torch.bfloat16
+    assert kept.kv_pool.dtype == plain.kv_pool.dtype == torch.float32
+    assert low.kv_allocator.size in (2 * kept.kv_allocator.size, 2 * kept.kv_allocator.size + 1)

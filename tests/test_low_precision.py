@@ -228,7 +228,7 @@ def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_cl
     is >= GAP. And one teacher-forced pass of our w8 runner gives logits within a small share of the
     logits' spread of HF's."""
     path = checkpoint("llama")
-    pair = Pair(path, quantization="w8")
+    pair = Pair(path, quantization="w8", kv_cache_dtype="float32")
     weights = linear_weights(pair.worker.runner.model)
     assert pair.link.worker.runner.linear_table is None  # no fp32 layout table: the format's own plan
     assert all(set(w.plan) <= {"w8", "w8-panels"} for w in weights)
@@ -250,7 +250,9 @@ def test_served_w8_tokens_agree_with_hf_where_its_gap_is_wide_and_logits_stay_cl
         checked += int(wide.sum())
     assert checked >= len(PROMPTS) * NEW // 2  # most positions are wide: the check is not vacuous
     ids = list(range(10, 90))
-    runner = ModelRunner(RunnerArgs(path, max_total_tokens=128, max_running_requests=1, quantization="w8"))
+    runner = ModelRunner(
+        RunnerArgs(path, max_total_tokens=128, max_running_requests=1, quantization="w8", kv_cache_dtype="float32")
+    )
     row = runner.req_to_token_pool.alloc()
     runner.req_to_token_pool.write(row, 0, runner.kv_allocator.alloc(len(ids)))
     fb = ForwardBatch.extend(runner.req_to_token_pool.req_to_token, [row], [0], [ids], all_logits=True)
@@ -331,7 +333,7 @@ def test_served_tokens_equal_hf_fp32_with_the_same_rounding(checkpoint, ops, fmt
     steps of 1-4 rows run the whole stack in one call. Not vacuous: the oracle's logits differ from HF
     float32's (bf16-matmul, w8a8: from the weights-only model's too)."""
     path = checkpoint(name)
-    pair = Pair(path, quantization=fmt)
+    pair = Pair(path, quantization=fmt, kv_cache_dtype="float32")
     weights = linear_weights(pair.worker.runner.model)
     measured = weights[0].plan  # what quantize planned here: one plan for all, the panels past GEMV_ROWS
     assert all(w.plan == measured for w in weights) and set(measured) <= set(low_precision.layouts(fmt))

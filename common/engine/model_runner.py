@@ -43,7 +43,7 @@ class RunnerArgs:
     linear_layout: str = "auto"  # CPU fp32: each linear's layout, measured at start-up (common/models/linear_tuning.py)
     greedy_head: str = "auto"  # CPU fp32: greedy tokens through a bf16 pass where measured faster (greedy_head.py)
     quantization: str = "none"  # CPU fp32: "w8" / "bf16" / "bf16-matmul" / "w8a8" linears (models/low_precision.py)
-    kv_cache_dtype: str = "auto"  # the KV pool's: auto = the model's; "bfloat16" (CPU fp32) halves its bytes
+    kv_cache_dtype: str = "auto"  # the KV pool's: kv_pool.resolve_kv_dtype
     spec: SpecArgs = field(default_factory=SpecArgs)  # EAGLE / EAGLE3 speculative decoding (off by default)
     cuda_graph: bool = False  # CUDA + a backend that supports it: decode steps replay captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch (default: max_running_requests)
@@ -149,7 +149,8 @@ class ModelRunner:
             compiled_layers.check_usable(self.device, self.attention_backend, args.tp.size, args.static_decode_buffers)
             max_bs = min(args.torch_compile_max_bs, args.max_running_requests)
             self.model.compiled_layers = compiled_layers.CompiledLayers(self.model.run_layers, max_bs)
-        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device, cfg.mla is not None)
+        quantized = args.quantization != "none"
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device, cfg.mla is not None, quantized)
         num_slots = args.max_total_tokens or slots_for_budget(
             args.kv_budget_bytes, cfg.num_layers, kv_heads, cfg.head_dim, self.kv_dtype, cfg.v_dim
         )
