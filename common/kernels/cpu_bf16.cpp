@@ -131,14 +131,17 @@ void round_rows(const float* x, int64_t rows, int64_t k, float* packed) {
 // panels [begin, end) of a decode step's rows (rows <= kFewRows), x rounded on the calling thread: each
 // thread's panels one after another
 void bf16_part(const float* x, int64_t rows, const uint16_t* pairs, const float* bias, const float* residual,
-               float* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
-  if (begin >= end) return;
+               float* out, int64_t n, int64_t k, Claims& panels) {
+  int64_t begin, end;
+  if (!panels.take(begin, end)) return;
   thread_local std::vector<float> packed;  // the calling thread's, reused
   packed.resize(k * kPairRows);
   round_rows(x, rows, k, packed.data());
-  for (int64_t p = begin; p < end; ++p)
-    (rows == 1 ? pair_tile<1> : pair_tile<kFewRows>)(packed.data(), pairs + p * k * kPanel, bias, residual, out, n,
-                                                     k / 2, p * kPanel, nullptr);
+  do {
+    for (int64_t p = begin; p < end; ++p)
+      (rows == 1 ? pair_tile<1> : pair_tile<kFewRows>)(packed.data(), pairs + p * k * kPanel, bias, residual, out, n,
+                                                       k / 2, p * kPanel, nullptr);
+  } while (panels.take(begin, end));
 }
 
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
@@ -154,7 +157,10 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
   float* po = out.data_ptr<float>();
   if (rows <= kFewRows) {  // a decode step of a request or two: each thread's panels one after another
     parallel_range(0, count, 1,
-                   [&](int64_t begin, int64_t end) { bf16_part(px, rows, pp, pb, pr, po, n, k, begin, end); });
+                   [&](int64_t begin, int64_t end) {
+                     Claims panels = Claims::range(begin, end);
+                     bf16_part(px, rows, pp, pb, pr, po, n, k, panels);
+                   });
     return out;
   }
   const int64_t groups = (rows + kPairRows - 1) / kPairRows;

@@ -13,6 +13,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +33,38 @@ inline void share(int64_t count, int64_t t, int64_t team, int64_t& begin, int64_
   begin = std::min(count, t * chunk);
   end = std::min(count, begin + chunk);
 }
+
+// The items a thread works on, taken as it goes: one fixed range [begin, end); or (`guided`) of [0, count) over a
+// team, first the thread's own share of the leading `owned` items (a stream of its own, as a static split
+// reads), then the rest in ranges claimed from a counter the team shares (`next`, from `owned`): each half of
+// what is left over the team, at least `least` items. A thread that runs slower (a core another process
+// shares) claims fewer. Items must not depend on who computes them or in what pieces.
+struct Claims {
+  int64_t begin = 0, end = 0;            // what is still the thread's own
+  std::atomic<int64_t>* next = nullptr;  // items claimed so far past `first` (guided)
+  int64_t first = 0, count = 0, least = 1, team = 1;
+  static Claims range(int64_t begin, int64_t end) { return Claims{begin, end}; }
+  static Claims guided(std::atomic<int64_t>& next, int64_t count, int64_t least, int64_t t, int64_t team,
+                       double owned) {
+    const int64_t each = static_cast<int64_t>(owned * static_cast<double>(count) / static_cast<double>(team)) / least * least;
+    return Claims{t * each, (t + 1) * each, &next, team * each, count, least, team};
+  }
+  bool take(int64_t& b, int64_t& e) {
+    if (begin < end) {
+      b = begin, e = end, begin = end;
+      return true;
+    }
+    if (next == nullptr) return false;
+    int64_t done = next->load(std::memory_order_relaxed), size;
+    do {
+      const int64_t left = count - first - done;
+      if (left <= 0) return false;
+      size = std::min(left, std::max(least, left / (2 * team)));
+    } while (!next->compare_exchange_weak(done, done + size, std::memory_order_relaxed));
+    b = first + done, e = b + size;
+    return true;
+  }
+};
 
 // at::parallel_for's split (chunks of at least `grain` items over the calling thread's OpenMP team)
 // without its lazy thread-count set-up: compiled into this library, that set-up keeps a per-thread
@@ -335,8 +368,9 @@ at::Tensor decode_attention(
 
 
 // The linears' bodies on raw data, over [begin, end) of their outputs (the gemv: weight rows; the matmuls:
-// panels), called by their ops over parallel ranges and by decode_layers' one-region step per thread. The
-// matmuls take x [rows <= kStepRows, K] as float32 and round or quantize it on the calling thread.
+// panels, the ranges they take from Claims), called by their ops over parallel ranges and by decode_layers'
+// one-region step per thread. The matmuls take x [rows <= kStepRows, K] as float32 and round or quantize it
+// on the calling thread, once for all the ranges it takes.
 constexpr int64_t kStepRows = 2;
 
 // cpu_gemv.cpp
@@ -357,7 +391,7 @@ at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
 
 // cpu_bf16.cpp
 void bf16_part(const float* x, int64_t rows, const uint16_t* pairs, const float* bias, const float* residual,
-               float* out, int64_t n, int64_t k, int64_t begin, int64_t end);
+               float* out, int64_t n, int64_t k, Claims& panels);
 at::Tensor pack_bf16_pairs(const at::Tensor& w);
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
                      const c10::optional<at::Tensor>& residual);
@@ -365,7 +399,7 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, co
 // cpu_int8.cpp
 void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, int64_t scale_blocks,
                const float* bias, const float* residual, float* out, int64_t n, int64_t k, int64_t block,
-               int64_t begin, int64_t end);
+               Claims& panels);
 int64_t int8_streams(int64_t streams);
 at::Tensor pack_int8_quads(const at::Tensor& w);
 at::Tensor pack_int8_scales(const at::Tensor& scale);

@@ -265,8 +265,9 @@ int64_t int8_streams(int64_t streams) {
 // panel last); with one, each panel in turn.
 void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, int64_t scale_blocks,
                const float* bias, const float* residual, float* out, int64_t n, int64_t k, int64_t block,
-               int64_t begin, int64_t end) {
-  if (begin >= end) return;
+               Claims& panels) {
+  int64_t begin, end;
+  if (!panels.take(begin, end)) return;
   const QuantizedRows& q = quantize_rows(x, rows, k, block);
   const int64_t k4 = k / 4, per_block = block / 4, ratio = k / scale_blocks / block;
   const bool fixed = default_blocks(per_block, ratio);
@@ -284,13 +285,15 @@ void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BF
   const auto one = rows == 1 ? (fixed ? quad_tile<1, 1, kDefaultPerBlock, kDefaultRatio> : quad_tile<1, 1>)
                              : (fixed ? quad_tile<kQuadFewRows, 1, kDefaultPerBlock, kDefaultRatio>
                                       : quad_tile<kQuadFewRows, 1>);
-  const int64_t half = rows == 1 && g_int8_streams == 2 ? (end - begin) / 2 : 0;
   const auto two = fixed ? quad_tile<1, 2, kDefaultPerBlock, kDefaultRatio> : quad_tile<1, 2>;
-  for (int64_t i = 0; i < half; ++i) {
-    const int64_t ps[2] = {begin + i, begin + half + i};
-    run(two, ps, 2);
-  }
-  for (int64_t p = begin + 2 * half; p < end; ++p) run(one, &p, 1);
+  do {
+    const int64_t half = rows == 1 && g_int8_streams == 2 ? (end - begin) / 2 : 0;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t ps[2] = {begin + i, begin + half + i};
+      run(two, ps, 2);
+    }
+    for (int64_t p = begin + 2 * half; p < end; ++p) run(one, &p, 1);
+  } while (panels.take(begin, end));
 }
 
 at::Tensor pack_int8_quads(const at::Tensor& w) {
@@ -336,7 +339,8 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
   float* po = out.data_ptr<float>();
   if (rows <= kQuadFewRows) {  // a decode step of a request or two: each thread's panels one after another
     parallel_range(0, count, 1, [&](int64_t begin, int64_t end) {
-      int8_part(px, rows, pp, ps, scale_blocks, pb, pr, po, n, k, block, begin, end);
+      Claims panels = Claims::range(begin, end);
+      int8_part(px, rows, pp, ps, scale_blocks, pb, pr, po, n, k, block, panels);
     });
     return out;
   }

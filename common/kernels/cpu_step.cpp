@@ -7,8 +7,9 @@
 // It runs in one of two forms, with the same bits:
 //   one region: at up to kStepRows rows (a decode step of a request or two) where every linear is a gemv
 //     (float32, bf16 or int8 weights), the int8 matmul or the bf16 matmul. The whole stack is one
-//     OpenMP parallel region: each thread computes its share of each linear's outputs and of the
-//     attention's tasks, with a barrier where the next op reads what all threads wrote (five per layer),
+//     OpenMP parallel region: each thread claims parts of each linear's outputs and of the attention's
+//     tasks as it goes (the lm_head: a fixed share), with a barrier where the next op reads what all threads
+//     wrote (five per layer),
 //     and each thread makes its own copy of what is small (the norms, the attention's merged parts,
 //     SiLU-and-mul, the int8 matmul's quantized input). The data's pointers and sizes are checked once,
 //     when DecodeWeights is built.
@@ -216,25 +217,51 @@ struct DecodeWeights : torch::CustomClassHolder {
   }
 };
 
-// thread t of `team`: its share of linear L's outputs (n of them) for x [rows, L.k]
+// linear L's outputs (n of them) for x [rows, L.k] over the ranges the calling thread takes from `claims`
+void linear_part(const Linear& L, int64_t n, const float* x, int64_t rows, const float* residual, float* out,
+                 int64_t block, Claims& claims) {
+  int64_t begin, end;
+  switch (L.kernel) {
+    case Kernel::gemv_f32:
+      while (claims.take(begin, end))
+        gemv_part(x, rows, static_cast<const float*>(L.w), nullptr, L.bias, residual, out, n, L.k, begin, end);
+      return;
+    case Kernel::gemv_bf16:
+      while (claims.take(begin, end))
+        gemv_part(x, rows, static_cast<const c10::BFloat16*>(L.w), nullptr, L.bias, residual, out, n, L.k, begin, end);
+      return;
+    case Kernel::gemv_w8:
+      while (claims.take(begin, end))
+        gemv_part(x, rows, static_cast<const int8_t*>(L.w), L.scale, L.bias, residual, out, n, L.k, begin, end);
+      return;
+    case Kernel::int8_quads:
+      return int8_part(x, rows, static_cast<const uint8_t*>(L.w), L.scales, L.blocks, L.bias, residual, out, n, L.k,
+                       block, claims);
+    case Kernel::bf16_pairs:
+      return bf16_part(x, rows, static_cast<const uint16_t*>(L.w), L.bias, residual, out, n, L.k, claims);
+  }
+}
+
+// thread t's part of linear L's n outputs: its static share (the head's, whose argmax reads its own columns)
 void linear_share(const Linear& L, int64_t n, const float* x, int64_t rows, const float* residual, float* out,
                   int64_t block, int64_t t, int64_t team) {
   int64_t begin, end;
   share(L.count != 0 ? L.count : n, t, team, begin, end);
-  switch (L.kernel) {
-    case Kernel::gemv_f32:
-      return gemv_part(x, rows, static_cast<const float*>(L.w), nullptr, L.bias, residual, out, n, L.k, begin, end);
-    case Kernel::gemv_bf16:
-      return gemv_part(x, rows, static_cast<const c10::BFloat16*>(L.w), nullptr, L.bias, residual, out, n, L.k, begin,
-                       end);
-    case Kernel::gemv_w8:
-      return gemv_part(x, rows, static_cast<const int8_t*>(L.w), L.scale, L.bias, residual, out, n, L.k, begin, end);
-    case Kernel::int8_quads:
-      return int8_part(x, rows, static_cast<const uint8_t*>(L.w), L.scales, L.blocks, L.bias, residual, out, n, L.k,
-                       block, begin, end);
-    case Kernel::bf16_pairs:
-      return bf16_part(x, rows, static_cast<const uint16_t*>(L.w), L.bias, residual, out, n, L.k, begin, end);
-  }
+  Claims mine = Claims::range(begin, end);
+  linear_part(L, n, x, rows, residual, out, block, mine);
+}
+
+// The one-region step's phases whose work its threads claim as they go, per layer: qkv_proj, the attention's
+// tasks, o_proj, gate_up_proj, down_proj. A static share left one thread waiting at the barriers 0.4-1.4 ms of a
+// 5.5-7.4 ms w8a8 step of SmolLM2 at one request when the host slowed one of its two cores (the other's turn in
+// other runs), 0.2-0.3 ms when it did not (2-core AMD Zen 4)
+constexpr int64_t kClaimedPhases = 5;
+constexpr double kOwned = 0.9;  // of each phase's items, the share split as a static split would
+
+// A linear's outputs claimed by the team as it goes (Claims::guided): the matmuls' panels at least two at a time
+// (the int8 matmul's two streams at one row), the gemv's weight rows eight
+Claims linear_claims(const Linear& L, int64_t n, std::atomic<int64_t>& next, int64_t t, int64_t team) {
+  return L.count != 0 ? Claims::guided(next, L.count, 2, t, team, kOwned) : Claims::guided(next, n, 8, t, team, kOwned);
 }
 
 // thread t of `team`: the columns [c0, c1) of linear L's n outputs that linear_share gives it
@@ -273,6 +300,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr(), vc[l] = v_caches[l].data_ptr();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
   std::vector<Best> found(ho.tokens != nullptr ? rows * team : 0);  // the argmax: each thread's best, per row
+  std::vector<std::atomic<int64_t>> claimed(count * kClaimedPhases);  // each phase's claims' counter, from 0
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
@@ -282,24 +310,29 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
     int64_t begin, end;
     for (int64_t l = 0; l < count; ++l) {
       const Layer& L = layers[l];
-      const float* in = l == 0 ? x : ((count - l) % 2 == 0 ? out : tmp);  // the previous layer's `next`
-      float* next = (count - 1 - l) % 2 == 0 ? out : tmp;
+      const float* in = l == 0 ? x : ((count - l) % 2 == 0 ? out : tmp);  // the previous layer's `out_l`
+      float* out_l = (count - 1 - l) % 2 == 0 ? out : tmp;
       for (int64_t r = 0; r < rows; ++r) rms_row(in + r * hidden, L.input_norm, eps, hidden, mine.data() + r * hidden);
-      linear_share(L.qkv, width, mine.data(), rows, nullptr, qkv, block, t, threads);
+      std::atomic<int64_t>* counters = claimed.data() + l * kClaimedPhases;
+      Claims claims = linear_claims(L.qkv, width, counters[0], t, threads);
+      linear_part(L.qkv, width, mine.data(), rows, nullptr, qkv, block, claims);
 #pragma omp barrier
       Attention la = a;
       la.qkv = qkv, la.k_cache = kc[l], la.v_cache = vc[l], la.q_norm = L.q_norm, la.k_norm = L.k_norm;
-      share(tasks, t, threads, begin, end);
-      attend(la, begin, end);
+      claims = Claims::guided(counters[1], tasks, 1, t, threads, kOwned);
+      while (claims.take(begin, end)) attend(la, begin, end);
 #pragma omp barrier
       merge(la, 0, rows, attn.data());
-      linear_share(L.o, hidden, attn.data(), rows, in, h, block, t, threads);
+      claims = linear_claims(L.o, hidden, counters[2], t, threads);
+      linear_part(L.o, hidden, attn.data(), rows, in, h, block, claims);
 #pragma omp barrier
       for (int64_t r = 0; r < rows; ++r) rms_row(h + r * hidden, L.post_norm, eps, hidden, mine.data() + r * hidden);
-      linear_share(L.gate_up, 2 * inter, mine.data(), rows, nullptr, gate_up, block, t, threads);
+      claims = linear_claims(L.gate_up, 2 * inter, counters[3], t, threads);
+      linear_part(L.gate_up, 2 * inter, mine.data(), rows, nullptr, gate_up, block, claims);
 #pragma omp barrier
       for (int64_t r = 0; r < rows; ++r) silu_row(gate_up + r * 2 * inter, inter, mine.data() + r * inter);
-      linear_share(L.down, hidden, mine.data(), rows, h, next, block, t, threads);
+      claims = linear_claims(L.down, hidden, counters[4], t, threads);
+      linear_part(L.down, hidden, mine.data(), rows, h, out_l, block, claims);
 #pragma omp barrier
     }
     if (ho.head != nullptr) {  // the last layer wrote `out`; each thread norms its own copy of it
