@@ -473,7 +473,7 @@ at::Tensor decode_attention(
   thread_local std::vector<float> partial;  // the calling thread's, reused (attend writes all that merge reads)
   partial.resize(starts.back() * partial_floats(a));
   a.starts = starts.data(), a.partial = partial.data();
-  parallel_range(0, starts.back(), 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
+  parallel_claims(starts.back(), 1, [&](int64_t begin, int64_t end) { attend(a, begin, end); });
   parallel_range(0, batch, grain_for(heads * d * kMaxParts),
                  [&](int64_t begin, int64_t end) { merge(a, begin, end, out.data_ptr<float>()); });
   return out;

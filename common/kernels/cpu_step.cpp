@@ -251,12 +251,9 @@ void linear_share(const Linear& L, int64_t n, const float* x, int64_t rows, cons
   linear_part(L, n, x, rows, residual, out, block, mine);
 }
 
-// The one-region step's phases whose work its threads claim as they go, per layer: qkv_proj, the attention's
-// tasks, o_proj, gate_up_proj, down_proj. A static share left one thread waiting at the barriers 0.4-1.4 ms of a
-// 5.5-7.4 ms w8a8 step of SmolLM2 at one request when the host slowed one of its two cores (the other's turn in
-// other runs), 0.2-0.3 ms when it did not (2-core AMD Zen 4)
+// The one-region step's phases whose work its threads claim as they go (kOwned their own), per layer:
+// qkv_proj, the attention's tasks, o_proj, gate_up_proj, down_proj
 constexpr int64_t kClaimedPhases = 5;
-constexpr double kOwned = 0.9;  // of each phase's items, the share split as a static split would
 
 // A linear's outputs claimed by the team as it goes (Claims::guided): the matmuls' panels at least two at a time
 // (the int8 matmul's two streams at one row), the gemv's weight rows eight
