@@ -164,7 +164,7 @@ inline vec vload(const c10::BFloat16* p) {  // kLanes bf16 weights, widened to f
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-// the sum of the lanes: halves, quarters, then pairs (GCC's _mm512_reduce_add_ps, spelled out so that vsums
+// the sum of the lanes: halves, quarters, then pairs (GCC's _mm512_reduce_add_ps, spelled out so that vsums4
 // below is the same tree on any compiler)
 inline float vsum(vec v) {
   const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), _mm512_castps512_ps256(v));
@@ -172,9 +172,9 @@ inline float vsum(vec v) {
   q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-// vsums(a)[s] = vsum(a[s]): the same tree for kLanes vectors at once, transposed as it goes. In two steps,
-// so that a caller can reduce each four vectors as it makes them: vsums4 takes a[4c .. 4c + 3] to their
-// partial sums (block i of the result: a[4c + i]'s four), vsums_of the kLanes / 4 of those to the lanes' sums
+// vsum's tree for kLanes vectors a[0 .. kLanes) at once, transposed as it goes, in two steps so that a caller
+// can reduce each four vectors as it makes them: vsums4 takes a[4c .. 4c + 3] to their partial sums (block i
+// of the result: a[4c + i]'s four), vsums_of the kLanes / 4 of those to one vector whose lane s is vsum(a[s])
 inline vec vsums4(vec a0, vec a1, vec a2, vec a3) {
   const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0xEE), _mm512_shuffle_f32x4(a0, a1, 0x44));
   const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0xEE), _mm512_shuffle_f32x4(a2, a3, 0x44));
@@ -213,7 +213,7 @@ inline float vsum(vec v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-// vsums in two steps, as the AVX-512 one: a[4c .. 4c + 3] to their pairs of partial sums, then those to the sums
+// vsums4 and vsums_of as the AVX-512 ones: a[4c .. 4c + 3] to their pairs of partial sums, then those to the sums
 inline vec vsums4(vec a0, vec a1, vec a2, vec a3) {
   const __m256 v0 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
   const __m256 v1 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
@@ -236,16 +236,8 @@ inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vadd(vec a, vec b) { return a + b; }
 inline vec vmul(vec a, vec b) { return a * b; }
 inline float vsum(vec v) { return v; }
-inline vec vsums(const vec (&a)[kLanes]) { return a[0]; }
 inline vec vset1(float a) { return a; }
 inline void vstore(float* p, vec v) { *p = v; }
-#endif
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-inline vec vsums(const vec (&a)[kLanes]) {
-  vec w[kLanes / 4];
-  for (int c = 0; c < kLanes / 4; ++c) w[c] = vsums4(a[4 * c], a[4 * c + 1], a[4 * c + 2], a[4 * c + 3]);
-  return vsums_of(w);
-}
 #endif
 
 // The fused ops' row helpers (cpu_fused.cpp, cpu_step.cpp).
