@@ -7,9 +7,9 @@
 // It runs in one of two forms, with the same bits:
 //   one region: at up to kStepRows rows (a decode step of a request or two) where every linear is a gemv
 //     (float32, bf16 or int8 weights), the int8 matmul or the bf16 matmul. The whole stack is one
-//     OpenMP parallel region: each thread claims parts of each linear's outputs and of the attention's
-//     tasks as it goes (the lm_head: a fixed share), with a barrier where the next op reads what all threads
-//     wrote (five per layer),
+//     OpenMP parallel region: each thread takes its share of nine tenths of each linear's outputs and of
+//     the attention's tasks and claims parts of the rest as it finishes (the lm_head: a fixed share), with a
+//     barrier where the next op reads what all threads wrote (five per layer),
 //     and each thread makes its own copy of what is small (the norms, the attention's merged parts,
 //     SiLU-and-mul, the int8 matmul's quantized input). The data's pointers and sizes are checked once,
 //     when DecodeWeights is built.
