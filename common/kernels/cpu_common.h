@@ -34,9 +34,16 @@ inline void share(int64_t count, int64_t t, int64_t team, int64_t& begin, int64_
   end = std::min(count, begin + chunk);
 }
 
+// Of a phase's items, the share each thread of a team takes as a static split would; the rest it claims
+// (Claims::guided). A static split left one thread of two waiting 0.4-1.4 ms of a 5.5-7.4 ms w8a8 step of
+// SmolLM2 at one request when the host slowed the other's core (2-core AMD Zen 4); through the pair, where
+// the decode service's own threads take a core now and then, the claimed tenth made w8a8 at one / two
+// requests 145 / 267 tok/s against 141 / 258
+constexpr double kOwned = 0.9;
+
 // The items a thread works on, taken as it goes: one fixed range [begin, end); or (`guided`) of [0, count) over a
-// team, first the thread's own share of the leading `owned` items (a stream of its own, as a static split
-// reads), then the rest in ranges claimed from a counter the team shares (`next`, from `owned`): each half of
+// team, first the thread's own share of the leading kOwned of them (a stream of its own, as a static split
+// reads), then the rest in ranges claimed from a counter the team shares (`next`): each half of
 // what is left over the team, at least `least` items. A thread that runs slower (a core another process
 // shares) claims fewer. Items must not depend on who computes them or in what pieces.
 struct Claims {
@@ -44,9 +51,8 @@ struct Claims {
   std::atomic<int64_t>* next = nullptr;  // items claimed so far past `first` (guided)
   int64_t first = 0, count = 0, least = 1, team = 1;
   static Claims range(int64_t begin, int64_t end) { return Claims{begin, end}; }
-  static Claims guided(std::atomic<int64_t>& next, int64_t count, int64_t least, int64_t t, int64_t team,
-                       double owned) {
-    const int64_t each = static_cast<int64_t>(owned * static_cast<double>(count) / static_cast<double>(team)) / least * least;
+  static Claims guided(std::atomic<int64_t>& next, int64_t count, int64_t least, int64_t t, int64_t team) {
+    const int64_t each = static_cast<int64_t>(kOwned * static_cast<double>(count) / static_cast<double>(team)) / least * least;
     return Claims{t * each, (t + 1) * each, &next, team * each, count, least, team};
   }
   bool take(int64_t& b, int64_t& e) {
@@ -89,13 +95,6 @@ void parallel_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
   }
 }
 
-// Of a phase's items, the share each thread of a team takes as a static split would; the rest it claims
-// (Claims::guided). A static split left one thread of two waiting 0.4-1.4 ms of a 5.5-7.4 ms w8a8 step of
-// SmolLM2 at one request when the host slowed the other's core (2-core AMD Zen 4); through the pair, where
-// the decode service's own threads take a core now and then, the claimed tenth made w8a8 at one / two
-// requests 145 / 267 tok/s against 141 / 258
-constexpr double kOwned = 0.9;
-
 // parallel_range for items [0, count) whose ranges threads claim as they go (Claims::guided, at least `least`
 // items a claim): f(begin, end) for each range the calling thread takes
 template <typename F>
@@ -110,7 +109,7 @@ void parallel_claims(int64_t count, int64_t least, const F& f) {
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
-    Claims claims = Claims::guided(next, count, least, omp_get_thread_num(), omp_get_num_threads(), kOwned);
+    Claims claims = Claims::guided(next, count, least, omp_get_thread_num(), omp_get_num_threads());
     int64_t begin, end;
     while (claims.take(begin, end)) f(begin, end);
   }

@@ -273,7 +273,8 @@ inline std::pair<float, float> softmax_numerators(float* p, int64_t n, int64_t l
 // and in order stream in together. Reading a part's K and V rows first made decode_attention 15-25% faster
 // at 1-64 requests and 100-4,000 slots of SmolLM2 (w8a8 step's shapes, float32 and bf16 caches, 2-core AMD
 // Zen 4); software prefetches of the same lines did nothing there. Up to kTouchBytes a part (K and V): the
-// rows must still be in the core's cache when the passes come to them
+// rows must still be in the core's cache when the passes come to them. Decode parts only: an extend's tokens
+// read their request's rows one after another, so after the first they are in cache already
 constexpr int64_t kTouchBytes = 256 * 1024;
 template <typename T>
 inline void touch_rows(const T* base, const int64_t* slots, int64_t n, int64_t row) {
@@ -311,9 +312,11 @@ void attend_as(const Attention& a, int64_t begin, int64_t end) {
       rotary(q_in, c, s, d, q.data() + h * d);
     }
     const int64_t* sl = a.slots + (a.requests != nullptr ? a.requests[b] : b) * a.s_max + j0;
-    const int64_t touched = std::min(n, kTouchBytes / (2 * row * static_cast<int64_t>(sizeof(T))));
-    touch_rows(k_cache, sl, touched, row);
-    touch_rows(v_cache, sl, touched, row);
+    if (a.requests == nullptr) {  // a decode: its part's rows are read by it alone (an extend's tokens share theirs)
+      const int64_t touched = std::min(n, kTouchBytes / (2 * row * static_cast<int64_t>(sizeof(T))));
+      touch_rows(k_cache, sl, touched, row);
+      touch_rows(v_cache, sl, touched, row);
+    }
     const int64_t ld = (n + kLanes - 1) / kLanes * kLanes;  // each head's scores: n, then copies to a vector's end
     scores.resize(heads * ld);
     for (int64_t j = 0; j < n; j += kLanes)  // scores: query head h = kv head h / group's g

@@ -258,7 +258,7 @@ constexpr int64_t kClaimedPhases = 5;
 // A linear's outputs claimed by the team as it goes (Claims::guided): the matmuls' panels at least two at a time
 // (the int8 matmul's two streams at one row), the gemv's weight rows eight
 Claims linear_claims(const Linear& L, int64_t n, std::atomic<int64_t>& next, int64_t t, int64_t team) {
-  return L.count != 0 ? Claims::guided(next, L.count, 2, t, team, kOwned) : Claims::guided(next, n, 8, t, team, kOwned);
+  return L.count != 0 ? Claims::guided(next, L.count, 2, t, team) : Claims::guided(next, n, 8, t, team);
 }
 
 // thread t of `team`: the columns [c0, c1) of linear L's n outputs that linear_share gives it
@@ -316,7 +316,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp barrier
       Attention la = a;
       la.qkv = qkv, la.k_cache = kc[l], la.v_cache = vc[l], la.q_norm = L.q_norm, la.k_norm = L.k_norm;
-      claims = Claims::guided(counters[1], tasks, 1, t, threads, kOwned);
+      claims = Claims::guided(counters[1], tasks, 1, t, threads);
       while (claims.take(begin, end)) attend(la, begin, end);
 #pragma omp barrier
       merge(la, 0, rows, attn.data());
