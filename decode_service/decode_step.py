@@ -1,6 +1,7 @@
 """One plain decode step, run as work on the forward stream: gather each request's pending token from
 the FutureMap rows, one target forward (one token per request), sample, stash the sampled tokens
-back at the rows for the next step. Returns the tokens on the device, and the logprobs of the rows
+back at the rows for the next step (where the model takes a greedy step in one call, ModelRunner.greedy_step,
+that call does all four on the FutureMap's token buffer). Returns the tokens on the device, and the logprobs of the rows
 that ask for them (common/engine/logprobs.py).
 Rows with a penalty or a logit bias count their pending token in the FutureMap's penalty state (on
 this stream, from the gathered token: no host value) and have their logits processed before sampling.
@@ -21,6 +22,11 @@ from decode_service.worker_batch import WorkerBatch
 
 def decode_step(runner, fm, batch: WorkerBatch, grammar=None) -> tuple[torch.Tensor, StepLogprobs | None]:
     indices = batch.req_pool_indices
+    if batch.sampling.argmax_only:  # gather, forward, argmax and stash in one call where the model has it (CPU)
+        buffer = fm.tokens_in_place(indices)
+        tokens = runner.greedy_step(buffer, indices, batch.kv_committed_lens, batch.kv_committed_lens_cpu)
+        if tokens is not None:
+            return tokens, None
     lanes = batch.sampling.constrained if grammar is not None else []
     rows = [batch.req_pool_indices_cpu[i] for i in lanes]
     mask = grammar.fill(rows) if lanes else None  # filled on the grammar thread while the forward runs

@@ -68,6 +68,15 @@ class FutureMap:
     def gather_tokens(self, indices: torch.Tensor) -> torch.Tensor:
         return self._gather("token_ids", indices, minimum=0)
 
+    def tokens_in_place(self, indices: torch.Tensor) -> torch.Tensor:
+        """The token buffer itself, for a step that gathers the pending tokens of `indices` and stashes their
+        next ones in one call of its own (ModelRunner.greedy_step). In debug mode the guard checks here what
+        `gather_tokens` checks; a gather and a stash together leave each row's count of writes at one."""
+        if self.debug:
+            indices = indices.to(self.device)
+            self._check("token_ids", indices, self.token_ids[indices], minimum=0)
+        return self.token_ids
+
     def stash_draft(self, indices: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """EAGLE: the next step's first draft token and the head hidden it came from (forward-only)."""
         self._write("draft_token_ids", indices, tokens.to(torch.int64).flatten())
@@ -124,20 +133,24 @@ class FutureMap:
         buf = getattr(self, name)
         values = buf[indices]
         if self.debug:
-            writes = self._writes[name][indices]
-            ok = (writes == 1).all()
-            if minimum is not None:
-                ok = ok & (values >= minimum).all()
-            if self.device.type == "cuda":
-                torch._assert_async(ok)
-            elif not bool(ok):
-                raise ConsumeOnceError(
-                    f"{name}: rows {indices.tolist()} gathered with writes {writes.tolist()} "
-                    f"(need exactly 1 since the last gather) and values {values.tolist()}"
-                )
+            self._check(name, indices, values, minimum)
             self._writes[name].index_fill_(0, indices, 0)
             buf.index_fill_(0, indices, -1)  # poison: a second gather without a write reads -1
         return values
+
+    def _check(self, name: str, indices: torch.Tensor, values: torch.Tensor, minimum: int | None) -> None:
+        """Debug mode: each gathered row written exactly once since its last gather, its values valid."""
+        writes = self._writes[name][indices]
+        ok = (writes == 1).all()
+        if minimum is not None:
+            ok = ok & (values >= minimum).all()
+        if self.device.type == "cuda":
+            torch._assert_async(ok)
+        elif not bool(ok):
+            raise ConsumeOnceError(
+                f"{name}: rows {indices.tolist()} gathered with writes {writes.tolist()} "
+                f"(need exactly 1 since the last gather) and values {values.tolist()}"
+            )
 
 
 class PublishReady:

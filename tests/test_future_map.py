@@ -371,3 +371,20 @@ def test_8_prebuilt_batch_seeds_future_rows(checkpoint):
     sched.running_batch = sched.running_batch.merge(batch)
     pair.close()
     assert pair.out.reasons["r"] == "length" and len(pair.out.tokens["r"]) == 5
+
+
+def test_6_a_step_on_the_buffer_itself_is_guarded_as_a_gather_and_a_stash():
+    """tokens_in_place (a step that gathers and stashes in its own call): in debug mode it checks what a
+    gather checks, and leaves one write per row, so the next gather passes only after it."""
+    fm = _fm()
+    rows = _idx(1, 2)
+    with pytest.raises(ConsumeOnceError):
+        fm.tokens_in_place(rows)  # never written
+    fm.stash_tokens(rows, _idx(5, 6))
+    buffer = fm.tokens_in_place(rows)
+    assert buffer is fm.token_ids and buffer[rows].tolist() == [5, 6]
+    buffer[rows] = _idx(7, 8)  # the step's own stash
+    assert fm.gather_tokens(rows).tolist() == [7, 8]
+    with pytest.raises(ConsumeOnceError):
+        fm.tokens_in_place(rows)  # gathered since, not written
+    assert _fm(debug=False).tokens_in_place(rows) is not None  # unchecked outside debug mode

@@ -87,6 +87,12 @@ class BatchedBackend(AttentionBackend):
     _token_seq = _token_req = None  # per new token of a fused step: the slots it sees, its request (extends)
     _pending = None  # a fused decode's arguments to `_gather_metadata`, until a layer runs the torch path
 
+    def fused_takes_pool(self) -> bool:
+        """Whether the fused ops serve this pool: a CPU pool of float32 or bf16 (a float32 model's,
+        --kv-cache-dtype)."""
+        k0 = self.kv_pool.k[0]
+        return self.fused is not None and k0.dtype in (torch.float32, torch.bfloat16) and k0.device.type == "cpu"
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         table = self.req_to_token_pool.req_to_token
         device = table.device
@@ -95,12 +101,9 @@ class BatchedBackend(AttentionBackend):
         seq_t = to_device(seq, device, torch.int64)
         rows = to_device(forward_batch.req_pool_indices_cpu, device, torch.int64)
         self._batch, self._q_max = batch, q_max
-        k0 = self.kv_pool.k[0]
         fused = (
-            self.fused is not None
+            self.fused_takes_pool()
             and forward_batch.tree_mask is None
-            and k0.dtype in (torch.float32, torch.bfloat16)  # a float32 model's (--kv-cache-dtype)
-            and k0.device.type == "cpu"
             and forward_batch.out_cache_loc.dtype == torch.int64
         )
         extend = forward_batch.extend_lens_cpu

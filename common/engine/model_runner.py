@@ -260,6 +260,16 @@ class ModelRunner:
             return _replayed(self.decode_graphs, forward_batch, greedy)
         return self._eager(forward_batch, (), greedy)
 
+    def greedy_step(self, token_ids, req_pool_indices, kv_lens, kv_lens_cpu: list[int]) -> torch.Tensor | None:
+        """A greedy decode step whose inputs and outputs are the caller's token buffer: each request's pending
+        token read from `token_ids` at its row (req_pool_indices), at position kv_lens (its committed KV
+        length), and its greedy token written back there. The tokens [R] where the model takes the step in
+        one call (on CPU: DecoderLM.greedy_step), else None: the caller runs `forward` as usual."""
+        if self.decode_graphs is not None or self.expert_load is not None:
+            return None
+        step = getattr(self.model, "greedy_step", None)
+        return None if step is None else step(token_ids, req_pool_indices, kv_lens, kv_lens_cpu, self.backend)
+
     @torch.inference_mode()
     def forward_features(
         self, forward_batch: ForwardBatch, capture: tuple[int, ...] | None = None, greedy: bool = False

@@ -385,6 +385,16 @@ at::Tensor decode_attention(
     const at::Tensor& out_loc, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads,
     double scale, const c10::optional<at::Tensor>& requests);
 
+// A greedy decode step's inputs from the decode service's buffers (cpu_token_step.cpp): x [B, hidden], cos and
+// sin [B, head_dim], out_loc [B], slots [B, S_max], seq_lens [B], as decode_logits takes them
+struct StepInputs {
+  at::Tensor x, cos, sin, out_loc, slots, seq_lens;
+};
+StepInputs step_inputs(const at::Tensor& token_ids, const at::Tensor& rows, const at::Tensor& req_to_token,
+                       const at::Tensor& kv_lens, const at::Tensor& embed, const at::Tensor& cos_table,
+                       const at::Tensor& sin_table, int64_t num_slots);
+void stash_tokens(const at::Tensor& token_ids, const at::Tensor& rows, const at::Tensor& tokens);
+
 
 // The linears' bodies on raw data, over [begin, end) of their outputs (the gemv: weight rows; the matmuls:
 // panels, the ranges they take from Claims), called by their ops over parallel ranges and by decode_layers'

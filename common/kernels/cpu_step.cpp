@@ -4,6 +4,8 @@
 //   decode_layers(x [R, D], weights, ...)    -> every layer's decode step in turn, for R rows
 //   decode_logits(x [R, D], weights, ...)    -> the same, then the final norm and the lm_head the weights hold
 //     (DecodeWeights.set_head), and with `greedy` each row's argmax: the whole step's model in one region
+//   greedy_step(token_ids, rows, ...)        -> decode_logits' greedy step whose tokens are read from and
+//     written to the decode service's token buffer, its inputs made here (cpu_token_step.cpp)
 // It runs in one of two forms, with the same bits:
 //   one region: at up to kStepRows rows (a decode step of a request or two) where every linear is a gemv
 //     (float32, bf16 or int8 weights), the int8 matmul or the bf16 matmul. The whole stack is one
@@ -473,6 +475,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_logits(
   return {normed, logits, tokens};
 }
 
+// A greedy decode step on the decode service's own buffers: each row's pending token read from token_ids [N] at
+// `rows` [B], its position the row's committed KV length (kv_lens [B]), its slots the row of req_to_token; the
+// step as decode_logits runs it, with `embed` [V, hidden] for the input and the rotary tables (cos and signed
+// sin [P, head_dim]) for its position; each row's argmax written back to token_ids at its row and returned [B].
+// k_all / v_all: every layer's cache [layers, slots, kv_heads, head_dim] (the pool's one buffer each).
+at::Tensor greedy_step(const at::Tensor& token_ids, const at::Tensor& rows, const at::Tensor& req_to_token,
+                       const at::Tensor& kv_lens, const at::Tensor& embed, const at::Tensor& cos_table,
+                       const at::Tensor& sin_table, const c10::intrusive_ptr<DecodeWeights>& weights,
+                       const at::Tensor& k_all, const at::Tensor& v_all, double eps, int64_t heads, int64_t kv_heads,
+                       double scale, int64_t block) {
+  TORCH_CHECK(k_all.dim() == 4 && k_all.size(0) == weights->count() && v_all.dim() == 4 && v_all.size(0) == k_all.size(0),
+              "greedy_step: caches [layers, slots, kv_heads, head_dim] for every layer of the weights expected");
+  const StepInputs in = step_inputs(token_ids, rows, req_to_token, kv_lens, embed, cos_table, sin_table, k_all.size(1));
+  const std::vector<at::Tensor> k_caches = k_all.unbind(0), v_caches = v_all.unbind(0);
+  const at::Tensor tokens = std::get<2>(decode_logits(in.x, weights, k_caches, v_caches, eps, in.cos, in.sin, in.out_loc,
+                                                      in.slots, in.seq_lens, heads, kv_heads, scale, block, true));
+  stash_tokens(token_ids, rows, tokens);
+  return tokens;
+}
+
 }  // namespace disagg_cpu
 
 using namespace disagg_cpu;
@@ -492,4 +514,9 @@ TORCH_LIBRARY_FRAGMENT(disagg_cpu_fused, m) {
       "Tensor(b!)[] v_caches, float eps, Tensor cos, Tensor sin, Tensor out_loc, Tensor slots, Tensor seq_lens, "
       "int heads, int kv_heads, float scale, int block, bool greedy) -> (Tensor, Tensor, Tensor)",
       &decode_logits);
+  m.def(
+      "greedy_step(Tensor(c!) token_ids, Tensor rows, Tensor req_to_token, Tensor kv_lens, Tensor embed, "
+      "Tensor cos_table, Tensor sin_table, __torch__.torch.classes.disagg_cpu_fused.DecodeWeights weights, "
+      "Tensor(a!) k_all, Tensor(b!) v_all, float eps, int heads, int kv_heads, float scale, int block) -> Tensor",
+      &greedy_step);
 }

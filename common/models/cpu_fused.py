@@ -1,5 +1,5 @@
 """Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp,
-cpu_step.cpp, cpu_argmax.cpp, cpu_common.h),
+cpu_step.cpp, cpu_argmax.cpp, cpu_token_step.cpp, cpu_common.h),
 built on first use on this host, or None.
 
 A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
@@ -54,6 +54,7 @@ SOURCES = [
         "cpu_int8.cpp",
         "cpu_step.cpp",
         "cpu_argmax.cpp",
+        "cpu_token_step.cpp",
     )
 ]
 HEADERS = [os.path.join(KERNELS, "cpu_common.h")]
@@ -208,6 +209,7 @@ class FusedOps:
         self.rms_norm, self.silu_and_mul, self.decode_attention = ops.rms_norm, ops.silu_and_mul, ops.decode_attention
         self.gemv, self.decode_layers, self.stream_sum = ops.gemv, ops.decode_layers, ops.stream_sum
         self.decode_logits = ops.decode_logits  # decode_layers, then the final norm and the lm_head (and argmax)
+        self.greedy_step = ops.greedy_step  # decode_logits' greedy step on the decode service's token buffer
         self.gemv_w8 = ops.gemv_w8  # weight-only int8 linears (common/models/low_precision.py; gemv takes bf16)
         self.pack_panels, self.gemm_panels = ops.pack_panels, ops.gemm_panels  # the `panels` layout: many rows
         self.pack_bf16_pairs, self.gemm_bf16 = ops.pack_bf16_pairs, ops.gemm_bf16  # the bf16-matmul layout

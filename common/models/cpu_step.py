@@ -109,10 +109,15 @@ class FusedLayers:
     def serves(self, x: torch.Tensor, cos: torch.Tensor, backend) -> bool:
         """Whether this call computes the step; the layouts it found are kept for the call that follows
         (DecoderLM.run_layers asks, then calls: they are read once per step)."""
+        if not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
+            return False
+        return self._serves_rows(x.shape[0])
+
+    def _serves_rows(self, rows: int) -> bool:
+        """Whether every linear's layout at `rows` rows is one decode_layers runs (kept in `_serving`)."""
         from common.models.packed_linear import GEMV_ROWS, bucket_index, layout_version
 
-        rows = x.shape[0]
-        if rows > GEMV_ROWS or not getattr(backend, "fused_decode_now", False) or cos.shape[-1] != self.head_dim:
+        if rows > GEMV_ROWS:
             return False
         if layout_version() != self._version:  # set-up, tuning or a test changed a plan or a copy
             self._version, self._by_bucket = layout_version(), {}
@@ -136,6 +141,29 @@ class FusedLayers:
         argmax [R], else the float32 logits [R, V]; the normed hidden [R, H])."""
         normed, logits, tokens = self.ops.decode_logits(*self._args(x, cos, sin, forward_batch, backend), greedy)
         return (tokens if greedy else logits), normed
+
+    def greedy_step(self, token_ids, rows, kv_lens, kv_lens_cpu: list[int], embed, rotary, backend):
+        """A greedy decode step in one call (`greedy_step`, common/kernels/cpu_token_step.cpp) where the step and
+        its head are served at these rows: each request's pending token read from `token_ids` at its row (`rows`),
+        at position kv_lens (its committed KV length), its argmax written back there; the tokens [R], or None
+        where the call does not serve the step (the caller runs the forward as usual)."""
+        tables = rotary.table(embed.dtype)
+        if (
+            embed.dtype != torch.float32
+            or tables is None
+            or tables[0].shape[-1] != self.head_dim
+            or max(kv_lens_cpu) >= tables[0].shape[0]  # the forward grows the table first
+            or not backend.fused_takes_pool()
+            or not (self._serves_rows(len(kv_lens_cpu)) and self.serves_head)
+        ):
+            return None
+        a, pool = self.attn, backend.kv_pool
+        table = backend.req_to_token_pool.req_to_token
+        weights = self.weights(self._serving)
+        return self.ops.greedy_step(
+            token_ids, rows, table, kv_lens, embed, *tables, weights, pool.k_all, pool.v_all, self.eps,
+            a.num_heads, a.num_kv_heads, a.scale, self.block,
+        )  # fmt: skip
 
     def _args(self, x, cos, sin, forward_batch, backend) -> tuple:
         """decode_layers' arguments (decode_logits' but `greedy`) for the step `serves` accepted last."""

@@ -212,6 +212,16 @@ class DecoderLM(nn.Module):
         rows = hidden[forward_batch.logits_indices]
         return (self.greedy_tokens(rows) if greedy else self.compute_logits(rows)), hidden
 
+    def greedy_step(self, token_ids, rows, kv_lens, kv_lens_cpu: list[int], backend) -> torch.Tensor | None:
+        """A greedy decode step that reads each request's pending token from `token_ids` at its row and writes
+        its argmax back there, in one call (FusedLayers.greedy_step) where forward_logits would run the step
+        through the fused layers and head: the tokens [R], else None."""
+        fused, head = self.fused_layers, self.greedy_head
+        if fused is None or not hasattr(fused, "greedy_step") or (head is not None and head.used_for(len(rows))):
+            return None
+        embed = self.model.embed_tokens.weight
+        return fused.greedy_step(token_ids, rows, kv_lens, kv_lens_cpu, embed, self.rotary, backend)
+
     def _inputs(self, forward_batch: ForwardBatch, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The batch's metadata given to the backend; its tokens' embeddings and rotary cos / sin."""
         backend.init_forward_metadata(forward_batch)

@@ -102,6 +102,11 @@ class RotaryEmbedding:
         sin[:, : freqs.shape[1]].neg_()
         return cos.to(dtype), sin.to(dtype)
 
+    def table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """CPU: the cos and signed sin [N, head_dim] of every position below N made so far (`cos_sin` grows them),
+        or None before the first."""
+        return self._tables.get(dtype)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, signed sin [T, 1, head_dim] (broadcast over heads). The sin's first half
         is negated here, once per forward, so `apply_rotary` needs no negation per layer."""

@@ -1,0 +1,111 @@
+"""The greedy decode step in one call (ModelRunner.greedy_step, the ops' `greedy_step`): each request's pending
+token read from the decode service's token buffer at its row, the step the fused layers and head run, its argmax
+written back there. Held to the step forward_logits runs from a ForwardBatch, and through the scheduler to HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine.model_runner import ModelRunner, RunnerArgs
+from common.engine.sampling import SamplingParams
+from common.forward.forward_batch import ForwardBatch
+from tests.decode_harness import Pair
+from tests.oracle import hf_greedy
+
+PROMPTS = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1]]
+
+
+def _runner(checkpoint, quantization: str = "none", kv: str = "auto") -> ModelRunner:
+    args = RunnerArgs(checkpoint("llama"), max_total_tokens=128, max_running_requests=4, linear_layout="rowblock",
+                      greedy_head="off", quantization=quantization, kv_cache_dtype=kv)  # fmt: skip
+    return ModelRunner(args)
+
+
+def _prefilled(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
+    """Each prompt's KV written to a request row with a slot for one more token; the rows."""
+    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
+    rows = []
+    for prompt in prompts:
+        rows.append(pool.alloc())
+        pool.write(rows[-1], 0, runner.kv_allocator.alloc(len(prompt) + 1))
+        with torch.inference_mode():
+            runner.model(ForwardBatch.extend(table, [rows[-1]], [0], [prompt]), runner.backend)
+    return rows
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])  # one region at up to two rows, op by op at three
+@pytest.mark.parametrize("quantization,kv", [("none", "auto"), ("w8a8", "auto"), ("w8", "float32")])
+def test_the_greedy_step_is_the_forward_s_step_and_stashes_its_tokens(ops, checkpoint, batch, quantization, kv):
+    """The one call gives the tokens forward_logits gives from a ForwardBatch of the same pending tokens, writes
+    them at the rows of the buffer and nowhere else, and writes the same K and V."""
+    runner = _runner(checkpoint, quantization, kv)
+    rows = _prefilled(runner, PROMPTS[:batch])
+    lens = [len(p) for p in PROMPTS[:batch]]
+    pending = [11, 250, 37][:batch]
+    buffer = torch.full((runner.req_to_token_pool.size + 1,), 9, dtype=torch.int64)
+    buffer[rows] = torch.tensor(pending)
+    index, lens_t = torch.tensor(rows), torch.tensor(lens)
+    pool = runner.kv_pool
+    tokens = runner.greedy_step(buffer, index, lens_t, lens)
+    assert tokens is not None and tokens.shape == (batch,)
+    k_after, v_after = pool.k_all.clone(), pool.v_all.clone()
+    table = runner.req_to_token_pool.req_to_token
+    fb = ForwardBatch.decode(table, index, lens, torch.tensor(pending))
+    with torch.inference_mode():
+        reference, _ = runner.model.forward_logits(fb, runner.backend, greedy=True)
+    assert tokens.tolist() == reference.tolist()
+    assert buffer[rows].tolist() == tokens.tolist()
+    others = torch.ones_like(buffer, dtype=torch.bool)
+    others[rows] = False
+    assert bool((buffer[others] == 9).all())  # no other row written
+    assert torch.equal(pool.k_all, k_after) and torch.equal(pool.v_all, v_after)  # the same K and V written again
+    assert lens_t.tolist() == lens  # the committed lengths are only read
+
+
+def test_the_greedy_step_refuses_what_it_cannot_take(ops, checkpoint):
+    """Out-of-range rows and pending tokens are errors of the op, naming them; where the runner's one call does
+    not serve the step (a position past the rotary table so far, or the greedy head at those rows) it returns
+    None and the caller runs the forward."""
+    runner = _runner(checkpoint)
+    rows = _prefilled(runner, PROMPTS[:1])
+    buffer = torch.zeros(runner.req_to_token_pool.size + 1, dtype=torch.int64)
+    index, lens = torch.tensor(rows), torch.tensor([len(PROMPTS[0])])
+    assert runner.greedy_step(buffer, index, lens, lens.tolist()) is not None
+    with pytest.raises(RuntimeError, match="row out of range"):
+        runner.greedy_step(buffer, torch.tensor([buffer.numel()]), lens, lens.tolist())
+    buffer[rows] = -1  # a poisoned row (the FutureMap's consume-once guard)
+    with pytest.raises(RuntimeError, match="pending token out of range"):
+        runner.greedy_step(buffer, index, lens, lens.tolist())
+    buffer[rows] = 3
+    cos, _ = runner.model.rotary.table(torch.float32)
+    far = torch.tensor([cos.shape[0]])
+    assert runner.greedy_step(buffer, index, far, far.tolist()) is None
+    head = type("Head", (), {"used_for": lambda self, rows: True})()
+    runner.model.greedy_head = head
+    assert runner.greedy_step(buffer, index, lens, lens.tolist()) is None
+
+
+def test_greedy_requests_take_the_one_call_and_match_hf(ops, checkpoint):
+    """Through the scheduler (overlap, debug checks on): greedy requests' steps go through the one call, and
+    their tokens are HF's."""
+    path = checkpoint("llama")
+    calls = []
+    pair = Pair(path, linear_layout="rowblock", greedy_head="off")
+    step = pair.worker.runner.greedy_step
+
+    def counted(*args):
+        out = step(*args)
+        calls.append(out is not None)
+        return out
+
+    pair.worker.runner.greedy_step = counted
+    try:
+        for i, p in enumerate(PROMPTS):
+            pair.submit(str(i), p, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        pair.wait([str(i) for i in range(len(PROMPTS))])
+    finally:
+        pair.close()
+    assert sum(calls) > 10
+    for i, p in enumerate(PROMPTS):
+        assert pair.out.tokens[str(i)] == hf_greedy(path, p, 12)
