@@ -16,10 +16,19 @@ from tests.test_cpu_fused_ops import NEW, PROMPTS, _greedy
 
 
 class Counting:
-    """The ops with `decode_layers` and `decode_logits` calls counted (calls: both; heads: decode_logits')."""
+    """The ops with the whole stack's calls counted (calls: decode_layers', decode_logits' and greedy_step's;
+    heads: the last two's)."""
 
     def __init__(self, ops):
         self.ops, self.calls, self.heads = ops, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def greedy_step(self, *args):
+        self.calls += 1
+        self.heads += 1
+        return self.ops.greedy_step(*args)
 
     def decode_layers(self, *args):
         self.calls += 1
@@ -415,25 +424,31 @@ def test_a_decode_steps_head_runs_in_the_layers_call_with_the_same_tokens_and_lo
     assert torch.equal(tokens, want_logits.argmax(dim=-1))
 
 
-def test_where_the_greedy_head_serves_a_greedy_step_the_layers_call_leaves_the_lm_head_to_it(ops, checkpoint):
-    """fp32 with --greedy-head on: on a host with bf16 GEMMs its bf16 pass finds a greedy batch's tokens, so the
-    layers' call stops before the lm_head (decode_layers); a step that needs logits takes them in the call
-    (decode_logits). Either way the tokens are the logits' argmax."""
+def test_where_the_greedy_head_serves_a_greedy_step_it_runs_in_the_call_or_after_it(ops, checkpoint):
+    """fp32 with --greedy-head on, on a host with bf16 GEMMs: at one row (the one-region step) the call finds a
+    greedy batch's tokens by the head's candidates (decode_logits); at three (op by op) the layers' call stops
+    before the lm_head (decode_layers) and the head's bf16 pass finds them after it. A step that needs logits
+    takes them in the call (decode_logits). Either way the tokens are the logits' argmax."""
     from common.models import greedy_head
 
     runner = ModelRunner(
-        RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=1, linear_layout="rowblock",
+        RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=3, linear_layout="rowblock",
                    greedy_head="on")
     )  # fmt: skip
     counting = _count(runner)
     pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
-    row = pool.alloc()
-    pool.write(row, 0, runner.kv_allocator.alloc(5))
-    runner.forward(ForwardBatch.extend(table, [row], [0], [[5, 17, 99, 3]]))
-    fb = lambda: ForwardBatch.decode(table, torch.tensor([row]), [4], torch.tensor([11]))  # noqa: E731
-    tokens, _ = runner.forward(fb(), greedy=True)
-    logits, _ = runner.forward(fb(), greedy=False)
-    assert torch.equal(tokens, logits.argmax(dim=-1))
+    rows = []
+    for _ in range(3):
+        rows.append(pool.alloc())
+        pool.write(rows[-1], 0, runner.kv_allocator.alloc(5))
+        runner.forward(ForwardBatch.extend(table, [rows[-1]], [0], [[5, 17, 99, 3]]))
     serves = runner.model.greedy_head is not None
     assert serves == greedy_head.available()
-    assert counting.calls == 2 and counting.heads == (1 if serves else 2)
+    for batch, in_call in ((1, True), (3, False)):
+        index, pending = torch.tensor(rows[:batch]), torch.tensor([11] * batch)
+        calls, heads = counting.calls, counting.heads
+        tokens, _ = runner.forward(ForwardBatch.decode(table, index, [4] * batch, pending), greedy=True)
+        logits, _ = runner.forward(ForwardBatch.decode(table, index, [4] * batch, pending), greedy=False)
+        assert torch.equal(tokens, logits.argmax(dim=-1))
+        assert counting.calls - calls == 2
+        assert counting.heads - heads == (1 if serves and not in_call else 2)

@@ -16,9 +16,9 @@ from tests.oracle import hf_greedy
 PROMPTS = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1]]
 
 
-def _runner(checkpoint, quantization: str = "none", kv: str = "auto") -> ModelRunner:
+def _runner(checkpoint, quantization: str = "none", kv: str = "auto", head: str = "off") -> ModelRunner:
     args = RunnerArgs(checkpoint("llama"), max_total_tokens=128, max_running_requests=4, linear_layout="rowblock",
-                      greedy_head="off", quantization=quantization, kv_cache_dtype=kv)  # fmt: skip
+                      greedy_head=head, quantization=quantization, kv_cache_dtype=kv)  # fmt: skip
     return ModelRunner(args)
 
 
@@ -35,11 +35,16 @@ def _prefilled(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3])  # one region at up to two rows, op by op at three
-@pytest.mark.parametrize("quantization,kv", [("none", "auto"), ("w8a8", "auto"), ("w8", "float32")])
-def test_the_greedy_step_is_the_forward_s_step_and_stashes_its_tokens(ops, checkpoint, batch, quantization, kv):
+@pytest.mark.parametrize(
+    "quantization,kv,head",
+    [("none", "auto", "off"), ("none", "auto", "on"), ("w8a8", "auto", "off"), ("w8", "float32", "off")],
+)
+def test_the_greedy_step_is_the_forward_s_step_and_stashes_its_tokens(ops, checkpoint, batch, quantization, kv, head):
     """The one call gives the tokens forward_logits gives from a ForwardBatch of the same pending tokens, writes
-    them at the rows of the buffer and nowhere else, and writes the same K and V."""
-    runner = _runner(checkpoint, quantization, kv)
+    them at the rows of the buffer and nowhere else, and writes the same K and V. With the greedy head on, one or
+    two rows find their tokens by its candidates in the call; three rows are not the call's (None)."""
+    runner = _runner(checkpoint, quantization, kv, head)
+    assert (runner.model.greedy_head is not None) == (head == "on")
     rows = _prefilled(runner, PROMPTS[:batch])
     lens = [len(p) for p in PROMPTS[:batch]]
     pending = [11, 250, 37][:batch]
@@ -48,6 +53,9 @@ def test_the_greedy_step_is_the_forward_s_step_and_stashes_its_tokens(ops, check
     index, lens_t = torch.tensor(rows), torch.tensor(lens)
     pool = runner.kv_pool
     tokens = runner.greedy_step(buffer, index, lens_t, lens)
+    if head == "on" and batch > 2:  # the greedy head serves outside the call: the caller's forward
+        assert tokens is None
+        return
     assert tokens is not None and tokens.shape == (batch,)
     k_after, v_after = pool.k_all.clone(), pool.v_all.clone()
     table = runner.req_to_token_pool.req_to_token
@@ -65,8 +73,8 @@ def test_the_greedy_step_is_the_forward_s_step_and_stashes_its_tokens(ops, check
 
 def test_the_greedy_step_refuses_what_it_cannot_take(ops, checkpoint):
     """Out-of-range rows and pending tokens are errors of the op, naming them; where the runner's one call does
-    not serve the step (a position past the rotary table so far, or the greedy head at those rows) it returns
-    None and the caller runs the forward."""
+    not serve the step (a position past the rotary table so far, or more rows than the fused layers take) it
+    returns None and the caller runs the forward."""
     runner = _runner(checkpoint)
     rows = _prefilled(runner, PROMPTS[:1])
     buffer = torch.zeros(runner.req_to_token_pool.size + 1, dtype=torch.int64)
@@ -81,9 +89,41 @@ def test_the_greedy_step_refuses_what_it_cannot_take(ops, checkpoint):
     cos, _ = runner.model.rotary.table(torch.float32)
     far = torch.tensor([cos.shape[0]])
     assert runner.greedy_step(buffer, index, far, far.tolist()) is None
-    head = type("Head", (), {"used_for": lambda self, rows: True})()
-    runner.model.greedy_head = head
-    assert runner.greedy_step(buffer, index, lens, lens.tolist()) is None
+    many = torch.tensor(rows * 65)  # past the fused layers' rows (GEMV_ROWS)
+    assert runner.greedy_step(buffer, many, lens.repeat(65), lens.tolist() * 65) is None
+
+
+def _logits_call(runner, rows: list[int], lens: list[int], pending: list[int]) -> tuple:
+    """decode_logits' (normed, logits, tokens) of a greedy step, called as FusedLayers.logits calls it."""
+    table, model, backend = runner.req_to_token_pool.req_to_token, runner.model, runner.backend
+    fb = ForwardBatch.decode(table, torch.tensor(rows), lens, torch.tensor(pending))
+    with torch.inference_mode():
+        x, cos, sin = model._inputs(fb, backend)
+        fused = model.fused_layers
+        assert fused.serves(x, cos, backend) and fused.takes_head(len(rows), True, model.greedy_head)
+        return runner.cpu_fused.decode_logits(*fused._args(x, cos, sin, fb, backend), True)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_greedy_tokens_by_candidates_are_the_float32_head_s(ops, checkpoint, batch):
+    """With the greedy head on, a one-region step finds each row's token among the bf16 head's candidates: the
+    argmax of the float32 logits, while the logits it leaves are the bf16 head's (not the float32 head's, within
+    the bound); where the bound settles nothing (a weight error too large) the whole float32 head decides, and
+    its logits are left."""
+    for settles in (True, False):
+        runner = _runner(checkpoint, head="on")
+        head = runner.model.greedy_head
+        if not settles:
+            head.weight_err = 1e6
+        rows = _prefilled(runner, PROMPTS[:batch])
+        normed, logits, tokens = _logits_call(runner, rows, [len(p) for p in PROMPTS[:batch]], [11, 250][:batch])
+        exact = normed @ runner.model.lm_head_weight.T
+        assert tokens.tolist() == exact.argmax(dim=1).tolist()
+        close = torch.allclose(logits, exact, rtol=1e-5, atol=1e-5)
+        assert close != settles
+        if settles:
+            bound = (head.weight_err + 4 * exact.shape[1] * 2.0**-24 * head.low_norm) * normed.norm(dim=1) * 1.001
+            assert bool(((logits - exact).abs().amax(dim=1) <= bound + 1e-6).all())
 
 
 def test_greedy_requests_take_the_one_call_and_match_hf(ops, checkpoint):

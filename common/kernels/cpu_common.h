@@ -445,4 +445,15 @@ Best best_of(const float* x, int64_t n, int64_t first);  // x[0, n), n > 0, `fir
 Best better(const Best& b, const Best& c);               // b's part met before c's in the scan
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// cpu_candidates.cpp: the greedy head's candidates in the one-region step. top_candidates: the k largest of x[0, n)
+// (`first` the index of x[0]) into out[0, k) in any order (missing ones index -1); false where x has a value that
+// is not finite. settle_candidates: of `count` candidates (the threads' tops), the argmax of the exact logits
+// (`weight` [vocab, hidden] float32 rows by the gemv, written to `logits` at their ids) where `bound` proves it
+// among the k best, else -1. candidates_bound: D of normed row h (greedy_head.py's bound, without the input's and
+// the output's bf16 rounding)
+bool top_candidates(const float* x, int64_t n, int64_t first, int64_t k, Best* out);
+int64_t settle_candidates(Best* found, int64_t count, int64_t k, double bound, const float* h, int64_t hidden,
+                          const float* weight, float* logits, int64_t vocab);
+double candidates_bound(const float* h, int64_t hidden, double weight_err, double low_norm);
+
 }  // namespace disagg_cpu

@@ -104,6 +104,11 @@ struct Layer {
 struct Head {  // after the last layer: the final norm, then the lm_head's logits
   const float* norm = nullptr;
   Linear lm;
+  // with set_greedy, a greedy step's candidates (cpu_candidates.cpp): the lm_head in bf16 (the gemv's), how many
+  // candidates, the bound's weight terms
+  Linear approx;
+  int64_t candidates = 0;
+  double weight_err = 0, low_norm = 0;
 };
 
 bool f32_vector(const c10::optional<at::Tensor>& t, int64_t n) {
@@ -164,6 +169,7 @@ bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tenso
 // holds it as pointers (the tensors, held in `w`, keep it alive); else it is empty.
 struct DecodeWeights : torch::CustomClassHolder {
   std::vector<c10::optional<at::Tensor>> w, head_w;  // head_w: set_head's norm, weight and scale?
+  at::Tensor greedy_w;                                // set_greedy's bf16 lm_head
   std::vector<Layer> layers;
   c10::optional<Head> head;  // head_w as pointers, where the one-region step runs it
   int64_t head_n = 0;        // the head's outputs (the vocabulary)
@@ -216,6 +222,25 @@ struct DecodeWeights : torch::CustomClassHolder {
     if (layers.empty() || !as_linear(weight, c10::nullopt, scale, vocab, hidden, h.lm)) return;
     h.norm = norm.data_ptr<float>();
     head = h;
+  }
+  // A float32 lm_head's greedy steps by candidates (cpu_candidates.cpp): `low` its weight in bf16 [vocab, hidden],
+  // `candidates` how many, e and b the bound's largest row norms of w - bf16(w) and of bf16(w) (greedy_head.py).
+  // Held where the one-region step runs the head as the float32 gemv; false (nothing held) elsewhere.
+  bool set_greedy(const at::Tensor& low, int64_t candidates, double weight_err, double low_norm) {
+    TORCH_CHECK(candidates > 0 && weight_err >= 0 && low_norm >= 0, "DecodeWeights.set_greedy: candidates > 0 and "
+                "bound terms >= 0 expected");
+    if (!head.has_value() || head->lm.kernel != Kernel::gemv_f32 || low.scalar_type() != at::kBFloat16) return false;
+    Linear approx;
+    if (!as_linear(low, c10::nullopt, c10::nullopt, head_n, hidden, approx) || approx.kernel != Kernel::gemv_bf16)
+      return false;
+    greedy_w = low;
+    head->approx = approx, head->candidates = std::min(candidates, head_n);
+    head->weight_err = weight_err, head->low_norm = low_norm;
+    return true;
+  }
+  // whether a greedy step of `rows` rows finds its tokens by candidates (set_greedy, the one-region step)
+  bool greedy_by_candidates(int64_t rows) const {
+    return head.has_value() && head->candidates > 0 && !layers.empty() && rows >= 1 && rows <= kStepRows;
   }
 };
 
@@ -299,6 +324,9 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr(), vc[l] = v_caches[l].data_ptr();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
   std::vector<Best> found(ho.tokens != nullptr ? rows * team : 0);  // the argmax: each thread's best, per row
+  const int64_t k = ho.tokens != nullptr && ho.head != nullptr ? ho.head->candidates : 0;
+  std::vector<Best> found_k(rows * team * k);  // by candidates: each thread's k best, per row
+  std::vector<char> finite(k > 0 ? rows * team : 0);  // and whether its share of the row was all finite
   std::vector<std::atomic<int64_t>> claimed(count * kClaimedPhases);  // each phase's claims' counter, from 0
 #pragma omp parallel num_threads(team)
   {
@@ -335,11 +363,39 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp barrier
     }
     if (ho.head != nullptr) {  // the last layer wrote `out`; each thread norms its own copy of it
-      const Linear& lm = ho.head->lm;
-      for (int64_t r = 0; r < rows; ++r) rms_row(out + r * hidden, ho.head->norm, eps, hidden, mine.data() + r * hidden);
+      const Head& hd = *ho.head;
+      const Linear& lm = hd.lm;
+      for (int64_t r = 0; r < rows; ++r) rms_row(out + r * hidden, hd.norm, eps, hidden, mine.data() + r * hidden);
       if (t == 0) std::copy(mine.data(), mine.data() + rows * hidden, ho.normed);
-      linear_share(lm, lm.n, mine.data(), rows, nullptr, ho.logits, block, t, threads);
-      if (ho.tokens != nullptr) {  // the best of this thread's columns, while they are in its cache
+      bool whole = true;  // the float32 head over the whole vocabulary (else the candidates settled every row)
+      if (ho.tokens != nullptr && hd.candidates > 0) {  // each thread's candidates from the bf16 head's logits
+        const int64_t k = hd.candidates;
+        linear_share(hd.approx, lm.n, mine.data(), rows, nullptr, ho.logits, block, t, threads);
+        int64_t c0, c1;
+        share_columns(hd.approx, lm.n, t, threads, c0, c1);
+        for (int64_t r = 0; r < rows; ++r) {
+          Best* tops = found_k.data() + (r * threads + t) * k;
+          finite[r * threads + t] = top_candidates(ho.logits + r * lm.n + c0, std::max<int64_t>(c1 - c0, 0), c0, k, tops);
+        }
+#pragma omp barrier
+        if (t == 0) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* h = mine.data() + r * hidden;
+            const bool ok = std::all_of(finite.begin() + r * threads, finite.begin() + (r + 1) * threads,
+                                        [](char f) { return f != 0; });
+            ho.tokens[r] = !ok ? -1
+                               : settle_candidates(found_k.data() + r * threads * k, threads * k, k,
+                                                   candidates_bound(h, hidden, hd.weight_err, hd.low_norm), h, hidden,
+                                                   static_cast<const float*>(lm.w), ho.logits + r * lm.n, lm.n);
+          }
+        }
+#pragma omp barrier
+        whole = std::any_of(ho.tokens, ho.tokens + rows, [](int64_t id) { return id < 0; });
+      }
+      if (whole) {
+        linear_share(lm, lm.n, mine.data(), rows, nullptr, ho.logits, block, t, threads);
+      }
+      if (whole && ho.tokens != nullptr) {  // the best of this thread's columns, while they are in its cache
         int64_t c0, c1;
         share_columns(lm, lm.n, t, threads, c0, c1);
         for (int64_t r = 0; r < rows; ++r)
@@ -347,6 +403,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp barrier
         if (t == 0) {  // the threads' columns in order: the first of equals is the lowest thread's
           for (int64_t r = 0; r < rows; ++r) {
+            if (hd.candidates > 0 && ho.tokens[r] >= 0) continue;  // settled by its candidates
             Best b = found[r * threads];
             for (int64_t u = 1; u < threads; ++u) b = better(b, found[r * threads + u]);
             ho.tokens[r] = b.index;
@@ -439,8 +496,10 @@ at::Tensor decode_layers(const at::Tensor& x, const c10::intrusive_ptr<DecodeWei
 
 // decode_layers' step, then the final norm and the lm_head the weights hold (set_head): (the normed rows
 // [R, D], their logits [R, vocab], with `greedy` each row's argmax [R] (torch.argmax's: the first of the
-// largest, or the first NaN), else an empty tensor). In the one-region form the head runs in the same
-// region, each thread finding the best of its own share of the logits; op by op, after the layers' ops. At
+// largest, or the first NaN), else an empty tensor). A greedy step that finds its tokens by candidates
+// (set_greedy) leaves in the logits the bf16 head's approximate ones, but at the candidates' ids. In the
+// one-region form the head runs in the same region, each thread finding the best of its own share of the
+// logits (or its candidates); op by op, after the layers' ops. At
 // one row of a w8a8 SmolLM2 the final norm, the lm_head's call and the argmax, each a call of its own, cost
 // ~0.14 ms after the step's weights streamed past (2-core AMD Zen 4).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_logits(
@@ -503,7 +562,9 @@ TORCH_LIBRARY_FRAGMENT(disagg_cpu_fused, m) {
   m.class_<DecodeWeights>("DecodeWeights")
       .def(torch::init<c10::List<c10::optional<at::Tensor>>>())
       .def("one_region", [](const c10::intrusive_ptr<DecodeWeights>& self) { return !self->layers.empty(); })
-      .def("set_head", &DecodeWeights::set_head);
+      .def("set_head", &DecodeWeights::set_head)
+      .def("set_greedy", &DecodeWeights::set_greedy)
+      .def("greedy_by_candidates", &DecodeWeights::greedy_by_candidates);
   m.def(
       "decode_layers(Tensor x, __torch__.torch.classes.disagg_cpu_fused.DecodeWeights weights, Tensor(a!)[] k_caches, "
       "Tensor(b!)[] v_caches, float eps, Tensor cos, Tensor sin, Tensor out_loc, Tensor slots, Tensor seq_lens, "

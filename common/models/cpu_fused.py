@@ -1,5 +1,6 @@
 """Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp,
-cpu_step.cpp, cpu_argmax.cpp, cpu_token_step.cpp, cpu_common.h),
+cpu_step.cpp, cpu_argmax.cpp, cpu_token_step.cpp, cpu_candidates.cpp,
+cpu_common.h),
 built on first use on this host, or None.
 
 A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
@@ -55,6 +56,7 @@ SOURCES = [
         "cpu_step.cpp",
         "cpu_argmax.cpp",
         "cpu_token_step.cpp",
+        "cpu_candidates.cpp",
     )
 ]
 HEADERS = [os.path.join(KERNELS, "cpu_common.h")]

@@ -51,6 +51,8 @@ class FusedLayers:
         self._hold = ops.decode_weights
         self.head_dim, self.eps = a.head_dim, layers[0].input_layernorm.eps
         self.norm, self.lm_head = head if head is not None else (None, None)
+        self._low = None  # the lm_head in bf16, for the greedy head's candidates (DecodeWeights.set_greedy)
+        self._greedy = None  # the model's greedy head, where the step `takes_head` accepted last finds its tokens by it
         self.linears = [
             lin.weight
             for layer in layers
@@ -62,7 +64,7 @@ class FusedLayers:
         # afresh, the 121 linears' plans cost ~0.1 ms of a batch-1 step, its objects cold after the weights
         self._version, self._by_bucket = -1, {}
 
-    def weights(self, layouts: tuple):
+    def weights(self, layouts: tuple, greedy=None):
         """decode_layers' weights (a DecodeWeights: the list below, held by the ops once, not converted from
         Python on every call) with each linear in `layouts` (one per linear, in self.linears' order, then the
         lm_head's or None: held with the final norm's weight by DecodeWeights.set_head):
@@ -70,8 +72,10 @@ class FusedLayers:
         down_w, down_b (None where the layer has none), and the four linears' int8 scales (SCALES; None but in
         w8 and w8a8). A linear's weight: rowblock its fp32 weight, panels its panels, w8 / bf16 its stored
         weight, w8-panels / bf16-panels the panels of that, bf16-matmul its bf16 pairs, w8a8 its int8 quads
-        (low_precision.py)."""
-        if layouts not in self._weights:
+        (low_precision.py). With `greedy` (the model's GreedyHead, where the lm_head is the float32 gemv) the
+        greedy tokens come by its candidates in the same call (DecodeWeights.set_greedy; cpu_candidates.cpp)."""
+        key = (layouts, greedy is not None)
+        if key not in self._weights:
             out, it = [], iter(layouts)
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -90,8 +94,12 @@ class FusedLayers:
                 lm = self.lm_head
                 scale = SCALES.get(head, lambda lw: None)(lm)
                 held.set_head(self.norm.weight.detach(), HELD[head](lm), scale, lm.out_features)
-            self._weights[layouts] = held
-        return self._weights[layouts]
+                if greedy is not None and head == "rowblock":  # the float32 gemv: candidates rescored by it
+                    if self._low is None:
+                        self._low = lm.weight.detach().to(torch.bfloat16)
+                    held.set_greedy(self._low, greedy.k, greedy.weight_err, greedy.low_norm)
+            self._weights[key] = held
+        return self._weights[key]
 
     def _layouts(self, i: int) -> tuple | None:
         """Every linear's layout in row bucket `i`, where decode_layers computes them all (the gemv or the
@@ -117,6 +125,7 @@ class FusedLayers:
         """Whether every linear's layout at `rows` rows is one decode_layers runs (kept in `_serving`)."""
         from common.models.packed_linear import GEMV_ROWS, bucket_index, layout_version
 
+        self._greedy = None  # until takes_head says
         if rows > GEMV_ROWS:
             return False
         if layout_version() != self._version:  # set-up, tuning or a test changed a plan or a copy
@@ -128,21 +137,28 @@ class FusedLayers:
         self._serving = self._by_bucket[i]
         return self._serving is not None
 
-    @property
-    def serves_head(self) -> bool:
-        """Whether the step `serves` accepted last can take the lm_head too (`logits`)."""
-        return self._serving is not None and self._serving[-1] is not None
+    def takes_head(self, rows: int, greedy: bool, head=None) -> bool:
+        """Whether the step `serves` accepted last (at `rows` rows) can take the lm_head too (`logits`): where
+        the lm_head's layout is one the ops run and, for a greedy step where the model's greedy head (`head`)
+        serves these rows, where the call finds the greedy tokens by the head's candidates (one region)."""
+        self._greedy = None
+        if self._serving is None or self._serving[-1] is None:
+            return False
+        if not greedy or head is None or not head.used_for(rows):
+            return True
+        self._greedy = head
+        return self.weights(self._serving, head).greedy_by_candidates(rows)
 
     def __call__(self, x, cos, sin, forward_batch, backend) -> torch.Tensor:
         return self.ops.decode_layers(*self._args(x, cos, sin, forward_batch, backend))
 
     def logits(self, x, cos, sin, forward_batch, backend, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step through the final norm and the lm_head, where `serves_head`: (with `greedy` each row's
+        """The step through the final norm and the lm_head, where `takes_head`: (with `greedy` each row's
         argmax [R], else the float32 logits [R, V]; the normed hidden [R, H])."""
         normed, logits, tokens = self.ops.decode_logits(*self._args(x, cos, sin, forward_batch, backend), greedy)
         return (tokens if greedy else logits), normed
 
-    def greedy_step(self, token_ids, rows, kv_lens, kv_lens_cpu: list[int], embed, rotary, backend):
+    def greedy_step(self, token_ids, rows, kv_lens, kv_lens_cpu: list[int], embed, rotary, backend, greedy_head=None):
         """A greedy decode step in one call (`greedy_step`, common/kernels/cpu_token_step.cpp) where the step and
         its head are served at these rows: each request's pending token read from `token_ids` at its row (`rows`),
         at position kv_lens (its committed KV length), its argmax written back there; the tokens [R], or None
@@ -154,12 +170,12 @@ class FusedLayers:
             or tables[0].shape[-1] != self.head_dim
             or max(kv_lens_cpu) >= tables[0].shape[0]  # the forward grows the table first
             or not backend.fused_takes_pool()
-            or not (self._serves_rows(len(kv_lens_cpu)) and self.serves_head)
+            or not (self._serves_rows(len(kv_lens_cpu)) and self.takes_head(len(kv_lens_cpu), True, greedy_head))
         ):
             return None
         a, pool = self.attn, backend.kv_pool
         table = backend.req_to_token_pool.req_to_token
-        weights = self.weights(self._serving)
+        weights = self.weights(self._serving, self._greedy)
         return self.ops.greedy_step(
             token_ids, rows, table, kv_lens, embed, *tables, weights, pool.k_all, pool.v_all, self.eps,
             a.num_heads, a.num_kv_heads, a.scale, self.block,
@@ -169,7 +185,7 @@ class FusedLayers:
         """decode_layers' arguments (decode_logits' but `greedy`) for the step `serves` accepted last."""
         pool = backend.kv_pool
         _, _, out_loc, slots, seq_lens, heads, kv_heads, scale = backend.fused_pool_args(self.attn, forward_batch)
-        weights = self.weights(self._serving)
+        weights = self.weights(self._serving, self._greedy)
         return (
             x,
             weights,

@@ -198,14 +198,13 @@ class DecoderLM(nn.Module):
         layers' call (FusedLayers.logits): after a batch-1 step's weights streamed past, each of them as a call of
         its own cost 20-75 us (2-core AMD Zen 4)."""
         x, cos, sin = self._inputs(forward_batch, backend)
-        fused, head = self.fused_layers, self.greedy_head
+        fused = self.fused_layers
         if (
             fused is not None
             and forward_batch.mode is ForwardMode.DECODE  # every row gets logits
-            and not (greedy and head is not None and head.used_for(x.shape[0]))
             and hasattr(fused, "logits")  # CPU's FusedLayers (CUDA's FusedStack runs the layers only)
             and fused.serves(x, cos, backend)
-            and fused.serves_head
+            and fused.takes_head(x.shape[0], greedy, self.greedy_head)  # the greedy head: in the call or not at all
         ):
             return fused.logits(x, cos, sin, forward_batch, backend, greedy)
         hidden = self.model.norm(self._layers(x, cos, sin, forward_batch, backend))
@@ -216,11 +215,11 @@ class DecoderLM(nn.Module):
         """A greedy decode step that reads each request's pending token from `token_ids` at its row and writes
         its argmax back there, in one call (FusedLayers.greedy_step) where forward_logits would run the step
         through the fused layers and head: the tokens [R], else None."""
-        fused, head = self.fused_layers, self.greedy_head
-        if fused is None or not hasattr(fused, "greedy_step") or (head is not None and head.used_for(len(rows))):
+        fused = self.fused_layers
+        if fused is None or not hasattr(fused, "greedy_step"):
             return None
         embed = self.model.embed_tokens.weight
-        return fused.greedy_step(token_ids, rows, kv_lens, kv_lens_cpu, embed, self.rotary, backend)
+        return fused.greedy_step(token_ids, rows, kv_lens, kv_lens_cpu, embed, self.rotary, backend, self.greedy_head)
 
     def _inputs(self, forward_batch: ForwardBatch, backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The batch's metadata given to the backend; its tokens' embeddings and rotary cos / sin."""
