@@ -25,6 +25,9 @@ The bound, per row h (u = 2^-8, bf16's unit roundoff; norms over the hidden dime
 With D = e |h| + b (|h - bf16(h)| + gamma |bf16(h)|): the first candidate's exact logit is at least
 v1 - c|v1| - D, and any row outside the K at most vK + c|vK| + D (vK: the K-th approximate value).
 
+At one or two rows of a fused decode step the same search runs inside the step's call, with float32 inputs
+and the lm_head in bf16 (common/kernels/cpu_candidates.cpp; cpu_step.FusedLayers.takes_head).
+
 `plan[i]` says, per row bucket of packed_linear.ROW_BUCKETS, whether the head runs (chosen by
 measurement at start-up, `linear_tuning.tune_greedy`): on a host without fast bf16 it loses to the
 fp32 lm_head and is not used.
