@@ -136,22 +136,33 @@ def check_decode_attention(ops, march: str) -> None:
 
 def check_decode_logits(ops, march: str) -> None:
     """decode_logits' one-region head at one and two rows: each thread's best of its share of the logits (the
-    scan this build compiled), the threads' bests combined: torch.argmax of its logits, ties across shares."""
+    scan this build compiled), the threads' bests combined: torch.argmax of its logits, ties across shares. By
+    the greedy head's candidates (set_greedy) the same tokens, from the bf16 head's logits or, where the bound
+    settles nothing, the float32 head's."""
     import torch
 
     from tests.test_cpu_fused_layer import _head, _stack
 
     gen = torch.Generator().manual_seed(1)
-    held = ops.decode_weights(_stack(ops, "fp32", gen)[0])
+    entries = _stack(ops, "fp32", gen)[0]
     (w, _), norm = _head(ops, "fp32", gen, 1000)
-    held.set_head(norm, w, None, 1000)
+    low = w.to(torch.bfloat16)  # the greedy head's candidates (cpu_candidates.cpp): settled, and not (err huge)
+    err, size = float((w.double() - low.double()).norm(dim=1).max()), float(low.double().norm(dim=1).max())
+    helds = [ops.decode_weights(entries) for _ in range(3)]
+    for i, held in enumerate(helds):
+        held.set_head(norm, w, None, 1000)
+        assert i == 0 or held.set_greedy(low, 8, err if i == 1 else 1e6, size)
     for rows in (1, 2):
         caches = [torch.randn(8, 2, 16, generator=gen) for _ in range(6)]
         slots = torch.arange(1, 1 + 3 * rows).view(rows, 3)
         x, cos, sin = (torch.randn(rows, n, generator=gen) for n in (64, 16, 16))
         args = (1e-6, cos, sin, slots[:, -1].contiguous(), slots, torch.full((rows,), 3), 4, 2, 0.25, 32, True)
-        _, logits, tokens = ops.decode_logits(x, held, caches[:3], caches[3:], *args)
+        (_, logits, tokens), (_, approx, settled), (_, whole, unsettled) = (
+            ops.decode_logits(x, held, caches[:3], caches[3:], *args) for held in helds
+        )
         assert torch.equal(tokens, logits.argmax(dim=-1)) and (tokens < 500).all(), (march, "decode_logits", rows)
+        assert torch.equal(settled, tokens) and not torch.equal(approx, logits), (march, "candidates", rows)
+        assert torch.equal(unsettled, tokens) and torch.equal(whole, logits), (march, "candidates' fallback", rows)
 
 
 def check(march: str, folder: str) -> None:
