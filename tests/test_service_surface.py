@@ -151,6 +151,33 @@ def test_a_broken_scheduler_fails_calls_with_internal_and_reports_unhealthy(chec
         pair.prefill.stop()
 
 
+def test_a_call_whose_scheduler_died_without_a_record_for_it_ends_with_internal(checkpoint):
+    """The scheduler never answers the call (its submit swallowed here), then dies: the call ends with INTERNAL
+    within about a second (one watch for every open call), not left open."""
+    pair = GrpcPair(checkpoint("qwen2"))
+    sched = pair.decode.scheduler
+    sched.submit_checked = lambda *args, **kwargs: None  # no record will ever come for the call
+    request = pb.GenerateRequest(
+        request_id="r", tokenized=pb.TokenizedInput(input_ids=[5, 6, 7]), stream=True,
+        sampling_params=pb.SamplingParams(max_new_tokens=4),
+    )  # fmt: skip
+    call = pair.stub.Generate(request, timeout=30)  # left open, it would end DEADLINE_EXCEEDED, not INTERNAL
+    try:
+        wait_for("the call never opened", lambda: pair.decode._open == 1)
+        time.sleep(1.5)  # a quiet while, the scheduler alive: the call stays open
+        assert pair.decode._open == 1
+        died = time.monotonic()
+        sched.fatal_error = RuntimeError("gone")
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "gone" in err.value.details()
+        assert time.monotonic() - died < 10.0  # a watch once a second (bounds a hang, not a speed)
+    finally:
+        call.cancel()
+        pair.channel.close()
+        pair.decode.stop()
+
+
 def test_prefill_call_cancelled_while_queued_releases_its_handler(checkpoint):
     """A cancel the server has seen before the call is admitted prevents its prefill, and the call's
     handler returns. (The cancel travels to the server asynchronously: a cancel still in flight when
