@@ -13,7 +13,8 @@ weight bytes over the memory bandwidth. Each round measures, interleaved (the ho
    weight-only int8 (a float32 scale per output row) and in w8a8's int8 (a bf16 scale per row and block
    of 32), the vectors staying fp32.
 2. ours: a ModelRunner (`--linear-layout`, default auto: the host's table) decoding one request
-   at a 64-token prefix: the median of --steps decode forwards (model only, as bench.linear_layouts),
+   at a 64-token prefix: the median of --steps greedy decode steps as the decode service runs them
+   (ModelRunner.greedy_step where the model takes the step in one call, else the forward with greedy=True),
    the runners' forwards interleaved step by step (order rotated), with each runner's median
    per-step ratio to the first (a neighbour's load falls on both of a pair of steps alike);
    and after each step one bandwidth pass (below), whose floor each step is divided by: the
@@ -146,13 +147,17 @@ def interleaved_ms(runners: list, steps: int, floor_pass=None) -> tuple[list[flo
         pool.write(rows[-1], 0, runner.kv_allocator.alloc(PREFIX + steps + 3))
         runner.forward(ForwardBatch.extend(table, [rows[-1]], [0], [[5] * PREFIX]))
     times, floors = [[] for _ in runners], []
+    buffers = [torch.zeros(runner.req_to_token_pool.size + 1, dtype=torch.int64) for runner in runners]
     for step in range(steps + 2):
         order = [(step + i) % len(runners) for i in range(len(runners))]
         for i in order:
-            table = runners[i].req_to_token_pool.req_to_token
-            fb = ForwardBatch.decode(table, torch.tensor([rows[i]]), [PREFIX + step], torch.tensor([7]))
+            table, runner = runners[i].req_to_token_pool.req_to_token, runners[i]
+            index, lens = torch.tensor([rows[i]]), [PREFIX + step]
+            fb, lens_t = ForwardBatch.decode(table, index, lens, torch.tensor([7])), torch.tensor(lens)
+            buffers[i][rows[i]] = 7  # the FutureMap's token buffer, as the decode service hands it over
             start = time.perf_counter()
-            runners[i].forward(fb)
+            if runner.greedy_step(buffers[i], index, lens_t, lens) is None:
+                runner.forward(fb, greedy=True)
             times[i].append(time.perf_counter() - start)
         floors.append(floor_pass() if floor_pass is not None else float("nan"))
     for runner, row in zip(runners, rows):
