@@ -1,11 +1,12 @@
 // A dense decoder stack's decode step in one call (registered here into the fused ops' library; built
 // with cpu_fused.cpp and the kernels' sources by common/models/cpu_fused.py):
 //   DecodeWeights(list)                      -> the stack's weights, held once per mix of layouts
+//     (cpu_decode_weights.h / .cpp: checked there into what the one-region step runs)
 //   decode_layers(x [R, D], weights, ...)    -> every layer's decode step in turn, for R rows
 //   decode_logits(x [R, D], weights, ...)    -> the same, then the final norm and the lm_head the weights hold
 //     (DecodeWeights.set_head), and with `greedy` each row's argmax: the whole step's model in one region
 //   greedy_step(token_ids, rows, ...)        -> decode_logits' greedy step whose tokens are read from and
-//     written to the decode service's token buffer, its inputs made here (cpu_token_step.cpp)
+//     written to the decode service's token buffer, its inputs made by cpu_token_step.cpp
 // It runs in one of two forms, with the same bits:
 //   one region: at up to kStepRows rows (a decode step of a request or two) where every linear is a gemv
 //     (float32, bf16 or int8 weights), the int8 matmul or the bf16 matmul. The whole stack is one
@@ -29,10 +30,9 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_decode_weights.h"
 
 namespace disagg_cpu {
-
-constexpr int64_t kLayerWeights = 16;
 
 // A linear op by op, for any rows: the panel GEMM where the weight is panels (3-D: pack_panels), the bf16
 // matmul where it is pairs (4-D bf16: pack_bf16_pairs), the int8 matmul where it is quads (4-D uint8:
@@ -84,165 +84,6 @@ at::Tensor decode_layer(const at::Tensor& x, const std::vector<c10::optional<at:
   const at::Tensor gate_up = linear(rms_norm(h, need(1), eps), 8, 9, 14, 2 * inter, none);
   return linear(silu_and_mul(gate_up), 10, 11, 15, hidden, h);
 }
-
-
-// A linear as the one-region step runs it: its kernel, its data and sizes (n: its outputs; 0 where only
-// the call knows them: a packed qkv_proj without bias or scale; count: the packed panels)
-enum class Kernel { gemv_f32, gemv_bf16, gemv_w8, int8_quads, bf16_pairs };
-struct Linear {
-  Kernel kernel = Kernel::gemv_f32;
-  const void* w = nullptr;
-  const float *scale = nullptr, *bias = nullptr;  // scale: gemv_w8's per output row
-  const c10::BFloat16* scales = nullptr;           // int8_quads': pack_int8_scales' per column and block
-  int64_t n = 0, k = 0, count = 0, blocks = 0;     // blocks: int8_quads' blocks of k
-};
-struct Layer {
-  const float *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-  int64_t q_norm_n = 0, k_norm_n = 0;  // their sizes (a head's, checked by the call)
-  Linear qkv, o, gate_up, down;
-};
-struct Head {  // after the last layer: the final norm, then the lm_head's logits
-  const float* norm = nullptr;
-  Linear lm;
-  // with set_greedy, a greedy step's candidates (cpu_candidates.cpp): the lm_head in bf16 (the gemv's), how many
-  // candidates, the bound's weight terms
-  Linear approx;
-  int64_t candidates = 0;
-  double weight_err = 0, low_norm = 0;
-};
-
-bool f32_vector(const c10::optional<at::Tensor>& t, int64_t n) {
-  return t.has_value() && t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous() &&
-         t->dim() == 1 && t->numel() == n;
-}
-
-// weight w, bias b and scale s as a Linear the one-region step runs with `outputs` outputs and `inputs`
-// inputs (0: not known here, the call checks them); false where it cannot (another layout, data that does
-// not match)
-bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b,
-               const c10::optional<at::Tensor>& s, int64_t outputs, int64_t inputs, Linear& out) {
-  if (!w.has_value() || !w->device().is_cpu() || !w->is_contiguous()) return false;
-  const at::Tensor& t = *w;
-  const at::ScalarType dtype = t.scalar_type();
-  int64_t n = 0;  // the outputs, as far as the data says (0: it does not)
-  if (t.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar)) {
-    out.kernel = dtype == at::kFloat ? Kernel::gemv_f32 : dtype == at::kBFloat16 ? Kernel::gemv_bf16 : Kernel::gemv_w8;
-    n = t.size(0), out.k = t.size(1), out.count = 0;
-    if (n == 0) return false;
-  } else if (t.dim() == 4 && t.size(2) == kPanel && (dtype == at::kByte || dtype == at::kBFloat16) &&
-             t.size(3) == (dtype == at::kByte ? 4 : 2)) {
-    out.kernel = dtype == at::kByte ? Kernel::int8_quads : Kernel::bf16_pairs;
-    out.count = t.size(0), out.k = t.size(1) * t.size(3);
-  } else {
-    return false;
-  }
-  if (s.has_value() != (dtype == at::kChar || dtype == at::kByte) || out.k == 0) return false;  // int8: a scale
-  const bool quads = out.kernel == Kernel::int8_quads;  // its scales: [count, blocks, kPanel] bf16
-  if (quads && (s->dim() != 3 || s->scalar_type() != at::kBFloat16 || !s->device().is_cpu() || !s->is_contiguous() ||
-                s->size(0) != out.count || s->size(2) != kPanel || s->size(1) == 0 || out.k % s->size(1) != 0))
-    return false;
-  for (const c10::optional<at::Tensor>* v : {&s, &b}) {
-    if (!v->has_value() || (quads && v == &s)) continue;
-    if ((n != 0 && (*v)->numel() != n) || (*v)->numel() == 0) return false;
-    n = (*v)->numel();
-  }
-  if (outputs != 0 && n != 0 && n != outputs) return false;
-  if (outputs != 0) n = outputs;
-  if ((inputs != 0 && out.k != inputs) || (out.count != 0 && n != 0 && (n + kPanel - 1) / kPanel != out.count))
-    return false;
-  if ((s.has_value() && !quads && !f32_vector(s, n)) || (b.has_value() && !f32_vector(b, n))) return false;
-  out.w = t.data_ptr();
-  out.scale = s.has_value() && !quads ? s->data_ptr<float>() : nullptr;
-  out.scales = quads ? s->data_ptr<c10::BFloat16>() : nullptr;
-  out.blocks = quads ? s->size(1) : 0;
-  out.bias = b.has_value() ? b->data_ptr<float>() : nullptr;
-  out.n = n;
-  return true;
-}
-
-// decode_layers' weights, held once: per layer input_norm, post_norm, qkv_w, qkv_b?, q_norm?, k_norm?, o_w,
-// o_b?, gate_up_w, gate_up_b?, down_w, down_b?, and the four linears' int8 scales? (qkv, o, gate_up, down:
-// given with int8 weights, low_precision.py); a linear's weight may be its panels instead (the layout the
-// plan picks at the batch's rows). Built once per mix of layouts (cpu_fused.FusedLayers): a Python list of
-// them, converted on every call, cost ~0.25 ms of a batch-1 step (its objects cold after the weights
-// streamed past: 2-core AMD Zen 4). Where every layer's data is what the one-region step runs, `layers`
-// holds it as pointers (the tensors, held in `w`, keep it alive); else it is empty.
-struct DecodeWeights : torch::CustomClassHolder {
-  std::vector<c10::optional<at::Tensor>> w, head_w;  // head_w: set_head's norm, weight and scale?
-  at::Tensor greedy_w;                                // set_greedy's bf16 lm_head
-  std::vector<Layer> layers;
-  c10::optional<Head> head;  // head_w as pointers, where the one-region step runs it
-  int64_t head_n = 0;        // the head's outputs (the vocabulary)
-  int64_t hidden = 0, inter = 0;  // every layer's: the model's width and its MLP's
-  explicit DecodeWeights(const c10::List<c10::optional<at::Tensor>>& list) {
-    TORCH_CHECK(!list.empty() && static_cast<int64_t>(list.size()) % kLayerWeights == 0,
-                "DecodeWeights: ", kLayerWeights, " weights per layer expected, got ", list.size());
-    w.reserve(list.size());
-    for (const c10::optional<at::Tensor>& t : list) w.push_back(t);
-    const auto& first = w[0];
-    hidden = first.has_value() ? first->numel() : 0;
-    for (int64_t l = 0; l < count(); ++l) {
-      const auto entry = [&](int64_t i) -> const c10::optional<at::Tensor>& { return w[l * kLayerWeights + i]; };
-      Layer layer;
-      const c10::optional<at::Tensor>& down = entry(10);
-      const int64_t width = !down.has_value()    ? 0
-                            : down->dim() == 2 ? down->size(1)
-                            : down->dim() == 4 ? down->size(1) * down->size(3)
-                                               : 0;  // the MLP's: down_proj's inputs
-      if (l == 0) inter = width;
-      bool ok = hidden > 0 && inter > 0 && width == inter;  // one scratch size serves every layer
-      ok = ok && f32_vector(entry(0), hidden) && f32_vector(entry(1), hidden);
-      ok = ok && as_linear(entry(2), entry(3), entry(12), 0, hidden, layer.qkv);
-      ok = ok && as_linear(entry(6), entry(7), entry(13), hidden, 0, layer.o);
-      ok = ok && as_linear(entry(8), entry(9), entry(14), 2 * inter, hidden, layer.gate_up);
-      ok = ok && as_linear(entry(10), entry(11), entry(15), hidden, inter, layer.down);
-      for (int64_t i : {4, 5}) ok = ok && (!entry(i).has_value() || f32_vector(entry(i), entry(i)->numel()));
-      if (!ok) {
-        layers.clear();
-        return;
-      }
-      layer.input_norm = entry(0)->data_ptr<float>(), layer.post_norm = entry(1)->data_ptr<float>();
-      layer.q_norm = entry(4).has_value() ? entry(4)->data_ptr<float>() : nullptr;
-      layer.k_norm = entry(5).has_value() ? entry(5)->data_ptr<float>() : nullptr;
-      layer.q_norm_n = entry(4).has_value() ? entry(4)->numel() : 0;
-      layer.k_norm_n = entry(5).has_value() ? entry(5)->numel() : 0;
-      layers.push_back(layer);
-    }
-  }
-  int64_t count() const { return static_cast<int64_t>(w.size()) / kLayerWeights; }
-  // The final norm's weight and the lm_head (weight, int8 scale?, `vocab` outputs, in any layout decode_layer
-  // runs) for decode_logits; `head` holds them where the one-region step runs them too
-  void set_head(const at::Tensor& norm, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                int64_t vocab) {
-    TORCH_CHECK(f32_vector(norm, hidden) && vocab > 0,
-                "DecodeWeights.set_head: a contiguous float32 norm weight of the layers' width and a vocabulary");
-    head.reset();
-    head_w = {norm, weight, scale}, head_n = vocab;
-    Head h;
-    if (layers.empty() || !as_linear(weight, c10::nullopt, scale, vocab, hidden, h.lm)) return;
-    h.norm = norm.data_ptr<float>();
-    head = h;
-  }
-  // A float32 lm_head's greedy steps by candidates (cpu_candidates.cpp): `low` its weight in bf16 [vocab, hidden],
-  // `candidates` how many, e and b the bound's largest row norms of w - bf16(w) and of bf16(w) (greedy_head.py).
-  // Held where the one-region step runs the head as the float32 gemv; false (nothing held) elsewhere.
-  bool set_greedy(const at::Tensor& low, int64_t candidates, double weight_err, double low_norm) {
-    TORCH_CHECK(candidates > 0 && weight_err >= 0 && low_norm >= 0, "DecodeWeights.set_greedy: candidates > 0 and "
-                "bound terms >= 0 expected");
-    if (!head.has_value() || head->lm.kernel != Kernel::gemv_f32 || low.scalar_type() != at::kBFloat16) return false;
-    Linear approx;
-    if (!as_linear(low, c10::nullopt, c10::nullopt, head_n, hidden, approx) || approx.kernel != Kernel::gemv_bf16)
-      return false;
-    greedy_w = low;
-    head->approx = approx, head->candidates = std::min(candidates, head_n);
-    head->weight_err = weight_err, head->low_norm = low_norm;
-    return true;
-  }
-  // whether a greedy step of `rows` rows finds its tokens by candidates (set_greedy, the one-region step)
-  bool greedy_by_candidates(int64_t rows) const {
-    return head.has_value() && head->candidates > 0 && !layers.empty() && rows >= 1 && rows <= kStepRows;
-  }
-};
 
 // linear L's outputs (n of them) for x [rows, L.k] over the ranges the calling thread takes from `claims`
 void linear_part(const Linear& L, int64_t n, const float* x, int64_t rows, const float* residual, float* out,

@@ -1,6 +1,6 @@
 """Fused CPU fp32 ops (common/kernels/: cpu_fused.cpp, cpu_gemv.cpp, cpu_gemm.cpp, cpu_bf16.cpp, cpu_int8.cpp,
-cpu_step.cpp, cpu_argmax.cpp, cpu_token_step.cpp, cpu_candidates.cpp,
-cpu_common.h),
+cpu_step.cpp, cpu_argmax.cpp, cpu_token_step.cpp, cpu_candidates.cpp, cpu_decode_weights.cpp,
+cpu_common.h, cpu_decode_weights.h),
 built on first use on this host, or None.
 
 A batch-1 CPU decode step is its weights streamed once; in torch ops it also spent ~8-11 ms in
@@ -57,9 +57,10 @@ SOURCES = [
         "cpu_argmax.cpp",
         "cpu_token_step.cpp",
         "cpu_candidates.cpp",
+        "cpu_decode_weights.cpp",
     )
 ]
-HEADERS = [os.path.join(KERNELS, "cpu_common.h")]
+HEADERS = [os.path.join(KERNELS, name) for name in ("cpu_common.h", "cpu_decode_weights.h")]
 NAME = "disagg_cpu_fused"
 # -fno-trapping-math: float compares and conversions may be if-converted, so loops with a select (the
 # SiLU's exp clamps) vectorize; no value changes (no reassociation, no fast-math). The SiLU-and-mul of
