@@ -127,8 +127,8 @@ def test_greedy_tokens_by_candidates_are_the_float32_head_s(ops, checkpoint, bat
 
 
 def test_greedy_requests_take_the_one_call_and_match_hf(ops, checkpoint):
-    """Through the scheduler (overlap, debug checks on): greedy requests' steps go through the one call, and
-    their tokens are HF's."""
+    """Through the scheduler (overlap, debug checks on): greedy requests' steps go through the one call (all but
+    the first, which makes the rotary table it reads), and their tokens are HF's."""
     path = checkpoint("llama")
     calls = []
     pair = Pair(path, linear_layout="rowblock", greedy_head="off")
@@ -146,6 +146,6 @@ def test_greedy_requests_take_the_one_call_and_match_hf(ops, checkpoint):
         pair.wait([str(i) for i in range(len(PROMPTS))])
     finally:
         pair.close()
-    assert sum(calls) > 10
+    assert len(calls) >= 10 and all(calls[1:])  # every step but the first (its forward makes the rotary table)
     for i, p in enumerate(PROMPTS):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 12)
