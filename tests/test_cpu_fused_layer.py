@@ -46,6 +46,18 @@ def _count(runner) -> Counting:
     return counting
 
 
+def _prefilled(runner, prompts: list[list[int]]) -> list[int]:
+    """Each prompt's KV written to a request row with a slot for one more token; the rows."""
+    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
+    rows = []
+    for prompt in prompts:
+        rows.append(pool.alloc())
+        pool.write(rows[-1], 0, runner.kv_allocator.alloc(len(prompt) + 1))
+        with torch.inference_mode():
+            runner.model(ForwardBatch.extend(table, [rows[-1]], [0], [prompt]), runner.backend)
+    return rows
+
+
 def _decode_hidden(runner, rows: list[int], prefixes: list[int], token: int) -> torch.Tensor:
     table = runner.req_to_token_pool.req_to_token
     fb = ForwardBatch.decode(table, torch.tensor(rows), prefixes, torch.tensor([token] * len(rows)))
@@ -74,14 +86,8 @@ def test_the_fused_layers_compute_what_the_modules_do(ops, checkpoint, arch, bat
                 lw.set_panels(ops)
                 lw.set_plan(("panels",) * len(ROW_BUCKETS))
     counting = _count(runner)
-    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
     prompts = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1], [4, 5, 6], [8, 9, 10, 11], [250, 2, 7]][:batch]
-    rows = []
-    for prompt in prompts:
-        rows.append(pool.alloc())
-        pool.write(rows[-1], 0, runner.kv_allocator.alloc(len(prompt) + 1))
-        with torch.inference_mode():
-            runner.model(ForwardBatch.extend(table, [rows[-1]], [0], [prompt]), runner.backend)
+    rows = _prefilled(runner, prompts)
     prefixes = [len(p) for p in prompts]
     fused = _decode_hidden(runner, rows, prefixes, 11)
     assert counting.calls == 1
@@ -436,12 +442,8 @@ def test_where_the_greedy_head_serves_a_greedy_step_it_runs_in_the_call_or_after
                    greedy_head="on")
     )  # fmt: skip
     counting = _count(runner)
-    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
-    rows = []
-    for _ in range(3):
-        rows.append(pool.alloc())
-        pool.write(rows[-1], 0, runner.kv_allocator.alloc(5))
-        runner.forward(ForwardBatch.extend(table, [rows[-1]], [0], [[5, 17, 99, 3]]))
+    table = runner.req_to_token_pool.req_to_token
+    rows = _prefilled(runner, [[5, 17, 99, 3]] * 3)
     serves = runner.model.greedy_head is not None
     assert serves == greedy_head.available()
     for batch, in_call in ((1, True), (3, False)):

@@ -10,8 +10,10 @@ import torch
 from common.engine.model_runner import ModelRunner, RunnerArgs
 from common.engine.sampling import SamplingParams
 from common.forward.forward_batch import ForwardBatch
+from common.models import greedy_head
 from tests.decode_harness import Pair
 from tests.oracle import hf_greedy
+from tests.test_cpu_fused_layer import _prefilled
 
 PROMPTS = [[5, 17, 99, 3, 8, 1, 42], [7, 7, 2], [300, 12, 6, 9, 1]]
 
@@ -20,18 +22,6 @@ def _runner(checkpoint, quantization: str = "none", kv: str = "auto", head: str 
     args = RunnerArgs(checkpoint("llama"), max_total_tokens=128, max_running_requests=4, linear_layout="rowblock",
                       greedy_head=head, quantization=quantization, kv_cache_dtype=kv)  # fmt: skip
     return ModelRunner(args)
-
-
-def _prefilled(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
-    """Each prompt's KV written to a request row with a slot for one more token; the rows."""
-    pool, table = runner.req_to_token_pool, runner.req_to_token_pool.req_to_token
-    rows = []
-    for prompt in prompts:
-        rows.append(pool.alloc())
-        pool.write(rows[-1], 0, runner.kv_allocator.alloc(len(prompt) + 1))
-        with torch.inference_mode():
-            runner.model(ForwardBatch.extend(table, [rows[-1]], [0], [prompt]), runner.backend)
-    return rows
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3])  # one region at up to two rows, op by op at three
@@ -44,7 +34,7 @@ def test_the_greedy_step_is_the_forward_s_step_and_stashes_its_tokens(ops, check
     them at the rows of the buffer and nowhere else, and writes the same K and V. With the greedy head on, one or
     two rows find their tokens by its candidates in the call; three rows are not the call's (None)."""
     runner = _runner(checkpoint, quantization, kv, head)
-    assert (runner.model.greedy_head is not None) == (head == "on")
+    assert (runner.model.greedy_head is not None) == (head == "on" and greedy_head.available())  # bf16 GEMMs
     rows = _prefilled(runner, PROMPTS[:batch])
     lens = [len(p) for p in PROMPTS[:batch]]
     pending = [11, 250, 37][:batch]
@@ -53,7 +43,7 @@ def test_the_greedy_step_is_the_forward_s_step_and_stashes_its_tokens(ops, check
     index, lens_t = torch.tensor(rows), torch.tensor(lens)
     pool = runner.kv_pool
     tokens = runner.greedy_step(buffer, index, lens_t, lens)
-    if head == "on" and batch > 2:  # the greedy head serves outside the call: the caller's forward
+    if runner.model.greedy_head is not None and batch > 2:  # the greedy head serves outside the call
         assert tokens is None
         return
     assert tokens is not None and tokens.shape == (batch,)
@@ -104,17 +94,31 @@ def _logits_call(runner, rows: list[int], lens: list[int], pending: list[int]) -
         return runner.cpu_fused.decode_logits(*fused._args(x, cos, sin, fb, backend), True)
 
 
+class _Bound:
+    """What the call reads of a GreedyHead, computed as GreedyHead computes it: its candidates' count, the bound's
+    weight terms (the largest row norms of w - bf16(w) and of bf16(w)), and a plan that serves every row count.
+    The call needs no oneDNN, which the GreedyHead itself does: so the candidates are held on every host."""
+
+    def __init__(self, weight: torch.Tensor, weight_err: float | None = None):
+        low = weight.to(torch.bfloat16).double()
+        self.k = greedy_head.CANDIDATES
+        self.weight_err = float((weight.double() - low).norm(dim=1).max()) if weight_err is None else weight_err
+        self.low_norm = float(low.norm(dim=1).max())
+
+    def used_for(self, rows: int) -> bool:
+        return True
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_greedy_tokens_by_candidates_are_the_float32_head_s(ops, checkpoint, batch):
-    """With the greedy head on, a one-region step finds each row's token among the bf16 head's candidates: the
-    argmax of the float32 logits, while the logits it leaves are the bf16 head's (not the float32 head's, within
-    the bound); where the bound settles nothing (a weight error too large) the whole float32 head decides, and
-    its logits are left."""
+    """With the greedy head serving, a one-region step finds each row's token among the bf16 head's candidates:
+    the argmax of the float32 logits, while the logits it leaves are the bf16 head's (not the float32 head's,
+    within the bound); where the bound settles nothing (a weight error too large) the whole float32 head decides,
+    and its logits are left."""
     for settles in (True, False):
-        runner = _runner(checkpoint, head="on")
-        head = runner.model.greedy_head
-        if not settles:
-            head.weight_err = 1e6
+        runner = _runner(checkpoint)
+        head = _Bound(runner.model.lm_head_weight, None if settles else 1e6)
+        runner.model.greedy_head = head
         rows = _prefilled(runner, PROMPTS[:batch])
         normed, logits, tokens = _logits_call(runner, rows, [len(p) for p in PROMPTS[:batch]], [11, 250][:batch])
         exact = normed @ runner.model.lm_head_weight.T
@@ -141,11 +145,9 @@ def test_greedy_requests_take_the_one_call_and_match_hf(ops, checkpoint):
 
     pair.worker.runner.greedy_step = counted
     try:
-        for i, p in enumerate(PROMPTS):
-            pair.submit(str(i), p, SamplingParams(max_new_tokens=12, ignore_eos=True))
-        pair.wait([str(i) for i in range(len(PROMPTS))])
+        pair.run(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
     finally:
-        pair.close()
+        pair.close()  # checks the pools' books too
     assert len(calls) >= 10 and all(calls[1:])  # every step but the first (its forward makes the rotary table)
     for i, p in enumerate(PROMPTS):
         assert pair.out.tokens[str(i)] == hf_greedy(path, p, 12)
