@@ -253,17 +253,33 @@ def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv
     return entries, linears
 
 
+# rows and threads: a request or two (each thread its own inputs), three, and more rows than one group of the int8
+# matmul's tile (six on AVX-512, two on AVX2) split unevenly over the team
+ROWS_TEAMS = [(1, 2), (2, 2), (2, 3), (3, 2), (7, 2), (13, 3)]
+
+
+def _lengths(rows: int, longest: int) -> torch.Tensor:
+    """Each request's KV length, one of them `longest` (its attention far longer than the others')."""
+    return torch.tensor([(9, longest, 4, 23, 1, longest // 3)[i % 6] for i in range(rows)])
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
-@pytest.mark.parametrize("rows,team", [(1, 2), (2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("rows,team", ROWS_TEAMS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
 def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fmt, rows, team, kv_dtype):
     """decode_layers against its ops called one after another from Python (norms, the linear of each format,
-    the attention, SiLU-and-mul): the same bits out and in the caches (float32 or bf16: --kv-cache-dtype). At
-    one or two rows every format but the panel GEMM runs as one parallel region (the threads' shares and
-    barriers); the rest op by op."""
+    the attention, SiLU-and-mul): the same bits out and in the caches (float32 or bf16: --kv-cache-dtype). Every
+    format but the panel GEMM runs as one parallel region (the threads' shares and barriers; above two rows the
+    inputs made by the team, each thread its rows, and the int8 matmul's quantized there), but the bf16 matmul
+    above two rows; the rest op by op."""
     threads(team)
+    check_step_bits(ops, fmt, rows, kv_dtype)
+
+
+def check_step_bits(ops, fmt: str, rows: int, kv_dtype) -> None:
+    """The test above on the calling thread's team (also the ISA drill's, for each build)."""
     gen = torch.Generator().manual_seed(rows)
-    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 1024, low_precision.X_BLOCK, 1e-6
+    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 300 * rows + 64, low_precision.X_BLOCK, 1e-6
     entries, linears = _stack(ops, fmt, gen)
     held = ops.decode_weights(entries)
     assert held.one_region() == (fmt != "panels")
@@ -271,7 +287,7 @@ def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fm
     caches = [torch.randn(slots_n, kv_heads, d, generator=gen).to(kv_dtype) for _ in range(2 * layers)]
     # at two rows one thread's attention (the long request's) takes far longer than the other's: a missing
     # barrier after it shows as an o_proj that read unwritten rows
-    seq_lens = torch.tensor([9, 300, 4][:rows])
+    seq_lens = _lengths(rows, 300)
     # each request its own slots, as the pool gives them: a slot one request writes while another reads it is a
     # race the step need not order
     slots = (torch.randperm(slots_n - 1, generator=gen)[: 300 * rows] + 1).view(rows, 300)
@@ -339,17 +355,17 @@ def _head(ops, fmt: str, gen: torch.Generator, vocab: int, hidden=64):
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
-@pytest.mark.parametrize("rows,team", [(1, 2), (2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("rows,team", ROWS_TEAMS)
 @pytest.mark.parametrize("vocab", [200, 16])
 def test_decode_logits_gives_the_bits_of_decode_layers_then_its_head(ops, threads, fmt, rows, team, vocab):
     """decode_logits against decode_layers, then the final norm, the lm_head in the same format and torch.argmax
-    called in turn: the same normed rows, logits, tokens and caches. In the one-region form (one or two rows,
-    every format but the panel GEMM) each thread finds the best of its share of the logits: the ties across
+    called in turn: the same normed rows, logits, tokens and caches. In the one-region form (every format but the
+    panel GEMM, and the bf16 matmul above two rows) each thread finds the best of its share of the logits: the ties across
     shares (the head's halves are equal) must go to the first, and a vocabulary of one panel leaves a thread
     with no share of the lm_head."""
     threads(team)
     gen = torch.Generator().manual_seed(7 * rows + vocab)
-    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 128, low_precision.X_BLOCK, 1e-6
+    heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 40 * rows + 8, low_precision.X_BLOCK, 1e-6
     entries, _ = _stack(ops, fmt, gen)
     (w, scale), norm = _head(ops, fmt, gen, vocab)
     held = ops.decode_weights(entries)
@@ -357,7 +373,7 @@ def test_decode_logits_gives_the_bits_of_decode_layers_then_its_head(ops, thread
         ops.decode_logits(torch.zeros(rows, 64), held, [], [], eps, *[torch.zeros(1)] * 5, 4, 2, 0.25, block, True)
     held.set_head(norm, w, scale, vocab)
     caches = [torch.randn(slots_n, kv_heads, d, generator=gen) for _ in range(6)]
-    seq_lens = torch.tensor([9, 40, 4][:rows])
+    seq_lens = _lengths(rows, 40)
     slots = (torch.randperm(slots_n - 1, generator=gen)[: 40 * rows] + 1).view(rows, 40)  # each request its own
     out_loc = slots[torch.arange(rows), seq_lens - 1].contiguous()
     x, cos, sin = (torch.randn(rows, n, generator=gen) for n in (64, d, d))

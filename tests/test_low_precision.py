@@ -114,12 +114,14 @@ def test_gemm_bf16_is_the_product_of_the_rounded_input_and_does_not_depend_on_th
     ],
 )
 def test_gemm_int8_is_the_product_of_the_quantized_input_and_does_not_depend_on_the_batch(
-    ops, rows, n, k, block, w_block
+    ops, threads, rows, n, k, block, w_block
 ):
     """The int8 matmul (w8a8): the float64 product of x quantized per block and the dequantized weight
     (its integer sums exact, the float steps within float32's error); far from the unquantized x's
     product (the quantization is applied); each row's bits alone equal its bits in the batch; a zero
-    block of x contributes nothing (its scale 1, not 0 / 0)."""
+    block of x contributes nothing (its scale 1, not 0 / 0). On two threads: at many rows they quantize x's
+    groups side by side into the calling thread's buffer."""
+    threads(2)
     torch.manual_seed(rows * 1000 + n + k)
     q, scale = low_precision.quantize_blocks(torch.randn(n, k), w_block)
     x, b, r = torch.randn(rows, k), torch.randn(n), torch.randn(rows, n)

@@ -398,9 +398,11 @@ void stash_tokens(const at::Tensor& token_ids, const at::Tensor& rows, const at:
 
 // The linears' bodies on raw data, over [begin, end) of their outputs (the gemv: weight rows; the matmuls:
 // panels, the ranges they take from Claims), called by their ops over parallel ranges and by decode_layers'
-// one-region step per thread. The matmuls take x [rows <= kStepRows, K] as float32 and round or quantize it
-// on the calling thread, once for all the ranges it takes.
+// one-region step per thread. The matmuls' `_part`s take x [rows <= kStepRows, K] as float32 and round or quantize
+// it on the calling thread, once for all the ranges it takes (int8_rows_part: more rows, quantized by the team).
 constexpr int64_t kStepRows = 2;
+// the most rows decode_layers' one-region step takes (packed_linear.GEMV_ROWS)
+constexpr int64_t kRegionRows = 64;
 
 // cpu_gemv.cpp
 template <typename W>  // float, c10::BFloat16, int8_t (with scale)
@@ -425,7 +427,19 @@ at::Tensor pack_bf16_pairs(const at::Tensor& w);
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& pairs, int64_t n, const c10::optional<at::Tensor>& bias,
                      const c10::optional<at::Tensor>& residual);
 
-// cpu_int8.cpp
+// cpu_int8.cpp. QuantizedRows: x's rows quantized for the int8 matmul, in its groups of rows, k-major (per group
+// quads [K / 4, G], scales and starts [K / block, G]; a short group's missing rows never read), sized by `size`
+// for `rows` rows of up to k inputs; quantize_into: rows [r0, r1) of x [rows, k] into it (any thread its own
+// rows); int8_rows_part: the int8 matmul of q's `rows` rows (more than kStepRows) over the panels `panels` gives
+struct QuantizedRows {
+  std::vector<int32_t> quads, starts;
+  std::vector<float> scales;
+  void size(int64_t rows, int64_t k, int64_t block);
+};
+void quantize_into(const float* x, int64_t r0, int64_t r1, int64_t k, int64_t block, QuantizedRows& q);
+void int8_rows_part(const QuantizedRows& q, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales,
+                    int64_t scale_blocks, const float* bias, const float* residual, float* out, int64_t n, int64_t k,
+                    int64_t block, Claims& panels);
 void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales, int64_t scale_blocks,
                const float* bias, const float* residual, float* out, int64_t n, int64_t k, int64_t block,
                Claims& panels);

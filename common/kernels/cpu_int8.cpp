@@ -103,16 +103,6 @@ constexpr int64_t kQuadChunk = 16 * kQuadRows;  // x rows per pass over a thread
 // side by side (2-core AMD Zen 4, interleaved, the one-panel form faster in 17 rounds of 20)
 constexpr int kQuadFewRows = kStepRows;
 
-// x's rows quantized, in groups of kQuadRows (a short group's missing rows: never read), k-major so that a
-// tile broadcasts one row's quad from consecutive words: per group quads [K / 4, kQuadRows] (four int8 in
-// each 32-bit word), scales [K / block, kQuadRows] and starts [K / block, kQuadRows] (-128 * the block's
-// sum of xq). The calling thread's own buffers, grown as needed and reused: a decode step quantizes 120
-// inputs of SmolLM2's, and three tensors each were a third of its ~600 allocations
-struct QuantizedRows {
-  std::vector<int32_t> quads, starts;
-  std::vector<float> scales;
-};
-
 // One block of x: s = its absmax / 127 (1 if all zero), qb = round(xb / s) within +-127 (to nearest even;
 // not finite x: unspecified); returns the sum of qb. Plain loops the compiler vectorizes; blocks of 32 on
 // AVX-512 by hand (the compiler's loops cost ~1 ns per element there, half of SmolLM2's linears' time at
@@ -151,32 +141,41 @@ inline int32_t quantize_block(const float* __restrict xb, int8_t* __restrict qb,
   return sum;
 }
 
+void QuantizedRows::size(int64_t rows, int64_t k, int64_t block) {
+  const int64_t groups = (rows + kQuadRows - 1) / kQuadRows;
+  quads.resize(groups * (k / 4) * kQuadRows);
+  scales.resize(groups * (k / block) * kQuadRows);
+  starts.resize(groups * (k / block) * kQuadRows);
+}
+
+void quantize_into(const float* x, int64_t r0, int64_t r1, int64_t k, int64_t block, QuantizedRows& q) {
+  const int64_t blocks = k / block, k4 = k / 4;
+  thread_local std::vector<int32_t> words;  // one row's bytes, then spread to its group's k-major words
+  words.resize(k4);
+  int8_t* bytes = reinterpret_cast<int8_t*>(words.data());
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t g = row / kQuadRows, r = row % kQuadRows;
+    const float* xr = x + row * k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s;
+      const int32_t sum = quantize_block(xr + b * block, bytes + b * block, block, s);
+      q.scales[(g * blocks + b) * kQuadRows + r] = s;
+      q.starts[(g * blocks + b) * kQuadRows + r] = -128 * sum;
+    }
+    for (int64_t i = 0; i < k4; ++i) q.quads[(g * k4 + i) * kQuadRows + r] = words[i];
+  }
+}
+
+// x's rows quantized into the calling thread's QuantizedRows, the groups split over its team
 const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int64_t block) {
-  const int64_t groups = (rows + kQuadRows - 1) / kQuadRows, blocks = k / block, k4 = k / 4;
-  thread_local QuantizedRows q;
-  q.quads.resize(groups * k4 * kQuadRows);
-  q.scales.resize(groups * blocks * kQuadRows);
-  q.starts.resize(groups * blocks * kQuadRows);
-  int32_t* pq = q.quads.data();
-  float* ps = q.scales.data();
-  int32_t* pst = q.starts.data();
+  thread_local QuantizedRows mine;
+  QuantizedRows& q = mine;  // the calling thread's, for its team (a thread_local named in the lambda is each thread's own)
+  q.size(rows, k, block);
   // a quantized element (its block's largest, rounding, packing, the group's transposed words) weighs as ~16
   // elements touched: 64 rows then went on two threads, a w8a8 decode step of SmolLM2 4% shorter (65.3 against
   // 68.7 ms, faster in 32 of 37 interleaved steps), 16 rows 1.4% (26 of 37; 2-core AMD Zen 4)
-  parallel_range(0, groups, grain_for(16 * k * kQuadRows), [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> words(k4);  // one row's bytes, then spread to the group's k-major words
-    int8_t* bytes = reinterpret_cast<int8_t*>(words.data());
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r = 0; r < kQuadRows && g * kQuadRows + r < rows; ++r) {
-        const float* row = x + (g * kQuadRows + r) * k;
-        for (int64_t b = 0; b < blocks; ++b) {
-          float s;
-          const int32_t sum = quantize_block(row + b * block, bytes + b * block, block, s);
-          ps[(g * blocks + b) * kQuadRows + r] = s;
-          pst[(g * blocks + b) * kQuadRows + r] = -128 * sum;
-        }
-        for (int64_t i = 0; i < k4; ++i) pq[(g * k4 + i) * kQuadRows + r] = words[i];
-      }
+  parallel_range(0, (rows + kQuadRows - 1) / kQuadRows, grain_for(16 * k * kQuadRows), [&](int64_t begin, int64_t end) {
+    quantize_into(x, begin * kQuadRows, std::min(rows, end * kQuadRows), k, block, q);
   });
   return q;
 }
@@ -296,6 +295,39 @@ void int8_part(const float* x, int64_t rows, const uint8_t* quads, const c10::BF
   } while (panels.take(begin, end));
 }
 
+// The int8 matmul of quantized rows (more than kQuadFewRows): rows [r, r + t) (t <= kQuadRows, r a multiple of it)
+// against panel p in one tile, the next panel fetched meanwhile where `fetch`
+struct QuadRows {
+  const QuantizedRows& q;
+  const uint8_t* quads;
+  const c10::BFloat16* scales;
+  int64_t scale_blocks;
+  const float *bias, *residual;
+  float* out;
+  int64_t n, k, block;
+  void tile(int64_t r, int64_t t, int64_t p, bool fetch) const {
+    const int64_t k4 = k / 4, blocks = k / block, per_block = block / 4, ratio = k / scale_blocks / block;
+    const int64_t g = r / kQuadRows;
+    const uint8_t* panel = quads + p * k * kPanel;
+    (default_blocks(per_block, ratio) ? quad_tile_of<kQuadRows, kDefaultPerBlock, kDefaultRatio>
+                                      : quad_tile_of<kQuadRows>)(
+        t, q.quads.data() + g * k4 * kQuadRows, q.scales.data() + g * blocks * kQuadRows,
+        q.starts.data() + g * blocks * kQuadRows, panel, scales + p * scale_blocks * kPanel, bias,
+        residual == nullptr ? nullptr : residual + r * n, out + r * n, n, k4, per_block, ratio, p * kPanel,
+        fetch ? panel + k * kPanel : nullptr);
+  }
+};
+
+void int8_rows_part(const QuantizedRows& q, int64_t rows, const uint8_t* quads, const c10::BFloat16* scales,
+                    int64_t scale_blocks, const float* bias, const float* residual, float* out, int64_t n, int64_t k,
+                    int64_t block, Claims& panels) {
+  const QuadRows m{q, quads, scales, scale_blocks, bias, residual, out, n, k, block};
+  int64_t begin, end;
+  while (panels.take(begin, end))  // each panel read once: every row's tiles while it is in cache (panel_walk's order)
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r = 0; r < rows; r += kQuadRows) m.tile(r, std::min<int64_t>(kQuadRows, rows - r), p, r == 0 && p + 1 < end);
+}
+
 at::Tensor pack_int8_quads(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.device().is_cpu() && w.is_contiguous(),
               "pack_int8_quads: w: contiguous CPU int8 [N, K] expected");
@@ -344,20 +376,8 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& quads, const at::Ten
     });
     return out;
   }
-  const QuantizedRows& q = quantize_rows(px, rows, k, block);
-  const int32_t* pq = q.quads.data();
-  const float* psx = q.scales.data();
-  const int32_t* pst = q.starts.data();
-  const int64_t blocks = k / block, per_block = block / 4;
-  const auto tile = default_blocks(per_block, ratio) ? quad_tile_of<kQuadRows, kDefaultPerBlock, kDefaultRatio>
-                                                     : quad_tile_of<kQuadRows>;
-  panel_walk(rows, count, kQuadRows, kQuadChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) {
-    const uint8_t* panel = pp + p * k * kPanel;
-    const int64_t g = r / kQuadRows;  // chunks and tiles start at multiples of kQuadRows
-    tile(t, pq + g * k4 * kQuadRows, psx + g * blocks * kQuadRows, pst + g * blocks * kQuadRows, panel,
-         ps + p * scale_blocks * kPanel, pb, pr == nullptr ? nullptr : pr + r * n, po + r * n, n, k4, per_block, ratio,
-         p * kPanel, fetch ? panel + k * kPanel : nullptr);
-  });
+  const QuadRows m{quantize_rows(px, rows, k, block), pp, ps, scale_blocks, pb, pr, po, n, k, block};
+  panel_walk(rows, count, kQuadRows, kQuadChunk, [&](int64_t r, int64_t t, int64_t p, bool fetch) { m.tile(r, t, p, fetch); });
   return out;
 }
 

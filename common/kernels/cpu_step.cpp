@@ -8,18 +8,22 @@
 //   greedy_step(token_ids, rows, ...)        -> decode_logits' greedy step whose tokens are read from and
 //     written to the decode service's token buffer, its inputs made by cpu_token_step.cpp
 // It runs in one of two forms, with the same bits:
-//   one region: at up to kStepRows rows (a decode step of a request or two) where every linear is a gemv
-//     (float32, bf16 or int8 weights), the int8 matmul or the bf16 matmul. The whole stack is one
+//   one region: at up to kRegionRows rows (a decode batch) where every linear is a gemv (float32, bf16 or int8
+//     weights), the int8 matmul or, at up to kStepRows rows, the bf16 matmul. The whole stack is one
 //     OpenMP parallel region: each thread takes its share of nine tenths of each linear's outputs and of
 //     the attention's tasks and claims parts of the rest as it finishes (the lm_head: a fixed share), with a
-//     barrier where the next op reads what all threads wrote (five per layer),
-//     and each thread makes its own copy of what is small (the norms, the attention's merged parts,
-//     SiLU-and-mul, the int8 matmul's quantized input). The data's pointers and sizes are checked once,
-//     when DecodeWeights is built.
-//   op by op: otherwise (more rows, the panel GEMM), each op of cpu_fused.cpp called in turn on tensors.
+//     barrier where the next op reads what all threads wrote (five per layer). At up to kStepRows rows each
+//     thread makes its own copy of a linear's input (the norms, the attention's merged parts, SiLU-and-mul,
+//     the int8 matmul's quantized input); at more, each thread makes its share of the rows in the team's one
+//     buffer, and a barrier follows (nine per layer). The data's pointers and sizes are checked once, when
+//     DecodeWeights is built.
+//   op by op: otherwise (the panel GEMM, the bf16 matmul above kStepRows rows), each op of cpu_fused.cpp called in
+//     turn on tensors.
 // At one row the op-by-op form left the second thread waiting ~45% of a w8a8 step of SmolLM2 (perf, 2-core
 // AMD Zen 4): each of the 120 linears' calls checked its tensors, allocated its output and quantized its
-// input on one thread, every cache cold after the weights streamed past, and forked a parallel region.
+// input on one thread, every cache cold after the weights streamed past, and forked a parallel region. At 16
+// rows the second thread still waited 16% of the step in libgomp, and the one region made it 5% shorter (15.98
+// against 15.10 ms; 4 rows 6.88 against 6.39, 64 rows 64.27 against 61.07; w8a8, interleaved processes).
 
 #include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
@@ -85,9 +89,17 @@ at::Tensor decode_layer(const at::Tensor& x, const std::vector<c10::optional<at:
   return linear(silu_and_mul(gate_up), 10, 11, 15, hidden, h);
 }
 
-// linear L's outputs (n of them) for x [rows, L.k] over the ranges the calling thread takes from `claims`
-void linear_part(const Linear& L, int64_t n, const float* x, int64_t rows, const float* residual, float* out,
+// What a linear of the one-region step reads: x [rows, L.k] and, at more than kStepRows rows where L is the int8
+// matmul, x quantized by the team (else each thread quantizes or rounds x itself)
+struct LinearInput {
+  const float* x;
+  const QuantizedRows* q = nullptr;
+};
+
+// linear L's outputs (n of them) for `in`'s rows over the ranges the calling thread takes from `claims`
+void linear_part(const Linear& L, int64_t n, LinearInput in, int64_t rows, const float* residual, float* out,
                  int64_t block, Claims& claims) {
+  const float* x = in.x;
   int64_t begin, end;
   switch (L.kernel) {
     case Kernel::gemv_f32:
@@ -103,6 +115,9 @@ void linear_part(const Linear& L, int64_t n, const float* x, int64_t rows, const
         gemv_part(x, rows, static_cast<const int8_t*>(L.w), L.scale, L.bias, residual, out, n, L.k, begin, end);
       return;
     case Kernel::int8_quads:
+      if (in.q != nullptr)
+        return int8_rows_part(*in.q, rows, static_cast<const uint8_t*>(L.w), L.scales, L.blocks, L.bias, residual, out,
+                              n, L.k, block, claims);
       return int8_part(x, rows, static_cast<const uint8_t*>(L.w), L.scales, L.blocks, L.bias, residual, out, n, L.k,
                        block, claims);
     case Kernel::bf16_pairs:
@@ -111,12 +126,12 @@ void linear_part(const Linear& L, int64_t n, const float* x, int64_t rows, const
 }
 
 // thread t's part of linear L's n outputs: its static share (the head's, whose argmax reads its own columns)
-void linear_share(const Linear& L, int64_t n, const float* x, int64_t rows, const float* residual, float* out,
+void linear_share(const Linear& L, int64_t n, LinearInput in, int64_t rows, const float* residual, float* out,
                   int64_t block, int64_t t, int64_t team) {
   int64_t begin, end;
   share(L.count != 0 ? L.count : n, t, team, begin, end);
   Claims mine = Claims::range(begin, end);
-  linear_part(L, n, x, rows, residual, out, block, mine);
+  linear_part(L, n, in, rows, residual, out, block, mine);
 }
 
 // The one-region step's phases whose work its threads claim as they go (kOwned their own), per layer:
@@ -145,18 +160,26 @@ struct HeadOut {
 
 // The one-region step (see the top): x [rows, hidden] through every layer into out, then `ho`'s head where
 // it has one; `a`: the attention's batch-wide data (the layers' caches, norms, qkv and output set per layer
-// here)
+// here). A linear's input (a norm's rows, the attention's merged parts, SiLU-and-mul's) is made by each thread
+// for all rows in its own buffer at up to kStepRows rows; at more, each thread makes its share of the rows in
+// one buffer of the team's (quantized there where the linear is the int8 matmul), and a barrier follows.
 void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_t rows, int64_t hidden, int64_t width,
                         float eps, at::TensorList k_caches, at::TensorList v_caches, Attention a, int64_t block,
                         float* out, const HeadOut& ho) {
   const int64_t inter = layers[0].down.k, heads_d = a.heads * a.d, count = static_cast<int64_t>(layers.size());
   // (every layer's MLP is that wide: DecodeWeights takes no other for this step)
+  const bool many = rows > kStepRows;
+  const int64_t widest = std::max({hidden, inter, heads_d});  // of a linear's inputs
   const std::vector<int64_t> starts = task_starts(a);
   const int64_t tasks = starts.back(), partial = tasks * partial_floats(a);
   thread_local std::vector<float> scratch;  // the calling thread's, reused: what every thread reads
-  scratch.resize(rows * (width + 2 * hidden + 2 * inter) + partial);
+  scratch.resize(rows * (width + 2 * hidden + 2 * inter) + partial + (many ? rows * widest : 0));
   float *qkv = scratch.data(), *h = qkv + rows * width, *tmp = h + rows * hidden, *gate_up = tmp + rows * hidden;
   a.starts = starts.data(), a.partial = gate_up + rows * 2 * inter;
+  float* shared = a.partial + partial;  // many rows: the linears' inputs, made by the team
+  thread_local QuantizedRows quantized_rows;  // and quantized, where a linear is the int8 matmul
+  QuantizedRows& quantized = quantized_rows;  // (the calling thread's, for the whole team)
+  if (many && block > 0) quantized.size(rows, widest, block);
   // a decode (this step's only kind): each token's new K and V are read by its own last part only, which writes
   // them first (no pass and barrier of their own: 4.95 against 5.03 ms a step at 64 slots, 7.74 against 7.94 at
   // 1,024, faster in 8 of 12 interleaved rounds each; w8a8 SmolLM2, 2-core Zen 4)
@@ -165,53 +188,74 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   for (int64_t l = 0; l < count; ++l) kc[l] = k_caches[l].data_ptr(), vc[l] = v_caches[l].data_ptr();
   const int team = omp_in_parallel() ? 1 : omp_get_max_threads();
   std::vector<Best> found(ho.tokens != nullptr ? rows * team : 0);  // the argmax: each thread's best, per row
-  const int64_t k = ho.tokens != nullptr && ho.head != nullptr ? ho.head->candidates : 0;
+  const int64_t k = ho.tokens != nullptr && ho.head != nullptr && !many ? ho.head->candidates : 0;
   std::vector<Best> found_k(rows * team * k);  // by candidates: each thread's k best, per row
   std::vector<char> finite(k > 0 ? rows * team : 0);  // and whether its share of the row was all finite
   std::vector<std::atomic<int64_t>> claimed(count * kClaimedPhases);  // each phase's claims' counter, from 0
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-    thread_local std::vector<float> mine, attn;  // this thread's normed rows, then its SiLU-and-mul rows; attention
-    mine.resize(rows * std::max(hidden, inter));
-    attn.resize(rows * heads_d);
+    thread_local std::vector<float> mine, attn;  // few rows: this thread's normed rows, then its SiLU-and-mul rows;
+    mine.resize(many ? 0 : rows * std::max(hidden, inter));  // its attention
+    attn.resize(many ? 0 : rows * heads_d);
+    int64_t r0, r1;  // many rows: the rows this thread makes of each input
+    share(rows, t, threads, r0, r1);
+    // linear L's input of `cols` columns, its rows [b, e) made into `dst` by fill(b, e, dst)
+    const auto input = [&](const Linear& L, int64_t cols, float* own, const auto& fill) -> LinearInput {
+      if (!many) {
+        fill(0, rows, own);
+        return {own};
+      }
+      fill(r0, r1, shared);
+      const bool quads = L.kernel == Kernel::int8_quads;
+      if (quads) quantize_into(shared, r0, r1, cols, block, quantized);
+#pragma omp barrier
+      return {shared, quads ? &quantized : nullptr};
+    };
+    const auto normed = [&](const float* rows_in, const float* weight) {
+      return [=](int64_t b, int64_t e, float* dst) {
+        for (int64_t r = b; r < e; ++r) rms_row(rows_in + r * hidden, weight, eps, hidden, dst + r * hidden);
+      };
+    };
     int64_t begin, end;
     for (int64_t l = 0; l < count; ++l) {
       const Layer& L = layers[l];
       const float* in = l == 0 ? x : ((count - l) % 2 == 0 ? out : tmp);  // the previous layer's `out_l`
       float* out_l = (count - 1 - l) % 2 == 0 ? out : tmp;
-      for (int64_t r = 0; r < rows; ++r) rms_row(in + r * hidden, L.input_norm, eps, hidden, mine.data() + r * hidden);
       std::atomic<int64_t>* counters = claimed.data() + l * kClaimedPhases;
+      LinearInput li = input(L.qkv, hidden, mine.data(), normed(in, L.input_norm));
       Claims claims = linear_claims(L.qkv, width, counters[0], t, threads);
-      linear_part(L.qkv, width, mine.data(), rows, nullptr, qkv, block, claims);
+      linear_part(L.qkv, width, li, rows, nullptr, qkv, block, claims);
 #pragma omp barrier
       Attention la = a;
       la.qkv = qkv, la.k_cache = kc[l], la.v_cache = vc[l], la.q_norm = L.q_norm, la.k_norm = L.k_norm;
       claims = Claims::guided(counters[1], tasks, 1, t, threads);
       while (claims.take(begin, end)) attend(la, begin, end);
 #pragma omp barrier
-      merge(la, 0, rows, attn.data());
+      li = input(L.o, heads_d, attn.data(), [&](int64_t b, int64_t e, float* dst) { merge(la, b, e, dst); });
       claims = linear_claims(L.o, hidden, counters[2], t, threads);
-      linear_part(L.o, hidden, attn.data(), rows, in, h, block, claims);
+      linear_part(L.o, hidden, li, rows, in, h, block, claims);
 #pragma omp barrier
-      for (int64_t r = 0; r < rows; ++r) rms_row(h + r * hidden, L.post_norm, eps, hidden, mine.data() + r * hidden);
+      li = input(L.gate_up, hidden, mine.data(), normed(h, L.post_norm));
       claims = linear_claims(L.gate_up, 2 * inter, counters[3], t, threads);
-      linear_part(L.gate_up, 2 * inter, mine.data(), rows, nullptr, gate_up, block, claims);
+      linear_part(L.gate_up, 2 * inter, li, rows, nullptr, gate_up, block, claims);
 #pragma omp barrier
-      for (int64_t r = 0; r < rows; ++r) silu_row(gate_up + r * 2 * inter, inter, mine.data() + r * inter);
+      li = input(L.down, inter, mine.data(), [&](int64_t b, int64_t e, float* dst) {
+        for (int64_t r = b; r < e; ++r) silu_row(gate_up + r * 2 * inter, inter, dst + r * inter);
+      });
       claims = linear_claims(L.down, hidden, counters[4], t, threads);
-      linear_part(L.down, hidden, mine.data(), rows, h, out_l, block, claims);
+      linear_part(L.down, hidden, li, rows, h, out_l, block, claims);
 #pragma omp barrier
     }
-    if (ho.head != nullptr) {  // the last layer wrote `out`; each thread norms its own copy of it
+    if (ho.head != nullptr) {  // the last layer wrote `out`
       const Head& hd = *ho.head;
       const Linear& lm = hd.lm;
-      for (int64_t r = 0; r < rows; ++r) rms_row(out + r * hidden, hd.norm, eps, hidden, mine.data() + r * hidden);
-      if (t == 0) std::copy(mine.data(), mine.data() + rows * hidden, ho.normed);
+      const LinearInput li = input(lm, hidden, mine.data(), normed(out, hd.norm));
+      if (t == 0 && !many) std::copy(mine.data(), mine.data() + rows * hidden, ho.normed);
+      if (many) std::copy(shared + r0 * hidden, shared + r1 * hidden, ho.normed + r0 * hidden);
       bool whole = true;  // the float32 head over the whole vocabulary (else the candidates settled every row)
-      if (ho.tokens != nullptr && hd.candidates > 0) {  // each thread's candidates from the bf16 head's logits
-        const int64_t k = hd.candidates;
-        linear_share(hd.approx, lm.n, mine.data(), rows, nullptr, ho.logits, block, t, threads);
+      if (k > 0) {  // each thread's candidates from the bf16 head's logits
+        linear_share(hd.approx, lm.n, li, rows, nullptr, ho.logits, block, t, threads);
         int64_t c0, c1;
         share_columns(hd.approx, lm.n, t, threads, c0, c1);
         for (int64_t r = 0; r < rows; ++r) {
@@ -221,12 +265,12 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp barrier
         if (t == 0) {
           for (int64_t r = 0; r < rows; ++r) {
-            const float* h = mine.data() + r * hidden;
+            const float* hr = mine.data() + r * hidden;
             const bool ok = std::all_of(finite.begin() + r * threads, finite.begin() + (r + 1) * threads,
                                         [](char f) { return f != 0; });
             ho.tokens[r] = !ok ? -1
                                : settle_candidates(found_k.data() + r * threads * k, threads * k, k,
-                                                   candidates_bound(h, hidden, hd.weight_err, hd.low_norm), h, hidden,
+                                                   candidates_bound(hr, hidden, hd.weight_err, hd.low_norm), hr, hidden,
                                                    static_cast<const float*>(lm.w), ho.logits + r * lm.n, lm.n);
           }
         }
@@ -234,7 +278,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
         whole = std::any_of(ho.tokens, ho.tokens + rows, [](int64_t id) { return id < 0; });
       }
       if (whole) {
-        linear_share(lm, lm.n, mine.data(), rows, nullptr, ho.logits, block, t, threads);
+        linear_share(lm, lm.n, li, rows, nullptr, ho.logits, block, t, threads);
       }
       if (whole && ho.tokens != nullptr) {  // the best of this thread's columns, while they are in its cache
         int64_t c0, c1;
@@ -244,7 +288,7 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp barrier
         if (t == 0) {  // the threads' columns in order: the first of equals is the lowest thread's
           for (int64_t r = 0; r < rows; ++r) {
-            if (hd.candidates > 0 && ho.tokens[r] >= 0) continue;  // settled by its candidates
+            if (k > 0 && ho.tokens[r] >= 0) continue;  // settled by its candidates
             Best b = found[r * threads];
             for (int64_t u = 1; u < threads; ++u) b = better(b, found[r * threads + u]);
             ho.tokens[r] = b.index;
@@ -255,12 +299,19 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   }
 }
 
+// whether the one-region step runs linear L at `rows` rows (the bf16 matmul: at up to kStepRows, which it rounds
+// per thread)
+bool region_runs(const Linear& L, int64_t rows) { return rows <= kStepRows || L.kernel != Kernel::bf16_pairs; }
+
 // decode_layers' checks of the one-region step's call (the weights' own were made when they were built)
 bool one_region_takes(const DecodeWeights& weights, const at::Tensor& x, at::TensorList k_caches,
                       at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                       int64_t kv_heads, int64_t block) {
   const int64_t rows = x.size(0);
-  if (weights.layers.empty() || rows < 1 || rows > kStepRows) return false;
+  if (weights.layers.empty() || rows < 1 || rows > kRegionRows) return false;
+  for (const Layer& L : weights.layers)
+    for (const Linear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down})
+      if (!region_runs(*lin, rows)) return false;
   check_f32(x, "decode_layers: x");
   check_f32(cos, "decode_layers: cos");
   check_f32(sin, "decode_layers: sin");
@@ -353,7 +404,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_logits(
               "decode_logits: a K and V cache per layer of the weights expected");
   const int64_t rows = x.size(0), hidden = weights->hidden, vocab = weights->head_n;
   const Head* head = weights->head.has_value() ? &*weights->head : nullptr;
-  if (head == nullptr || !one_region_takes(*weights, x, k_caches, v_caches, cos, sin, heads, kv_heads, block)) {
+  if (head == nullptr || !region_runs(head->lm, rows) ||
+      !one_region_takes(*weights, x, k_caches, v_caches, cos, sin, heads, kv_heads, block)) {
     const at::Tensor h = decode_layers(x, weights, k_caches, v_caches, eps, cos, sin, out_loc, slots, seq_lens, heads,
                                        kv_heads, scale, block);
     const std::vector<c10::optional<at::Tensor>>& hw = weights->head_w;  // norm, weight, scale?
