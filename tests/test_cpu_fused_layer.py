@@ -360,9 +360,9 @@ def _head(ops, fmt: str, gen: torch.Generator, vocab: int, hidden=64):
 def test_decode_logits_gives_the_bits_of_decode_layers_then_its_head(ops, threads, fmt, rows, team, vocab):
     """decode_logits against decode_layers, then the final norm, the lm_head in the same format and torch.argmax
     called in turn: the same normed rows, logits, tokens and caches. In the one-region form (every format but the
-    panel GEMM, and the bf16 matmul above two rows) each thread finds the best of its share of the logits: the ties across
-    shares (the head's halves are equal) must go to the first, and a vocabulary of one panel leaves a thread
-    with no share of the lm_head."""
+    panel GEMM, and the bf16 matmul above two rows) each thread finds the best of its share of the logits: the
+    ties across shares (the head's halves are equal) must go to the first, and a vocabulary of one panel leaves
+    a thread with no share of the lm_head."""
     threads(team)
     gen = torch.Generator().manual_seed(7 * rows + vocab)
     heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 40 * rows + 8, low_precision.X_BLOCK, 1e-6
