@@ -7,6 +7,7 @@ Sizes: `max_total_tokens` KV slots if given, else as many as `kv_budget_bytes` h
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,15 @@ from common.engine.req_to_token_pool import ReqToTokenPool
 from common.engine.slot_allocator import SlotAllocator
 from common.forward import intra_op
 from common.forward.forward_batch import ForwardBatch
-from common.models import compiled_layers, cpu_fused, linear_tuning, low_precision, packed_linear, weight_arena
+from common.models import (
+    compiled_layers,
+    cpu_fused,
+    fused_plan,
+    linear_tuning,
+    low_precision,
+    packed_linear,
+    weight_arena,
+)
 from common.models.config import ModelConfig, load_model_config
 from common.models.expert_load import ExpertLoad
 from common.models.loader import load_model, resolve_dtype
@@ -313,8 +322,34 @@ class ModelRunner:
                 lambda: compiled_layers.compile_and_time(compiled, self._warm_decode, self._warm_decode),
                 self._threads,
             )
+        if self._times_fused_plan():  # on the computing thread's count, as the steps will run
+            lines = intra_op.on_own_thread(
+                lambda: fused_plan.choose(self.model.fused_layers, self._timed_decode, self.args.max_running_requests),
+                self._threads,
+            )
+            if lines:
+                log.info("decode steps' layouts timed as whole steps (fused_plan.py):\n%s", "\n".join(lines))
         if self.expert_load is not None:  # the metrics count served tokens, not warm-up's
             self.expert_load.reset()
+
+    def _times_fused_plan(self) -> bool:
+        """Whether warm-up times the fused stack's plan against the layout table's (fused_plan.py): CPU fp32
+        with the fused stack, layouts timed here (`auto` / `retime`, not forced or pinned), no torch.compile."""
+        table = self.linear_table
+        return (
+            self.cpu_fused is not None
+            and self.model.fused_layers is not None
+            and self.model.compiled_layers is None
+            and table is not None
+            and table.mode in ("auto", "retime")
+            and table.pinned_greedy is None
+        )
+
+    def _timed_decode(self, batch: int) -> float:
+        """Seconds of one decode step of `batch` requests on scratch slots (_warm_decode)."""
+        start = time.perf_counter()
+        self._warm_decode(batch)
+        return time.perf_counter() - start
 
     def _warmup(self, prompt_len: int) -> None:
         n = max(1, min(prompt_len, self.context_length - 1, self.kv_allocator.size - 1))
