@@ -131,7 +131,8 @@ class DecodeConfig(ServiceConfig, PrefillClientFlags, SchedulerFlags, DecodeStep
     max_running_requests: int = flag(64, "request slots (requests decoding or awaiting a handoff)")
 
     def decode_step_args(self) -> dict:
-        """The RunnerArgs of decode steps: captured graphs, compiled small batches, KV pools as shm files."""
+        """The RunnerArgs of decode steps: captured graphs, compiled small batches, KV pools as shm files, the fp32
+        decode plan timed as whole steps."""
         from common.kv_transfer.receiver import pool_memory  # here: config loads without protobuf
 
         return dict(
@@ -139,6 +140,7 @@ class DecodeConfig(ServiceConfig, PrefillClientFlags, SchedulerFlags, DecodeStep
             cuda_graph_max_bs=self.cuda_graph_max_bs,
             torch_compile_max_bs=self.torch_compile_max_bs if self.enable_torch_compile else 0,
             kv_allocate=pool_memory(self),  # the KV transport says where our pools live (shm: files)
+            time_decode_plan=True,  # the fp32 decode plan timed as whole steps at warm-up (fused_plan.py)
         )
 
 

@@ -24,6 +24,7 @@ from common.models import (
     compiled_layers,
     cpu_fused,
     fused_plan,
+    host_table,
     linear_tuning,
     low_precision,
     packed_linear,
@@ -63,6 +64,7 @@ class RunnerArgs:
         True  # CUDA: norms (+ residual add), SiLU-mul, rotary + KV write as Triton kernels (cuda_fused.py)
     )
     kv_allocate: object | None = None  # CPU decode with the shm handoff: KV pools' buffers made by it (kv_pool.py)
+    time_decode_plan: bool = False  # decode: warm-up times the fp32 decode plan as whole steps (fused_plan.py)
     tp: TPGroup = field(default_factory=TPGroup.single)  # tensor parallelism: this rank's part of the model
     ep_size: int = 1  # mixtures of experts under TP: 1 (a slice of every expert) or tp.size (whole experts)
     constrained_json_disable_any_whitespace: bool = False  # JSON schemas compile with any_whitespace=False
@@ -322,22 +324,27 @@ class ModelRunner:
                 lambda: compiled_layers.compile_and_time(compiled, self._warm_decode, self._warm_decode),
                 self._threads,
             )
-        if self._times_fused_plan():  # on the computing thread's count, as the steps will run
-            lines = intra_op.on_own_thread(
-                lambda: fused_plan.choose(self.model.fused_layers, self._timed_decode, self.args.max_running_requests),
-                self._threads,
-            )
+        if self._times_fused_plan():  # on the computing thread's count, as the steps will run; one service at a time
+            with host_table.host_wide_lock():
+                lines = intra_op.on_own_thread(
+                    lambda: fused_plan.choose(
+                        self.model.fused_layers, self._timed_decode, self.args.max_running_requests
+                    ),
+                    self._threads,
+                )
             if lines:
                 log.info("decode steps' layouts timed as whole steps (fused_plan.py):\n%s", "\n".join(lines))
         if self.expert_load is not None:  # the metrics count served tokens, not warm-up's
             self.expert_load.reset()
 
     def _times_fused_plan(self) -> bool:
-        """Whether warm-up times the fused stack's plan against the layout table's (fused_plan.py): CPU fp32
-        with the fused stack, layouts timed here (`auto` / `retime`, not forced or pinned), no torch.compile."""
+        """Whether warm-up times the fused stack's plan against the layout table's (fused_plan.py): decode's runner
+        (`time_decode_plan`), CPU fp32 with the fused stack, layouts timed here (`auto` / `retime`, not forced or
+        pinned), no torch.compile."""
         table = self.linear_table
         return (
-            self.cpu_fused is not None
+            self.args.time_decode_plan
+            and self.cpu_fused is not None
             and self.model.fused_layers is not None
             and self.model.compiled_layers is None
             and table is not None
