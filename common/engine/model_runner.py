@@ -327,8 +327,10 @@ class ModelRunner:
         if self._times_fused_plan():  # on the computing thread's count, as the steps will run; one service at a time
             with host_table.host_wide_lock():
                 lines = intra_op.on_own_thread(
-                    lambda: fused_plan.choose(
-                        self.model.fused_layers, self._timed_decode, self.args.max_running_requests
+                    lambda: fused_plan.choose(  # as many requests as the KV pool holds at two slots each
+                        self.model.fused_layers,
+                        self._timed_decode,
+                        min(self.args.max_running_requests, self.kv_allocator.size // 2),
                     ),
                     self._threads,
                 )
