@@ -214,14 +214,17 @@ def test_decode_weights_are_held_once_and_checked(ops):
 
 def _in_format(ops, fmt: str, w: torch.Tensor) -> tuple:
     """A float32 weight [N, K] as `fmt` holds it for the ops: (weight, int8 scale or None)."""
-    if fmt in ("w8", "w8a8"):
-        q, scale = (low_precision.quantize_rows if fmt == "w8" else low_precision.quantize_blocks)(w)
+    if fmt in ("w8", "w8a8", "w8-panels"):
+        q, scale = (low_precision.quantize_blocks if fmt == "w8a8" else low_precision.quantize_rows)(w)
+        if fmt == "w8-panels":
+            return ops.pack_panels(q), scale
         return (q, scale) if fmt == "w8" else (ops.pack_int8_quads(q), ops.pack_int8_scales(scale))
     held = {
         "fp32": w,
         "bf16": w.bfloat16(),
         "bf16-matmul": ops.pack_bf16_pairs(w.bfloat16()),
         "panels": ops.pack_panels(w),
+        "bf16-panels": ops.pack_panels(w.bfloat16()),
     }
     return held[fmt], None
 
@@ -232,8 +235,8 @@ def _linear(ops, fmt: str, x, w, scale, n: int, bias=None, residual=None):
         return ops.gemm_int8(x, w, scale, n, low_precision.X_BLOCK, bias, residual)
     if fmt == "bf16-matmul":
         return ops.gemm_bf16(x, w, n, bias, residual)
-    if fmt == "panels":
-        return ops.gemm_panels(x, w, n, bias, residual)
+    if fmt in ("panels", "bf16-panels", "w8-panels"):
+        return ops.gemm_panels(x, w, n, bias, residual, scale)
     return ops.gemv(x, w, bias, residual) if scale is None else ops.gemv_w8(x, w, scale, bias, residual)
 
 
@@ -256,6 +259,8 @@ def _stack(ops, fmt: str, gen: torch.Generator, layers=3, hidden=64, heads=4, kv
 # rows and threads: a request or two (each thread its own inputs), three, and more rows than one group of the int8
 # matmul's tile (six on AVX-512, two on AVX2) split unevenly over the team
 ROWS_TEAMS = [(1, 2), (2, 2), (2, 3), (3, 2), (7, 2), (13, 3)]
+# each linear layout decode_layers takes: the gemv of each weight format, the int8 and bf16 matmuls, the panel GEMM
+FORMATS = ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels", "bf16-panels", "w8-panels"]
 
 
 def _lengths(rows: int, longest: int) -> torch.Tensor:
@@ -263,15 +268,15 @@ def _lengths(rows: int, longest: int) -> torch.Tensor:
     return torch.tensor([(9, longest, 4, 23, 1, longest // 3)[i % 6] for i in range(rows)])
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows,team", ROWS_TEAMS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
 def test_decode_layers_gives_the_bits_of_its_ops_called_in_turn(ops, threads, fmt, rows, team, kv_dtype):
     """decode_layers against its ops called one after another from Python (norms, the linear of each format,
     the attention, SiLU-and-mul): the same bits out and in the caches (float32 or bf16: --kv-cache-dtype). Every
-    format but the panel GEMM runs as one parallel region (the threads' shares and barriers; above two rows the
-    inputs made by the team, each thread its rows, and the int8 matmul's quantized there), but the bf16 matmul
-    above two rows; the rest op by op."""
+    format runs as one parallel region (the threads' shares and barriers; above two rows the inputs made by the
+    team, each thread its rows, the int8 matmul's quantized there and the panel GEMM's packed there in whole
+    groups of its tile's rows: 13 rows are two groups on AVX-512), but the bf16 matmul above two rows, op by op."""
     threads(team)
     check_step_bits(ops, fmt, rows, kv_dtype)
 
@@ -282,7 +287,7 @@ def check_step_bits(ops, fmt: str, rows: int, kv_dtype) -> None:
     heads, kv_heads, d, slots_n, block, eps = 4, 2, 16, 300 * rows + 64, low_precision.X_BLOCK, 1e-6
     entries, linears = _stack(ops, fmt, gen)
     held = ops.decode_weights(entries)
-    assert held.one_region() == (fmt != "panels")
+    assert held.one_region()
     layers = len(linears)
     caches = [torch.randn(slots_n, kv_heads, d, generator=gen).to(kv_dtype) for _ in range(2 * layers)]
     # at two rows one thread's attention (the long request's) takes far longer than the other's: a missing
@@ -354,7 +359,7 @@ def _head(ops, fmt: str, gen: torch.Generator, vocab: int, hidden=64):
     return _in_format(ops, fmt, w), torch.rand(hidden, generator=gen) + 0.5
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "w8", "w8a8", "bf16-matmul", "panels"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows,team", ROWS_TEAMS)
 @pytest.mark.parametrize("vocab", [200, 16])
 def test_decode_logits_gives_the_bits_of_decode_layers_then_its_head(ops, threads, fmt, rows, team, vocab):
@@ -448,9 +453,10 @@ def test_a_decode_steps_head_runs_in_the_layers_call_with_the_same_tokens_and_lo
 
 def test_where_the_greedy_head_serves_a_greedy_step_it_runs_in_the_call_or_after_it(ops, checkpoint):
     """fp32 with --greedy-head on, on a host with bf16 GEMMs: at one row (the one-region step) the call finds a
-    greedy batch's tokens by the head's candidates (decode_logits); at three (op by op) the layers' call stops
-    before the lm_head (decode_layers) and the head's bf16 pass finds them after it. A step that needs logits
-    takes them in the call (decode_logits). Either way the tokens are the logits' argmax."""
+    greedy batch's tokens by the head's candidates (decode_logits); at three (the call takes candidates at up to
+    two rows) the layers' call stops before the lm_head (decode_layers) and the head's bf16 pass finds them after
+    it. A step that needs logits takes them in the call (decode_logits). Either way the tokens are the logits'
+    argmax."""
     from common.models import greedy_head
 
     runner = ModelRunner(

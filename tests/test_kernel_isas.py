@@ -221,8 +221,8 @@ def check(march: str, folder: str) -> None:
     from tests.test_cpu_fused_layer import check_step_bits
 
     torch.set_num_threads(2)  # the one-region step above two rows: the team's inputs, the int8 matmul's tiles
-    for fmt in ("w8a8", "w8"):
-        check_step_bits(ops, fmt, 7, torch.bfloat16)
+    for fmt, rows in (("w8a8", 7), ("w8", 7), ("panels", 13)):  # 13: the panel GEMM's row groups split (6 or 12 rows)
+        check_step_bits(ops, fmt, rows, torch.bfloat16)
     outs = int8_outputs(ops)
     for (rows, n, k, block, w_block), got in zip(INT8_CASES, outs):
         x, q, scale, b, r = int8_inputs(rows, n, k, w_block)

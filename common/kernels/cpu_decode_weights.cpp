@@ -28,6 +28,11 @@ bool as_linear(const c10::optional<at::Tensor>& w, const c10::optional<at::Tenso
     out.kernel = dtype == at::kFloat ? Kernel::gemv_f32 : dtype == at::kBFloat16 ? Kernel::gemv_bf16 : Kernel::gemv_w8;
     n = t.size(0), out.k = t.size(1), out.count = 0;
     if (n == 0) return false;
+  } else if (t.dim() == 3 && t.size(2) == kPanel && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar)) {
+    out.kernel = dtype == at::kFloat      ? Kernel::panels_f32
+                 : dtype == at::kBFloat16 ? Kernel::panels_bf16
+                                          : Kernel::panels_w8;  // pack_panels' [N / P, K, P]
+    out.count = t.size(0), out.k = t.size(1);
   } else if (t.dim() == 4 && t.size(2) == kPanel && (dtype == at::kByte || dtype == at::kBFloat16) &&
              t.size(3) == (dtype == at::kByte ? 4 : 2)) {
     out.kernel = dtype == at::kByte ? Kernel::int8_quads : Kernel::bf16_pairs;
@@ -74,6 +79,7 @@ DecodeWeights::DecodeWeights(const c10::List<c10::optional<at::Tensor>>& list) {
     const c10::optional<at::Tensor>& down = entry(10);
     const int64_t width = !down.has_value()    ? 0
                           : down->dim() == 2 ? down->size(1)
+                          : down->dim() == 3 ? down->size(1)
                           : down->dim() == 4 ? down->size(1) * down->size(3)
                                              : 0;  // the MLP's: down_proj's inputs
     if (l == 0) inter = width;

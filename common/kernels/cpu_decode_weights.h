@@ -14,11 +14,11 @@ constexpr int64_t kLayerWeights = 16;
 
 // A linear as the one-region step runs it: its kernel, its data and sizes (n: its outputs; 0 where only
 // the call knows them: a packed qkv_proj without bias or scale; count: the packed panels)
-enum class Kernel { gemv_f32, gemv_bf16, gemv_w8, int8_quads, bf16_pairs };
+enum class Kernel { gemv_f32, gemv_bf16, gemv_w8, int8_quads, bf16_pairs, panels_f32, panels_bf16, panels_w8 };
 struct Linear {
   Kernel kernel = Kernel::gemv_f32;
   const void* w = nullptr;
-  const float *scale = nullptr, *bias = nullptr;  // scale: gemv_w8's per output row
+  const float *scale = nullptr, *bias = nullptr;  // scale: gemv_w8's and panels_w8's per output row
   const c10::BFloat16* scales = nullptr;           // int8_quads': pack_int8_scales' per column and block
   int64_t n = 0, k = 0, count = 0, blocks = 0;     // blocks: int8_quads' blocks of k
 };

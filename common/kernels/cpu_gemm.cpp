@@ -23,7 +23,6 @@
 
 namespace disagg_cpu {
 
-constexpr int kTileRows = kLanes == 16 ? 12 : 6;  // 2T accumulators + 2 weight vectors + 1 broadcast <= registers
 constexpr int64_t kRowChunk = 16 * kTileRows;     // x rows per pass over a thread's panels (K = 1536: 590 KB)
 
 // out[r, col0 + c] for r < T, c < min(P, n - col0): T rows of x against one panel [k, P]; x is a
@@ -94,6 +93,34 @@ void panel_rows(const float* pxp, const W* pp, const float* ps, const float* pb,
   });
 }
 
+int64_t panel_groups(int64_t rows) { return (rows + kTileRows - 1) / kTileRows; }
+int64_t packed_floats(int64_t rows, int64_t k) { return panel_groups(rows) * k * kTileRows; }
+
+void pack_rows(const float* x, int64_t r0, int64_t r1, int64_t k, float* packed) {
+  for (int64_t row = r0; row < r1; ++row)
+    for (int64_t i = 0; i < k; ++i) packed[((row / kTileRows) * k + i) * kTileRows + row % kTileRows] = x[row * k + i];
+}
+
+template <typename W>
+void panels_part(const float* packed, int64_t rows, const W* panels, const float* scale, const float* bias,
+                 const float* residual, float* out, int64_t n, int64_t k, Claims& claims) {
+  int64_t begin, end;
+  while (claims.take(begin, end))  // each panel read once: every row's tiles while it is in cache (panel_walk's order)
+    for (int64_t p = begin; p < end; ++p) {
+      const W* panel = panels + p * k * kPanel;
+      for (int64_t r = 0; r < rows; r += kTileRows)
+        panel_tile_of<kTileRows>(std::min<int64_t>(kTileRows, rows - r), packed + r * k, panel, scale, bias,
+                                 residual == nullptr ? nullptr : residual + r * n, out + r * n, n, k, p * kPanel,
+                                 r == 0 && p + 1 < end ? panel + k * kPanel : nullptr);
+    }
+}
+template void panels_part<float>(const float*, int64_t, const float*, const float*, const float*, const float*, float*,
+                                 int64_t, int64_t, Claims&);
+template void panels_part<c10::BFloat16>(const float*, int64_t, const c10::BFloat16*, const float*, const float*,
+                                         const float*, float*, int64_t, int64_t, Claims&);
+template void panels_part<int8_t>(const float*, int64_t, const int8_t*, const float*, const float*, const float*,
+                                  float*, int64_t, int64_t, Claims&);
+
 at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
                        const c10::optional<at::Tensor>& residual, const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3, "gemm_panels: x [R, K], panels [N / P, K, P]");
@@ -119,14 +146,10 @@ at::Tensor gemm_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
   const float* pb = add.bias_data();
   const float* pr = add.residual_data();
   float* po = out.data_ptr<float>();
-  // x's rows in groups of kTileRows, k-major ([k, kTileRows] each): a tile's x values for one k side by side
-  const int64_t groups = (rows + kTileRows - 1) / kTileRows;
-  at::Tensor packed = at::empty({groups, k, kTileRows}, x.options());
+  at::Tensor packed = at::empty({panel_groups(rows), k, kTileRows}, x.options());
   float* pxp = packed.data_ptr<float>();
-  parallel_range(0, groups, grain_for(k * kTileRows), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r = 0; r < kTileRows && g * kTileRows + r < rows; ++r)
-        for (int64_t i = 0; i < k; ++i) pxp[(g * k + i) * kTileRows + r] = px[(g * kTileRows + r) * k + i];
+  parallel_range(0, panel_groups(rows), grain_for(k * kTileRows), [&](int64_t begin, int64_t end) {
+    pack_rows(px, begin * kTileRows, std::min(rows, end * kTileRows), k, pxp);
   });
   if (type == at::kBFloat16) panel_rows(pxp, panels.data_ptr<c10::BFloat16>(), ps, pb, pr, po, rows, n, k, count);
   else if (type == at::kChar) panel_rows(pxp, panels.data_ptr<int8_t>(), ps, pb, pr, po, rows, n, k, count);

@@ -8,17 +8,17 @@
 //   greedy_step(token_ids, rows, ...)        -> decode_logits' greedy step whose tokens are read from and
 //     written to the decode service's token buffer, its inputs made by cpu_token_step.cpp
 // It runs in one of two forms, with the same bits:
-//   one region: at up to kRegionRows rows (a decode batch) where every linear is a gemv (float32, bf16 or int8
-//     weights), the int8 matmul or, at up to kStepRows rows, the bf16 matmul. The whole stack is one
+//   one region: at up to kRegionRows rows (a decode batch) where every linear is a gemv or the panel GEMM
+//     (float32, bf16 or int8 weights), the int8 matmul or, at up to kStepRows rows, the bf16 matmul. The whole stack is one
 //     OpenMP parallel region: each thread takes its share of nine tenths of each linear's outputs and of
 //     the attention's tasks and claims parts of the rest as it finishes (the lm_head: a fixed share), with a
 //     barrier where the next op reads what all threads wrote (five per layer). At up to kStepRows rows each
 //     thread makes its own copy of a linear's input (the norms, the attention's merged parts, SiLU-and-mul,
-//     the int8 matmul's quantized input); at more, each thread makes its share of the rows in the team's one
-//     buffer, and a barrier follows (nine per layer). The data's pointers and sizes are checked once, when
-//     DecodeWeights is built.
-//   op by op: otherwise (the panel GEMM, the bf16 matmul above kStepRows rows), each op of cpu_fused.cpp called in
-//     turn on tensors.
+//     the int8 matmul's quantized input, the panel GEMM's packed input); at more, each thread makes its share of
+//     the rows in the team's one buffer (whole groups of the panel GEMM's tile rows), and a barrier follows (nine
+//     per layer). The data's pointers and sizes are checked once, when DecodeWeights is built.
+//   op by op: otherwise (the bf16 matmul above kStepRows rows), each op of cpu_fused.cpp called in turn on
+//     tensors.
 // At one row the op-by-op form left the second thread waiting ~45% of a w8a8 step of SmolLM2 (perf, 2-core
 // AMD Zen 4): each of the 120 linears' calls checked its tensors, allocated its output and quantized its
 // input on one thread, every cache cold after the weights streamed past, and forked a parallel region. At 16
@@ -89,12 +89,18 @@ at::Tensor decode_layer(const at::Tensor& x, const std::vector<c10::optional<at:
   return linear(silu_and_mul(gate_up), 10, 11, 15, hidden, h);
 }
 
-// What a linear of the one-region step reads: x [rows, L.k] and, at more than kStepRows rows where L is the int8
-// matmul, x quantized by the team (else each thread quantizes or rounds x itself)
+// What a linear of the one-region step reads: x [rows, L.k]; where L is the panel GEMM, x's rows packed for its
+// tiles (pack_rows); at more than kStepRows rows where L is the int8 matmul, x quantized by the team (else each
+// thread quantizes or rounds x itself)
 struct LinearInput {
   const float* x;
   const QuantizedRows* q = nullptr;
+  const float* packed = nullptr;
 };
+
+bool is_panels(const Linear& L) {
+  return L.kernel == Kernel::panels_f32 || L.kernel == Kernel::panels_bf16 || L.kernel == Kernel::panels_w8;
+}
 
 // linear L's outputs (n of them) for `in`'s rows over the ranges the calling thread takes from `claims`
 void linear_part(const Linear& L, int64_t n, LinearInput in, int64_t rows, const float* residual, float* out,
@@ -122,6 +128,14 @@ void linear_part(const Linear& L, int64_t n, LinearInput in, int64_t rows, const
                        block, claims);
     case Kernel::bf16_pairs:
       return bf16_part(x, rows, static_cast<const uint16_t*>(L.w), L.bias, residual, out, n, L.k, claims);
+    case Kernel::panels_f32:
+      return panels_part(in.packed, rows, static_cast<const float*>(L.w), nullptr, L.bias, residual, out, n, L.k, claims);
+    case Kernel::panels_bf16:
+      return panels_part(in.packed, rows, static_cast<const c10::BFloat16*>(L.w), nullptr, L.bias, residual, out, n,
+                         L.k, claims);
+    case Kernel::panels_w8:
+      return panels_part(in.packed, rows, static_cast<const int8_t*>(L.w), L.scale, L.bias, residual, out, n, L.k,
+                         claims);
   }
 }
 
@@ -173,10 +187,12 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
   const std::vector<int64_t> starts = task_starts(a);
   const int64_t tasks = starts.back(), partial = tasks * partial_floats(a);
   thread_local std::vector<float> scratch;  // the calling thread's, reused: what every thread reads
-  scratch.resize(rows * (width + 2 * hidden + 2 * inter) + partial + (many ? rows * widest : 0));
+  const int64_t packed_size = packed_floats(rows, widest);  // a linear's input packed for the panel GEMM
+  scratch.resize(rows * (width + 2 * hidden + 2 * inter) + partial + (many ? rows * widest + packed_size : 0));
   float *qkv = scratch.data(), *h = qkv + rows * width, *tmp = h + rows * hidden, *gate_up = tmp + rows * hidden;
   a.starts = starts.data(), a.partial = gate_up + rows * 2 * inter;
-  float* shared = a.partial + partial;  // many rows: the linears' inputs, made by the team
+  float* shared = a.partial + partial;  // many rows: the linears' inputs, made by the team (and packed)
+  float* shared_packed = shared + (many ? rows * widest : 0);
   thread_local QuantizedRows quantized_rows;  // and quantized, where a linear is the int8 matmul
   QuantizedRows& quantized = quantized_rows;  // (the calling thread's, for the whole team)
   if (many && block > 0) quantized.size(rows, widest, block);
@@ -195,22 +211,32 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
 #pragma omp parallel num_threads(team)
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-    thread_local std::vector<float> mine, attn;  // few rows: this thread's normed rows, then its SiLU-and-mul rows;
-    mine.resize(many ? 0 : rows * std::max(hidden, inter));  // its attention
+    thread_local std::vector<float> mine, attn, packed;  // few rows: this thread's normed rows, then its SiLU-and-mul
+    mine.resize(many ? 0 : rows * std::max(hidden, inter));  // rows; its attention; a linear's input packed
     attn.resize(many ? 0 : rows * heads_d);
-    int64_t r0, r1;  // many rows: the rows this thread makes of each input
-    share(rows, t, threads, r0, r1);
+    packed.resize(many ? 0 : packed_size);
+    int64_t r0 = 0, r1 = 0;  // many rows: the rows this thread made of the last input
     // linear L's input of `cols` columns, its rows [b, e) made into `dst` by fill(b, e, dst)
     const auto input = [&](const Linear& L, int64_t cols, float* own, const auto& fill) -> LinearInput {
+      const bool panels = is_panels(L);
       if (!many) {
         fill(0, rows, own);
-        return {own};
+        if (panels) pack_rows(own, 0, rows, cols, packed.data());
+        return {own, nullptr, panels ? packed.data() : nullptr};
       }
+      // the panel GEMM's packed input: whole groups of its tile's rows each (rows split between two threads
+      // wrote the same cache lines: a 16-row fp32 step of SmolLM2 took 37.6 ms against 32.1 op by op; 30.6 by
+      // groups, 2-core AMD Zen 4, interleaved in one process). The int8 matmul's quads, whose groups are smaller
+      // and their words four bytes, go by rows: by groups, 14.19 against 13.89 ms at 16 rows (w8a8)
+      const int64_t unit = panels ? kTileRows : 1;
+      share((rows + unit - 1) / unit, t, threads, r0, r1);
+      r0 = std::min(rows, r0 * unit), r1 = std::min(rows, r1 * unit);
       fill(r0, r1, shared);
       const bool quads = L.kernel == Kernel::int8_quads;
       if (quads) quantize_into(shared, r0, r1, cols, block, quantized);
+      if (panels) pack_rows(shared, r0, r1, cols, shared_packed);
 #pragma omp barrier
-      return {shared, quads ? &quantized : nullptr};
+      return {shared, quads ? &quantized : nullptr, panels ? shared_packed : nullptr};
     };
     const auto normed = [&](const float* rows_in, const float* weight) {
       return [=](int64_t b, int64_t e, float* dst) {
