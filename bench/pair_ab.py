@@ -8,7 +8,11 @@ services `--a . --b-flags="--disaggregation-transfer-backend shm"`) or environme
 (`--b-decode-env="GOMP_SPINCOUNT=10000"`).
 Each runs its own prefill and decode services (bench/serving_bench.py: `start_pair`), and the
 rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by 10-20%)
-hits both alike. Per run: decode tok/s (as serving_bench), the mean wait between a request's
+hits both alike. Both run A's fp32 layout table: each side times its own in a folder of its own
+(a build's kernels are part of the table's key), then B is restarted on A's plans where they differ
+(`--own-tables`: each keeps its own). Two timings of one host differ by its noise: two builds of one
+kernel, each on its own table, ran 16 requests at 374.9 against 361.0 tok/s; the same two on A's,
+354.3 against 394.9 (2-core AMD Zen 4). Per run: decode tok/s (as serving_bench), the mean wait between a request's
 first token (streamed by prefill) and its second (the first decode step after its KV landed), and
 the mean inter-token latency after that. Prints each run and the medians.
 """
@@ -16,11 +20,15 @@ the mean inter-token latency after that. Prints each run and the medians.
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
 import shlex
 import statistics
+import tempfile
 
 from bench import serving_bench
+from common.models.host_table import ENV_DIR as TABLE_DIR
 
 
 def run(address: str, prompt: list[int], batch: int, new_tokens: int) -> tuple[float, float, float]:
@@ -30,6 +38,30 @@ def run(address: str, prompt: list[int], batch: int, new_tokens: int) -> tuple[f
     gap = statistics.mean(a[1] - a[0] for a in arrivals)
     later = statistics.mean((a[-1] - a[1]) / (len(a) - 2) for a in arrivals)
     return out["tok_s"], gap, 1e3 * later
+
+
+def table_file(folder: str) -> str:
+    """The one layout table a side's services timed into its own table folder."""
+    files = glob.glob(os.path.join(folder, "*.json"))
+    if len(files) != 1:
+        raise RuntimeError(f"expected one layout table in {folder}, found {files}")
+    return files[0]
+
+
+def take_plans(source: str, target: str) -> bool:
+    """Write `source`'s timed plans (and their timings, which the start-up check reads) into the table
+    `target`, keeping target's key; whether they differed."""
+    with open(source) as f:
+        a = json.load(f)
+    with open(target) as f:
+        b = json.load(f)
+    fields = ("plans", "ms", "chosen_ms", "greedy_ms")
+    if all(a.get(k) == b.get(k) for k in fields):
+        return False
+    b.update({k: a[k] for k in fields if k in a})
+    with open(target, "w") as f:
+        json.dump(b, f, indent=1)
+    return True
 
 
 def main(argv=None) -> None:
@@ -46,31 +78,45 @@ def main(argv=None) -> None:
     parser.add_argument("--b-flags", default="", help="extra flags of both of B's services")
     parser.add_argument("--a-decode-env", default="", help="extra environment of A's decode service: NAME=VALUE ...")
     parser.add_argument("--b-decode-env", default="", help="extra environment of B's decode service: NAME=VALUE ...")
+    parser.add_argument("--own-tables", action="store_true", help="each side on its own layout table (default: A's)")
     args = parser.parse_args(argv)
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (a gap and a later ITL)")
     path, prompt = serving_bench.chat_prompt(None)
     tokens = args.batch * (len(prompt) + args.new_tokens) + 64
     pairs, results = [], {"A": [], "B": []}
+    sides = [
+        (args.a, args.a_decode_flags, args.a_flags, args.a_decode_env),
+        (args.b, args.b_decode_flags, args.b_flags, args.b_decode_env),
+    ]
+    folders = [tempfile.TemporaryDirectory(prefix=f"pair-ab-{name}-tables-") for name in "AB"]
+
+    def start(i: int) -> tuple:
+        tree, flags, both, env = sides[i]
+        both = tuple(shlex.split(both))
+        env = dict(item.split("=", 1) for item in shlex.split(env))
+        return serving_bench.start_pair(
+            path,
+            args.threads,
+            args.batch,
+            tokens,
+            decode_flags=both + tuple(shlex.split(flags)),
+            prefill_flags=both,
+            tree=os.path.abspath(tree),
+            decode_env=env,
+            env={} if args.own_tables else {TABLE_DIR: folders[i].name},
+        )
+
     try:
-        for tree, flags, both, env in (
-            (args.a, args.a_decode_flags, args.a_flags, args.a_decode_env),
-            (args.b, args.b_decode_flags, args.b_flags, args.b_decode_env),
-        ):
-            both = tuple(shlex.split(both))
-            env = dict(item.split("=", 1) for item in shlex.split(env))
-            pairs.append(
-                serving_bench.start_pair(
-                    path,
-                    args.threads,
-                    args.batch,
-                    tokens,
-                    decode_flags=both + tuple(shlex.split(flags)),
-                    prefill_flags=both,
-                    tree=os.path.abspath(tree),
-                    decode_env=env,
-                )
-            )
+        for i in range(2):
+            pairs.append(start(i))
+        if not args.own_tables and take_plans(table_file(folders[0].name), table_file(folders[1].name)):
+            print("B timed other layouts than A: B restarted on A's", flush=True)
+            from common.tools.procs import stop
+
+            for p in pairs.pop()[1]:
+                stop(p)
+            pairs.append(start(1))
         for address, _ in pairs:
             serving_bench.bench_pair(address, prompt, args.batch, 4)  # warm-up
         for r in range(args.rounds):
@@ -84,6 +130,8 @@ def main(argv=None) -> None:
         for _, procs in pairs:
             for p in procs:
                 stop(p)
+        for folder in folders:
+            folder.cleanup()
     for name, rows in results.items():
         tok_s, gap, later = (statistics.median(c) for c in zip(*rows))
         tree, flags = (

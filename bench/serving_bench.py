@@ -175,11 +175,12 @@ def start_pair(
     replicas: int = 1,
     tree: str | None = None,
     decode_env: dict | None = None,
+    env: dict | None = None,
 ) -> tuple[str, list[subprocess.Popen]]:
     """`replicas` prefill services and a decode service in front of them, as subprocesses on
     loopback; (the decode address, the processes: decode first). `tree`: run the services of that
     checkout of this repo (another commit) instead of this one; `decode_env`: more environment for the
-    decode service (e.g. GOMP_SPINCOUNT)."""
+    decode service (e.g. GOMP_SPINCOUNT); `env`: for every service."""
     from common.tools.procs import free_port, wait_serving
 
     ports, dp = [free_port() for _ in range(replicas)], free_port()
@@ -193,7 +194,7 @@ def start_pair(
         "--max-total-tokens",
         str(tokens),
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"} | ({"PYTHONPATH": tree} if tree else {})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})} | ({"PYTHONPATH": tree} if tree else {})
     prefills = [
         subprocess.Popen(
             [sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
