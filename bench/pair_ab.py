@@ -140,6 +140,8 @@ def main(argv=None) -> None:
             else (args.b, f"{args.b_flags} {args.b_decode_flags} {args.b_decode_env}")
         )
         print(f"{name} ({tree} {flags.strip()}): median {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms")
+    wins = sum(b[0] > a[0] for a, b in zip(results["A"], results["B"]))
+    print(f"B faster in {wins} of {len(results['B'])} rounds")
 
 
 if __name__ == "__main__":

@@ -415,13 +415,16 @@ at::Tensor gemv_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 at::Tensor stream_sum(const at::Tensor& x, int64_t streams);
 int64_t row_streams(int64_t streams);
 
-// cpu_gemm.cpp. The panel GEMM's x rows go in groups of its tile's kTileRows rows, k-major ([groups, k,
-// kTileRows]: packed_floats(rows, k) floats; a group's rows share cache lines, so threads packing side by side
-// take whole groups). pack_rows: rows [r0, r1) of x [rows, k] into them; panels_part: the panel GEMM of `rows`
-// packed rows over the panels `claims` gives (W: float, c10::BFloat16, or int8_t with `scale` [n])
+// cpu_gemm.cpp. The panel GEMM's tiles take up to kTileRows rows; x's `rows` rows go in groups of
+// panel_group(rows), as even as tiles of that many make them (16 rows: two of 8, not 12 and 4, whose 4-row tile
+// loads two weight vectors per 8 FMAs), k-major ([groups, k, g]: packed_floats(rows, k) floats; a group's rows
+// share cache lines, so threads packing side by side take whole groups). pack_rows: rows [r0, r1) of x [rows, k]
+// into them; panels_part: the panel GEMM of `rows` packed rows over the panels `claims` gives (W: float,
+// c10::BFloat16, or int8_t with `scale` [n])
 constexpr int kTileRows = kLanes == 16 ? 12 : 6;  // 2T accumulators + 2 weight vectors + 1 broadcast <= registers
+int64_t panel_group(int64_t rows);
 int64_t packed_floats(int64_t rows, int64_t k);
-void pack_rows(const float* x, int64_t r0, int64_t r1, int64_t k, float* packed);
+void pack_rows(const float* x, int64_t rows, int64_t r0, int64_t r1, int64_t k, float* packed);
 template <typename W>
 void panels_part(const float* packed, int64_t rows, const W* panels, const float* scale, const float* bias,
                  const float* residual, float* out, int64_t n, int64_t k, Claims& claims);

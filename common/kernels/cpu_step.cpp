@@ -221,20 +221,20 @@ void step_in_one_region(const std::vector<Layer>& layers, const float* x, int64_
       const bool panels = is_panels(L);
       if (!many) {
         fill(0, rows, own);
-        if (panels) pack_rows(own, 0, rows, cols, packed.data());
+        if (panels) pack_rows(own, rows, 0, rows, cols, packed.data());
         return {own, nullptr, panels ? packed.data() : nullptr};
       }
       // the panel GEMM's packed input: whole groups of its tile's rows each (rows split between two threads
       // wrote the same cache lines: a 16-row fp32 step of SmolLM2 took 37.6 ms against 32.1 op by op; 30.6 by
       // groups, 2-core AMD Zen 4, interleaved in one process). The int8 matmul's quads, whose groups are smaller
       // and their words four bytes, go by rows: by groups, 14.19 against 13.89 ms at 16 rows (w8a8)
-      const int64_t unit = panels ? kTileRows : 1;
+      const int64_t unit = panels ? panel_group(rows) : 1;
       share((rows + unit - 1) / unit, t, threads, r0, r1);
       r0 = std::min(rows, r0 * unit), r1 = std::min(rows, r1 * unit);
       fill(r0, r1, shared);
       const bool quads = L.kernel == Kernel::int8_quads;
       if (quads) quantize_into(shared, r0, r1, cols, block, quantized);
-      if (panels) pack_rows(shared, r0, r1, cols, shared_packed);
+      if (panels) pack_rows(shared, rows, r0, r1, cols, shared_packed);
 #pragma omp barrier
       return {shared, quads ? &quantized : nullptr, panels ? shared_packed : nullptr};
     };
