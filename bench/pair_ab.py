@@ -79,6 +79,7 @@ def main(argv=None) -> None:
     parser.add_argument("--a-decode-env", default="", help="extra environment of A's decode service: NAME=VALUE ...")
     parser.add_argument("--b-decode-env", default="", help="extra environment of B's decode service: NAME=VALUE ...")
     parser.add_argument("--own-tables", action="store_true", help="each side on its own layout table (default: A's)")
+    parser.add_argument("--logs", help="a folder for the services' logs (A-decode.log, ...; default: dropped)")
     args = parser.parse_args(argv)
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (a gap and a later ITL)")
@@ -105,6 +106,7 @@ def main(argv=None) -> None:
             tree=os.path.abspath(tree),
             decode_env=env,
             env={} if args.own_tables else {TABLE_DIR: folders[i].name},
+            log_to=None if args.logs is None else os.path.join(args.logs, "AB"[i] + "-"),
         )
 
     try:

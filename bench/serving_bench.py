@@ -165,6 +165,11 @@ def bench_inprocess(
     return summarize([start] * batch, arrivals)
 
 
+def _log(prefix: str | None, name: str):
+    """Where a started service writes its log: a new file `<prefix><name>.log`, or nowhere."""
+    return subprocess.DEVNULL if prefix is None else open(f"{prefix}{name}.log", "w")  # noqa: SIM115 (the child's)
+
+
 def start_pair(
     path: str,
     threads: int,
@@ -176,11 +181,13 @@ def start_pair(
     tree: str | None = None,
     decode_env: dict | None = None,
     env: dict | None = None,
+    log_to: str | None = None,
 ) -> tuple[str, list[subprocess.Popen]]:
     """`replicas` prefill services and a decode service in front of them, as subprocesses on
     loopback; (the decode address, the processes: decode first). `tree`: run the services of that
     checkout of this repo (another commit) instead of this one; `decode_env`: more environment for the
-    decode service (e.g. GOMP_SPINCOUNT); `env`: for every service."""
+    decode service (e.g. GOMP_SPINCOUNT); `env`: for every service; `log_to`: a path prefix for the
+    services' logs (`<prefix>decode.log`, `<prefix>prefill<i>.log`; else they are dropped)."""
     from common.tools.procs import free_port, wait_serving
 
     ports, dp = [free_port() for _ in range(replicas)], free_port()
@@ -200,9 +207,9 @@ def start_pair(
             [sys.executable, "-m", "prefill_service", *common, "--port", str(pp), *prefill_flags],
             env=env,
             cwd=tree,
-            stderr=subprocess.DEVNULL,
+            stderr=_log(log_to, f"prefill{i}"),
         )
-        for pp in ports
+        for i, pp in enumerate(ports)
     ]
     decode = subprocess.Popen(
         [
@@ -218,7 +225,7 @@ def start_pair(
         ],
         env=env | (decode_env or {}),
         cwd=tree,
-        stderr=subprocess.DEVNULL,
+        stderr=_log(log_to, "decode"),
     )
     for pp, proc in zip(ports, prefills):
         wait_serving(f"127.0.0.1:{pp}", proc)
