@@ -8,13 +8,15 @@ services `--a . --b-flags="--disaggregation-transfer-backend shm"`) or environme
 (`--b-decode-env="GOMP_SPINCOUNT=10000"`).
 Each runs its own prefill and decode services (bench/serving_bench.py: `start_pair`), and the
 rounds alternate A, B then B, A, so a drift of the machine (single runs here differ by 10-20%)
-hits both alike. Both run A's fp32 layout table: each side times its own in a folder of its own
-(a build's kernels are part of the table's key), then B is restarted on A's plans where they differ
-(`--own-tables`: each keeps its own). Two timings of one host differ by its noise: two builds of one
-kernel, each on its own table, ran 16 requests at 374.9 against 361.0 tok/s; the same two on A's,
-354.3 against 394.9 (2-core AMD Zen 4). Per run: decode tok/s (as serving_bench), the mean wait between a request's
-first token (streamed by prefill) and its second (the first decode step after its KV landed), and
-the mean inter-token latency after that. Prints each run and the medians.
+hits both alike. Both run A's fp32 layout table, where they time one: each side times its own in
+a folder of its own (a build's kernels are part of the table's key), then B is restarted on A's
+plans where they differ (`--own-tables`: each keeps its own). Two timings of one host differ by its
+noise: two builds of one kernel, each on its own table, ran 16 requests at 374.9 against 361.0
+tok/s; the same two on A's, 354.3 against 394.9 (2-core AMD Zen 4). Other start-up picks (the gemv's
+streams, warm-up's decode plan) are still each side's own: `--logs` keeps the services' logs.
+Per run: decode tok/s (as serving_bench), the mean wait between a request's first token (streamed
+by prefill) and its second (the first decode step after its KV landed), and the mean inter-token
+latency after that. Prints each run, the medians and in how many rounds B was faster.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ def run(address: str, prompt: list[int], batch: int, new_tokens: int) -> tuple[f
     return out["tok_s"], gap, 1e3 * later
 
 
-def table_file(folder: str) -> str:
-    """The one layout table a side's services timed into its own table folder."""
+def table_file(folder: str) -> str | None:
+    """The layout table a side's services timed into its own table folder; None where they timed none (a
+    low-precision or forced layout)."""
     files = glob.glob(os.path.join(folder, "*.json"))
-    if len(files) != 1:
-        raise RuntimeError(f"expected one layout table in {folder}, found {files}")
-    return files[0]
+    if len(files) > 1:
+        raise RuntimeError(f"expected at most one layout table in {folder}, found {files}")
+    return files[0] if files else None
 
 
 def take_plans(source: str, target: str) -> bool:
@@ -112,7 +115,8 @@ def main(argv=None) -> None:
     try:
         for i in range(2):
             pairs.append(start(i))
-        if not args.own_tables and take_plans(table_file(folders[0].name), table_file(folders[1].name)):
+        tables = [table_file(folder.name) for folder in folders]
+        if not args.own_tables and None not in tables and take_plans(*tables):
             print("B timed other layouts than A: B restarted on A's", flush=True)
             from common.tools.procs import stop
 

@@ -24,9 +24,8 @@ def test_b_takes_a_plans_and_timings_and_keeps_its_key(tmp_path):
     assert not pair_ab.take_plans(a, b)  # now the same: B is not restarted
 
 
-def test_a_side_has_exactly_one_table(tmp_path):
-    with pytest.raises(RuntimeError, match="one layout table"):
-        pair_ab.table_file(str(tmp_path))
+def test_a_side_has_at_most_one_table(tmp_path):
+    assert pair_ab.table_file(str(tmp_path)) is None  # w8a8 or a forced layout: no table, nothing to equalize
     _table(tmp_path / "a.json", "gemv A", "panels")
     assert pair_ab.table_file(str(tmp_path)).endswith("a.json")
     _table(tmp_path / "b.json", "gemv B", "panels")
