@@ -457,3 +457,31 @@ def test_the_fastest_stream_count_is_picked_and_set(ops, checkpoint, caplog):
         assert len(lines) == 1 and ops.row_streams() in cpu_fused.ROW_STREAMS
     finally:
         ops.row_streams(before)
+
+
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
+def test_start_up_picks_are_timed_holding_the_host_wide_lock(ops, checkpoint, monkeypatch, quantization):
+    """The stream picks (and w8a8's) time while no other service of the host times: each runs under the layout
+    table's lock, so a second holder (another service; here a second descriptor) is refused meanwhile."""
+    import fcntl
+    import os
+
+    from common.models import host_table
+
+    held = []
+
+    def try_lock(*args, **kwargs) -> int:
+        fd = os.open(host_table.lock_path(), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return 1
+
+    monkeypatch.setattr(cpu_fused, "pick_row_streams", try_lock)
+    monkeypatch.setattr(cpu_fused, "pick_int8_streams", try_lock)
+    ModelRunner(RunnerArgs(checkpoint("llama"), max_total_tokens=64, max_running_requests=2, quantization=quantization))
+    assert held == [True] * (2 if quantization == "w8a8" else 1)
