@@ -13,7 +13,9 @@ a folder of its own (a build's kernels are part of the table's key), then B is r
 plans where they differ (`--own-tables`: each keeps its own). Two timings of one host differ by its
 noise: two builds of one kernel, each on its own table, ran 16 requests at 374.9 against 361.0
 tok/s; the same two on A's, 354.3 against 394.9 (2-core AMD Zen 4). Other start-up picks (the gemv's
-streams, warm-up's decode plan) are still each side's own: `--logs` keeps the services' logs.
+streams, warm-up's decode plan) are still each side's own: `--logs` keeps the services' logs. Run
+an A/A (`--a .`) to see what a start alone moves: two starts of one build at 1 request gave 65.2
+against 55.3 tok/s (B faster in 0 of 6 rounds), then 57.6 against 61.9 (3 of 4).
 Per run: decode tok/s (as serving_bench), the mean wait between a request's first token (streamed
 by prefill) and its second (the first decode step after its KV landed), and the mean inter-token
 latency after that. Prints each run, the medians and in how many rounds B was faster.
