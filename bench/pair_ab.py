@@ -33,6 +33,7 @@ import tempfile
 
 from bench import serving_bench
 from common.models.host_table import ENV_DIR as TABLE_DIR
+from common.tools.procs import stop
 
 
 def run(address: str, prompt: list[int], batch: int, new_tokens: int) -> tuple[float, float, float]:
@@ -120,8 +121,6 @@ def main(argv=None) -> None:
         tables = [table_file(folder.name) for folder in folders]
         if not args.own_tables and None not in tables and take_plans(*tables):
             print("B timed other layouts than A: B restarted on A's", flush=True)
-            from common.tools.procs import stop
-
             for p in pairs.pop()[1]:
                 stop(p)
             pairs.append(start(1))
@@ -133,8 +132,6 @@ def main(argv=None) -> None:
                 results[name].append((tok_s, gap, later))
                 print(f"round {r} {name}: {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms", flush=True)
     finally:
-        from common.tools.procs import stop
-
         for _, procs in pairs:
             for p in procs:
                 stop(p)

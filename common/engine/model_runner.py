@@ -111,17 +111,16 @@ class ModelRunner:
             self._build(args, config)
         if self.cpu_fused is not None:  # the one-row gemv's streams, timed here (hosts differ): before tuning
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
-            self._pick(lambda: cpu_fused.pick_row_streams(self.cpu_fused, weights))
+            self._time_alone(lambda: cpu_fused.pick_row_streams(self.cpu_fused, weights))
         self.linear_table = None
         if args.quantization != "none":  # low precision: no fp32 layouts to time, no greedy head (an fp32 pass)
             weights = packed_linear.linear_weights(self.model, *self.draft_linear_roots())
-            with host_table.host_wide_lock():  # bf16 times its layouts: on the computing thread count, alone
-                nbytes = intra_op.on_own_thread(
-                    lambda: low_precision.quantize(weights, args.quantization, self.cpu_fused), threads
-                )
+            nbytes = self._time_alone(  # bf16 times its layouts
+                lambda: low_precision.quantize(weights, args.quantization, self.cpu_fused)
+            )
             self.model.greedy_head = None
             if args.quantization == "w8a8" and self.cpu_fused is not None:  # its one-row streams (hosts differ)
-                self._pick(lambda: cpu_fused.pick_int8_streams(self.cpu_fused, weights))
+                self._time_alone(lambda: cpu_fused.pick_int8_streams(self.cpu_fused, weights))
             how = low_precision.HOW[args.quantization]
             log.info("%s: %d linears as %s (%.0f MB)", args.quantization, len(weights), how, nbytes / 1e6)
         elif self.packs_linears:  # timed on a thread of its own, whose OpenMP pool ends with it
@@ -133,12 +132,13 @@ class ModelRunner:
             if head is not None and not any(head.plan):
                 self.model.greedy_head = None  # never faster here: its bf16 copy's memory back
 
-    def _pick(self, time_and_set) -> None:
-        """A start-up pick timed on the computing thread's count, one service of the host at a time (the
-        layout table's lock): timed while the other service of a pair started, a batch-1 pass of the gemv
-        took 60 ms against 30 and the pick differed (2-core AMD Zen 4)."""
+    def _time_alone(self, timed):
+        """timed() (what a start-up pick or warm-up's plan measures), returned: on the computing thread's count, as
+        the steps will run, and one service of the host at a time (the layout table's lock): timed while the
+        other service of a pair started, a batch-1 pass of the gemv took 60 ms against 30 and the pick
+        differed (2-core AMD Zen 4)."""
         with host_table.host_wide_lock():
-            intra_op.on_own_thread(time_and_set, self._threads)
+            return intra_op.on_own_thread(timed, self._threads)
 
     def _build(self, args: RunnerArgs, config: ModelConfig | None) -> None:
         self.args = args
@@ -332,16 +332,14 @@ class ModelRunner:
                 lambda: compiled_layers.compile_and_time(compiled, self._warm_decode, self._warm_decode),
                 self._threads,
             )
-        if self._times_fused_plan():  # on the computing thread's count, as the steps will run; one service at a time
-            with host_table.host_wide_lock():
-                lines = intra_op.on_own_thread(
-                    lambda: fused_plan.choose(  # as many requests as the KV pool holds at two slots each
-                        self.model.fused_layers,
-                        self._timed_decode,
-                        min(self.args.max_running_requests, self.kv_allocator.size // 2),
-                    ),
-                    self._threads,
+        if self._times_fused_plan():
+            lines = self._time_alone(
+                lambda: fused_plan.choose(  # as many requests as the KV pool holds at two slots each
+                    self.model.fused_layers,
+                    self._timed_decode,
+                    min(self.args.max_running_requests, self.kv_allocator.size // 2),
                 )
+            )
             if lines:
                 log.info("decode steps' layouts timed as whole steps (fused_plan.py):\n%s", "\n".join(lines))
         if self.expert_load is not None:  # the metrics count served tokens, not warm-up's
