@@ -24,7 +24,8 @@ namespace disagg_cpu {
 // a torch.sum over one large buffer on a 2-core AMD EPYC (AVX2); two 0.97-0.99x, four 1.03-1.13x:
 // more independent streams keep more cache-line fills in flight. Two accumulators per (row, stream)
 // hide the FMA latency; R * S <= 4 keeps them in registers. One row takes row_streams(), which start-up
-// picks by timing (cpu_fused.pick_row_streams): hosts differ. On a 2-core AMD Zen 4 (AVX-512) with the
+// picks by timing (cpu_fused.pick_row_streams) and decode's warm-up times again as whole steps
+// (fused_plan.py): hosts differ. On a 2-core AMD Zen 4 (AVX-512) with the
 // weights on 2 MiB pages (weight_arena.py), an fp32 decode step of SmolLM2 took 19.65 ms with one stream
 // against 21.59 with four (faster in 16 interleaved rounds of 16; two: 21.13), a w8 step 6.75 against 7.67
 // (16 of 16), a bf16 step 10.29 against 11.32 (11 of 12); the AVX2 host above measured four the faster.

@@ -1,29 +1,50 @@
 """A decode batch's fp32 layouts per row bucket, timed as whole steps at warm-up (CPU, `--linear-layout auto`).
 
-The layout table (linear_tuning.py) times each linear alone and may pick, at a row bucket, a mix the fused
-stack (cpu_step.FusedLayers: the whole step in one call) cannot run: oneDNN for some shapes, the panel GEMM or
-the gemv for the others. The step then runs the torch modules op by op, whose per-op work the linears' timing
-never sees: at 16 rows of SmolLM2 (fp32, 2-core AMD Zen 4) a mix 2% faster on the linears alone ran 406 tok/s in
-process against 464 with those linears in panels and the stack fused. So warm-up, for each decode row bucket up
-to the largest batch where the table's mix leaves the stack to the modules, times decode steps of the table's
-plan against the same plan with those linears in panels (interleaved, ROUNDS each, the median), and keeps the
-panels where they are at least MIN_GAIN faster. The layouts give equal results within fp32 rounding (as every
-layout does), so only speed depends on it.
+The layout table (linear_tuning.py) and the gemv's streams (cpu_fused.pick_row_streams) are timed one linear at
+a time; a decode step runs the whole stack in one call (cpu_step.FusedLayers) where its layouts allow, and what
+the linears alone measure can mislead the step (SmolLM2, 2-core AMD Zen 4):
+- at 16 rows a mix 2% faster on the linears alone (oneDNN for some shapes: the stack unfused) ran 406 tok/s in
+  process against 464 with those linears in panels and the stack fused;
+- at one row, op by op, panels took 20.9 ms a pass of the linears against the gemv's 23.4, and the gemv's 1, 2
+  and 4 streams came within 4%; as whole steps the gemv on one stream took 11.1 ms, on four 10% more and
+  panels 22% more (when the host's memory ran slower: 5% and 7%).
+So warm-up, per decode row bucket up to the largest batch (and GEMV_ROWS), times decode steps of the table's
+plan against its alternatives, and keeps an alternative where it is at least MIN_GAIN faster:
+1. one row: every stack linear in the gemv, at each of ROW_STREAMS streams per thread, and every one in panels;
+2. more rows, where the table's mix leaves the stack to the modules: the same mix with those linears in panels.
+The candidates run in ROUNDS interleaved rounds (the order rotated), each round's sample SAMPLE_S of steps, and
+a candidate counts by the median over rounds of its sample divided by the table's of the same round: on that
+host the memory bandwidth moved between ~27 and ~42 GB/s within seconds, which a ratio inside one round cancels
+and a best or median of whole times does not. A candidate over PRUNE after PRUNE_AFTER rounds is timed no more.
+The layouts give equal results within fp32 rounding (as every layout does), and the streams the same bits, so
+only speed depends on the choice.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from common.models.cpu_fused import ROW_STREAMS
 from common.models.packed_linear import GEMV_ROWS, ROW_BUCKETS, bucket_index
 
 log = logging.getLogger(__name__)
 
-ROUNDS = 3
-MIN_GAIN = 0.03  # the fused plan is kept only this much faster (the rounds' noise on a quiet 2-core host: ~1-2%)
+ROUNDS = 7
+MIN_GAIN = 0.03  # an alternative is kept only this much faster (the median ratio's noise here: ~2-3%)
+PRUNE, PRUNE_AFTER = 1.15, 3  # a candidate this much slower than the table after these rounds drops out
+SAMPLE_S = 0.04  # one round's sample of a candidate: whole steps, about this long
 FUSED = ("rowblock", "panels")  # the fp32 layouts the fused stack runs
+
+
+@dataclass
+class Candidate:
+    name: str
+    plans: dict  # {LinearWeight: its whole plan}
+    streams: int | None = None  # the gemv's streams per thread at one row (None: as they are)
 
 
 def fused_alternative(fused_layers, i: int) -> dict | None:
@@ -35,41 +56,86 @@ def fused_alternative(fused_layers, i: int) -> dict | None:
             continue
         if lw.panels is None:
             return None
-        changes[lw] = tuple("panels" if j == i else layout for j, layout in enumerate(lw.plan))
+        changes[lw] = _with(lw, i, "panels")
     return changes or None
 
 
+def one_row_candidates(fused_layers) -> list[Candidate]:
+    """The table's plan at one row with the streams start-up picked, then each other way the stack runs it:
+    every linear in the gemv at each streams count, and in panels where every linear has its panels copy."""
+    linears, streams = fused_layers.linears, fused_layers.ops.row_streams(0)
+    table = Candidate("the table's", {lw: lw.plan for lw in linears}, streams)
+    out = [table]
+    for s in ROW_STREAMS:
+        out.append(Candidate(f"gemv x{s}", {lw: _with(lw, 0, "rowblock") for lw in linears}, s))
+    if all(lw.panels is not None for lw in linears):
+        out.append(Candidate("panels", {lw: _with(lw, 0, "panels") for lw in linears}, streams))
+    return [c for c in out if c is table or (c.plans, c.streams) != (table.plans, table.streams)]
+
+
 def choose(fused_layers, time_step: Callable[[int], float], max_batch: int) -> list[str]:
-    """Per decode row bucket up to `max_batch` requests (and GEMV_ROWS), the table's plan or the fused one,
-    whichever `time_step(batch)` (seconds of one decode step of `batch` requests) times faster; the lines that
+    """Per decode row bucket up to `max_batch` requests (and GEMV_ROWS), the table's plan or the faster
+    alternative, timed by `time_step(batch)` (seconds of one decode step of `batch` requests); the lines that
     say what was timed and kept."""
     lines = []
     for i, rows in enumerate(ROW_BUCKETS):
         batch = min(rows, max_batch)
         if batch > GEMV_ROWS or bucket_index(batch) != i:
             continue
-        fused = fused_alternative(fused_layers, i)
-        if fused is None:
+        set_streams = None
+        if i == 0:
+            candidates, set_streams = one_row_candidates(fused_layers), fused_layers.ops.row_streams
+        else:
+            fused = fused_alternative(fused_layers, i)
+            if fused is None:
+                continue
+            candidates = [Candidate("the table's", {lw: lw.plan for lw in fused}), Candidate("fused", fused)]
+        if len(candidates) < 2:
             continue
-        plans = {"table": {lw: lw.plan for lw in fused}, "fused": fused}
-        seconds: dict[str, list[float]] = {"table": [], "fused": []}
-        for name in ("table", "fused"):  # untimed: a plan's first step builds what it holds (DecodeWeights)
-            _use(plans[name])
-            time_step(batch)
-        for r in range(ROUNDS):
-            for name in ("table", "fused") if r % 2 == 0 else ("fused", "table"):
-                _use(plans[name])
-                seconds[name].append(time_step(batch))
-        table, fast = (statistics.median(seconds[name]) for name in ("table", "fused"))
-        keep = "fused" if fast < (1 - MIN_GAIN) * table else "table"
-        _use(plans[keep])
-        lines.append(
-            f"  {batch} rows: the table's mix {1e3 * table:.2f} ms a decode step, with its "
-            f"{len(fused)} unfused linears in panels (the stack fused) {1e3 * fast:.2f} ms: {keep} kept"
-        )
+        said = _race(candidates, time_step, batch, set_streams)
+        lines.append(f"  {batch} row{'s' if batch > 1 else ''}: {said}")
     return lines
 
 
-def _use(plans: dict) -> None:
-    for lw, plan in plans.items():
+def _race(candidates: list[Candidate], time_step: Callable[[int], float], batch: int, set_streams) -> str:
+    """Time the candidates (the first is the table's) as described above, put the kept one in place and say so.
+    `set_streams`: the gemv's streams setter where a candidate names its streams."""
+    first = {}
+    for c in candidates:  # untimed: a plan's first step builds what it holds (DecodeWeights)
+        _use(c, set_streams)
+        first[c.name] = time_step(batch)
+    steps = max(1, math.ceil(SAMPLE_S / max(min(first.values()), 1e-9)))
+    ratios: dict[str, list[float]] = {c.name: [] for c in candidates}
+    ms: dict[str, list[float]] = {c.name: [] for c in candidates}
+    racing = list(candidates)
+    for r in range(ROUNDS):
+        sample = {}
+        for c in racing[r % len(racing) :] + racing[: r % len(racing)]:
+            _use(c, set_streams)
+            sample[c.name] = sum(time_step(batch) for _ in range(steps)) / steps
+        for c in racing:
+            ratios[c.name].append(sample[c.name] / sample[candidates[0].name])
+            ms[c.name].append(1e3 * sample[c.name])
+        if r + 1 == PRUNE_AFTER:
+            racing = [c for c in racing if c is candidates[0] or statistics.median(ratios[c.name]) <= PRUNE]
+    ratio = {name: statistics.median(r) for name, r in ratios.items()}
+    best = min(candidates[1:], key=lambda c: ratio[c.name])
+    kept = best if ratio[best.name] < 1 - MIN_GAIN else candidates[0]
+    _use(kept, set_streams)
+    said = ", ".join(
+        f"{c.name} {statistics.median(ms[c.name]):.2f}"
+        + ("" if c is candidates[0] else f" (x{ratio[c.name]:.3f}{'' if c in racing else ', dropped'})")
+        for c in candidates
+    )
+    return f"ms a decode step (the median round; x: against the table's in the same round) {said}: {kept.name} kept"
+
+
+def _with(lw, i: int, layout: str) -> tuple[str, ...]:
+    return tuple(layout if j == i else old for j, old in enumerate(lw.plan))
+
+
+def _use(candidate: Candidate, set_streams) -> None:
+    for lw, plan in candidate.plans.items():
         lw.plan = plan  # (packed_linear.layout_version moves: the stack reads its layouts afresh)
+    if candidate.streams is not None:
+        set_streams(candidate.streams)
