@@ -40,7 +40,7 @@ SAMPLE_S = 0.04  # one round's sample of a candidate: whole steps, about this lo
 FUSED = ("rowblock", "panels")  # the fp32 layouts the fused stack runs
 
 
-@dataclass
+@dataclass(eq=False)
 class Candidate:
     name: str
     plans: dict  # {LinearWeight: its whole plan}
