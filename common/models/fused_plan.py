@@ -12,10 +12,9 @@ So warm-up, per decode row bucket up to the largest batch (and GEMV_ROWS), times
 plan against its alternatives, and keeps an alternative where it is at least MIN_GAIN faster:
 1. one row: every stack linear in the gemv, at each of ROW_STREAMS streams per thread, and every one in panels;
 2. more rows, where the table's mix leaves the stack to the modules: the same mix with those linears in panels.
-The candidates run in ROUNDS interleaved rounds (the order rotated), each round's sample SAMPLE_S of steps, and
-a candidate counts by the median over rounds of its sample divided by the table's of the same round: on that
-host the memory bandwidth moved between ~27 and ~42 GB/s within seconds, which a ratio inside one round cancels
-and a best or median of whole times does not. A candidate over PRUNE after PRUNE_AFTER rounds is timed no more.
+The candidates run in ROUNDS interleaved rounds, each round's sample SAMPLE_S of steps, and a candidate counts
+by its time over the table's in the same round (interleaved.py: the host's memory bandwidth moves within
+seconds). A candidate over PRUNE after PRUNE_AFTER rounds is timed no more.
 The layouts give equal results within fp32 rounding (as every layout does), and the streams the same bits, so
 only speed depends on the choice.
 """
@@ -28,6 +27,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common.models import interleaved
 from common.models.cpu_fused import ROW_STREAMS
 from common.models.packed_linear import GEMV_ROWS, ROW_BUCKETS, bucket_index
 
@@ -100,31 +100,27 @@ def choose(fused_layers, time_step: Callable[[int], float], max_batch: int) -> l
 def _race(candidates: list[Candidate], time_step: Callable[[int], float], batch: int, set_streams) -> str:
     """Time the candidates (the first is the table's) as described above, put the kept one in place and say so.
     `set_streams`: the gemv's streams setter where a candidate names its streams."""
-    first = {}
+    first = []
     for c in candidates:  # untimed: a plan's first step builds what it holds (DecodeWeights)
         _use(c, set_streams)
-        first[c.name] = time_step(batch)
-    steps = max(1, math.ceil(SAMPLE_S / max(min(first.values()), 1e-9)))
-    ratios: dict[str, list[float]] = {c.name: [] for c in candidates}
-    ms: dict[str, list[float]] = {c.name: [] for c in candidates}
-    racing = list(candidates)
+        first.append(time_step(batch))
+    steps = max(1, math.ceil(SAMPLE_S / max(min(first), 1e-9)))
+    table, racing = candidates[0], list(candidates)
+    times: dict[Candidate, list[float]] = {c: [] for c in candidates}  # seconds a step, one sample per round
     for r in range(ROUNDS):
-        sample = {}
-        for c in racing[r % len(racing) :] + racing[: r % len(racing)]:
+        for c in interleaved.rotated(racing, r):
             _use(c, set_streams)
-            sample[c.name] = sum(time_step(batch) for _ in range(steps)) / steps
-        for c in racing:
-            ratios[c.name].append(sample[c.name] / sample[candidates[0].name])
-            ms[c.name].append(1e3 * sample[c.name])
+            times[c].append(sum(time_step(batch) for _ in range(steps)) / steps)
         if r + 1 == PRUNE_AFTER:
-            racing = [c for c in racing if c is candidates[0] or statistics.median(ratios[c.name]) <= PRUNE]
-    ratio = {name: statistics.median(r) for name, r in ratios.items()}
-    best = min(candidates[1:], key=lambda c: ratio[c.name])
-    kept = best if ratio[best.name] < 1 - MIN_GAIN else candidates[0]
+            ratio = interleaved.median_ratios(times, table)
+            racing = [c for c in racing if ratio[c] <= PRUNE]
+    ratio = interleaved.median_ratios(times, table)
+    best = min(candidates[1:], key=ratio.__getitem__)
+    kept = best if ratio[best] < 1 - MIN_GAIN else table
     _use(kept, set_streams)
     said = ", ".join(
-        f"{c.name} {statistics.median(ms[c.name]):.2f}"
-        + ("" if c is candidates[0] else f" (x{ratio[c.name]:.3f}{'' if c in racing else ', dropped'})")
+        f"{c.name} {1e3 * statistics.median(times[c]):.2f}"
+        + ("" if c is table else f" (x{ratio[c]:.3f}{'' if c in racing else ', dropped'})")
         for c in candidates
     )
     return f"ms a decode step (the median round; x: against the table's in the same round) {said}: {kept.name} kept"

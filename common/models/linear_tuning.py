@@ -41,7 +41,7 @@ import torch
 
 from common import host
 from common.host_load import MIN_WINDOW_S, Conditions, HostProbe
-from common.models import cpu_fused, host_table, table_check
+from common.models import cpu_fused, host_table, interleaved, table_check
 from common.models.greedy_head import GreedyHead
 from common.models.packed_linear import LAYOUTS, ROW_BUCKETS, LinearWeight
 
@@ -138,8 +138,7 @@ def measure(weights: list[LinearWeight], rows: int, timer: Callable[[Callable[[]
     for r in range(ROUNDS):
         best = {name: min(t, default=float("inf")) for name, t in rounds.items()}
         leader = min(best.values())
-        order = LAYOUTS[r % len(LAYOUTS) :] + LAYOUTS[: r % len(LAYOUTS)]
-        for name in order:
+        for name in interleaved.rotated(list(LAYOUTS), r):
             if best[name] <= CONTENDER * leader:  # a clear loser is not timed again
                 rounds[name].append(timer(calls[name]) / len(weights))
         if r + 1 >= MIN_ROUNDS and sum(min(t) for t in rounds.values()) * len(weights) > SLOW_S * len(LAYOUTS):
