@@ -8,9 +8,12 @@ the linears alone measure can mislead the step (SmolLM2, 2-core AMD Zen 4):
 - at one row, op by op, panels took 20.9 ms a pass of the linears against the gemv's 23.4, and the gemv's 1, 2
   and 4 streams came within 4%; as whole steps the gemv on one stream took 11.1 ms, on four 10% more and
   panels 22% more (when the host's memory ran slower: 5% and 7%).
+- at one and two rows a greedy step finds its token inside the call only where the lm_head is the float32
+  gemv: a table with the lm_head in panels at one row ran its steps 11% longer.
 So warm-up, per decode row bucket up to the largest batch (and GEMV_ROWS), times decode steps of the table's
 plan against its alternatives, and keeps an alternative where it is at least MIN_GAIN faster:
-1. one row: every stack linear in the gemv, at each of ROW_STREAMS streams per thread, and every one in panels;
+1. one and two rows: every stack linear and the lm_head in the gemv (at one row at each of ROW_STREAMS streams
+   per thread), and every one in panels;
 2. more rows, where the table's mix leaves the stack to the modules: the same mix with those linears in panels.
 The candidates run in ROUNDS interleaved rounds, each round's sample SAMPLE_S of steps, and a candidate counts
 by its time over the table's in the same round (interleaved.py: the host's memory bandwidth moves within
@@ -38,6 +41,7 @@ MIN_GAIN = 0.03  # an alternative is kept only this much faster (the median rati
 PRUNE, PRUNE_AFTER = 1.15, 3  # a candidate this much slower than the table after these rounds drops out
 SAMPLE_S = 0.04  # one round's sample of a candidate: whole steps, about this long
 FUSED = ("rowblock", "panels")  # the fp32 layouts the fused stack runs
+GREEDY_STEP_ROWS = 2  # up to these rows a greedy step's token comes inside the call (kStepRows, cpu_common.h)
 
 
 @dataclass(eq=False)
@@ -60,16 +64,19 @@ def fused_alternative(fused_layers, i: int) -> dict | None:
     return changes or None
 
 
-def one_row_candidates(fused_layers) -> list[Candidate]:
-    """The table's plan at one row with the streams start-up picked, then each other way the stack runs it:
-    every linear in the gemv at each streams count, and in panels where every linear has its panels copy."""
-    linears, streams = fused_layers.linears, fused_layers.ops.row_streams(0)
+def few_row_candidates(fused_layers, i: int) -> list[Candidate]:
+    """At one or two rows (bucket i), where a greedy step finds its token inside the call when the lm_head is the
+    float32 gemv (cpu_step.FusedLayers.takes_head): the table's plan (at one row with the streams start-up
+    picked), then every stack linear and the lm_head in the gemv (at one row at each streams count) and in
+    panels where each has its panels copy."""
+    linears = [*fused_layers.linears, *([fused_layers.lm_head] if fused_layers.lm_head is not None else [])]
+    streams = fused_layers.ops.row_streams(0) if i == 0 else None
     table = Candidate("the table's", {lw: lw.plan for lw in linears}, streams)
     out = [table]
-    for s in ROW_STREAMS:
-        out.append(Candidate(f"gemv x{s}", {lw: _with(lw, 0, "rowblock") for lw in linears}, s))
+    for s in ROW_STREAMS if i == 0 else (None,):
+        out.append(Candidate("gemv" + (f" x{s}" if s else ""), {lw: _with(lw, i, "rowblock") for lw in linears}, s))
     if all(lw.panels is not None for lw in linears):
-        out.append(Candidate("panels", {lw: _with(lw, 0, "panels") for lw in linears}, streams))
+        out.append(Candidate("panels", {lw: _with(lw, i, "panels") for lw in linears}, streams))
     return [c for c in out if c is table or (c.plans, c.streams) != (table.plans, table.streams)]
 
 
@@ -82,9 +89,9 @@ def choose(fused_layers, time_step: Callable[[int], float], max_batch: int) -> l
         batch = min(rows, max_batch)
         if batch > GEMV_ROWS or bucket_index(batch) != i:
             continue
-        set_streams = None
-        if i == 0:
-            candidates, set_streams = one_row_candidates(fused_layers), fused_layers.ops.row_streams
+        set_streams = fused_layers.ops.row_streams if i == 0 else None
+        if rows <= GREEDY_STEP_ROWS:
+            candidates = few_row_candidates(fused_layers, i)
         else:
             fused = fused_alternative(fused_layers, i)
             if fused is None:
