@@ -9,7 +9,8 @@ the linears alone measure can mislead the step (SmolLM2, 2-core AMD Zen 4):
   and 4 streams came within 4%; as whole steps the gemv on one stream took 11.1 ms, on four 10% more and
   panels 22% more (when the host's memory ran slower: 5% and 7%).
 - at one and two rows a greedy step finds its token inside the call only where the lm_head is the float32
-  gemv: a table with the lm_head in panels at one row ran its steps 11% longer.
+  gemv: with the lm_head alone in panels a step took 16% longer at one row and 7% at two (1-9% at one row when
+  the memory ran slower), and one of the day's tables had it there.
 So warm-up, per decode row bucket up to the largest batch (and GEMV_ROWS), times decode steps of the table's
 plan against its alternatives, and keeps an alternative where it is at least MIN_GAIN faster:
 1. one and two rows: every stack linear and the lm_head in the gemv (at one row at each of ROW_STREAMS streams
