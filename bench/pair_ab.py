@@ -15,7 +15,9 @@ noise: two builds of one kernel, each on its own table, ran 16 requests at 374.9
 tok/s; the same two on A's, 354.3 against 394.9 (2-core AMD Zen 4). Other start-up picks (the gemv's
 streams, warm-up's decode plan) are still each side's own: `--logs` keeps the services' logs. Run
 an A/A (`--a .`) to see what a start alone moves: two starts of one build at 1 request gave 65.2
-against 55.3 tok/s (B faster in 0 of 6 rounds), then 57.6 against 61.9 (3 of 4).
+against 55.3 tok/s (B faster in 0 of 6 rounds), then 57.6 against 61.9 (3 of 4). `--restarts` starts both
+sides afresh before every round, so each round compares two other starts (six starts of one build still
+spread over 5% of a batch-1 step after warm-up timed the one-row plan as whole steps).
 Per run: decode tok/s (as serving_bench), the mean wait between a request's first token (streamed
 by prefill) and its second (the first decode step after its KV landed), and the mean inter-token
 latency after that. Prints each run, the medians and in how many rounds B was faster.
@@ -85,7 +87,12 @@ def main(argv=None) -> None:
     parser.add_argument("--a-decode-env", default="", help="extra environment of A's decode service: NAME=VALUE ...")
     parser.add_argument("--b-decode-env", default="", help="extra environment of B's decode service: NAME=VALUE ...")
     parser.add_argument("--own-tables", action="store_true", help="each side on its own layout table (default: A's)")
-    parser.add_argument("--logs", help="a folder for the services' logs (A-decode.log, ...; default: dropped)")
+    parser.add_argument(
+        "--logs", help="a folder for the services' logs (A-0-decode.log, ...: side, start; default: dropped)"
+    )
+    parser.add_argument(
+        "--restarts", action="store_true", help="start both sides afresh before every round (a start's own spread)"
+    )
     args = parser.parse_args(argv)
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (a gap and a later ITL)")
@@ -98,7 +105,10 @@ def main(argv=None) -> None:
     ]
     folders = [tempfile.TemporaryDirectory(prefix=f"pair-ab-{name}-tables-") for name in "AB"]
 
+    starts = []  # each start's side, in order: its logs are named by it (A-0-decode.log, B-1-decode.log, ...)
+
     def start(i: int) -> tuple:
+        starts.append(i)
         tree, flags, both, env = sides[i]
         both = tuple(shlex.split(both))
         env = dict(item.split("=", 1) for item in shlex.split(env))
@@ -112,10 +122,10 @@ def main(argv=None) -> None:
             tree=os.path.abspath(tree),
             decode_env=env,
             env={} if args.own_tables else {TABLE_DIR: folders[i].name},
-            log_to=None if args.logs is None else os.path.join(args.logs, "AB"[i] + "-"),
+            log_to=None if args.logs is None else os.path.join(args.logs, f"{'AB'[i]}-{len(starts)}-"),
         )
 
-    try:
+    def start_both() -> None:
         for i in range(2):
             pairs.append(start(i))
         tables = [table_file(folder.name) for folder in folders]
@@ -126,15 +136,24 @@ def main(argv=None) -> None:
             pairs.append(start(1))
         for address, _ in pairs:
             serving_bench.bench_pair(address, prompt, args.batch, 4)  # warm-up
+
+    def stop_both() -> None:
+        while pairs:
+            for p in pairs.pop()[1]:
+                stop(p)
+
+    try:
+        start_both()
         for r in range(args.rounds):
+            if r and args.restarts:
+                stop_both()
+                start_both()
             for name in "AB" if r % 2 == 0 else "BA":
                 tok_s, gap, later = run(pairs["AB".index(name)][0], prompt, args.batch, args.new_tokens)
                 results[name].append((tok_s, gap, later))
                 print(f"round {r} {name}: {tok_s:.1f} tok/s, gap {gap:.3f} s, later ITL {later:.1f} ms", flush=True)
     finally:
-        for _, procs in pairs:
-            for p in procs:
-                stop(p)
+        stop_both()
         for folder in folders:
             folder.cleanup()
     for name, rows in results.items():
