@@ -108,6 +108,7 @@ def main(argv=None) -> None:
     starts = []  # each start's side, in order: its logs are named by it (A-0-decode.log, B-1-decode.log, ...)
 
     def start(i: int) -> tuple:
+        n = len(starts)
         starts.append(i)
         tree, flags, both, env = sides[i]
         both = tuple(shlex.split(both))
@@ -122,7 +123,7 @@ def main(argv=None) -> None:
             tree=os.path.abspath(tree),
             decode_env=env,
             env={} if args.own_tables else {TABLE_DIR: folders[i].name},
-            log_to=None if args.logs is None else os.path.join(args.logs, f"{'AB'[i]}-{len(starts)}-"),
+            log_to=None if args.logs is None else os.path.join(args.logs, f"{'AB'[i]}-{n}-"),
         )
 
     def start_both() -> None:

@@ -34,11 +34,12 @@ def test_a_side_has_at_most_one_table(tmp_path):
 
 
 def test_restarts_start_both_sides_afresh_before_every_round_and_stop_every_start(monkeypatch, tmp_path):
-    started, stopped, runs = [], [], []
+    started, stopped, runs, logs = [], [], [], []
 
     def start_pair(path, threads, batch, tokens, **kw):
         procs = [object(), object()]  # decode, prefill
         started.append((kw["tree"], procs))
+        logs.append(kw["log_to"])
         return f"addr{len(started)}", procs
 
     monkeypatch.setattr(pair_ab.serving_bench, "chat_prompt", lambda _: ("model", [1, 2, 3]))
@@ -48,7 +49,8 @@ def test_restarts_start_both_sides_afresh_before_every_round_and_stop_every_star
     monkeypatch.setattr(pair_ab, "run", lambda address, *a: runs.append(address) or (1.0, 0.1, 5.0))
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
-    pair_ab.main(["--a", str(a), "--b", str(b), "--rounds", "3", "--new-tokens", "8", "--restarts"])
+    pair_ab.main(["--a", str(a), "--b", str(b), "--rounds", "3", "--new-tokens", "8", "--restarts", "--logs", "L"])
+    assert logs == [f"L/{side}-{n}-" for n, side in enumerate("ABABAB")]  # a log per start, none overwritten
     assert len(started) == 6 and [str(t) for t, _ in started] == [str(a), str(b)] * 3
     assert runs == ["addr1", "addr2", "addr4", "addr3", "addr5", "addr6"]  # each round on that round's starts
     assert sorted(map(id, stopped)) == sorted(id(p) for _, procs in started for p in procs)  # each stopped once
