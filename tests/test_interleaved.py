@@ -23,3 +23,8 @@ def test_ratios_pair_each_round_with_the_bases_and_a_dropped_name_counts_its_own
     }
     ratio = interleaved.median_ratios(times, "base")
     assert ratio == pytest.approx({"base": 1.0, "fast": 0.9, "dropped": 1.5})
+
+
+def test_rounds_faster_counts_the_rounds_where_a_name_beat_the_base():
+    times = {"base": [1.0, 2.0, 2.0], "a": [0.9, 2.1, 1.9], "b": [0.5]}  # b: dropped after one round
+    assert interleaved.rounds_faster(times, "base") == {"base": 0, "a": 2, "b": 1}

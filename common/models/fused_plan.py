@@ -12,7 +12,10 @@ the linears alone measure can mislead the step (SmolLM2, 2-core AMD Zen 4):
   gemv: with the lm_head alone in panels a step took 16% longer at one row and 7% at two (1-9% at one row when
   the memory ran slower), and one of the day's tables had it there.
 So warm-up, per decode row bucket up to the largest batch (and GEMV_ROWS), times decode steps of the table's
-plan against its alternatives, and keeps an alternative where it is at least MIN_GAIN faster:
+plan against its alternatives, and keeps the fastest alternative where it is at least MIN_GAIN faster, or
+faster in every round: in the host's slower memory state the ways came closer (four streams 1.048, panels
+1.071, the lm_head in panels 1.014-1.091, against 1.097, 1.218 and 1.161 in the faster one), so a warm-up timed
+there saw a difference under MIN_GAIN that the other state made 10-16%; one that holds in every round is kept:
 1. one and two rows: every stack linear and the lm_head in the gemv (at one row at each of ROW_STREAMS streams
    per thread), and every one in panels;
 2. more rows, where the table's mix leaves the stack to the modules: the same mix with those linears in panels.
@@ -122,9 +125,9 @@ def _race(candidates: list[Candidate], time_step: Callable[[int], float], batch:
         if r + 1 == PRUNE_AFTER:
             ratio = interleaved.median_ratios(times, table)
             racing = [c for c in racing if ratio[c] <= PRUNE]
-    ratio = interleaved.median_ratios(times, table)
+    ratio, wins = interleaved.median_ratios(times, table), interleaved.rounds_faster(times, table)
     best = min(candidates[1:], key=ratio.__getitem__)
-    kept = best if ratio[best] < 1 - MIN_GAIN else table
+    kept = best if ratio[best] < 1 - MIN_GAIN or wins[best] == ROUNDS else table
     _use(kept, set_streams)
     said = ", ".join(
         f"{c.name} {1e3 * statistics.median(times[c]):.2f}"

@@ -23,3 +23,8 @@ def median_ratios(times: dict, base) -> dict:
     """{name: the median over rounds of times[name][r] / times[base][r]} (times: per name one time per round
     from round 0; a name timed in fewer rounds, dropped early, counts over those)."""
     return {name: statistics.median([t / b for t, b in zip(ts, times[base])]) for name, ts in times.items()}
+
+
+def rounds_faster(times: dict, base) -> dict:
+    """{name: in how many of its rounds times[name][r] < times[base][r]}."""
+    return {name: sum(t < b for t, b in zip(ts, times[base])) for name, ts in times.items()}
