@@ -83,11 +83,13 @@ def test_at_one_row_the_fastest_of_the_gemvs_streams_and_panels_is_kept_with_its
 
 
 def test_at_one_row_ways_within_min_gain_and_not_ahead_in_every_round_keep_the_tables_plan_and_streams():
-    stack, calls = _stack([MIX], streams=4), []
+    stack, runs = _stack([MIX], streams=4), []
 
-    def step(batch):  # the others half MIN_GAIN ahead, but behind in every third step
-        calls.append(1)
-        ahead = _one_row(stack) != "gemv x4" and len(calls) % 3
+    def step(batch):  # the others half MIN_GAIN ahead, but each behind in its third timed round
+        runs.append(_one_row(stack))
+        if runs[-1] == "gemv x4":
+            return 1.0
+        ahead = runs.count(runs[-1]) != 4  # (its untimed first step, then one a round)
         return 1.0 - fused_plan.MIN_GAIN / 2 * (1 if ahead else -1)
 
     fused_plan.choose(stack, step, 1)

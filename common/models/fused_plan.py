@@ -126,8 +126,8 @@ def _race(candidates: list[Candidate], time_step: Callable[[int], float], batch:
             ratio = interleaved.median_ratios(times, table)
             racing = [c for c in racing if ratio[c] <= PRUNE]
     ratio, wins = interleaved.median_ratios(times, table), interleaved.rounds_faster(times, table)
-    best = min(candidates[1:], key=ratio.__getitem__)
-    kept = best if ratio[best] < 1 - MIN_GAIN or wins[best] == ROUNDS else table
+    ahead = [c for c in candidates[1:] if ratio[c] < 1 - MIN_GAIN or wins[c] == ROUNDS]
+    kept = min(ahead, key=ratio.__getitem__, default=table)
     _use(kept, set_streams)
     said = ", ".join(
         f"{c.name} {1e3 * statistics.median(times[c]):.2f}"
