@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import shlex
@@ -105,11 +106,10 @@ def main(argv=None) -> None:
     ]
     folders = [tempfile.TemporaryDirectory(prefix=f"pair-ab-{name}-tables-") for name in "AB"]
 
-    starts = []  # each start's side, in order: its logs are named by it (A-0-decode.log, B-1-decode.log, ...)
+    starts = itertools.count()  # each start's number: its logs are named by it (A-0-decode.log, B-1-decode.log, ...)
 
     def start(i: int) -> tuple:
-        n = len(starts)
-        starts.append(i)
+        n = next(starts)
         tree, flags, both, env = sides[i]
         both = tuple(shlex.split(both))
         env = dict(item.split("=", 1) for item in shlex.split(env))
